@@ -1,0 +1,625 @@
+"""Offline throughput: tandem against HuggingFace transformers (and CTranslate2).
+
+Every engine gets the same checkpoint and the same requests in one run, and the
+script prints output tokens per second for each, with the ratio to HF.
+
+Workloads (request token ids are random, seeded ids from the vocabulary with
+the special ids left out, wrapped as ``[bos] + ids + [eos]``; the encoder
+lengths below count those two tokens):
+
+  summarization  64 requests, encoder length uniform in [64, 512], 64 new tokens
+  translation   256 requests, encoder length uniform in [10, 60],  48 new tokens
+
+Output lengths are fixed: every request generates exactly its number of new
+tokens (tandem ``min_tokens == max_tokens``, HF ``min_new_tokens ==
+max_new_tokens``, CTranslate2 ``min_decoding_length == max_decoding_length``),
+so EOS never ends a request early and all engines do the same amount of
+decoding. Decoding is greedy. The decoder prompt is BART's default
+``[decoder_start_token_id, bos_token_id]`` (tandem's default; given explicitly
+to the other engines). Only new tokens are counted.
+
+Timing: each engine is loaded, runs one small warm-up request batch, then
+``time.perf_counter`` is taken around the single call (or, for HF, the loop of
+batched ``generate`` calls) that serves all requests of a workload. Loading
+time is reported separately in the JSON output, not in tokens/s.
+
+HF is run the way one would serve it offline: requests sorted by encoder
+length (longest first), cut into batches of ``--hf-batch-size``, right-padded
+with ``pad_token_id`` and an attention mask. Sorting minimises padding, which
+favours HF; ``--hf-no-sort`` keeps the request order instead. CTranslate2 gets
+all requests in one ``translate_batch`` call with ``max_batch_size`` equal to
+the HF batch size (it sorts by length itself).
+
+The "same as HF" column counts requests whose generated tokens equal HF's
+exactly. It is a sanity check, not a parity test: batched padded float32 (and
+any bfloat16) arithmetic can flip near-tied argmaxes of a random model.
+
+Examples (from the repository root):
+
+  # quick check, tiny random model, 8 requests per workload
+  python benchmarks/throughput.py --num-prompts 8
+
+  # bart-base-sized random model, full workloads, bfloat16
+  python benchmarks/throughput.py --make-model base --dtype bfloat16
+
+  # any local BART checkpoint, only the summarization workload, HF and tandem
+  python benchmarks/throughput.py --model /path/to/bart --workload summarization \\
+      --engines tandem,hf --json results.json
+
+No weights are downloaded: without ``--model`` a random
+``BartForConditionalGeneration`` is built with transformers (seeded) and saved
+with ``save_pretrained`` to a temporary directory (or ``--save-model DIR``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ENGINES = ("tandem", "hf", "ct2")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_requests: int
+    min_encoder_len: int  # including bos and eos
+    max_encoder_len: int
+    new_tokens: int
+
+
+WORKLOADS = {
+    "summarization": Workload("summarization", 64, 64, 512, 64),
+    "translation": Workload("translation", 256, 10, 60, 48),
+}
+
+# Random BART checkpoints built with --make-model.
+MODEL_SIZES = {
+    "tiny": dict(
+        d_model=128, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=512, decoder_ffn_dim=512, vocab_size=1024,
+        max_position_embeddings=1024,
+    ),
+    "base": dict(
+        d_model=768, encoder_layers=6, decoder_layers=6,
+        encoder_attention_heads=12, decoder_attention_heads=12,
+        encoder_ffn_dim=3072, decoder_ffn_dim=3072, vocab_size=50265,
+        max_position_embeddings=1024,
+    ),
+}
+
+
+@dataclass
+class Requests:
+    """One workload's requests; ``encoder_ids[i]`` already holds bos/eos."""
+
+    workload: Workload
+    encoder_ids: list[list[int]]
+    decoder_prompt: list[int]  # [decoder_start, bos], identical for all
+
+
+@dataclass
+class Result:
+    workload: str
+    engine: str
+    requests: int
+    output_tokens: int
+    seconds: float
+    load_seconds: float
+    tokens_per_s: float = 0.0
+    ratio_vs_hf: float | None = None
+    same_as_hf: int | None = None
+    # per-request generated ids, original request order; not written to JSON
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+
+# --------------------------------------------------------------------------
+# Checkpoint and requests
+# --------------------------------------------------------------------------
+
+
+def make_model(size: str, out_dir: str, seed: int) -> str:
+    """Build a seeded random BartForConditionalGeneration and save it."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        **MODEL_SIZES[size],
+        forced_eos_token_id=None,
+        forced_bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = BartForConditionalGeneration(config).eval()
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_config(model_dir: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def special_ids(config) -> set[int]:
+    ids = set()
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id",
+                 "decoder_start_token_id", "unk_token_id", "mask_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+def scaled_count(workload: Workload, args) -> int:
+    if args.num_prompts is not None:
+        return args.num_prompts
+    return max(1, round(workload.num_requests * args.num_requests_scale))
+
+
+def make_requests(workload: Workload, config, num_requests: int, seed: int) -> Requests:
+    rng = random.Random(f"{seed}-{workload.name}")
+    excluded = special_ids(config)
+    vocab = [i for i in range(config.vocab_size) if i not in excluded]
+    max_len = min(workload.max_encoder_len, config.max_position_embeddings)
+    encoder_ids = []
+    for _ in range(num_requests):
+        length = rng.randint(workload.min_encoder_len, max_len)
+        body = [rng.choice(vocab) for _ in range(length - 2)]
+        encoder_ids.append([config.bos_token_id] + body + [config.eos_token_id])
+    decoder_prompt = [config.decoder_start_token_id, config.bos_token_id]
+    return Requests(workload, encoder_ids, decoder_prompt)
+
+
+def warmup_requests(requests: Requests) -> Requests:
+    """Two short requests with the workload's shape, to warm kernels/caches."""
+    w = requests.workload
+    small = Workload(w.name + "-warmup", 2, w.min_encoder_len, w.min_encoder_len, 4)
+    eos = requests.encoder_ids[0][-1]
+    ids = [r[: w.min_encoder_len - 1] + [eos] for r in requests.encoder_ids[:2]]
+    return Requests(small, ids, requests.decoder_prompt)
+
+
+# --------------------------------------------------------------------------
+# Engines. Each runner: __init__ loads, run(requests) -> list of generated ids.
+# --------------------------------------------------------------------------
+
+
+class TandemRunner:
+    name = "tandem"
+
+    def __init__(self, model_dir: str, args):
+        from tandem import LLM, SamplingParams
+
+        self._sampling_params = SamplingParams
+        extra = {
+            key: getattr(args, key)
+            for key in ("block_size", "num_kv_blocks", "max_num_seqs",
+                        "max_num_batched_tokens", "kv_cache_memory",
+                        "attention_backend")
+            if getattr(args, key) is not None
+        }
+        self.llm = LLM(model=model_dir, dtype=args.dtype, device=args.device,
+                       seed=args.seed, **extra)
+
+    def run(self, requests: Requests) -> list[list[int]]:
+        n = requests.workload.new_tokens
+        params = self._sampling_params(temperature=0.0, max_tokens=n, min_tokens=n)
+        prompts = [{"prompt_token_ids": ids} for ids in requests.encoder_ids]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [list(out.outputs[0].token_ids) for out in outs]
+
+
+class HFRunner:
+    name = "hf"
+
+    def __init__(self, model_dir: str, args):
+        from transformers import BartForConditionalGeneration
+
+        self.device = torch.device(args.device)
+        self.model = BartForConditionalGeneration.from_pretrained(
+            model_dir, dtype=getattr(torch, args.dtype)).to(self.device).eval()
+        self.batch_size = args.hf_batch_size
+        self.sort = not args.hf_no_sort
+        self.pad_id = self.model.config.pad_token_id
+
+    def _generation_config(self, new_tokens: int):
+        # Built explicitly so a real checkpoint's generation_config.json
+        # (beams, no_repeat_ngram_size, forced bos/eos, min_length...) cannot
+        # change what HF does relative to the other engines.
+        from transformers import GenerationConfig
+
+        c = self.model.config
+        return GenerationConfig(
+            max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            do_sample=False, num_beams=1,
+            bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
+            pad_token_id=c.pad_token_id,
+            decoder_start_token_id=c.decoder_start_token_id,
+            forced_bos_token_id=None, forced_eos_token_id=None,
+        )
+
+    def run(self, requests: Requests) -> list[list[int]]:
+        gen_config = self._generation_config(requests.workload.new_tokens)
+        order = list(range(len(requests.encoder_ids)))
+        if self.sort:
+            order.sort(key=lambda i: len(requests.encoder_ids[i]), reverse=True)
+        prompt_len = len(requests.decoder_prompt)
+        outputs: list[list[int] | None] = [None] * len(order)
+        with torch.inference_mode():
+            for start in range(0, len(order), self.batch_size):
+                batch = order[start:start + self.batch_size]
+                seqs = [requests.encoder_ids[i] for i in batch]
+                width = max(map(len, seqs))
+                input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+                attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+                for row, ids in enumerate(seqs):
+                    input_ids[row, : len(ids)] = torch.tensor(ids)
+                    attention_mask[row, : len(ids)] = 1
+                decoder_input_ids = torch.tensor([requests.decoder_prompt] * len(seqs))
+                sequences = self.model.generate(
+                    input_ids=input_ids.to(self.device),
+                    attention_mask=attention_mask.to(self.device),
+                    decoder_input_ids=decoder_input_ids.to(self.device),
+                    generation_config=gen_config,
+                )
+                # min == max new tokens: every row has exactly that many new
+                # tokens, so no trailing padding needs stripping.
+                for row, i in enumerate(batch):
+                    outputs[i] = sequences[row, prompt_len:].tolist()
+        return outputs  # type: ignore[return-value]
+
+
+class CT2Runner:
+    """CTranslate2, fed token strings from a synthetic id<->string vocabulary.
+
+    The converter normally needs the checkpoint's tokenizer; the benchmark
+    works in token ids, so a stand-in tokenizer maps id ``i`` to a unique
+    string and the results are mapped back to ids.
+    """
+
+    name = "ct2"
+
+    def __init__(self, model_dir: str, args):
+        import ctranslate2
+
+        compute_type = args.ct2_compute_type or args.dtype
+        supported = ctranslate2.get_supported_compute_types(args.device)
+        if compute_type not in supported:
+            raise RuntimeError(
+                f"CTranslate2 has no compute type {compute_type!r} on "
+                f"{args.device} (supported: {', '.join(sorted(supported))}); "
+                "pick one with --ct2-compute-type")
+        config = load_config(model_dir)
+        self.tokens = _ct2_vocabulary(config)
+        self.token_to_id = {t: i for i, t in enumerate(self.tokens)}
+        self._tmp = tempfile.TemporaryDirectory(prefix="tandem-bench-ct2-")
+        converter = _ct2_converter_cls()(model_dir, tokens=self.tokens, config=config)
+        converter.convert(self._tmp.name, force=True)
+        self.translator = ctranslate2.Translator(
+            self._tmp.name, device=args.device, compute_type=compute_type,
+            inter_threads=1, intra_threads=torch.get_num_threads())
+        self.batch_size = args.hf_batch_size
+
+    def run(self, requests: Requests) -> list[list[int]]:
+        n = requests.workload.new_tokens
+        tok = self.tokens
+        source = [[tok[i] for i in ids] for ids in requests.encoder_ids]
+        # CTranslate2 starts from decoder_start itself; the rest of the
+        # decoder prompt is the target prefix.
+        prefix_ids = requests.decoder_prompt[1:]
+        prefix = [[tok[i] for i in prefix_ids]] * len(source)
+        # max/min_decoding_length count the target prefix.
+        length = n + len(prefix_ids)
+        results = self.translator.translate_batch(
+            source, target_prefix=prefix, max_batch_size=self.batch_size,
+            beam_size=1, max_decoding_length=length, min_decoding_length=length,
+            max_input_length=0, return_end_token=True)
+        outputs = []
+        for result in results:
+            hyp = result.hypotheses[0]
+            outputs.append([self.token_to_id[t] for t in hyp[len(prefix_ids):]])
+        return outputs
+
+
+def _ct2_vocabulary(config) -> list[str]:
+    names = {config.bos_token_id: "<s>", config.pad_token_id: "<pad>",
+             config.eos_token_id: "</s>"}
+    unk = getattr(config, "unk_token_id", None)
+    if unk is None:
+        unk = next(i for i in range(config.vocab_size) if i not in names)
+    names.setdefault(unk, "<unk>")
+    return [names.get(i, f"tok{i}") for i in range(config.vocab_size)]
+
+
+def _ct2_converter_cls():
+    from ctranslate2.converters import TransformersConverter
+
+    class _Tokenizer:
+        def __init__(self, tokens, config):
+            self._tokens = tokens
+            self.bos_token = tokens[config.bos_token_id]
+            self.eos_token = tokens[config.eos_token_id]
+            self.unk_token = "<unk>"
+
+        def get_vocab(self):
+            return {t: i for i, t in enumerate(self._tokens)}
+
+        def convert_ids_to_tokens(self, i):
+            return self._tokens[i]
+
+    class Converter(TransformersConverter):
+        def __init__(self, model_dir, tokens, config):
+            super().__init__(model_dir)
+            self._tokenizer = _Tokenizer(tokens, config)
+
+        def load_tokenizer(self, tokenizer_class, model_name_or_path, **kwargs):
+            return self._tokenizer
+
+        def load_model(self, model_class, model_name_or_path, **kwargs):
+            model = super().load_model(model_class, model_name_or_path, **kwargs)
+            # transformers 5 dropped BART's always-False normalize_before,
+            # which the converter still reads.
+            if not hasattr(model.config, "normalize_before"):
+                model.config.normalize_before = False
+            return model
+
+    return Converter
+
+
+RUNNERS = {"tandem": TandemRunner, "hf": HFRunner, "ct2": CT2Runner}
+
+
+# --------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------
+
+
+def benchmark_engine(engine: str, model_dir: str, workloads: list[Requests], args) -> list[Result]:
+    start = time.perf_counter()
+    runner = RUNNERS[engine](model_dir, args)
+    load_seconds = time.perf_counter() - start
+
+    results = []
+    for requests in workloads:
+        runner.run(warmup_requests(requests))
+        start = time.perf_counter()
+        outputs = runner.run(requests)
+        seconds = time.perf_counter() - start
+        expected = requests.workload.new_tokens
+        short = [i for i, out in enumerate(outputs) if len(out) != expected]
+        if short:
+            print(f"warning: {engine}/{requests.workload.name}: {len(short)} "
+                  f"requests did not generate exactly {expected} tokens "
+                  f"(first: request {short[0]}, {len(outputs[short[0]])} tokens)",
+                  file=sys.stderr)
+        tokens = sum(len(out) for out in outputs)
+        results.append(Result(
+            workload=requests.workload.name, engine=engine,
+            requests=len(outputs), output_tokens=tokens, seconds=seconds,
+            load_seconds=load_seconds, tokens_per_s=tokens / seconds,
+            outputs=outputs))
+        print(f"  {engine:<7} {requests.workload.name:<14} "
+              f"{tokens / seconds:10.1f} tok/s", flush=True)
+
+    del runner
+    gc.collect()
+    return results
+
+
+def compare_with_hf(results: list[Result]) -> None:
+    hf = {r.workload: r for r in results if r.engine == "hf"}
+    for r in results:
+        ref = hf.get(r.workload)
+        if ref is None:
+            continue
+        r.ratio_vs_hf = r.tokens_per_s / ref.tokens_per_s
+        r.same_as_hf = sum(a == b for a, b in zip(r.outputs, ref.outputs))
+
+
+def format_table(results: list[Result]) -> str:
+    header = ("workload", "engine", "requests", "output tokens", "seconds",
+              "tokens/s", "ratio vs HF", "same as HF")
+    rows = [header]
+    for r in results:
+        rows.append((
+            r.workload, r.engine, str(r.requests), str(r.output_tokens),
+            f"{r.seconds:.2f}", f"{r.tokens_per_s:.1f}",
+            "-" if r.ratio_vs_hf is None else f"{r.ratio_vs_hf:.2f}x",
+            "-" if r.same_as_hf is None else f"{r.same_as_hf}/{r.requests}",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [c.ljust(w) if i < 2 else c.rjust(w)
+                 for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def environment(args, config, model_dir: str) -> dict:
+    import transformers
+
+    env = {
+        "model": model_dir if args.model else f"random bart ({args.make_model})",
+        "d_model": config.d_model,
+        "layers": [config.encoder_layers, config.decoder_layers],
+        "heads": config.encoder_attention_heads,
+        "vocab_size": config.vocab_size,
+        "dtype": args.dtype,
+        "device": args.device,
+        "torch_threads": torch.get_num_threads(),
+        "hf_batch_size": args.hf_batch_size,
+        "hf_sorted": not args.hf_no_sort,
+        "seed": args.seed,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_avg_1min": round(os.getloadavg()[0], 2),
+    }
+    try:
+        import ctranslate2
+        env["ctranslate2"] = ctranslate2.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("checkpoint")
+    src.add_argument("--model", help="local BART checkpoint directory")
+    src.add_argument("--make-model", choices=sorted(MODEL_SIZES), default="tiny",
+                     help="size of the random checkpoint built when --model is "
+                          "not given (default: tiny)")
+    src.add_argument("--save-model", metavar="DIR",
+                     help="save the random checkpoint here instead of a temp dir")
+
+    run = p.add_argument_group("run")
+    run.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
+    run.add_argument("--engines", default="tandem,hf",
+                     help=f"comma list from {','.join(ENGINES)} (default: tandem,hf)")
+    run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    run.add_argument("--device", default="cpu")
+    run.add_argument("--threads", type=int,
+                     help="torch.set_num_threads (and CTranslate2 intra_threads)")
+    run.add_argument("--seed", type=int, default=0)
+    size = run.add_mutually_exclusive_group()
+    size.add_argument("--num-prompts", type=int,
+                      help="requests per workload, overriding the default counts")
+    size.add_argument("--num-requests-scale", type=float, default=1.0,
+                      help="multiply each workload's request count (default: 1)")
+    run.add_argument("--json", metavar="PATH", help="also write results as JSON")
+
+    hf = p.add_argument_group("HF / CTranslate2")
+    hf.add_argument("--hf-batch-size", type=int, default=16,
+                    help="requests per HF generate call (and CTranslate2 "
+                         "max_batch_size) (default: 16)")
+    hf.add_argument("--hf-no-sort", action="store_true",
+                    help="batch HF requests in request order instead of by length")
+    hf.add_argument("--ct2-compute-type",
+                    help="CTranslate2 compute type (default: --dtype)")
+
+    td = p.add_argument_group("tandem (passed to LLM only when given)")
+    td.add_argument("--block-size", type=int)
+    td.add_argument("--num-kv-blocks", type=int)
+    td.add_argument("--max-num-seqs", type=int)
+    td.add_argument("--max-num-batched-tokens", type=int)
+    td.add_argument("--kv-cache-memory", type=float, help="GiB")
+    td.add_argument("--attention-backend")
+
+    args = p.parse_args(argv)
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in args.engines if e not in ENGINES]
+    if unknown:
+        p.error(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        p.error("--num-prompts must be >= 1")
+    return args
+
+
+def available_engines(engines: list[str]) -> list[str]:
+    """Drop engines whose package cannot be imported, with a note."""
+    needs = {"tandem": ("tandem", "LLM"), "hf": ("transformers", "BartForConditionalGeneration"),
+             "ct2": ("ctranslate2", "Translator")}
+    if "tandem" in engines and str(REPO_ROOT) not in sys.path:
+        # Run from a checkout without `pip install -e .`: import the tree's tandem.
+        try:
+            import tandem  # noqa: F401
+        except ImportError:
+            sys.path.insert(0, str(REPO_ROOT))
+    kept = []
+    for engine in engines:
+        module, name = needs[engine]
+        try:
+            getattr(__import__(module), name)
+        except (ImportError, AttributeError) as exc:
+            print(f"note: skipping {engine}: cannot import {name} from {module} ({exc})")
+            continue
+        kept.append(engine)
+    return kept
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    tmp = None
+    if args.model:
+        model_dir = args.model
+    else:
+        if args.save_model:
+            model_dir = args.save_model
+        else:
+            tmp = tempfile.TemporaryDirectory(prefix="tandem-bench-model-")
+            model_dir = tmp.name
+        print(f"building random BART ({args.make_model}) in {model_dir}", flush=True)
+        make_model(args.make_model, model_dir, args.seed)
+
+    config = load_config(model_dir)
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    workloads = [make_requests(WORKLOADS[n], config, scaled_count(WORKLOADS[n], args), args.seed)
+                 for n in names]
+
+    env = environment(args, config, model_dir)
+    print("  ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    if args.device == "cpu" and env["load_avg_1min"] > 0.5:
+        print(f"warning: 1-minute load average is {env['load_avg_1min']}: other "
+              "processes are using the CPU, so figures will be noisy; with as "
+              "many torch threads as busy cores, OpenMP waits can slow small "
+              "models by 10x or more (try --threads 1 to check)", file=sys.stderr)
+
+    results: list[Result] = []
+    for engine in available_engines(args.engines):
+        try:
+            results += benchmark_engine(engine, model_dir, workloads, args)
+        except Exception as exc:  # one engine failing should not hide the others
+            if engine != "ct2":
+                raise
+            print(f"note: skipping ct2: {type(exc).__name__}: {exc}")
+
+    compare_with_hf(results)
+    print()
+    print(format_table(results))
+
+    if args.json:
+        payload = {
+            "environment": env,
+            "workloads": [asdict(w.workload) | {"num_requests": len(w.encoder_ids)}
+                          for w in workloads],
+            "results": [{k: v for k, v in asdict(r).items() if k != "outputs"}
+                        for r in results],
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

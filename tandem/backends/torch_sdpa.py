@@ -1,0 +1,169 @@
+"""Reference backend on ``torch.nn.functional.scaled_dot_product_attention``.
+
+Runs on CPU and CUDA. Sequences with several new tokens (prefills) run one
+SDPA call each over 4-D views; single-token sequences (decodes) run batched,
+their keys gathered from the paged cache and padded under a length mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.backends.kv_cache import gather_from_paged_cache
+from tandem.core.attention import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+)
+
+
+@dataclass
+class TorchSDPAMetadata(AttentionMetadata):
+    # Decoder sequences with more than one new token: (row start, q_len, seq_len, index).
+    prefills: list[tuple[int, int, int, int]]
+    block_tables: torch.Tensor  # [S, max_blocks]
+    cross_block_tables: torch.Tensor  # [S, max_cross_blocks]
+    cross_seq_lens: list[int]  # [S]
+    # Decoder sequences with exactly one new token, batched.
+    decode_rows: torch.Tensor  # [D] packed row of each decode token
+    decode_seqs: torch.Tensor  # [D] sequence index
+    decode_mask: torch.Tensor  # [D, 1, 1, max_len] self keys to attend
+    decode_cross_mask: torch.Tensor  # [D, 1, 1, max_cross_len]
+    num_decodes: int
+    # Encoder runs this step: (row start, length).
+    encoder_runs: list[tuple[int, int]]
+
+
+def _length_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
+    return (torch.arange(width, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
+
+
+class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
+    def build(self, inputs) -> TorchSDPAMetadata:
+        starts = inputs.query_start_loc.tolist()
+        prefills, decodes = [], []
+        for i, (q, s) in enumerate(zip(inputs.query_lens, inputs.seq_lens)):
+            if q == 1:
+                decodes.append(i)
+            else:
+                prefills.append((starts[i], q, s, i))
+        dev = self.device
+        decode_seqs = torch.tensor(decodes, dtype=torch.long, device=dev)
+        seq_lens = torch.tensor(inputs.seq_lens, dtype=torch.long, device=dev)
+        cross_lens = torch.tensor(inputs.cross_seq_lens, dtype=torch.long, device=dev)
+        bs = self.block_size
+        width = inputs.block_tables.shape[1] * bs
+        cross_width = inputs.cross_block_tables.shape[1] * bs
+        enc_runs, row = [], 0
+        for n in inputs.encoder_seq_lens:
+            enc_runs.append((row, n))
+            row += n
+        return TorchSDPAMetadata(
+            num_decoder_tokens=int(inputs.input_ids.shape[0]),
+            slot_mapping=inputs.slot_mapping,
+            cross_slot_mapping=inputs.cross_slot_mapping,
+            num_encoder_tokens=int(inputs.encoder_input_ids.shape[0]),
+            prefills=prefills,
+            block_tables=inputs.block_tables,
+            cross_block_tables=inputs.cross_block_tables,
+            cross_seq_lens=inputs.cross_seq_lens,
+            decode_rows=inputs.query_start_loc.index_select(0, decode_seqs),
+            decode_seqs=decode_seqs,
+            decode_mask=_length_mask(seq_lens.index_select(0, decode_seqs), width),
+            decode_cross_mask=_length_mask(cross_lens.index_select(0, decode_seqs), cross_width),
+            num_decodes=len(decodes),
+            encoder_runs=enc_runs,
+        )
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """``[L, H, D] -> [1, H, L, D]`` as a view."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+class TorchSDPAImpl(AttentionImpl):
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: TorchSDPAMetadata,
+        attn_type: AttentionType,
+    ) -> torch.Tensor:
+        md = attn_metadata
+        out = torch.empty_like(query)
+        gqa = self.num_kv_heads != self.num_heads
+        if attn_type is AttentionType.ENCODER:
+            for start, n in md.encoder_runs:
+                q, k, v = (_heads_first(t[start : start + n]) for t in (query, key, value))
+                o = F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=gqa)
+                out[start : start + n] = o[0].transpose(0, 1)
+            return out
+
+        is_cross = attn_type is AttentionType.ENCODER_DECODER
+        tables = md.cross_block_tables if is_cross else md.block_tables
+        block_size = kv_cache.shape[2]
+        for start, q_len, seq_len, i in md.prefills:
+            q = _heads_first(query[start : start + q_len])
+            if is_cross:
+                k, v = self._cached(kv_cache, tables[i], md.cross_seq_lens[i], block_size)
+                mask, causal = None, False
+            elif seq_len == q_len:
+                # Nothing cached before these tokens: top-left causal is bottom-right.
+                k, v = key[start : start + q_len], value[start : start + q_len]
+                mask, causal = None, True
+            else:
+                k, v = self._cached(kv_cache, tables[i], seq_len, block_size)
+                # Bottom-right causal: query j sits at position seq_len - q_len + j.
+                key_pos = torch.arange(seq_len, device=query.device)
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+                mask, causal = key_pos[None, :] <= q_pos[:, None], False
+            o = F.scaled_dot_product_attention(
+                q, _heads_first(k), _heads_first(v), attn_mask=mask, is_causal=causal,
+                scale=self.scale, enable_gqa=gqa,
+            )
+            out[start : start + q_len] = o[0].transpose(0, 1)
+
+        if md.num_decodes:
+            k, v = gather_from_paged_cache(kv_cache, tables.index_select(0, md.decode_seqs))
+            mask = md.decode_cross_mask if is_cross else md.decode_mask
+            q = query.index_select(0, md.decode_rows).unsqueeze(2)  # [D, H, 1, Dh]
+            o = F.scaled_dot_product_attention(
+                q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                scale=self.scale, enable_gqa=gqa,
+            )
+            out.index_copy_(0, md.decode_rows, o.squeeze(2))
+        return out
+
+    @staticmethod
+    def _cached(kv_cache, table, length, block_size):
+        n_blocks = -(-length // block_size)
+        k, v = gather_from_paged_cache(kv_cache, table[:n_blocks].unsqueeze(0))
+        return k[0, :length], v[0, :length]
+
+
+class TorchSDPABackend(AttentionBackend):
+    name = "torch_sdpa"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TorchSDPAImpl
+
+    @staticmethod
+    def get_metadata_builder_cls() -> type[AttentionMetadataBuilder]:
+        return TorchSDPAMetadataBuilder
+
+    @classmethod
+    def unsupported_reasons(cls, device, dtype, head_size, attn_types) -> list[str]:
+        reasons = []
+        if device.type not in ("cpu", "cuda"):
+            reasons.append(f"device {device.type!r} is not cpu or cuda")
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            reasons.append(f"dtype {dtype} is not float32, float16 or bfloat16")
+        return reasons

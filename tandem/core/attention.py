@@ -1,0 +1,117 @@
+"""Abstract attention-backend interfaces.
+
+A backend is a small bundle: an ``AttentionImpl`` that computes attention, a
+typed ``AttentionMetadata`` dataclass, and the builder that packs the model
+runner's per-step tensors into that metadata. Models never branch on which
+backend is active; they only call the :class:`tandem.core.layers.Attention`
+layer.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from tandem.core.model_runner import StepInputs
+
+
+class AttentionType(str, enum.Enum):
+    """Which of the three attention kinds a layer computes."""
+
+    DECODER = "decoder"  # causal self-attention over the decoder, self KV table
+    ENCODER = "encoder"  # non-causal self-attention over the encoder, no cache
+    ENCODER_DECODER = "encoder_decoder"  # decoder queries over the cross KV table
+
+
+@dataclass
+class AttentionMetadata:
+    """Fields every backend's metadata carries.
+
+    Decoder tokens are packed without padding: ``num_decoder_tokens`` rows, one
+    run per decoder sequence. Encoder tokens (only for groups whose encoder runs
+    this step) are packed the same way.
+    """
+
+    num_decoder_tokens: int
+    # [num_decoder_tokens] flat slot of each new decoder token in the self table
+    slot_mapping: torch.Tensor
+    # [num_encoder_tokens] flat slot of each encoder token in the cross table
+    cross_slot_mapping: torch.Tensor
+    num_encoder_tokens: int
+
+
+class AttentionMetadataBuilder(ABC):
+    """Packs one step's inputs into a backend's own metadata dataclass."""
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+
+    @abstractmethod
+    def build(self, inputs: "StepInputs") -> AttentionMetadata: ...
+
+
+class AttentionImpl(ABC):
+    """Computes attention for one layer.
+
+    ``forward`` receives queries ``[num_tokens, num_heads, head_size]`` and
+    the new keys/values (already written to ``kv_cache`` by the caller; for
+    ``ENCODER_DECODER`` they are ``None`` on steps where no encoder ran). It
+    returns ``[num_tokens, num_heads, head_size]``.
+    ``kv_cache`` is ``[2, num_blocks, block_size, num_kv_heads, head_size]``
+    (empty for encoder-only layers).
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        attn_type: AttentionType,
+    ) -> torch.Tensor: ...
+
+
+class AttentionBackend(ABC):
+    """A named attention implementation the engine can select."""
+
+    name: ClassVar[str]
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_metadata_builder_cls() -> type[AttentionMetadataBuilder]: ...
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    @abstractmethod
+    def unsupported_reasons(
+        cls,
+        device: torch.device,
+        dtype: torch.dtype,
+        head_size: int,
+        attn_types: frozenset[AttentionType],
+    ) -> list[str]:
+        """Why this backend cannot serve the configuration; empty means it can."""
+        ...

@@ -1,0 +1,64 @@
+"""Engine configuration, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "float32"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    kv_cache_memory: float = 1.0  # GiB for the device KV pool
+    swap_space: float = 1.0  # GiB of CPU swap pool
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    preemption_mode: str | None = None
+    attention_backend: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, Path)) or not Path(self.model).is_dir():
+            raise ValueError(f"model={self.model!r}: not a local checkpoint directory")
+        self.model = str(self.model)
+        if isinstance(self.dtype, str):
+            if self.dtype not in _DTYPES:
+                raise ValueError(f"dtype={self.dtype!r}: must be one of {sorted(_DTYPES)}")
+            self.torch_dtype = _DTYPES[self.dtype]
+        elif self.dtype in _DTYPES.values():
+            self.torch_dtype = self.dtype
+        else:
+            raise ValueError(f"dtype={self.dtype!r}: must be float32, bfloat16 or float16")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device={self.device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r}: CUDA is not available on this machine")
+        self.torch_device = torch.device(self.device)
+        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size={self.block_size!r}: must be an integer in [1, 1024]")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r}: must be an integer >= 1")
+        if not isinstance(self.kv_cache_memory, (int, float)) or self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r}: must be a positive number of GiB")
+        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValueError(f"swap_space={self.swap_space!r}: must be >= 0 GiB")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r}: must be an integer")
+        # max_num_seqs, max_num_batched_tokens and preemption_mode are checked by SchedulerConfig.

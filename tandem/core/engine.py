@@ -1,0 +1,258 @@
+"""The engine: requests in, one scheduled forward pass per step, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core.attention import AttentionType
+from tandem.core.block_manager import BlockManager, Device, blocks_for
+from tandem.core.config import EngineConfig
+from tandem.core.inputs import EncoderDecoderInputs, InputProcessor, PromptType
+from tandem.core.loader import load_hf_config, load_model, load_tokenizer
+from tandem.core.model_runner import ModelRunner
+from tandem.core.outputs import CompletionOutput, RequestOutput
+from tandem.core.sampler import Sampler
+from tandem.core.sampling_params import SamplingParams
+from tandem.core.scheduler import Scheduler, SchedulerConfig
+from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+_GiB = 1 << 30
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    preemptions: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model_registry=None, backend_registry=None) -> None:
+        from tandem.registry import default_backend_registry, default_model_registry
+
+        self.config = config
+        self.scheduler_config = SchedulerConfig(
+            config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode
+        )
+        model_registry = model_registry or default_model_registry()
+        backend_registry = backend_registry or default_backend_registry()
+        torch.manual_seed(config.seed)
+
+        self.hf_config = load_hf_config(config.model)
+        self.model_cls, self.architecture = model_registry.resolve(getattr(self.hf_config, "architectures", None))
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        spec = self.model_cls.kv_cache_spec(self.hf_config)
+        device, dtype = config.torch_device, config.torch_dtype
+        self.attn_backend = backend_registry.select(
+            config.attention_backend, device, dtype, spec.head_size, frozenset(AttentionType)
+        )
+        self.model = load_model(self.model_cls, self.hf_config, config.model, self.attn_backend, dtype, device)
+
+        shape_of = self.attn_backend.get_kv_cache_shape
+        per_block = spec.num_layers * 2 * config.block_size * spec.num_kv_heads * spec.head_size
+        block_bytes = per_block * torch.empty((), dtype=dtype).element_size()
+        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory * _GiB // block_bytes))
+        num_cpu_blocks = int(config.swap_space * _GiB // block_bytes)
+        self._cache_shape = lambda n: shape_of(n, config.block_size, spec.num_kv_heads, spec.head_size)
+        self.kv_caches = [
+            torch.zeros(self._cache_shape(num_blocks), dtype=dtype, device=device)
+            for _ in range(spec.num_layers)
+        ]
+        self._swap_caches: list[torch.Tensor] | None = None  # allocated on first swap-out
+        self._num_layers = spec.num_layers
+
+        self.block_manager = BlockManager(config.block_size, num_blocks, num_cpu_blocks)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        builder = self.attn_backend.get_metadata_builder_cls()(config.block_size, device)
+        self.runner = ModelRunner(self.model, builder, config.block_size, device)
+        eos = self.hf_config.eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.sampler = Sampler(sorted(self.eos_token_ids))
+        self.input_processor = InputProcessor(self.hf_config, self.model_cls, self.tokenizer)
+        self.vocab_size = self.model_cls.vocab_size(self.hf_config)
+        self._seq_ids = itertools.count()
+        self.groups: dict[str, SequenceGroup] = {}
+        self.stats = EngineStats()
+
+    # -- requests ------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+        """Validate and queue a request; raises ``ValueError`` naming what is wrong."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        inputs = self.input_processor.process(prompt)
+        self._validate(inputs, params)
+        enc = Sequence(next(self._seq_ids), inputs.encoder_prompt_token_ids)
+        seqs = [Sequence(next(self._seq_ids), inputs.prompt_token_ids) for _ in range(params.n)]
+        group = SequenceGroup(
+            request_id, enc, seqs, params, time.monotonic(), inputs.encoder_prompt, inputs.prompt
+        )
+        self.groups[request_id] = group
+        self.scheduler.add(group)
+
+    def _validate(self, inputs: EncoderDecoderInputs, params: SamplingParams) -> None:
+        cfg, m = self.hf_config, self.model_cls
+        for where, ids in (("encoder prompt", inputs.encoder_prompt_token_ids), ("decoder prompt", inputs.prompt_token_ids)):
+            bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size]
+            if bad:
+                i, t = bad[0]
+                raise ValueError(
+                    f"{where} token id {t} at position {i} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        enc_len, dec_len = len(inputs.encoder_prompt_token_ids), len(inputs.prompt_token_ids)
+        if enc_len > m.max_encoder_len(cfg):
+            raise ValueError(
+                f"encoder prompt has {enc_len} tokens; the model accepts at most {m.max_encoder_len(cfg)}"
+            )
+        if dec_len + params.max_tokens > m.max_decoder_len(cfg):
+            raise ValueError(
+                f"decoder prompt ({dec_len} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's {m.max_decoder_len(cfg)} decoder positions"
+            )
+        if params.n > self.scheduler_config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler_config.max_num_seqs}")
+        prefill = enc_len + params.n * dec_len
+        if prefill > self.scheduler_config.max_num_batched_tokens:
+            raise ValueError(
+                f"request needs {prefill} tokens in one step (encoder {enc_len} + decoder prompt); "
+                f"max_num_batched_tokens={self.scheduler_config.max_num_batched_tokens}"
+            )
+        bs = self.config.block_size
+        need = blocks_for(enc_len, bs) + params.n * blocks_for(dec_len + params.max_tokens, bs)
+        usable = self.block_manager.num_total_blocks() - self.block_manager.watermark_blocks
+        if need > usable:
+            raise ValueError(
+                f"request needs up to {need} KV blocks but the pool has {usable}; "
+                "raise num_kv_blocks or kv_cache_memory, or lower max_tokens"
+            )
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        outs = []
+        for group in self.scheduler.abort(ids):
+            del self.groups[group.request_id]
+            outs.append(self._make_output(group))
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished()
+
+    # -- the step ------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled forward pass; returns the requests that finished in it."""
+        sched = self.scheduler.schedule()
+        self.stats.steps += 1
+        self.stats.preemptions += sched.preempted
+        if sched.blocks_to_swap_out:
+            self._swap(sched.blocks_to_swap_out, to_cpu=True)
+        if sched.blocks_to_swap_in:
+            self._swap(sched.blocks_to_swap_in, to_cpu=False)
+        if not sched.scheduled:
+            return []
+        owners = [meta.group for meta in sched.scheduled for _ in meta.seqs]
+        with torch.inference_mode():
+            logits, seqs = self.runner.execute(sched.scheduled, self.kv_caches)
+            sampled = self.sampler(logits, seqs, owners)
+
+        for meta in sched.scheduled:
+            meta.group.encoder_computed = True
+        finished_groups: list[SequenceGroup] = []
+        for i, (seq, group) in enumerate(zip(seqs, owners)):
+            seq.num_computed_tokens = len(seq)
+            seq.append_token(sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])
+            self._check_stop(seq, group)
+            if seq.finished:
+                self.block_manager.free(seq, group)
+                if group.is_finished and (not finished_groups or finished_groups[-1] is not group):
+                    finished_groups.append(group)
+        outputs = []
+        for group in finished_groups:
+            self.scheduler.finish(group)
+            del self.groups[group.request_id]
+            outputs.append(self._make_output(group))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
+        p = group.sampling_params
+        token = seq.output_token_ids[-1]
+        num_out = len(seq.output_token_ids)
+        if num_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                return
+            if token in p.stop_token_ids:
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+                return
+            if p.stop_strings and self.tokenizer is not None:
+                text = self._decode(seq.output_token_ids, p)
+                hits = [(text.find(s), s) for s in p.stop_strings if s in text]
+                if hits:
+                    at, s = min(hits)
+                    seq.output_text = text[:at]
+                    seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, s
+                    return
+        if num_out >= p.max_tokens:
+            seq.status = SequenceStatus.FINISHED_LENGTH
+
+    def _decode(self, token_ids: list[int], p: SamplingParams) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=p.skip_special_tokens)
+
+    def _make_output(self, group: SequenceGroup) -> RequestOutput:
+        p = group.sampling_params
+        completions = []
+        for i, seq in enumerate(group.seqs):
+            text = seq.output_text
+            if not (seq.stop_reason is not None and isinstance(seq.stop_reason, str)) and self.tokenizer is not None:
+                text = self._decode(seq.output_token_ids, p)
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=seq.output_logprobs if p.logprobs is not None else None,
+                    finish_reason=seq.status.value if seq.finished else None,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=group.request_id,
+            encoder_prompt=group.encoder_prompt,
+            encoder_prompt_token_ids=list(group.encoder_seq.token_ids),
+            prompt=group.prompt,
+            prompt_token_ids=list(group.seqs[0].prompt_token_ids),
+            outputs=completions,
+            finished=group.is_finished,
+        )
+
+    # -- swapping --------------------------------------------------------------
+    def _swap(self, mapping: list[tuple[int, int]], to_cpu: bool) -> None:
+        if self._swap_caches is None:
+            n = self.block_manager.num_total_blocks(Device.CPU)
+            self._swap_caches = [
+                torch.zeros(self._cache_shape(n), dtype=self.config.torch_dtype, device="cpu")
+                for _ in range(self._num_layers)
+            ]
+        src_ids = torch.tensor([s for s, _ in mapping], dtype=torch.long)
+        dst_ids = torch.tensor([d for _, d in mapping], dtype=torch.long)
+        for dev_cache, cpu_cache in zip(self.kv_caches, self._swap_caches):
+            src, dst = (dev_cache, cpu_cache) if to_cpu else (cpu_cache, dev_cache)
+            moved = src.index_select(1, src_ids.to(src.device)).to(dst.device)
+            dst.index_copy_(1, dst_ids.to(dst.device), moved)
+        if to_cpu:
+            self.stats.swapped_out_blocks += len(mapping)
+        else:
+            self.stats.swapped_in_blocks += len(mapping)

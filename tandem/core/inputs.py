@@ -1,0 +1,111 @@
+"""Prompt formats and their processing into encoder + decoder token ids.
+
+A singleton prompt (``str``, :class:`TextPrompt`, :class:`TokensPrompt`) is the
+encoder prompt and the decoder gets the model's default decoder prompt. An
+:class:`ExplicitEncoderDecoderPrompt` names both; either slot takes any
+singleton. The model class decides the default decoder prompt and how a given
+one is completed (BART: ``[decoder_start, bos]``, and ``decoder_start`` is
+prepended unless already present).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypedDict, Union
+
+from typing_extensions import NotRequired
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from tandem.core.model import EncoderDecoderModel
+
+
+class TextPrompt(TypedDict):
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+
+
+SingletonPrompt = Union[str, TextPrompt, TokensPrompt]
+
+
+class ExplicitEncoderDecoderPrompt(TypedDict):
+    encoder_prompt: SingletonPrompt
+    decoder_prompt: NotRequired[SingletonPrompt | None]
+
+
+PromptType = Union[SingletonPrompt, ExplicitEncoderDecoderPrompt]
+
+
+@dataclass
+class EncoderDecoderInputs:
+    encoder_prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # the decoder prompt, after completion
+    encoder_prompt: str | None = None
+    prompt: str | None = None
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        hf_config: "PretrainedConfig",
+        model_cls: type["EncoderDecoderModel"],
+        tokenizer: "PreTrainedTokenizerBase | None",
+    ) -> None:
+        self.hf_config = hf_config
+        self.model_cls = model_cls
+        self.tokenizer = tokenizer
+
+    def process(self, prompt: Any) -> EncoderDecoderInputs:
+        if isinstance(prompt, dict) and "encoder_prompt" in prompt:
+            unknown = set(prompt) - {"encoder_prompt", "decoder_prompt"}
+            if unknown:
+                raise ValueError(f"unknown keys {sorted(unknown)} in encoder/decoder prompt")
+            enc_ids, enc_text = self._singleton(prompt["encoder_prompt"], "encoder_prompt", True)
+            decoder = prompt.get("decoder_prompt")
+        else:
+            enc_ids, enc_text = self._singleton(prompt, "prompt", True)
+            decoder = None
+        if not enc_ids:
+            raise ValueError("the encoder prompt is empty: it must have at least one token")
+        if decoder is None:
+            dec_ids, dec_text = self.model_cls.get_default_decoder_prompt(self.hf_config), None
+        else:
+            ids, dec_text = self._singleton(decoder, "decoder_prompt", False)
+            dec_ids = self.model_cls.process_decoder_prompt(self.hf_config, ids)
+        return EncoderDecoderInputs(enc_ids, dec_ids, enc_text, dec_text)
+
+    def _singleton(self, prompt: Any, where: str, is_encoder: bool) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            return self._tokenize(prompt, where, is_encoder), prompt
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):
+                    raise ValueError(f"{where}.prompt_token_ids must be a list of ints, got {ids!r}")
+                return list(ids), prompt.get("prompt")
+            if "prompt" in prompt:
+                text = prompt["prompt"]
+                if not isinstance(text, str):
+                    raise ValueError(f"{where}.prompt must be a string, got {type(text).__name__}")
+                return self._tokenize(text, where, is_encoder), text
+            raise ValueError(f"{where} dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        raise ValueError(
+            f"{where} must be a str, a TextPrompt or a TokensPrompt dict, got {type(prompt).__name__}"
+        )
+
+    def _tokenize(self, text: str, where: str, is_encoder: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"{where} is text but the model has no tokenizer; pass token ids")
+        ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        eos = self.tokenizer.eos_token_id
+        # A decoder prompt is a prefix to continue, never a finished sequence.
+        if not is_encoder and ids and eos is not None and ids[-1] == eos:
+            ids.pop()
+        return ids

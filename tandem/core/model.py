@@ -1,0 +1,110 @@
+"""The interface model authors implement."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from tandem.core.attention import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """What a model needs to build its layers: the attention backend, dtype, device."""
+
+    attn_backend: type[AttentionBackend]
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of the decoder's KV cache: one tensor per decoder layer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+
+
+class EncoderDecoderModel(nn.Module, ABC):
+    """An encoder/decoder model tandem can serve.
+
+    ``forward`` takes packed decoder tokens (``input_ids``, ``positions``:
+    ``[num_tokens]``) and the packed encoder tokens of the groups whose
+    encoder runs this step (``[num_encoder_tokens]``, possibly empty), one KV
+    cache tensor per decoder layer, and the backend's metadata. It returns
+    decoder hidden states ``[num_tokens, hidden]``. When no encoder runs, the
+    cross-attention cache is the only encoder information the decoder reads.
+    """
+
+    def __init__(self, config: "PretrainedConfig", ctx: ModelContext) -> None:
+        super().__init__()
+        self.config = config
+        self.ctx = ctx
+
+    @abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        encoder_input_ids: torch.Tensor,
+        encoder_positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+    @abstractmethod
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[num_seqs, hidden] -> [num_seqs, vocab]`` logits."""
+        ...
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Consume checkpoint ``(name, tensor)`` pairs; return the parameter names filled."""
+        ...
+
+    @classmethod
+    @abstractmethod
+    def kv_cache_spec(cls, config: "PretrainedConfig") -> KVCacheSpec: ...
+
+    @classmethod
+    def max_encoder_len(cls, config: "PretrainedConfig") -> int:
+        return int(config.max_position_embeddings)
+
+    @classmethod
+    def max_decoder_len(cls, config: "PretrainedConfig") -> int:
+        return int(config.max_position_embeddings)
+
+    @classmethod
+    def vocab_size(cls, config: "PretrainedConfig") -> int:
+        return int(config.vocab_size)
+
+    @classmethod
+    def get_default_decoder_prompt(cls, config: "PretrainedConfig") -> list[int]:
+        """Decoder prompt for requests that give none: ``<DEC><BOS>``."""
+        start = cls.decoder_start_token_id(config)
+        bos = config.bos_token_id
+        return [start] if bos is None else [start, bos]
+
+    @classmethod
+    def process_decoder_prompt(cls, config: "PretrainedConfig", token_ids: list[int]) -> list[int]:
+        """Prepend ``<DEC>`` unless the given decoder prompt starts with it."""
+        start = cls.decoder_start_token_id(config)
+        if token_ids and token_ids[0] == start:
+            return list(token_ids)
+        return [start, *token_ids]
+
+    @classmethod
+    def decoder_start_token_id(cls, config: "PretrainedConfig") -> int:
+        start = getattr(config, "decoder_start_token_id", None)
+        if start is None:
+            raise ValueError(f"{cls.__name__}: config has no decoder_start_token_id")
+        return int(start)

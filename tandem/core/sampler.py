@@ -1,0 +1,103 @@
+"""Turns last-position logits into next tokens, per each sequence's params."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core.sampling_params import SamplingParams
+from tandem.core.sequence import Sequence, SequenceGroup
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # chosen token's log-probability
+    top_logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: list[int]) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], groups: list[SequenceGroup]
+    ) -> SamplerOutput:
+        """``logits`` is float32 ``[S, vocab]``; ``groups[i]`` owns ``seqs[i]``."""
+        params = [g.sampling_params for g in groups]
+        self._suppress_stop_tokens(logits, seqs, params)
+        logprobs = torch.log_softmax(logits, dim=-1)
+
+        greedy = [p.greedy for p in params]
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        greedy_rows = [i for i, g in enumerate(greedy) if g]
+        if greedy_rows:
+            rows = torch.tensor(greedy_rows, device=logits.device)
+            tokens[rows] = logits.index_select(0, rows).argmax(dim=-1)
+        sample_rows = [i for i, g in enumerate(greedy) if not g]
+        if sample_rows:
+            rows = torch.tensor(sample_rows, device=logits.device)
+            probs = self._probs(logits.index_select(0, rows), [params[i] for i in sample_rows])
+            tokens[rows] = self._draw(probs, [groups[i].generator for i in sample_rows])
+
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        top: list[dict[int, float] | None] = [None] * len(seqs)
+        want = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            k_max = max(k for _, k in want)
+            vals, idx = logprobs.topk(k_max, dim=-1) if k_max else (None, None)
+            for i, k in want:
+                d = {} if not k else dict(zip(idx[i, :k].tolist(), vals[i, :k].tolist()))
+                d[int(tokens[i])] = float(chosen[i])
+                top[i] = d
+        return SamplerOutput(tokens.tolist(), chosen.tolist(), top)
+
+    def _suppress_stop_tokens(self, logits, seqs, params: list[SamplingParams]) -> None:
+        """Before ``min_tokens`` exist, EOS and the stop tokens cannot be picked."""
+        for i, (seq, p) in enumerate(zip(seqs, params)):
+            if p.min_tokens and len(seq.output_token_ids) < p.min_tokens:
+                banned = list(p.stop_token_ids)
+                if not p.ignore_eos:
+                    banned.extend(self.eos_token_ids)
+                if banned:
+                    logits[i, banned] = -float("inf")
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        dev = logits.device
+        temp = torch.tensor([p.temperature for p in params], device=dev)[:, None]
+        logits = logits / temp
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        min_p = torch.tensor([p.min_p for p in params], device=dev)
+        if (top_k < vocab).any() or (top_p < 1).any():
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=dev)[None, :]
+            drop = ranks >= top_k[:, None]
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (always the first token).
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop |= mass_before >= top_p[:, None]
+            sorted_logits = sorted_logits.masked_fill(drop, -float("inf"))
+            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        probs = logits.softmax(dim=-1)
+        if (min_p > 0).any():
+            floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
+    @staticmethod
+    def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        # argmax(p / q) with q ~ Exp(1) draws from p; seeded rows use their own stream.
+        q = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if unseeded:
+            q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+        for i, g in enumerate(generators):
+            if g is not None:
+                row = torch.empty(probs.shape[1]).exponential_(generator=g)
+                q[i] = row.to(probs.device)
+        return (probs / q).argmax(dim=-1)

@@ -1,0 +1,157 @@
+"""Requests as the scheduler sees them: sequences, groups and step metadata."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.core.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    SequenceStatus.FINISHED_STOPPED,
+    SequenceStatus.FINISHED_LENGTH,
+    SequenceStatus.FINISHED_ABORTED,
+}
+
+
+class Sequence:
+    """One decoder sequence (or the static encoder sequence of a group).
+
+    ``num_computed_tokens`` counts the tokens whose keys and values are in the
+    cache; ``len - num_computed_tokens`` tokens are computed in the next step.
+    There is no prefill phase and no decode phase.
+    """
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int]) -> None:
+        self.seq_id = seq_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.cumulative_logprob = 0.0
+        self.output_logprobs: list[dict[int, float]] = []
+        self.output_text = ""
+        self.stop_reason: int | str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_token(self, token_id: int, logprob: float, top: dict[int, float] | None) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if top is not None:
+            self.output_logprobs.append(top)
+
+    def reset_for_recompute(self) -> None:
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return f"Sequence(id={self.seq_id}, len={len(self)}, status={self.status.name})"
+
+
+class SequenceGroup:
+    """All sequences of one request: a static encoder sequence and n decoder ones."""
+
+    def __init__(
+        self,
+        request_id: str,
+        encoder_seq: Sequence,
+        seqs: list[Sequence],
+        sampling_params: SamplingParams,
+        arrival_time: float,
+        encoder_prompt: str | None = None,
+        prompt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.encoder_seq = encoder_seq
+        self.seqs = seqs
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.encoder_prompt = encoder_prompt
+        self.prompt = prompt
+        # True once the encoder ran and the cross-attention cache holds its K/V.
+        self.encoder_computed = False
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    @property
+    def encoder_len(self) -> int:
+        return len(self.encoder_seq)
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        if status is None:
+            return list(self.seqs)
+        return [s for s in self.seqs if s.status is status]
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def reset_for_recompute(self) -> None:
+        self.encoder_computed = False
+        for seq in self.unfinished_seqs():
+            seq.reset_for_recompute()
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup({self.request_id!r}, enc_len={self.encoder_len}, seqs={self.seqs})"
+
+
+@dataclass
+class SequenceGroupMetadata:
+    """What the model runner needs about one group for one step."""
+
+    request_id: str
+    # Whether the encoder runs this step (its output fills the cross cache).
+    run_encoder: bool
+    seqs: list[Sequence]
+    # seq_id -> self-attention block table
+    block_tables: dict[int, list[int]]
+    encoder_token_ids: list[int]
+    cross_block_table: list[int]
+    sampling_params: SamplingParams
+    group: SequenceGroup = field(repr=False)
+
+
+@dataclass
+class SchedulerOutputs:
+    scheduled: list[SequenceGroupMetadata]
+    num_batched_tokens: int
+    # (src_block, dst_block) pairs to move between the device and CPU pools
+    blocks_to_swap_in: list[tuple[int, int]]
+    blocks_to_swap_out: list[tuple[int, int]]
+    preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_in and not self.blocks_to_swap_out

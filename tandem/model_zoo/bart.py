@@ -1,0 +1,285 @@
+"""BART and the models that share its shape (mBART, Marian, Pegasus follow as flags).
+
+Class structure: ``BartForConditionalGeneration`` (weights, logits) ->
+``BartModel`` (shared embeddings, encoder, decoder) -> ``BartEncoder`` /
+``BartDecoder`` -> layers -> ``BartEncoderAttention``,
+``BartDecoderSelfAttention``, ``BartCrossAttention``. Self-attention projects
+Q/K/V with one fused GEMM; cross-attention projects Q from the decoder and
+K/V (one fused GEMM) from the encoder output only, on the step the encoder
+runs. Afterwards the decoder reads cross K/V from the paged cache.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from tandem.core.attention import AttentionMetadata, AttentionType
+from tandem.core.layers import Attention
+from tandem.core.model import EncoderDecoderModel, KVCacheSpec, ModelContext
+
+
+@dataclass(frozen=True)
+class BartVariant:
+    """Where the BART family members differ."""
+
+    normalize_before: bool = False  # pre-LN layers (mBART, Pegasus)
+    layernorm_embedding: bool = True  # LN after embeddings (BART, mBART)
+    final_layer_norm: bool = False  # LN after the last encoder/decoder layer (mBART, Pegasus)
+    position_offset: int = 2  # learned positions are stored shifted by 2 in BART
+
+
+class BartLearnedPositionalEmbedding(nn.Embedding):
+    def __init__(self, num_positions: int, dim: int, offset: int) -> None:
+        super().__init__(num_positions + offset, dim)
+        self.offset = offset
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return super().forward(positions + self.offset)
+
+
+class _SelfAttention(nn.Module):
+    attn_type: AttentionType
+
+    def __init__(self, dim: int, num_heads: int, ctx: ModelContext) -> None:
+        super().__init__()
+        self.dim = dim
+        head_size = dim // num_heads
+        self.qkv_proj = nn.Linear(dim, 3 * dim)
+        self.out_proj = nn.Linear(dim, dim)
+        self.attn = Attention(num_heads, head_size, head_size**-0.5, ctx.attn_backend, self.attn_type)
+
+    def forward(self, hidden: torch.Tensor, kv_cache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.dim, dim=-1)
+        return self.out_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+
+
+class BartEncoderAttention(_SelfAttention):
+    attn_type = AttentionType.ENCODER
+
+
+class BartDecoderSelfAttention(_SelfAttention):
+    attn_type = AttentionType.DECODER
+
+
+class BartCrossAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, ctx: ModelContext) -> None:
+        super().__init__()
+        self.dim = dim
+        head_size = dim // num_heads
+        self.q_proj = nn.Linear(dim, dim)
+        self.kv_proj = nn.Linear(dim, 2 * dim)
+        self.out_proj = nn.Linear(dim, dim)
+        self.attn = Attention(
+            num_heads, head_size, head_size**-0.5, ctx.attn_backend, AttentionType.ENCODER_DECODER
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        encoder_hidden: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        q = self.q_proj(hidden)
+        k = v = None
+        if encoder_hidden is not None:
+            k, v = self.kv_proj(encoder_hidden).split(self.dim, dim=-1)
+        return self.out_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+
+
+def _ffn(config, dim: int, ffn_dim: int) -> tuple[nn.Linear, nn.Linear]:
+    return nn.Linear(dim, ffn_dim), nn.Linear(ffn_dim, dim)
+
+
+class BartEncoderLayer(nn.Module):
+    def __init__(self, config, variant: BartVariant, ctx: ModelContext) -> None:
+        super().__init__()
+        dim = config.d_model
+        self.pre_ln = variant.normalize_before
+        self.self_attn = BartEncoderAttention(dim, config.encoder_attention_heads, ctx)
+        self.self_attn_layer_norm = nn.LayerNorm(dim)
+        self.fc1, self.fc2 = _ffn(config, dim, config.encoder_ffn_dim)
+        self.act = ACT2FN[config.activation_function]
+        self.final_layer_norm = nn.LayerNorm(dim)
+
+    def forward(self, h: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        if self.pre_ln:
+            h = h + self.self_attn(self.self_attn_layer_norm(h), None, attn_metadata)
+            return h + self.fc2(self.act(self.fc1(self.final_layer_norm(h))))
+        h = self.self_attn_layer_norm(h + self.self_attn(h, None, attn_metadata))
+        return self.final_layer_norm(h + self.fc2(self.act(self.fc1(h))))
+
+
+class BartDecoderLayer(nn.Module):
+    def __init__(self, config, variant: BartVariant, ctx: ModelContext) -> None:
+        super().__init__()
+        dim = config.d_model
+        self.pre_ln = variant.normalize_before
+        self.self_attn = BartDecoderSelfAttention(dim, config.decoder_attention_heads, ctx)
+        self.self_attn_layer_norm = nn.LayerNorm(dim)
+        self.encoder_attn = BartCrossAttention(dim, config.decoder_attention_heads, ctx)
+        self.encoder_attn_layer_norm = nn.LayerNorm(dim)
+        self.fc1, self.fc2 = _ffn(config, dim, config.decoder_ffn_dim)
+        self.act = ACT2FN[config.activation_function]
+        self.final_layer_norm = nn.LayerNorm(dim)
+
+    def forward(self, h, encoder_hidden, kv_cache, attn_metadata) -> torch.Tensor:
+        if self.pre_ln:
+            h = h + self.self_attn(self.self_attn_layer_norm(h), kv_cache, attn_metadata)
+            h = h + self.encoder_attn(
+                self.encoder_attn_layer_norm(h), encoder_hidden, kv_cache, attn_metadata
+            )
+            return h + self.fc2(self.act(self.fc1(self.final_layer_norm(h))))
+        h = self.self_attn_layer_norm(h + self.self_attn(h, kv_cache, attn_metadata))
+        h = self.encoder_attn_layer_norm(h + self.encoder_attn(h, encoder_hidden, kv_cache, attn_metadata))
+        return self.final_layer_norm(h + self.fc2(self.act(self.fc1(h))))
+
+
+class _Stack(nn.Module):
+    """Embedding front-end shared by the encoder and the decoder."""
+
+    def __init__(self, config, variant: BartVariant, embed_tokens: nn.Embedding) -> None:
+        super().__init__()
+        dim = config.d_model
+        self.embed_scale = math.sqrt(dim) if config.scale_embedding else 1.0
+        self.embed_tokens = embed_tokens
+        self.embed_positions = BartLearnedPositionalEmbedding(
+            config.max_position_embeddings, dim, variant.position_offset
+        )
+        self.layernorm_embedding = nn.LayerNorm(dim) if variant.layernorm_embedding else None
+        self.layer_norm = nn.LayerNorm(dim) if variant.final_layer_norm else None
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids) * self.embed_scale + self.embed_positions(positions)
+        return self.layernorm_embedding(h) if self.layernorm_embedding is not None else h
+
+    def finish(self, h: torch.Tensor) -> torch.Tensor:
+        return self.layer_norm(h) if self.layer_norm is not None else h
+
+
+class BartEncoder(_Stack):
+    def __init__(self, config, variant, embed_tokens, ctx: ModelContext) -> None:
+        super().__init__(config, variant, embed_tokens)
+        self.layers = nn.ModuleList(BartEncoderLayer(config, variant, ctx) for _ in range(config.encoder_layers))
+
+    def forward(self, input_ids, positions, attn_metadata) -> torch.Tensor:
+        h = self.embed(input_ids, positions)
+        for layer in self.layers:
+            h = layer(h, attn_metadata)
+        return self.finish(h)
+
+
+class BartDecoder(_Stack):
+    def __init__(self, config, variant, embed_tokens, ctx: ModelContext) -> None:
+        super().__init__(config, variant, embed_tokens)
+        self.layers = nn.ModuleList(BartDecoderLayer(config, variant, ctx) for _ in range(config.decoder_layers))
+
+    def forward(self, input_ids, positions, encoder_hidden, kv_caches, attn_metadata) -> torch.Tensor:
+        h = self.embed(input_ids, positions)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(h, encoder_hidden, kv_cache, attn_metadata)
+        return self.finish(h)
+
+
+class BartModel(nn.Module):
+    def __init__(self, config, variant: BartVariant, ctx: ModelContext) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = BartEncoder(config, variant, self.shared, ctx)
+        self.decoder = BartDecoder(config, variant, self.shared, ctx)
+
+
+# HF checkpoint projection names -> (our fused parameter, shard index)
+_STACKED = (
+    (".self_attn.q_proj.", ".self_attn.qkv_proj.", 0),
+    (".self_attn.k_proj.", ".self_attn.qkv_proj.", 1),
+    (".self_attn.v_proj.", ".self_attn.qkv_proj.", 2),
+    (".encoder_attn.k_proj.", ".encoder_attn.kv_proj.", 0),
+    (".encoder_attn.v_proj.", ".encoder_attn.kv_proj.", 1),
+)
+
+
+class BartForConditionalGeneration(EncoderDecoderModel):
+    variant = BartVariant()
+
+    def __init__(self, config, ctx: ModelContext) -> None:
+        super().__init__(config, ctx)
+        self.model = BartModel(config, self.variant, ctx)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size))
+
+    @classmethod
+    def kv_cache_spec(cls, config) -> KVCacheSpec:
+        heads = config.decoder_attention_heads
+        return KVCacheSpec(config.decoder_layers, heads, config.d_model // heads)
+
+    def forward(self, input_ids, positions, encoder_input_ids, encoder_positions, kv_caches, attn_metadata):
+        encoder_hidden = None
+        if encoder_input_ids.numel():
+            encoder_hidden = self.model.encoder(encoder_input_ids, encoder_positions, attn_metadata)
+        return self.model.decoder(input_ids, positions, encoder_hidden, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.model.shared.weight if self.tie_word_embeddings else self.lm_head.weight
+        return nn.functional.linear(hidden_states, weight) + self.final_logits_bias
+
+    def _checkpoint_name(self, name: str) -> str | None:
+        """Map a HF name onto ours; None for names we do not keep."""
+        if name.startswith(("encoder.", "decoder.", "shared.")):
+            name = "model." + name  # saved from BartModel rather than ...ForConditionalGeneration
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return "model.shared.weight"
+        for ours in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"):
+            if name == ours:
+                return "model.shared.weight"
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        buffers = dict(self.named_buffers())
+        self.final_logits_bias.zero_()
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = self._checkpoint_name(hf_name)
+            shard = None
+            for theirs, ours, idx in _STACKED:
+                if theirs in name:
+                    name, shard = name.replace(theirs, ours), idx
+                    break
+            target = params.get(name)
+            if target is None:
+                target = buffers.get(name)
+            if target is None:
+                continue  # e.g. unused heads of other task variants
+            dest = target.data
+            if shard is not None:
+                rows = dest.shape[0] // (3 if ".qkv_proj." in name else 2)
+                dest = dest[shard * rows : (shard + 1) * rows]
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        expected = set()
+        for name, p in params.items():
+            if ".qkv_proj." in name:
+                expected.update(f"{name}#{i}" for i in range(3))
+            elif ".encoder_attn.kv_proj." in name:
+                expected.update(f"{name}#{i}" for i in range(2))
+            else:
+                expected.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
+        return loaded

@@ -1,0 +1,64 @@
+"""A small name -> lazily imported class registry."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+def import_object(path: str) -> Any:
+    """Import ``"package.module:Name"``."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{path!r} is not of the form 'package.module:Name'")
+    module = importlib.import_module(module_name)
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ImportError(f"module {module_name!r} has no attribute {attr!r}") from None
+
+
+class LazyRegistry(Generic[T]):
+    """Maps names to classes or ``"module:Class"`` paths imported on first use."""
+
+    kind = "entry"
+
+    def __init__(self) -> None:
+        self._entries: dict[str, str | type[T]] = {}
+        self._loaded: dict[str, type[T]] = {}
+
+    def register(self, name: str, target: str | type[T], *, override: bool = False) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
+        if isinstance(target, str):
+            if ":" not in target:
+                raise ValueError(f"{self.kind} {name!r}: {target!r} is not 'package.module:Class'")
+        elif not isinstance(target, type):
+            raise TypeError(f"{self.kind} {name!r}: expected a class or 'module:Class', got {target!r}")
+        if name in self._entries and not override:
+            raise ValueError(
+                f"{self.kind} {name!r} is already registered ({self._describe(name)}); "
+                "pass override=True to replace it"
+            )
+        self._entries[name] = target
+        self._loaded.pop(name, None)
+
+    def _describe(self, name: str) -> str:
+        target = self._entries[name]
+        return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def load(self, name: str) -> type[T]:
+        if name not in self._entries:
+            raise KeyError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names()) or 'none'}")
+        if name not in self._loaded:
+            target = self._entries[name]
+            self._loaded[name] = import_object(target) if isinstance(target, str) else target
+        return self._loaded[name]

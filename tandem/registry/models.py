@@ -1,0 +1,43 @@
+"""Which model class serves which architecture named in ``config.json``."""
+
+from __future__ import annotations
+
+from tandem.core.model import EncoderDecoderModel
+from tandem.registry._lazy import LazyRegistry
+
+# "<architecture in config.json>": ("<module in tandem.model_zoo>", "<class>")
+_CONDITIONAL_GENERATION_MODELS: dict[str, tuple[str, str]] = {
+    "BartModel": ("bart", "BartForConditionalGeneration"),
+    "BartForConditionalGeneration": ("bart", "BartForConditionalGeneration"),
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+class ModelRegistry(LazyRegistry[EncoderDecoderModel]):
+    kind = "model architecture"
+    _CONDITIONAL_GENERATION_MODELS = _CONDITIONAL_GENERATION_MODELS
+
+    def __init__(self, builtin: bool = True) -> None:
+        super().__init__()
+        if builtin:
+            for arch, (module, cls) in _CONDITIONAL_GENERATION_MODELS.items():
+                self.register(arch, f"tandem.model_zoo.{module}:{cls}")
+
+    def register_model(self, arch: str, target: str | type, *, override: bool = False) -> None:
+        self.register(arch, target, override=override)
+
+    def resolve(self, architectures: list[str] | None) -> tuple[type[EncoderDecoderModel], str]:
+        """The class for the first supported architecture of a config."""
+        archs = list(architectures or [])
+        for arch in archs:
+            if arch in self:
+                cls = self.load(arch)
+                if not (isinstance(cls, type) and issubclass(cls, EncoderDecoderModel)):
+                    raise TypeError(f"{arch!r} resolves to {cls!r}, not an EncoderDecoderModel subclass")
+                return cls, arch
+        raise UnsupportedArchitectureError(
+            f"model architectures {archs} are not supported; supported: {', '.join(self.names())}"
+        )

@@ -1,0 +1,102 @@
+"""Tiny random checkpoints made with transformers, offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+WORDS = (
+    "the rain in spain falls mainly on plain a cat sat mat dog ran fast over hill "
+    "red blue green small big old new time day night sun moon star sea river tree "
+    "house road city king queen bird fish stone fire water wind light dark cold warm"
+).split()
+
+
+def make_tokenizer(vocab_size: int):
+    """A word-level tokenizer with BART's special ids: <s>=0 <pad>=1 </s>=2 <unk>=3."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<s>", "<pad>", "</s>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for w in WORDS:
+        vocab.setdefault(w, len(vocab))
+    i = 0
+    while len(vocab) < vocab_size:
+        vocab.setdefault(f"w{i}", len(vocab))
+        i += 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+    )
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def make_bart(path: Path, seed: int = 0, with_tokenizer: bool = True, **overrides) -> Path:
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    kwargs = dict(
+        vocab_size=96,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=128,
+        forced_eos_token_id=None,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    config = BartConfig(**kwargs)
+    model = BartForConditionalGeneration(config).eval()
+    # The default init (std 0.02) makes every prompt decode to the same token;
+    # wide weights give varied outputs that depend on the input.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 1.0)
+        model.final_logits_bias.normal_(0.0, 1.0)
+    model.save_pretrained(path)
+    if with_tokenizer:
+        make_tokenizer(config.vocab_size).save_pretrained(path)
+    return Path(path)
+
+
+def hf_greedy(model_dir: Path, encoder_ids: list[int], decoder_ids: list[int], max_new: int, min_new: int = 0):
+    """HF generate on one prompt; returns the new tokens (EOS included when it stopped there)."""
+    from transformers import BartForConditionalGeneration
+
+    model = _hf_model(model_dir)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([encoder_ids]),
+            attention_mask=torch.ones(1, len(encoder_ids), dtype=torch.long),
+            decoder_input_ids=torch.tensor([decoder_ids]),
+            max_new_tokens=max_new,
+            min_new_tokens=min_new,
+            do_sample=False,
+            num_beams=1,
+        )
+    return out[0, len(decoder_ids) :].tolist()
+
+
+_cache: dict = {}
+
+
+def _hf_model(model_dir: Path):
+    from transformers import AutoModelForSeq2SeqLM
+
+    key = str(model_dir)
+    if key not in _cache:
+        _cache[key] = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return _cache[key]
