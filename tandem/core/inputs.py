@@ -101,6 +101,8 @@ class InputProcessor:
         )
 
     def _tokenize(self, text: str, where: str, is_encoder: bool) -> list[int]:
+        if not text:
+            raise ValueError(f"{where} text is empty")
         if self.tokenizer is None:
             raise ValueError(f"{where} is text but the model has no tokenizer; pass token ids")
         ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
