@@ -37,10 +37,31 @@ class TorchSDPAMetadata(AttentionMetadata):
     num_decodes: int
     # Encoder runs this step: (row start, length).
     encoder_runs: list[tuple[int, int]]
+    # Cross K/V of a sequence whose cross table is one contiguous run of blocks
+    # is read through a view of the cache instead of a gather:
+    # (query row, first slot, encoder length) for such decode sequences, and
+    # the first slot (or -1) of every sequence for prefills.
+    decode_cross_views: list[tuple[int, int, int]]
+    cross_view_start: list[int]
+    decode_cross_gather: torch.Tensor  # [Dg] positions in the decode batch that gather
+    decode_cross_gather_rows: torch.Tensor  # [Dg] their packed query rows
 
 
 def _length_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
     return (torch.arange(width, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
+
+
+# Below this many encoder tokens a batched gather beats one SDPA call per sequence.
+VIEW_MIN_CROSS_TOKENS = 48
+
+
+def contiguous_starts(tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """First slot of each row whose blocks are consecutive ids, else -1."""
+    width = tables.shape[1]
+    n_blocks = (lens + block_size - 1) // block_size
+    cols = torch.arange(width, device=tables.device)
+    consecutive = (tables == tables[:, :1] + cols) | (cols >= n_blocks[:, None])
+    return torch.where(consecutive.all(dim=1), tables[:, 0] * block_size, -1)
 
 
 class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
@@ -63,6 +84,15 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
         for n in inputs.encoder_seq_lens:
             enc_runs.append((row, n))
             row += n
+        view_start = contiguous_starts(inputs.cross_block_tables.cpu(), cross_lens.cpu(), bs).tolist()
+        views, gather = [], []
+        for j, i in enumerate(decodes):
+            n = inputs.cross_seq_lens[i]
+            if view_start[i] >= 0 and n >= VIEW_MIN_CROSS_TOKENS:
+                views.append((starts[i], view_start[i], n))
+            else:
+                gather.append(j)
+        gather_t = torch.tensor(gather, dtype=torch.long, device=dev)
         return TorchSDPAMetadata(
             num_decoder_tokens=int(inputs.input_ids.shape[0]),
             slot_mapping=inputs.slot_mapping,
@@ -78,6 +108,10 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
             decode_cross_mask=_length_mask(cross_lens.index_select(0, decode_seqs), cross_width),
             num_decodes=len(decodes),
             encoder_runs=enc_runs,
+            decode_cross_views=views,
+            cross_view_start=view_start,
+            decode_cross_gather=gather_t,
+            decode_cross_gather_rows=inputs.query_start_loc.index_select(0, decode_seqs.index_select(0, gather_t)),
         )
 
 
@@ -112,7 +146,11 @@ class TorchSDPAImpl(AttentionImpl):
         for start, q_len, seq_len, i in md.prefills:
             q = _heads_first(query[start : start + q_len])
             if is_cross:
-                k, v = self._cached(kv_cache, tables[i], md.cross_seq_lens[i], block_size)
+                first = md.cross_view_start[i]
+                if first >= 0:
+                    k, v = self._view(kv_cache, first, md.cross_seq_lens[i])
+                else:
+                    k, v = self._cached(kv_cache, tables[i], md.cross_seq_lens[i], block_size)
                 mask, causal = None, False
             elif seq_len == q_len:
                 # Nothing cached before these tokens: top-left causal is bottom-right.
@@ -130,16 +168,40 @@ class TorchSDPAImpl(AttentionImpl):
             )
             out[start : start + q_len] = o[0].transpose(0, 1)
 
-        if md.num_decodes:
-            k, v = gather_from_paged_cache(kv_cache, tables.index_select(0, md.decode_seqs))
-            mask = md.decode_cross_mask if is_cross else md.decode_mask
-            q = query.index_select(0, md.decode_rows).unsqueeze(2)  # [D, H, 1, Dh]
-            o = F.scaled_dot_product_attention(
-                q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                scale=self.scale, enable_gqa=gqa,
-            )
-            out.index_copy_(0, md.decode_rows, o.squeeze(2))
+        if not md.num_decodes:
+            return out
+        if is_cross:
+            for row, first, n in md.decode_cross_views:
+                k, v = self._view(kv_cache, first, n)
+                o = F.scaled_dot_product_attention(
+                    _heads_first(query[row : row + 1]), _heads_first(k), _heads_first(v),
+                    scale=self.scale, enable_gqa=gqa,
+                )
+                out[row] = o[0, :, 0]
+            if md.decode_cross_gather.numel():
+                seqs = md.decode_seqs.index_select(0, md.decode_cross_gather)
+                self._batched_decode(query, kv_cache, tables.index_select(0, seqs),
+                                     md.decode_cross_mask.index_select(0, md.decode_cross_gather),
+                                     md.decode_cross_gather_rows, out, gqa)
+            return out
+        self._batched_decode(query, kv_cache, tables.index_select(0, md.decode_seqs), md.decode_mask,
+                             md.decode_rows, out, gqa)
         return out
+
+    def _batched_decode(self, query, kv_cache, tables, mask, rows, out, gqa) -> None:
+        """One SDPA call for single-token queries over keys gathered and padded."""
+        k, v = gather_from_paged_cache(kv_cache, tables)  # [B, L, H, Dh]
+        q = query.index_select(0, rows).unsqueeze(2)  # [B, H, 1, Dh]
+        o = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=self.scale, enable_gqa=gqa
+        )
+        out.index_copy_(0, rows, o.squeeze(2))
+
+    @staticmethod
+    def _view(kv_cache, first_slot, length):
+        """K and V ``[length, H, Dh]`` of a contiguous run of slots, without a copy."""
+        flat = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, H, Dh]
+        return flat[0, first_slot : first_slot + length], flat[1, first_slot : first_slot + length]
 
     @staticmethod
     def _cached(kv_cache, table, length, block_size):
