@@ -24,7 +24,7 @@ so greedy generation from the decoder prompt [[2, 0]] (decoder_start, bos) yield
 Usage (from the repository root):
 
     python tools/train_demo.py                 # writes tandem/demo_model/
-    python tools/train_demo.py --out DIR --steps 3000 --seed 1234
+    python tools/train_demo.py --out DIR --steps 2000 --seed 1234
 
 Runs on CPU in a few minutes (torch.set_num_threads(2) by default). Nothing is
 downloaded.
@@ -292,12 +292,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1234, help="training seed")
     p.add_argument("--heldout-seed", type=int, default=98765, help="seed for the held-out evaluation set")
     p.add_argument("--heldout-size", type=int, default=500)
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--ffn", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
@@ -387,6 +387,14 @@ def main(argv=None) -> int:
     model.eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    # transformers 5 no longer writes special_tokens_map.json and records the class as
+    # "TokenizersBackend"; write the classic files so transformers 4.x loads them too.
+    tok_cfg_path = out_dir / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text())
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    special_map = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
     with open(out_dir / "demo_sentences.json", "w") as f:
         json.dump(
             [{"input": s, "expected": reverse_words(s)} for s in DEMO_SENTENCES], f, indent=2
@@ -399,6 +407,7 @@ def main(argv=None) -> int:
     reloaded = BartForConditionalGeneration.from_pretrained(out_dir)
     retok = AutoTokenizer.from_pretrained(out_dir)
     assert retok.decode(retok("the cat sat")["input_ids"], skip_special_tokens=True) == "the cat sat"
+    assert (retok.bos_token_id, retok.pad_token_id, retok.eos_token_id, retok.unk_token_id) == (0, 1, 2, 3)
     re_acc, _ = evaluate(reloaded, retok, DEMO_SENTENCES, vocab)
     assert re_acc == demo_acc, (re_acc, demo_acc)
 
