@@ -1,18 +1,41 @@
-"""tandem: a pluggable inference engine for encoder/decoder transformers."""
+"""tandem: a pluggable inference engine for encoder/decoder transformers.
 
+The names exported here are the public API, for users and for plugin authors.
+"""
+
+from tandem.core.attention import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+)
 from tandem.core.inputs import ExplicitEncoderDecoderPrompt, TextPrompt, TokensPrompt
+from tandem.core.layers import Attention
+from tandem.core.model import EncoderDecoderModel, KVCacheSpec, ModelContext
 from tandem.core.outputs import CompletionOutput, RequestOutput
 from tandem.core.sampling_params import SamplingParams
 from tandem.entrypoints.llm import LLM
+from tandem.plugins.hookspecs import hookimpl
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "Attention",
+    "AttentionBackend",
+    "AttentionImpl",
+    "AttentionMetadata",
+    "AttentionMetadataBuilder",
+    "AttentionType",
     "CompletionOutput",
+    "EncoderDecoderModel",
     "ExplicitEncoderDecoderPrompt",
+    "KVCacheSpec",
+    "ModelContext",
     "RequestOutput",
     "SamplingParams",
     "TextPrompt",
     "TokensPrompt",
+    "hookimpl",
 ]

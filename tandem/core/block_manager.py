@@ -9,6 +9,9 @@ lives, ``group blocks = |cross table| + sum_i |self table_i|``.
 from __future__ import annotations
 
 import enum
+import heapq
+
+import numpy as np
 
 from tandem.core.sequence import Sequence, SequenceGroup
 
@@ -25,30 +28,69 @@ class Device(enum.Enum):
 
 
 class BlockPool:
-    """Free list of block ids ``0 .. num_blocks - 1`` for one device."""
+    """Free block ids ``0 .. num_blocks - 1`` of one device.
+
+    Self-attention blocks come one at a time from the low end (a min-heap);
+    cross-attention tables, allocated whole and freed whole, take the
+    best-fitting run of consecutive ids, so that a backend can read a
+    sequence's encoder keys through one view of the cache instead of a gather.
+    Keeping the two apart keeps the runs from fragmenting.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")
-        if n == 0:
-            return []
-        taken = self._free[-n:]
-        del self._free[-n:]
-        return taken[::-1]
-
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        self.reset()
 
     def reset(self) -> None:
-        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._is_free = np.ones(self.num_blocks, dtype=bool)
+        # Lazily pruned: ids taken as part of a run stay here until popped.
+        self._heap: list[int] = list(range(self.num_blocks))
+        self.num_free = self.num_blocks
+
+    def free_ids(self) -> list[int]:
+        return np.flatnonzero(self._is_free).tolist()
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` blocks, lowest ids first; not necessarily consecutive."""
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
+        taken: list[int] = []
+        while len(taken) < n:
+            b = heapq.heappop(self._heap)
+            if self._is_free[b]:
+                self._is_free[b] = False
+                taken.append(b)
+        self.num_free -= n
+        return taken
+
+    def allocate_run(self, n: int) -> list[int]:
+        """``n`` consecutive blocks from the smallest run that fits (highest
+        ids of it), or scattered ones when no run is long enough."""
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
+        if n == 0:
+            return []
+        edges = np.diff(np.concatenate(([0], self._is_free.view(np.int8), [0])))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        lengths = ends - starts
+        fits = np.flatnonzero(lengths >= n)
+        if fits.size == 0:
+            return self.allocate(n)
+        best = fits[np.argmin(lengths[fits])]
+        end = int(ends[best])
+        self._is_free[end - n : end] = False
+        self.num_free -= n
+        return list(range(end - n, end))
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self._is_free[b]:
+                raise RuntimeError(f"block {b} freed twice")
+            self._is_free[b] = True
+            heapq.heappush(self._heap, b)
+        self.num_free += len(blocks)
+        if len(self._heap) > 2 * self.num_blocks:  # drop stale ids left by runs
+            self._heap = self.free_ids()
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -85,10 +127,8 @@ class BlockManager:
 
     def group_blocks(self, group: SequenceGroup) -> int:
         """Blocks the group holds now, on whichever pool it lives."""
-        if group.request_id not in self.cross_tables:
-            return 0
         own = sum(len(self.self_tables[s.seq_id]) for s in group.seqs if s.seq_id in self.self_tables)
-        return len(self.cross_tables[group.request_id]) + own
+        return len(self.cross_tables.get(group.request_id, ())) + own
 
     def blocks_needed(self, group: SequenceGroup, extra_tokens: int = 0) -> int:
         """Blocks a fresh allocation of the group needs (plus ``extra_tokens`` per sequence)."""
@@ -113,7 +153,7 @@ class BlockManager:
         pool = self.pools[Device.GPU]
         if self.blocks_needed(group) > pool.num_free:
             raise RuntimeError(f"not enough free blocks to allocate request {rid!r}")
-        self.cross_tables[rid] = pool.allocate(blocks_for(group.encoder_len, self.block_size))
+        self.cross_tables[rid] = pool.allocate_run(blocks_for(group.encoder_len, self.block_size))
         for seq in group.unfinished_seqs():
             self.self_tables[seq.seq_id] = pool.allocate(blocks_for(len(seq), self.block_size))
         self.location[rid] = Device.GPU
@@ -133,8 +173,12 @@ class BlockManager:
 
     # -- swapping ----------------------------------------------------------
     def can_swap_in(self, group: SequenceGroup) -> bool:
-        # One spare block per sequence: each will append a token right away.
-        need = self.group_blocks(group) + len(group.unfinished_seqs())
+        # The group's blocks plus what append_slots adds right after the move
+        # (not a flat spare per sequence: that can exceed the whole pool for a
+        # group the engine admitted, which would then never come back).
+        need = self.group_blocks(group) + sum(
+            self._append_need(s) for s in group.unfinished_seqs() if s.seq_id in self.self_tables
+        )
         return self.pools[Device.GPU].num_free - need >= self.watermark_blocks
 
     def can_swap_out(self, group: SequenceGroup) -> bool:
@@ -153,15 +197,15 @@ class BlockManager:
         src_pool, dst_pool = self.pools[src], self.pools[dst]
         mapping: list[tuple[int, int]] = []
 
-        def move(table: list[int]) -> list[int]:
-            new = dst_pool.allocate(len(table))
+        def move(table: list[int], run: bool = False) -> list[int]:
+            new = dst_pool.allocate_run(len(table)) if run else dst_pool.allocate(len(table))
             mapping.extend(zip(table, new))
             src_pool.free(table)
             return new
 
         if self.group_blocks(group) > dst_pool.num_free:
             raise RuntimeError(f"not enough free {dst.value} blocks to move request {rid!r}")
-        self.cross_tables[rid] = move(self.cross_tables[rid])
+        self.cross_tables[rid] = move(self.cross_tables[rid], run=True)
         for seq in group.seqs:
             if seq.seq_id in self.self_tables:
                 self.self_tables[seq.seq_id] = move(self.self_tables[seq.seq_id])

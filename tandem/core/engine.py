@@ -121,11 +121,15 @@ class LLMEngine:
             )
         if params.n > self.scheduler_config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler_config.max_num_seqs}")
-        prefill = enc_len + params.n * dec_len
-        if prefill > self.scheduler_config.max_num_batched_tokens:
+        # A group preempted by recompute runs its encoder and every decoder token
+        # again in one step, so the worst case must fit the step's token budget.
+        worst = enc_len + params.n * (dec_len + params.max_tokens - 1)
+        budget = self.scheduler_config.max_num_batched_tokens
+        if worst > budget:
             raise ValueError(
-                f"request needs {prefill} tokens in one step (encoder {enc_len} + decoder prompt); "
-                f"max_num_batched_tokens={self.scheduler_config.max_num_batched_tokens}"
+                f"request may need {worst} tokens in one step (encoder {enc_len} + n={params.n} x "
+                f"(decoder prompt {dec_len} + max_tokens {params.max_tokens} - 1), when recomputed "
+                f"after preemption); max_num_batched_tokens={budget}"
             )
         bs = self.config.block_size
         need = blocks_for(enc_len, bs) + params.n * blocks_for(dec_len + params.max_tokens, bs)

@@ -17,25 +17,43 @@ __all__ = [
 
 _model_registry: ModelRegistry | None = None
 _backend_registry: AttentionBackendRegistry | None = None
+_plugin_manager = None
+
+
+def _populate() -> None:
+    """Load the ``tandem.plugins`` entry points once per process and run their hooks."""
+    global _model_registry, _backend_registry, _plugin_manager
+    from tandem.plugins.manager import PluginManager, allowed_plugins
+
+    manager = PluginManager(allow=allowed_plugins())
+    manager.load()
+    models, backends = ModelRegistry(), AttentionBackendRegistry()
+    manager.register_all(models, backends)
+    _model_registry, _backend_registry, _plugin_manager = models, backends, manager
 
 
 def default_model_registry() -> ModelRegistry:
-    """The process-wide model registry the engine resolves architectures in."""
-    global _model_registry
+    """The process-wide model registry, filled by the plugins on first use."""
     if _model_registry is None:
-        _model_registry = ModelRegistry()
+        _populate()
     return _model_registry
 
 
 def default_backend_registry() -> AttentionBackendRegistry:
-    """The process-wide attention-backend registry."""
-    global _backend_registry
+    """The process-wide attention-backend registry, filled by the plugins on first use."""
     if _backend_registry is None:
-        _backend_registry = AttentionBackendRegistry()
+        _populate()
     return _backend_registry
 
 
+def plugin_manager():
+    """The PluginManager that filled the default registries."""
+    if _plugin_manager is None:
+        _populate()
+    return _plugin_manager
+
+
 def reset_registries() -> None:
-    """Forget every registration (for tests); the next use rebuilds the defaults."""
-    global _model_registry, _backend_registry
-    _model_registry = _backend_registry = None
+    """Forget the plugins and their registrations; the next use loads them again."""
+    global _model_registry, _backend_registry, _plugin_manager
+    _model_registry = _backend_registry = _plugin_manager = None

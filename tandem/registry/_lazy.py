@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -20,6 +22,10 @@ def import_object(path: str) -> Any:
         raise ImportError(f"module {module_name!r} has no attribute {attr!r}") from None
 
 
+class DuplicateRegistrationError(ValueError):
+    pass
+
+
 class LazyRegistry(Generic[T]):
     """Maps names to classes or ``"module:Class"`` paths imported on first use."""
 
@@ -28,6 +34,23 @@ class LazyRegistry(Generic[T]):
     def __init__(self) -> None:
         self._entries: dict[str, str | type[T]] = {}
         self._loaded: dict[str, type[T]] = {}
+        self._owners: dict[str, str | None] = {}
+        self._current_owner: str | None = None
+
+    @contextlib.contextmanager
+    def owned_by(self, owner: str) -> Iterator[None]:
+        """Attribute registrations made inside the block to ``owner`` (a plugin name)."""
+        if self._current_owner is not None:
+            raise RuntimeError(f"registrations are already attributed to {self._current_owner!r}")
+        self._current_owner = owner
+        try:
+            yield
+        finally:
+            self._current_owner = None
+
+    def owner(self, name: str) -> str | None:
+        """The plugin that registered ``name`` (None when registered directly)."""
+        return self._owners.get(name)
 
     def register(self, name: str, target: str | type[T], *, override: bool = False) -> None:
         if not isinstance(name, str) or not name:
@@ -38,12 +61,19 @@ class LazyRegistry(Generic[T]):
         elif not isinstance(target, type):
             raise TypeError(f"{self.kind} {name!r}: expected a class or 'module:Class', got {target!r}")
         if name in self._entries and not override:
-            raise ValueError(
-                f"{self.kind} {name!r} is already registered ({self._describe(name)}); "
+            raise DuplicateRegistrationError(
+                f"{self.kind} {name!r} is registered twice: by {self._who(self._owners.get(name))} "
+                f"({self._describe(name)}) and by {self._who(self._current_owner)} "
+                f"({target if isinstance(target, str) else target.__qualname__}); "
                 "pass override=True to replace it"
             )
         self._entries[name] = target
+        self._owners[name] = self._current_owner
         self._loaded.pop(name, None)
+
+    @staticmethod
+    def _who(owner: str | None) -> str:
+        return f"plugin {owner!r}" if owner else "a direct call"
 
     def _describe(self, name: str) -> str:
         target = self._entries[name]

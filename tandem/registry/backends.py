@@ -9,10 +9,6 @@ import torch
 from tandem.core.attention import AttentionBackend, AttentionType
 from tandem.registry._lazy import LazyRegistry
 
-_BUILTIN_BACKENDS = {
-    "torch_sdpa": "tandem.backends.torch_sdpa:TorchSDPABackend",
-}
-
 # Preference order when nothing is asked for explicitly.
 _PREFERENCE = ("flash_attn", "xformers", "triton", "torch_sdpa")
 
@@ -25,12 +21,6 @@ class BackendUnavailableError(ValueError):
 
 class AttentionBackendRegistry(LazyRegistry[AttentionBackend]):
     kind = "attention backend"
-
-    def __init__(self, builtin: bool = True) -> None:
-        super().__init__()
-        if builtin:
-            for name, path in _BUILTIN_BACKENDS.items():
-                self.register(name, path)
 
     def register_backend(self, name: str, target: str | type, *, override: bool = False) -> None:
         self.register(name, target, override=override)
@@ -59,6 +49,11 @@ class AttentionBackendRegistry(LazyRegistry[AttentionBackend]):
                     f"{source}={name!r} cannot serve this model: {'; '.join(reasons)}"
                 )
             return backend
+        if not self.names():
+            raise BackendUnavailableError(
+                "no attention backend is registered. Is tandem installed (pip install -e .) so its "
+                "'tandem.plugins' entry points exist, and does $TANDEM_PLUGINS allow one?"
+            )
         tried = []
         order = [n for n in _PREFERENCE if n in self] + [n for n in self.names() if n not in _PREFERENCE]
         for candidate in order:

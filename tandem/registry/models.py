@@ -20,12 +20,6 @@ class ModelRegistry(LazyRegistry[EncoderDecoderModel]):
     kind = "model architecture"
     _CONDITIONAL_GENERATION_MODELS = _CONDITIONAL_GENERATION_MODELS
 
-    def __init__(self, builtin: bool = True) -> None:
-        super().__init__()
-        if builtin:
-            for arch, (module, cls) in _CONDITIONAL_GENERATION_MODELS.items():
-                self.register(arch, f"tandem.model_zoo.{module}:{cls}")
-
     def register_model(self, arch: str, target: str | type, *, override: bool = False) -> None:
         self.register(arch, target, override=override)
 
@@ -38,6 +32,12 @@ class ModelRegistry(LazyRegistry[EncoderDecoderModel]):
                 if not (isinstance(cls, type) and issubclass(cls, EncoderDecoderModel)):
                     raise TypeError(f"{arch!r} resolves to {cls!r}, not an EncoderDecoderModel subclass")
                 return cls, arch
+        if not self.names():
+            raise UnsupportedArchitectureError(
+                f"model architectures {archs} are not supported: no model is registered. Is tandem "
+                "installed (pip install -e .) so its 'tandem.plugins' entry points exist, and does "
+                "$TANDEM_PLUGINS allow 'tandem-models'?"
+            )
         raise UnsupportedArchitectureError(
             f"model architectures {archs} are not supported; supported: {', '.join(self.names())}"
         )

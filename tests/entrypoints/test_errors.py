@@ -143,3 +143,14 @@ def test_pytorch_bin_and_sharded_checkpoints(tmp_path):
     torch.save(model.state_dict(), binary / "pytorch_model.bin")
     out = LLM(model=str(binary), device="cpu").generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == ref
+
+
+def test_requests_whose_recompute_would_exceed_the_token_budget_are_rejected(bart_dir):
+    llm = LLM(model=str(bart_dir), device="cpu", max_num_seqs=4, max_num_batched_tokens=40)
+    outs = llm.generate(
+        [{"prompt_token_ids": [0, 5, 6, 2]}, {"prompt_token_ids": [0, 5, 6, 2]}],
+        [SamplingParams(max_tokens=40), SamplingParams(temperature=0.0, max_tokens=30)],
+        use_tqdm=False,
+    )
+    assert "45 tokens in one step" in outs[0].error and "max_num_batched_tokens=40" in outs[0].error
+    assert outs[1].error is None

@@ -1,0 +1,48 @@
+"""Every hook tandem calls, in one place.
+
+Plugins implement these with ``@tandem.plugins.hookimpl`` on functions of a
+module (or methods of an object) named by an entry point in the
+``tandem.plugins`` group. tandem's own models and backends use the same path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from tandem.registry import AttentionBackendRegistry, ModelRegistry
+
+PROJECT = "tandem"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def tandem_register_models(registry: "ModelRegistry") -> None:
+    """Register model classes for architectures named in ``config.json``.
+
+    :param registry: call ``registry.register_model(architecture, target)``
+        where ``target`` is a class or a lazily imported
+        ``"package.module:Class"`` subclassing
+        ``tandem.EncoderDecoderModel``. Registering an architecture another
+        plugin registered is an error unless ``override=True`` is passed.
+    :return: nothing; every plugin's implementation is called (not
+        ``firstresult``).
+    """
+
+
+@hookspec
+def tandem_register_attention_backends(registry: "AttentionBackendRegistry") -> None:
+    """Register attention backends by name.
+
+    :param registry: call ``registry.register_backend(name, target)`` where
+        ``target`` is a ``tandem.AttentionBackend`` subclass or a lazily
+        imported ``"package.module:Class"``. Keep heavy imports (triton,
+        CUDA libraries) out of the plugin module: the target is imported only
+        when the backend is selected. Duplicate names are an error unless
+        ``override=True``.
+    :return: nothing; every plugin's implementation is called (not
+        ``firstresult``).
+    """
