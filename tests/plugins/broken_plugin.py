@@ -1,0 +1,1 @@
+import not_a_real_module_anywhere  # noqa: F401

@@ -1,0 +1,115 @@
+"""Plugin discovery, the allow-list, failures and duplicates."""
+
+import subprocess
+import sys
+from importlib.metadata import EntryPoint
+
+import pytest
+
+from tandem.plugins import PluginError, PluginManager
+from tandem.registry import (
+    AttentionBackendRegistry,
+    ModelRegistry,
+    default_backend_registry,
+    default_model_registry,
+    plugin_manager,
+    reset_registries,
+)
+
+G = "tandem.plugins"
+
+
+def ep(name: str, value: str) -> EntryPoint:
+    return EntryPoint(name=name, value=value, group=G)
+
+
+def run(eps, allow=None):
+    manager = PluginManager(allow=allow, entry_point_list=eps)
+    manager.load()
+    models, backends = ModelRegistry(), AttentionBackendRegistry()
+    manager.register_all(models, backends)
+    return manager, models, backends
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registries():
+    reset_registries()
+    yield
+    reset_registries()
+
+
+def test_builtins_come_through_the_entry_point_group():
+    infos = plugin_manager().plugins
+    assert infos["tandem-models"].models == ["BartForConditionalGeneration", "BartModel"]
+    assert infos["tandem-torch-sdpa"].backends == ["torch_sdpa"]
+    assert infos["tandem-models"].distribution == "tandem"
+    # What they registered is what the engine resolves with.
+    cls, arch = default_model_registry().resolve(["BartForConditionalGeneration"])
+    assert cls.__name__ == "BartForConditionalGeneration"
+    assert default_backend_registry().owner("torch_sdpa") == "tandem-torch-sdpa"
+
+
+def test_each_plugin_records_what_it_registered():
+    manager, models, backends = run(
+        [ep("a", "fake_plugins:fancy"), ep("b", "fake_plugins:backend")]
+    )
+    assert manager.plugins["a"].models == ["FancyModel"] and manager.plugins["a"].backends == []
+    assert manager.plugins["b"].backends == ["my_backend"]
+    assert models.load("FancyModel").__name__ == "BartForConditionalGeneration"
+
+
+def test_allow_list_restricts_what_loads(monkeypatch):
+    manager, models, backends = run(
+        [ep("a", "fake_plugins:fancy"), ep("b", "fake_plugins:backend"), ep("broken", "broken_plugin")],
+        allow={"b"},
+    )
+    assert list(manager.plugins) == ["b"]  # the broken one is never imported
+    assert models.names() == [] and backends.names() == ["my_backend"]
+
+    monkeypatch.setenv("TANDEM_PLUGINS", "tandem-torch-sdpa")
+    assert list(plugin_manager().plugins) == ["tandem-torch-sdpa"]
+    with pytest.raises(ValueError, match="no model is registered.*TANDEM_PLUGINS"):
+        default_model_registry().resolve(["BartForConditionalGeneration"])
+
+
+def test_allow_list_naming_an_unknown_plugin_is_an_error():
+    with pytest.raises(PluginError, match=r"unknown plugins \['nope'\]; installed: \['a'\]"):
+        run([ep("a", "fake_plugins:fancy")], allow={"a", "nope"})
+
+
+def test_plugin_that_fails_to_import_is_named_with_its_error():
+    with pytest.raises(PluginError, match=r"plugin 'broken' \(broken_plugin\) failed to import: "
+                       r"ModuleNotFoundError: No module named 'not_a_real_module_anywhere'"):
+        run([ep("a", "fake_plugins:fancy"), ep("broken", "broken_plugin")])
+
+
+def test_plugin_whose_hook_raises_is_named_with_its_error():
+    with pytest.raises(PluginError, match=r"plugin 'bad' failed in tandem_register_models: KeyError: .*hidden"):
+        run([ep("bad", "fake_plugins:raising")])
+
+
+def test_duplicate_registration_names_both_plugins():
+    with pytest.raises(PluginError, match=r"'FancyModel' is registered twice: by plugin 'first' .* by plugin 'second'"):
+        run([ep("first", "fake_plugins:fancy"), ep("second", "fake_plugins:fancy_again")])
+    manager, models, _ = run([ep("first", "fake_plugins:fancy"), ep("second", "fake_plugins:fancy_override")])
+    assert models.owner("FancyModel") == "second"
+    assert manager.plugins["second"].models == ["FancyModel"] and manager.plugins["first"].models == []
+
+
+def test_registry_errors_list_what_exists():
+    models = ModelRegistry()
+    models.register_model("X", "pkg.mod:X")
+    with pytest.raises(ValueError, match=r"not 'package.module:Class'"):
+        models.register_model("Y", "pkg.mod.Y")
+    with pytest.raises(KeyError, match=r"unknown model architecture 'Z'; registered: X"):
+        models.load("Z")
+    with pytest.raises(ValueError, match=r"\['Z'\] are not supported; supported: X"):
+        models.resolve(["Z"])
+
+
+def test_cli_lists_plugins():
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.entrypoints.cli", "plugins"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "tandem-models" in out and "BartForConditionalGeneration" in out
+    assert "tandem-torch-sdpa" in out and "torch_sdpa" in out
