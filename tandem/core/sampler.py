@@ -27,7 +27,9 @@ class Sampler:
         """``logits`` is float32 ``[S, vocab]``; ``groups[i]`` owns ``seqs[i]``."""
         params = [g.sampling_params for g in groups]
         self._suppress_stop_tokens(logits, seqs, params)
-        logprobs = torch.log_softmax(logits, dim=-1)
+        # The chosen token's log-probability needs only the row's logsumexp;
+        # the full log-softmax is built only when top-k logprobs are asked for.
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
 
         greedy = [p.greedy for p in params]
         tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
@@ -41,12 +43,14 @@ class Sampler:
             probs = self._probs(logits.index_select(0, rows), [params[i] for i in sample_rows])
             tokens[rows] = self._draw(probs, [groups[i].generator for i in sample_rows])
 
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        chosen = (logits.gather(1, tokens[:, None]) - lse).squeeze(1)
         top: list[dict[int, float] | None] = [None] * len(seqs)
         want = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
         if want:
             k_max = max(k for _, k in want)
-            vals, idx = logprobs.topk(k_max, dim=-1) if k_max else (None, None)
+            vals, idx = logits.topk(k_max, dim=-1) if k_max else (None, None)
+            if k_max:
+                vals = vals - lse
             for i, k in want:
                 d = {} if not k else dict(zip(idx[i, :k].tolist(), vals[i, :k].tolist()))
                 d[int(tokens[i])] = float(chosen[i])

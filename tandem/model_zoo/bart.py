@@ -32,6 +32,7 @@ class BartVariant:
     layernorm_embedding: bool = True  # LN after embeddings (BART, mBART)
     final_layer_norm: bool = False  # LN after the last encoder/decoder layer (mBART, Pegasus)
     position_offset: int = 2  # learned positions are stored shifted by 2 in BART
+    sinusoidal_positions: bool = False  # fixed sin/cos table instead of learned positions (Marian, Pegasus)
 
 
 class BartLearnedPositionalEmbedding(nn.Embedding):
@@ -41,6 +42,42 @@ class BartLearnedPositionalEmbedding(nn.Embedding):
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         return super().forward(positions + self.offset)
+
+
+def sinusoidal_table(num_positions: int, dim: int) -> torch.Tensor:
+    """``[num_positions, dim]`` float32: sines in the first half of each row, cosines in the second.
+
+    The same numerics as transformers' ``MarianSinusoidalPositionalEmbedding.create_weight``
+    (angles and sin/cos in float64 numpy, one rounding to float32), so the table is
+    bit-identical to HF's.
+    """
+    import numpy as np
+
+    div = np.array([np.power(10000, 2 * (j // 2) / dim) for j in range(dim)])  # [dim]
+    angles = np.arange(num_positions)[:, None] / div[None, :]  # [num_positions, dim], C order as in HF
+    half = (dim + 1) // 2
+    out = torch.empty(num_positions, dim, dtype=torch.float32)
+    out[:, :half] = torch.from_numpy(np.sin(angles[:, 0::2])).to(torch.float32)
+    out[:, half:] = torch.from_numpy(np.cos(angles[:, 1::2])).to(torch.float32)
+    return out
+
+
+class BartSinusoidalPositionalEmbedding(nn.Module):
+    """Fixed sinusoidal positions. The table is computed, not learned: the model is built on
+    the meta device, so ``load_weights`` fills it (:meth:`reset_table`); a checkpoint that
+    carries ``embed_positions.weight`` (older HF saves) overwrites it with the same values."""
+
+    def __init__(self, num_positions: int, dim: int, offset: int) -> None:
+        super().__init__()
+        self.offset = offset
+        self.register_buffer("weight", torch.empty(num_positions + offset, dim), persistent=False)
+
+    @torch.no_grad()
+    def reset_table(self) -> None:
+        self.weight.copy_(sinusoidal_table(*self.weight.shape))
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(positions + self.offset, self.weight)
 
 
 class _SelfAttention(nn.Module):
@@ -149,9 +186,10 @@ class _Stack(nn.Module):
         dim = config.d_model
         self.embed_scale = math.sqrt(dim) if config.scale_embedding else 1.0
         self.embed_tokens = embed_tokens
-        self.embed_positions = BartLearnedPositionalEmbedding(
-            config.max_position_embeddings, dim, variant.position_offset
+        positions_cls = (
+            BartSinusoidalPositionalEmbedding if variant.sinusoidal_positions else BartLearnedPositionalEmbedding
         )
+        self.embed_positions = positions_cls(config.max_position_embeddings, dim, variant.position_offset)
         self.layernorm_embedding = nn.LayerNorm(dim) if variant.layernorm_embedding else None
         self.layer_norm = nn.LayerNorm(dim) if variant.final_layer_norm else None
 
@@ -246,6 +284,9 @@ class BartForConditionalGeneration(EncoderDecoderModel):
         params = dict(self.named_parameters())
         buffers = dict(self.named_buffers())
         self.final_logits_bias.zero_()
+        for module in self.modules():
+            if isinstance(module, BartSinusoidalPositionalEmbedding):
+                module.reset_table()
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             name = self._checkpoint_name(hf_name)
