@@ -218,8 +218,8 @@ class LLMEngine:
         p = group.sampling_params
         completions = []
         for i, seq in enumerate(group.seqs):
-            text = seq.output_text
-            if not (seq.stop_reason is not None and isinstance(seq.stop_reason, str)) and self.tokenizer is not None:
+            text = seq.output_text  # already cut before a stop string
+            if not isinstance(seq.stop_reason, str) and self.tokenizer is not None:
                 text = self._decode(seq.output_token_ids, p)
             completions.append(
                 CompletionOutput(

@@ -124,7 +124,6 @@ class ModelRunner:
         )
         return inputs, seqs
 
-    @torch.inference_mode()
     def execute(
         self, groups: list[SequenceGroupMetadata], kv_caches: list[torch.Tensor]
     ) -> tuple[torch.Tensor, list[Sequence]]:
