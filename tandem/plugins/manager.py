@@ -64,7 +64,11 @@ class PluginManager:
             dist = getattr(ep, "dist", None)
             self.plugins[ep.name] = PluginInfo(ep.name, ep.value, dist.name if dist is not None else None)
             self._objects[ep.name] = obj
-            self.pm.register(obj, name=ep.name)
+            try:
+                self.pm.register(obj, name=ep.name)
+                self.pm.check_pending()  # a misspelled hook name is an error, not a no-op
+            except pluggy.PluginValidationError as e:
+                raise PluginError(f"plugin {ep.name!r} ({ep.value}) is invalid: {e}") from e
         if self.allow is not None:
             unknown = sorted(self.allow - set(self.plugins))
             if unknown:

@@ -35,6 +35,7 @@ class LazyRegistry(Generic[T]):
         self._entries: dict[str, str | type[T]] = {}
         self._loaded: dict[str, type[T]] = {}
         self._owners: dict[str, str | None] = {}
+        self._overrides: dict[str, bool] = {}
         self._current_owner: str | None = None
 
     @contextlib.contextmanager
@@ -61,6 +62,8 @@ class LazyRegistry(Generic[T]):
         elif not isinstance(target, type):
             raise TypeError(f"{self.kind} {name!r}: expected a class or 'module:Class', got {target!r}")
         if name in self._entries and not override:
+            if self._overrides.get(name):
+                return  # an explicit override wins whichever plugin ran first
             raise DuplicateRegistrationError(
                 f"{self.kind} {name!r} is registered twice: by {self._who(self._owners.get(name))} "
                 f"({self._describe(name)}) and by {self._who(self._current_owner)} "
@@ -69,6 +72,7 @@ class LazyRegistry(Generic[T]):
             )
         self._entries[name] = target
         self._owners[name] = self._current_owner
+        self._overrides[name] = override
         self._loaded.pop(name, None)
 
     @staticmethod
@@ -90,5 +94,14 @@ class LazyRegistry(Generic[T]):
             raise KeyError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names()) or 'none'}")
         if name not in self._loaded:
             target = self._entries[name]
-            self._loaded[name] = import_object(target) if isinstance(target, str) else target
+            if isinstance(target, str):
+                try:
+                    self._loaded[name] = import_object(target)
+                except ImportError as e:
+                    raise ImportError(
+                        f"{self.kind} {name!r} (registered by {self._who(self._owners.get(name))}): "
+                        f"cannot import {target!r}: {e}"
+                    ) from e
+            else:
+                self._loaded[name] = target
         return self._loaded[name]

@@ -32,3 +32,13 @@ fancy_again = ModelPlugin("FancyModel", "some_pkg.models:OtherFancy")
 fancy_override = ModelPlugin("FancyModel", "some_pkg.models:OtherFancy", override=True)
 backend = BackendPlugin("my_backend", "tandem.backends.torch_sdpa:TorchSDPABackend")
 raising = Raising()
+
+
+class Misspelled:
+    @hookimpl
+    def tandem_register_model(self, registry) -> None:  # missing the final "s"
+        registry.register_model("Never", "x.y:Z")
+
+
+misspelled = Misspelled()
+missing_target = ModelPlugin("GhostModel", "no_such_package.models:Ghost")

@@ -113,3 +113,22 @@ def test_cli_lists_plugins():
     ).stdout
     assert "tandem-models" in out and "BartForConditionalGeneration" in out
     assert "tandem-torch-sdpa" in out and "torch_sdpa" in out
+
+
+def test_override_wins_whichever_plugin_runs_first():
+    # "a-override" sorts before "z-plain": the override runs first and must still win.
+    eps = [ep("a-override", "fake_plugins:fancy_override"), ep("z-plain", "fake_plugins:fancy")]
+    manager, models, _ = run(eps)
+    assert models.owner("FancyModel") == "a-override"
+    assert manager.plugins["a-override"].models == ["FancyModel"]
+
+
+def test_misspelled_hook_is_an_error_naming_the_plugin():
+    with pytest.raises(PluginError, match=r"plugin 'typo' \(fake_plugins:misspelled\) is invalid:.*tandem_register_model"):
+        run([ep("typo", "fake_plugins:misspelled")])
+
+
+def test_lazy_target_that_cannot_import_names_its_plugin():
+    _, models, _ = run([ep("ghost", "fake_plugins:missing_target")])
+    with pytest.raises(ImportError, match=r"'GhostModel' \(registered by plugin 'ghost'\): cannot import"):
+        models.resolve(["GhostModel"])
