@@ -37,24 +37,27 @@ def make_tokenizer(vocab_size: int):
     )
 
 
+# Dimensions of every tiny test checkpoint (BART and its relatives), dropout off.
+TINY_DIMS = dict(
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    max_position_embeddings=128,
+    forced_eos_token_id=None,
+    dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+)
+
+
 def make_bart(path: Path, seed: int = 0, with_tokenizer: bool = True, **overrides) -> Path:
     from transformers import BartConfig, BartForConditionalGeneration
 
-    kwargs = dict(
-        vocab_size=96,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=128,
-        forced_eos_token_id=None,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-    )
+    kwargs = dict(TINY_DIMS, vocab_size=96)
     kwargs.update(overrides)
     torch.manual_seed(seed)
     config = BartConfig(**kwargs)

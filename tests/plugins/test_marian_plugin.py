@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import TINY_DIMS
 from tandem import LLM, SamplingParams
 from tandem.registry import default_model_registry, plugin_manager, reset_registries
 
@@ -51,15 +52,8 @@ def marian_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("marian") / "ckpt"
     torch.manual_seed(2)
     config = MarianConfig(
+        **{k: v for k, v in TINY_DIMS.items() if k != "forced_eos_token_id"},
         vocab_size=VOCAB,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=128,
         activation_function="swish",
         scale_embedding=True,
         pad_token_id=PAD,
@@ -67,9 +61,6 @@ def marian_dir(tmp_path_factory) -> Path:
         eos_token_id=EOS,
         bos_token_id=EOS,  # as OPUS-MT configs have it; generation must not use it
         forced_eos_token_id=None,  # tandem does not force EOS at max_length
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
     )
     model = MarianMTModel(config).eval()
     # Wide weights give varied outputs (see helpers.make_bart). The shared embedding gets less:
