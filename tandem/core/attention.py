@@ -45,12 +45,22 @@ class AttentionMetadata:
     num_encoder_tokens: int
 
 
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of the decoder's KV cache: one tensor per decoder layer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+
+
 class AttentionMetadataBuilder(ABC):
     """Packs one step's inputs into a backend's own metadata dataclass."""
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, kv_spec: KVCacheSpec) -> None:
         self.block_size = block_size
         self.device = device
+        self.kv_spec = kv_spec
 
     @abstractmethod
     def build(self, inputs: "StepInputs") -> AttentionMetadata: ...

@@ -71,7 +71,7 @@ class LLMEngine:
 
         self.block_manager = BlockManager(config.block_size, num_blocks, num_cpu_blocks)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        builder = self.attn_backend.get_metadata_builder_cls()(config.block_size, device)
+        builder = self.attn_backend.get_metadata_builder_cls()(config.block_size, device, spec)
         self.runner = ModelRunner(self.model, builder, config.block_size, device)
         eos = self.hf_config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])

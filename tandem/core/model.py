@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tandem.core.attention import AttentionBackend, AttentionMetadata
+from tandem.core.attention import AttentionBackend, AttentionMetadata, KVCacheSpec
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -23,15 +23,6 @@ class ModelContext:
     attn_backend: type[AttentionBackend]
     dtype: torch.dtype
     device: torch.device
-
-
-@dataclass(frozen=True)
-class KVCacheSpec:
-    """Shape of the decoder's KV cache: one tensor per decoder layer."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
 
 
 class EncoderDecoderModel(nn.Module, ABC):

@@ -7,7 +7,7 @@ import torch
 
 from tandem.backends.kv_cache import write_to_paged_cache
 from tandem.backends.torch_sdpa import TorchSDPABackend, contiguous_starts
-from tandem.core.attention import AttentionType
+from tandem.core.attention import AttentionType, KVCacheSpec
 from tandem.core.model_runner import ModelRunner
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceGroupMetadata
@@ -60,7 +60,12 @@ def _ref(q, k, v, causal_offset=None):
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_all_three_attention_kinds_match_float64(seed, block_size):
+@pytest.mark.parametrize("cross_path", ["views", "gather"])
+def test_all_three_attention_kinds_match_float64(seed, block_size, cross_path, monkeypatch):
+    import tandem.backends.torch_sdpa as sdpa
+
+    # Force every contiguous cross table through a cache view, or none.
+    monkeypatch.setattr(sdpa, "VIEW_MIN_CROSS_ELEMENTS", 1 if cross_path == "views" else 10**12)
     rng = random.Random(seed)
     specs = []
     for _ in range(rng.randint(1, 7)):
@@ -70,9 +75,13 @@ def test_all_three_attention_kinds_match_float64(seed, block_size):
         specs.append((rng.randint(1, 120), ctx, q_len, run_encoder, rng.random() < 0.6))
     num_blocks = sum(-(-e // block_size) + -(-(c + q) // block_size) for e, c, q, *_ in specs) * 3 + 8
     metas, logical = _layout(rng, block_size, num_blocks, specs)
-    builder = TorchSDPABackend.get_metadata_builder_cls()(block_size, torch.device("cpu"))
+    builder = TorchSDPABackend.get_metadata_builder_cls()(block_size, torch.device("cpu"), KVCacheSpec(1, H, D))
     inputs, _ = ModelRunner(None, builder, block_size, torch.device("cpu")).prepare(metas)
     md = builder.build(inputs)
+    contiguous_decodes = [
+        i for i, (q, start) in enumerate(zip(inputs.query_lens, md.cross_view_start)) if q == 1 and start >= 0
+    ]
+    assert len(md.decode_cross_views) == (len(contiguous_decodes) if cross_path == "views" else 0)
     impl = TorchSDPABackend.get_impl_cls()(H, D, D**-0.5, H)
     g = torch.Generator().manual_seed(seed)
     self_cache = torch.zeros(2, num_blocks, block_size, H, D)
