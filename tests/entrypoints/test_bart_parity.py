@@ -45,7 +45,12 @@ def _check_against_hf(model_dir, outs, max_tokens, min_tokens=0):
         assert o.outputs[0].token_ids == ref, (o.encoder_prompt_token_ids, o.prompt_token_ids)
 
 
-def test_mixed_prompts_match_hf(bart_dir):
+@pytest.mark.parametrize("cross_views", [False, True])
+def test_mixed_prompts_match_hf(bart_dir, cross_views, monkeypatch):
+    import tandem.backends.torch_sdpa as sdpa
+
+    if cross_views:  # read every contiguous cross table through cache views
+        monkeypatch.setattr(sdpa, "VIEW_MIN_CROSS_ELEMENTS", 1)
     llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
     prompts = _prompts(0, 24)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
