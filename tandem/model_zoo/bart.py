@@ -130,7 +130,7 @@ class BartCrossAttention(nn.Module):
         return self.out_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
-def _ffn(config, dim: int, ffn_dim: int) -> tuple[nn.Linear, nn.Linear]:
+def _ffn(dim: int, ffn_dim: int) -> tuple[nn.Linear, nn.Linear]:
     return nn.Linear(dim, ffn_dim), nn.Linear(ffn_dim, dim)
 
 
@@ -141,7 +141,7 @@ class BartEncoderLayer(nn.Module):
         self.pre_ln = variant.normalize_before
         self.self_attn = BartEncoderAttention(dim, config.encoder_attention_heads, ctx)
         self.self_attn_layer_norm = nn.LayerNorm(dim)
-        self.fc1, self.fc2 = _ffn(config, dim, config.encoder_ffn_dim)
+        self.fc1, self.fc2 = _ffn(dim, config.encoder_ffn_dim)
         self.act = ACT2FN[config.activation_function]
         self.final_layer_norm = nn.LayerNorm(dim)
 
@@ -162,7 +162,7 @@ class BartDecoderLayer(nn.Module):
         self.self_attn_layer_norm = nn.LayerNorm(dim)
         self.encoder_attn = BartCrossAttention(dim, config.decoder_attention_heads, ctx)
         self.encoder_attn_layer_norm = nn.LayerNorm(dim)
-        self.fc1, self.fc2 = _ffn(config, dim, config.decoder_ffn_dim)
+        self.fc1, self.fc2 = _ffn(dim, config.decoder_ffn_dim)
         self.act = ACT2FN[config.activation_function]
         self.final_layer_norm = nn.LayerNorm(dim)
 
