@@ -44,7 +44,6 @@ class LLMEngine:
         )
         model_registry = model_registry or default_model_registry()
         backend_registry = backend_registry or default_backend_registry()
-        torch.manual_seed(config.seed)
 
         self.hf_config = load_hf_config(config.model)
         self.model_cls, self.architecture = model_registry.resolve(getattr(self.hf_config, "architectures", None))
@@ -75,7 +74,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, builder, config.block_size, device)
         eos = self.hf_config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.sampler = Sampler(sorted(self.eos_token_ids))
+        self.sampler = Sampler(sorted(self.eos_token_ids), config.seed, device)
         self.input_processor = InputProcessor(self.hf_config, self.model_cls, self.tokenizer)
         self.vocab_size = self.model_cls.vocab_size(self.hf_config)
         self._seq_ids = itertools.count()

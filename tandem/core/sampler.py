@@ -18,8 +18,11 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: list[int]) -> None:
+    def __init__(self, eos_token_ids: list[int], seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.eos_token_ids = list(eos_token_ids)
+        # Requests without a seed of their own draw from the engine's stream,
+        # not torch's global one, so the engine never touches global state.
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence], groups: list[SequenceGroup]
@@ -41,7 +44,7 @@ class Sampler:
         if sample_rows:
             rows = torch.tensor(sample_rows, device=logits.device)
             probs = self._probs(logits.index_select(0, rows), [params[i] for i in sample_rows])
-            tokens[rows] = self._draw(probs, [groups[i].generator for i in sample_rows])
+            tokens[rows] = self._draw(probs, [groups[i].generator for i in sample_rows], self.generator)
 
         chosen = (logits.gather(1, tokens[:, None]) - lse).squeeze(1)
         top: list[dict[int, float] | None] = [None] * len(seqs)
@@ -94,12 +97,15 @@ class Sampler:
         return probs
 
     @staticmethod
-    def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    def _draw(
+        probs: torch.Tensor, generators: list[torch.Generator | None], default: torch.Generator
+    ) -> torch.Tensor:
         # argmax(p / q) with q ~ Exp(1) draws from p; seeded rows use their own stream.
         q = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
-            q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+            shape = (len(unseeded), probs.shape[1])
+            q[unseeded] = torch.empty(shape, device=probs.device).exponential_(generator=default)
         for i, g in enumerate(generators):
             if g is not None:
                 row = torch.empty(probs.shape[1]).exponential_(generator=g)

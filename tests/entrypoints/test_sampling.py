@@ -119,3 +119,16 @@ def test_bfloat16_generates_close_to_float32(bart_dir):
     outs = bf.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     assert all(o.error is None and 1 <= len(o.outputs[0].token_ids) <= 8 for o in outs)
     assert bf.engine.kv_caches[0].dtype == torch.bfloat16
+
+
+def test_unseeded_sampling_follows_the_engine_seed(bart_dir):
+    p = SamplingParams(temperature=1.0, max_tokens=10)
+
+    def run(seed):
+        torch.manual_seed(1234 + seed)  # the global RNG must not matter
+        llm = LLM(model=str(bart_dir), device="cpu", seed=seed)
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, use_tqdm=False)]
+
+    first = run(0)
+    assert run(0) == first
+    assert run(1) != first
