@@ -75,11 +75,10 @@ def make_bart(path: Path, seed: int = 0, with_tokenizer: bool = True, **override
     return Path(path)
 
 
-def hf_greedy(model_dir: Path, encoder_ids: list[int], decoder_ids: list[int], max_new: int, min_new: int = 0):
-    """HF generate on one prompt; returns the new tokens (EOS included when it stopped there)."""
-    from transformers import BartForConditionalGeneration
-
-    model = _hf_model(model_dir)
+def hf_generate(model, encoder_ids: list[int], decoder_ids: list[int], max_new: int, min_new: int = 0):
+    """HF greedy ``generate`` on one prompt: the new tokens (EOS included when it
+    stopped there) and each step's log-softmax ``[steps, vocab]`` of the scores
+    after HF's logits processors."""
     with torch.no_grad():
         out = model.generate(
             input_ids=torch.tensor([encoder_ids]),
@@ -89,8 +88,16 @@ def hf_greedy(model_dir: Path, encoder_ids: list[int], decoder_ids: list[int], m
             min_new_tokens=min_new,
             do_sample=False,
             num_beams=1,
+            output_scores=True,
+            return_dict_in_generate=True,
         )
-    return out[0, len(decoder_ids) :].tolist()
+    logprobs = torch.log_softmax(torch.cat(out.scores).float(), dim=-1)
+    return out.sequences[0, len(decoder_ids) :].tolist(), logprobs
+
+
+def hf_greedy(model_dir: Path, encoder_ids: list[int], decoder_ids: list[int], max_new: int, min_new: int = 0):
+    """The new tokens of HF generate for the checkpoint in ``model_dir``."""
+    return hf_generate(_hf_model(model_dir), encoder_ids, decoder_ids, max_new, min_new)[0]
 
 
 _cache: dict = {}

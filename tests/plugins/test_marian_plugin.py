@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY_DIMS
+from helpers import TINY_DIMS, hf_generate
 from tandem import LLM, SamplingParams
 from tandem.registry import default_model_registry, plugin_manager, reset_registries
 
@@ -86,23 +86,6 @@ def hf_marian(marian_dir):
     return MarianMTModel.from_pretrained(marian_dir, dtype=torch.float32).eval()
 
 
-def _hf_greedy(model, encoder_ids: list[int], decoder_ids: list[int], max_new: int):
-    """HF generate on one prompt: the new tokens and each step's log-softmax ``[max_new, vocab]``."""
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=torch.tensor([encoder_ids]),
-            attention_mask=torch.ones(1, len(encoder_ids), dtype=torch.long),
-            decoder_input_ids=torch.tensor([decoder_ids]),
-            max_new_tokens=max_new,
-            do_sample=False,
-            num_beams=1,
-            output_scores=True,  # after the logits processors, i.e. with <pad> banned
-            return_dict_in_generate=True,
-        )
-    logprobs = torch.log_softmax(torch.cat(out.scores).float(), dim=-1)
-    return out.sequences[0, len(decoder_ids) :].tolist(), logprobs
-
-
 def _prompts(seed: int, n: int) -> list:
     rng = random.Random(seed)
     ids = lambda k: [rng.randrange(1, PAD) for _ in range(k)]  # noqa: E731
@@ -156,7 +139,7 @@ def test_generation_matches_hf_marian(marian_installed, marian_dir, hf_marian):
         assert o.prompt_token_ids[0] == PAD
         if "decoder_prompt" not in prompt:
             assert o.prompt_token_ids == [PAD]  # Marian has no <BOS> after the start token
-        ref, ref_logprobs = _hf_greedy(hf_marian, o.encoder_prompt_token_ids, o.prompt_token_ids, 16)
+        ref, ref_logprobs = hf_generate(hf_marian, o.encoder_prompt_token_ids, o.prompt_token_ids, 16)
         assert o.outputs[0].token_ids == ref, (o.encoder_prompt_token_ids, o.prompt_token_ids)
         assert PAD not in o.outputs[0].token_ids
         # Every step's distribution too, not only its argmax: repeated tokens would hide a drift.
