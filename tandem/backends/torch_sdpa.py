@@ -32,8 +32,8 @@ class TorchSDPAMetadata(AttentionMetadata):
     # Decoder sequences with exactly one new token, batched.
     decode_rows: torch.Tensor  # [D] packed row of each decode token
     decode_seqs: torch.Tensor  # [D] sequence index
-    decode_mask: torch.Tensor  # [D, 1, 1, max_len] self keys to attend
-    decode_cross_mask: torch.Tensor  # [D, 1, 1, max_cross_len]
+    decode_mask: torch.Tensor  # [D, 1, 1, decode_blocks * block_size] self keys to attend
+    decode_blocks: int  # block-table columns the decodes need (gathers stop there)
     num_decodes: int
     # Encoder runs this step: (row start, length).
     encoder_runs: list[tuple[int, int]]
@@ -45,6 +45,8 @@ class TorchSDPAMetadata(AttentionMetadata):
     cross_view_start: list[int]
     decode_cross_gather: torch.Tensor  # [Dg] positions in the decode batch that gather
     decode_cross_gather_rows: torch.Tensor  # [Dg] their packed query rows
+    decode_cross_mask: torch.Tensor  # [Dg, 1, 1, decode_cross_blocks * block_size]
+    decode_cross_blocks: int
 
 
 def _length_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -81,8 +83,6 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
         seq_lens = torch.tensor(inputs.seq_lens, dtype=torch.long, device=dev)
         cross_lens = torch.tensor(inputs.cross_seq_lens, dtype=torch.long, device=dev)
         bs = self.block_size
-        width = inputs.block_tables.shape[1] * bs
-        cross_width = inputs.cross_block_tables.shape[1] * bs
         enc_runs, row = [], 0
         for n in inputs.encoder_seq_lens:
             enc_runs.append((row, n))
@@ -97,6 +97,11 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
             else:
                 gather.append(j)
         gather_t = torch.tensor(gather, dtype=torch.long, device=dev)
+        # Gather only as many block columns as the longest sequence gathered needs.
+        decode_blocks = -(-max((inputs.seq_lens[i] for i in decodes), default=0) // bs)
+        cross_blocks = -(-max((inputs.cross_seq_lens[decodes[j]] for j in gather), default=0) // bs)
+        decode_lens = seq_lens.index_select(0, decode_seqs)
+        gather_cross_lens = cross_lens.index_select(0, decode_seqs).index_select(0, gather_t)
         return TorchSDPAMetadata(
             num_decoder_tokens=int(inputs.input_ids.shape[0]),
             slot_mapping=inputs.slot_mapping,
@@ -108,14 +113,16 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
             cross_seq_lens=inputs.cross_seq_lens,
             decode_rows=inputs.query_start_loc.index_select(0, decode_seqs),
             decode_seqs=decode_seqs,
-            decode_mask=_length_mask(seq_lens.index_select(0, decode_seqs), width),
-            decode_cross_mask=_length_mask(cross_lens.index_select(0, decode_seqs), cross_width),
+            decode_mask=_length_mask(decode_lens, decode_blocks * bs),
+            decode_blocks=decode_blocks,
             num_decodes=len(decodes),
             encoder_runs=enc_runs,
             decode_cross_views=views,
             cross_view_start=view_start,
             decode_cross_gather=gather_t,
             decode_cross_gather_rows=inputs.query_start_loc.index_select(0, decode_seqs.index_select(0, gather_t)),
+            decode_cross_mask=_length_mask(gather_cross_lens, cross_blocks * bs),
+            decode_cross_blocks=cross_blocks,
         )
 
 
@@ -184,12 +191,11 @@ class TorchSDPAImpl(AttentionImpl):
                 out[row] = o[0, :, 0]
             if md.decode_cross_gather.numel():
                 seqs = md.decode_seqs.index_select(0, md.decode_cross_gather)
-                self._batched_decode(query, kv_cache, tables.index_select(0, seqs),
-                                     md.decode_cross_mask.index_select(0, md.decode_cross_gather),
-                                     md.decode_cross_gather_rows, out, gqa)
+                self._batched_decode(query, kv_cache, tables.index_select(0, seqs)[:, : md.decode_cross_blocks],
+                                     md.decode_cross_mask, md.decode_cross_gather_rows, out, gqa)
             return out
-        self._batched_decode(query, kv_cache, tables.index_select(0, md.decode_seqs), md.decode_mask,
-                             md.decode_rows, out, gqa)
+        self._batched_decode(query, kv_cache, tables.index_select(0, md.decode_seqs)[:, : md.decode_blocks],
+                             md.decode_mask, md.decode_rows, out, gqa)
         return out
 
     def _batched_decode(self, query, kv_cache, tables, mask, rows, out, gqa) -> None:
