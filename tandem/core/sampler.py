@@ -62,13 +62,16 @@ class Sampler:
 
     def _suppress_stop_tokens(self, logits, seqs, params: list[SamplingParams]) -> None:
         """Before ``min_tokens`` exist, EOS and the stop tokens cannot be picked."""
-        for i, (seq, p) in enumerate(zip(seqs, params)):
-            if p.min_tokens and len(seq.output_token_ids) < p.min_tokens:
-                banned = list(p.stop_token_ids)
-                if not p.ignore_eos:
-                    banned.extend(self.eos_token_ids)
-                if banned:
-                    logits[i, banned] = -float("inf")
+        young = [i for i, (seq, p) in enumerate(zip(seqs, params)) if len(seq.output_token_ids) < p.min_tokens]
+        if not young:
+            return
+        eos_rows = [i for i in young if not params[i].ignore_eos]
+        if eos_rows and self.eos_token_ids:
+            rows = torch.tensor(eos_rows, device=logits.device)[:, None]
+            logits[rows, torch.tensor(self.eos_token_ids, device=logits.device)] = -float("inf")
+        for i in young:
+            if params[i].stop_token_ids:
+                logits[i, params[i].stop_token_ids] = -float("inf")
 
     @staticmethod
     def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

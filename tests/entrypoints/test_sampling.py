@@ -132,3 +132,18 @@ def test_unseeded_sampling_follows_the_engine_seed(bart_dir):
     first = run(0)
     assert run(0) == first
     assert run(1) != first
+
+
+def test_min_tokens_holds_back_eos_and_stop_tokens(llm):
+    free = llm.generate([PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    toks = free[0].outputs[0].token_ids
+    stop_tok = toks[0]
+    out = llm.generate(
+        [PROMPTS[3]],
+        SamplingParams(temperature=0.0, max_tokens=12, min_tokens=5, stop_token_ids=[stop_tok]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert stop_tok not in out.token_ids[:5] and 2 not in out.token_ids[:5]
+    assert len(out.token_ids) >= 5
+    if stop_tok in out.token_ids:
+        assert out.token_ids[-1] == stop_tok and out.finish_reason == "stop"
