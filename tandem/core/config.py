@@ -16,6 +16,9 @@ _DTYPES = {
 }
 
 
+DEFAULT_KV_CACHE_GIB = 1.0
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -24,7 +27,9 @@ class EngineConfig:
     device: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
-    kv_cache_memory: float = 1.0  # GiB for the device KV pool
+    # GiB for the device KV pool; None: what max_num_seqs full-length requests
+    # need, at most DEFAULT_KV_CACHE_GIB.
+    kv_cache_memory: float | None = None
     swap_space: float = 1.0  # GiB of CPU swap pool
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
@@ -55,7 +60,9 @@ class EngineConfig:
             raise ValueError(f"block_size={self.block_size!r}: must be an integer in [1, 1024]")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r}: must be an integer >= 1")
-        if not isinstance(self.kv_cache_memory, (int, float)) or self.kv_cache_memory <= 0:
+        if self.kv_cache_memory is not None and (
+            not isinstance(self.kv_cache_memory, (int, float)) or self.kv_cache_memory <= 0
+        ):
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r}: must be a positive number of GiB")
         if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
             raise ValueError(f"swap_space={self.swap_space!r}: must be >= 0 GiB")

@@ -11,7 +11,7 @@ import torch
 
 from tandem.core.attention import AttentionType
 from tandem.core.block_manager import BlockManager, Device, blocks_for
-from tandem.core.config import EngineConfig
+from tandem.core.config import DEFAULT_KV_CACHE_GIB, EngineConfig
 from tandem.core.inputs import EncoderDecoderInputs, InputProcessor, PromptType
 from tandem.core.loader import load_hf_config, load_model, load_tokenizer
 from tandem.core.model_runner import ModelRunner
@@ -58,7 +58,7 @@ class LLMEngine:
         shape_of = self.attn_backend.get_kv_cache_shape
         per_block = spec.num_layers * 2 * config.block_size * spec.num_kv_heads * spec.head_size
         block_bytes = per_block * torch.empty((), dtype=dtype).element_size()
-        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory * _GiB // block_bytes))
+        num_blocks = config.num_kv_blocks or self._default_num_blocks(spec, block_bytes)
         num_cpu_blocks = int(config.swap_space * _GiB // block_bytes)
         self._cache_shape = lambda n: shape_of(n, config.block_size, spec.num_kv_heads, spec.head_size)
         self.kv_caches = [
@@ -80,6 +80,18 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
         self.stats = EngineStats()
+
+    def _default_num_blocks(self, spec, block_bytes: int) -> int:
+        config, m, cfg = self.config, self.model_cls, self.hf_config
+        if config.kv_cache_memory is not None:
+            return max(1, int(config.kv_cache_memory * _GiB // block_bytes))
+        # Enough for max_num_seqs requests of the longest encoder and decoder the
+        # model allows (plus the watermark), but no more than the default memory.
+        per_request = blocks_for(m.max_encoder_len(cfg), config.block_size) + blocks_for(
+            m.max_decoder_len(cfg), config.block_size
+        )
+        wanted = int(config.max_num_seqs * per_request * 1.02) + 1
+        return max(1, min(wanted, int(DEFAULT_KV_CACHE_GIB * _GiB // block_bytes)))
 
     # -- requests ------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:

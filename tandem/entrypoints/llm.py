@@ -30,7 +30,7 @@ class LLM:
         device: str = "auto",
         block_size: int = 16,
         num_kv_blocks: int | None = None,
-        kv_cache_memory: float = 1.0,
+        kv_cache_memory: float | None = None,
         swap_space: float = 1.0,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 16384,

@@ -154,3 +154,15 @@ def test_requests_whose_recompute_would_exceed_the_token_budget_are_rejected(bar
     )
     assert "45 tokens in one step" in outs[0].error and "max_num_batched_tokens=40" in outs[0].error
     assert outs[1].error is None
+
+
+def test_pool_size_from_memory_blocks_or_the_default(bart_dir):
+    # tiny model: 2 layers x K,V x 16 slots x 4 heads x 8 dims x 4 bytes = 8 KiB a block
+    sized = LLM(model=str(bart_dir), device="cpu", kv_cache_memory=0.5 / 1024)
+    assert sized.engine.block_manager.num_total_blocks() == 64
+    explicit = LLM(model=str(bart_dir), device="cpu", num_kv_blocks=123)
+    assert explicit.engine.block_manager.num_total_blocks() == 123
+    default = LLM(model=str(bart_dir), device="cpu", max_num_seqs=10)
+    # 10 requests x (128 / 16 encoder + 128 / 16 decoder blocks), plus 2%
+    assert default.engine.block_manager.num_total_blocks() == int(10 * 16 * 1.02) + 1
+    assert default.engine.kv_caches[0].shape[1] == int(10 * 16 * 1.02) + 1
