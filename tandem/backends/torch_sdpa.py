@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.backends.kv_cache import gather_from_paged_cache
+from tandem.backends.kv_cache import GatherWorkspace, gather_from_paged_cache
 from tandem.core.attention import (
     AttentionBackend,
     AttentionImpl,
@@ -47,6 +47,7 @@ class TorchSDPAMetadata(AttentionMetadata):
     decode_cross_gather_rows: torch.Tensor  # [Dg] their packed query rows
     decode_cross_mask: torch.Tensor  # [Dg, 1, 1, decode_cross_blocks * block_size]
     decode_cross_blocks: int
+    workspace: GatherWorkspace  # the builder's, reused by every layer and step
 
 
 def _length_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -70,6 +71,10 @@ def contiguous_starts(tables: torch.Tensor, lens: torch.Tensor, block_size: int)
 
 
 class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
+    def __init__(self, block_size, device, kv_spec) -> None:
+        super().__init__(block_size, device, kv_spec)
+        self.workspace = GatherWorkspace()
+
     def build(self, inputs) -> TorchSDPAMetadata:
         starts = inputs.query_start_loc.tolist()
         prefills, decodes = [], []
@@ -123,6 +128,7 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
             decode_cross_gather_rows=inputs.query_start_loc.index_select(0, decode_seqs.index_select(0, gather_t)),
             decode_cross_mask=_length_mask(gather_cross_lens, cross_blocks * bs),
             decode_cross_blocks=cross_blocks,
+            workspace=self.workspace,
         )
 
 
@@ -192,15 +198,15 @@ class TorchSDPAImpl(AttentionImpl):
             if md.decode_cross_gather.numel():
                 seqs = md.decode_seqs.index_select(0, md.decode_cross_gather)
                 self._batched_decode(query, kv_cache, tables.index_select(0, seqs)[:, : md.decode_cross_blocks],
-                                     md.decode_cross_mask, md.decode_cross_gather_rows, out, gqa)
+                                     md.decode_cross_mask, md.decode_cross_gather_rows, out, gqa, md.workspace)
             return out
         self._batched_decode(query, kv_cache, tables.index_select(0, md.decode_seqs)[:, : md.decode_blocks],
-                             md.decode_mask, md.decode_rows, out, gqa)
+                             md.decode_mask, md.decode_rows, out, gqa, md.workspace)
         return out
 
-    def _batched_decode(self, query, kv_cache, tables, mask, rows, out, gqa) -> None:
+    def _batched_decode(self, query, kv_cache, tables, mask, rows, out, gqa, workspace) -> None:
         """One SDPA call for single-token queries over keys gathered and padded."""
-        k, v = gather_from_paged_cache(kv_cache, tables)  # [B, L, H, Dh]
+        k, v = gather_from_paged_cache(kv_cache, tables, workspace)  # [B, L, H, Dh]
         q = query.index_select(0, rows).unsqueeze(2)  # [B, H, 1, Dh]
         o = F.scaled_dot_product_attention(
             q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=self.scale, enable_gqa=gqa
