@@ -116,6 +116,11 @@ class BlockManager:
     def num_free_blocks(self, device: Device = Device.GPU) -> int:
         return self.pools[device].num_free
 
+    @property
+    def usable_blocks(self) -> int:
+        """Device blocks one group may ever hold: the pool less the watermark."""
+        return self.pools[Device.GPU].num_blocks - self.watermark_blocks
+
     def num_total_blocks(self, device: Device = Device.GPU) -> int:
         return self.pools[device].num_blocks
 
@@ -140,7 +145,7 @@ class BlockManager:
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         needed = self.blocks_needed(group)
         pool = self.pools[Device.GPU]
-        if needed > pool.num_blocks - self.watermark_blocks:
+        if needed > self.usable_blocks:
             return AllocStatus.NEVER
         if pool.num_free - needed >= self.watermark_blocks:
             return AllocStatus.OK

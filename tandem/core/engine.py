@@ -108,6 +108,14 @@ class LLMEngine:
         group = SequenceGroup(
             request_id, enc, seqs, params, time.monotonic(), inputs.encoder_prompt, inputs.prompt
         )
+        # Every sequence at full length must fit the pool, or it would preempt itself forever.
+        need = self.block_manager.blocks_needed(group, extra_tokens=params.max_tokens)
+        usable = self.block_manager.usable_blocks
+        if need > usable:
+            raise ValueError(
+                f"request needs up to {need} KV blocks but the pool has {usable}; "
+                "raise num_kv_blocks or kv_cache_memory, or lower max_tokens"
+            )
         self.groups[request_id] = group
         self.scheduler.add(group)
 
@@ -141,14 +149,6 @@ class LLMEngine:
                 f"request may need {worst} tokens in one step (encoder {enc_len} + n={params.n} x "
                 f"(decoder prompt {dec_len} + max_tokens {params.max_tokens} - 1), when recomputed "
                 f"after preemption); max_num_batched_tokens={budget}"
-            )
-        bs = self.config.block_size
-        need = blocks_for(enc_len, bs) + params.n * blocks_for(dec_len + params.max_tokens, bs)
-        usable = self.block_manager.num_total_blocks() - self.block_manager.watermark_blocks
-        if need > usable:
-            raise ValueError(
-                f"request needs up to {need} KV blocks but the pool has {usable}; "
-                "raise num_kv_blocks or kv_cache_memory, or lower max_tokens"
             )
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:

@@ -173,7 +173,6 @@ class Scheduler:
             block_tables={s.seq_id: bm.get_block_table(s) for s in seqs},
             encoder_token_ids=group.encoder_seq.token_ids,
             cross_block_table=bm.get_cross_block_table(group),
-            sampling_params=group.sampling_params,
             group=group,
         )
 

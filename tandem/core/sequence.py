@@ -139,7 +139,6 @@ class SequenceGroupMetadata:
     block_tables: dict[int, list[int]]
     encoder_token_ids: list[int]
     cross_block_table: list[int]
-    sampling_params: SamplingParams
     group: SequenceGroup = field(repr=False)
 
 
@@ -151,7 +150,3 @@ class SchedulerOutputs:
     blocks_to_swap_in: list[tuple[int, int]]
     blocks_to_swap_out: list[tuple[int, int]]
     preempted: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.blocks_to_swap_in and not self.blocks_to_swap_out

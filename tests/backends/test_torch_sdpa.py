@@ -37,8 +37,7 @@ def _layout(rng: random.Random, block_size: int, num_blocks: int, specs):
         self_table = [free.pop() for _ in range(-(-(ctx + q_len) // block_size))]
         group = SequenceGroup(str(gi), Sequence(1000 + gi, [1] * enc_len), [seq], SamplingParams(), 0.0)
         metas.append(
-            SequenceGroupMetadata(str(gi), run_encoder, [seq], {seq.seq_id: self_table}, [1] * enc_len, run,
-                                  SamplingParams(), group)
+            SequenceGroupMetadata(str(gi), run_encoder, [seq], {seq.seq_id: self_table}, [1] * enc_len, run, group)
         )
         logical.append(dict(enc_len=enc_len, ctx=ctx, q_len=q_len, self_table=self_table, cross_table=run))
     return metas, logical
