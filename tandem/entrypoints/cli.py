@@ -44,10 +44,10 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _llm(args):
+def _llm(args, model: str):
     from tandem import LLM
 
-    return LLM(model=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend)
+    return LLM(model=model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend)
 
 
 def _read_prompts(items: list[str]) -> list[str]:
@@ -67,7 +67,7 @@ def cmd_generate(args) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
     )
     prompts = _read_prompts(args.prompts)
-    outs = _llm(args).generate(prompts, params, use_tqdm=False)
+    outs = _llm(args, args.model).generate(prompts, params, use_tqdm=False)
     failed = 0
     for prompt, out in zip(prompts, outs):
         if args.json:
@@ -103,12 +103,12 @@ def cmd_plugins(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from tandem import LLM, SamplingParams
+    from tandem import SamplingParams
 
     examples = json.loads((DEMO_MODEL / "demo_sentences.json").read_text())
     if args.sentences:
         examples = [{"input": s, "expected": " ".join(reversed(s.split()))} for s in args.sentences]
-    llm = LLM(model=str(DEMO_MODEL), dtype=args.dtype, device=args.device, attention_backend=args.attention_backend)
+    llm = _llm(args, str(DEMO_MODEL))
     outs = llm.generate([e["input"] for e in examples], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     print("tandem demo: a tiny BART trained to reverse the words of a sentence\n")
     right = 0
