@@ -66,6 +66,21 @@ class EncoderDecoderModel(nn.Module, ABC):
     @abstractmethod
     def kv_cache_spec(cls, config: "PretrainedConfig") -> KVCacheSpec: ...
 
+    # Integer config fields that set the model's size; size errors name them with their values.
+    config_size_fields: tuple[str, ...] = ()
+
+    @classmethod
+    def check_config(cls, config: "PretrainedConfig") -> None:
+        """Raise ``ValueError`` naming the field and its value when the model cannot be built
+        from ``config``. Runs before anything is built or allocated: arithmetic only."""
+
+    @classmethod
+    def num_parameters(cls, config: "PretrainedConfig") -> int | None:
+        """Parameter elements a checkpoint must store for ``config`` (tied weights counted
+        once, buffers not at all), or None when unknown. Called after :meth:`check_config`;
+        the loader rejects configs that the weight files or the device memory cannot hold."""
+        return None
+
     @classmethod
     def max_encoder_len(cls, config: "PretrainedConfig") -> int:
         return int(config.max_position_embeddings)

@@ -259,6 +259,55 @@ class BartForConditionalGeneration(EncoderDecoderModel):
         heads = config.decoder_attention_heads
         return KVCacheSpec(config.decoder_layers, heads, config.d_model // heads)
 
+    config_size_fields = (
+        "d_model",
+        "encoder_layers",
+        "decoder_layers",
+        "encoder_attention_heads",
+        "decoder_attention_heads",
+        "encoder_ffn_dim",
+        "decoder_ffn_dim",
+        "vocab_size",
+        "max_position_embeddings",
+    )
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        for field in cls.config_size_fields:
+            value = getattr(config, field, None)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"config.json: {field}={value!r} must be a positive integer")
+        for field in ("encoder_attention_heads", "decoder_attention_heads"):
+            heads = getattr(config, field)
+            if config.d_model % heads:
+                raise ValueError(f"config.json: d_model={config.d_model} is not divisible by {field}={heads}")
+        act = getattr(config, "activation_function", None)
+        if not isinstance(act, str) or act not in ACT2FN:
+            known = ", ".join(sorted(ACT2FN))
+            raise ValueError(f"config.json: activation_function={act!r} is not one of {known}")
+
+    @classmethod
+    def num_parameters(cls, config) -> int:
+        """Exactly the parameters ``__init__`` creates, which ``load_weights`` requires."""
+        d, v = config.d_model, config.vocab_size
+
+        def linear(n_in: int, n_out: int) -> int:
+            return n_in * n_out + n_out
+
+        def ffn(ffn_dim: int) -> int:
+            return linear(d, ffn_dim) + linear(ffn_dim, d)
+
+        var = cls.variant
+        norm, attn = 2 * d, 4 * linear(d, d)  # self-attention: q, k, v, out; cross: q, kv (2), out
+        stack = 0 if var.sinusoidal_positions else (config.max_position_embeddings + var.position_offset) * d
+        stack += norm * (var.layernorm_embedding + var.final_layer_norm)
+        encoder_layer = attn + ffn(config.encoder_ffn_dim) + 2 * norm
+        decoder_layer = 2 * attn + ffn(config.decoder_ffn_dim) + 3 * norm
+        total = v * d + 2 * stack
+        total += config.encoder_layers * encoder_layer + config.decoder_layers * decoder_layer
+        tied = bool(getattr(config, "tie_word_embeddings", True))  # as __init__ decides
+        return total if tied else total + v * d
+
     def forward(self, input_ids, positions, encoder_input_ids, encoder_positions, kv_caches, attn_metadata):
         encoder_hidden = None
         if encoder_input_ids.numel():

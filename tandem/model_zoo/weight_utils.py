@@ -22,20 +22,61 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     ):
         index = d / index_name
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise WeightLoadError(f"corrupt weight index {index}: {e}") from e
-            files = [d / f for f in sorted(set(weight_map.values()))]
-            missing = [str(f) for f in files if not f.is_file()]
-            if missing:
-                raise WeightLoadError(f"weight shards listed in {index} are missing: {missing}")
-            return files
+            return _shard_files(d, index)
         if (d / single).is_file():
             return [d / single]
     raise WeightLoadError(
         f"no weights in {d}: expected model.safetensors, pytorch_model.bin or a sharded index"
     )
+
+
+def _shard_files(d: Path, index: Path) -> list[Path]:
+    try:
+        data = json.loads(index.read_text())
+    except (ValueError, OSError) as e:
+        raise WeightLoadError(f"corrupt weight index {index}: {e}") from e
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise WeightLoadError(
+            f"corrupt weight index {index}: 'weight_map' must be a non-empty object of "
+            f"tensor name -> shard file, got {_short(weight_map)}"
+        )
+    # JSON object keys are always strings, so only the values need checking.
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise WeightLoadError(
+                f"corrupt weight index {index}: weight_map[{name!r}]={_short(shard)} is not a shard file name"
+            )
+    files = [_shard_path(d, index, shard) for shard in sorted(set(weight_map.values()))]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise WeightLoadError(f"weight shards listed in {index} are missing: {missing}")
+    return files
+
+
+def _shard_path(d: Path, index: Path, shard: str) -> Path:
+    """``d / shard``, refusing names that leave the checkpoint folder: the index is data, and
+    must not make tandem read an arbitrary file on the machine as weights."""
+    path = d / shard
+    if Path(shard).is_absolute() or ".." in Path(shard).parts:
+        raise WeightLoadError(
+            f"weight index {index} names shard {shard!r}, which is outside the checkpoint folder {d}"
+        )
+    real, root = path.resolve(), d.resolve()
+    # The Hugging Face hub cache keeps every file of snapshots/<revision>/ as a symlink into the
+    # repository's blobs/ folder, outside the snapshot; that layout is a legitimate checkpoint.
+    hub_blob = root.parent.name == "snapshots" and real.parent == root.parent.parent / "blobs"
+    if not (real.is_relative_to(root) or hub_blob):
+        raise WeightLoadError(
+            f"weight index {index} names shard {shard!r}, a link to {real}, which is outside "
+            f"the checkpoint folder {d}"
+        )
+    return path
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
