@@ -103,10 +103,10 @@ def hf_greedy(model_dir: Path, encoder_ids: list[int], decoder_ids: list[int], m
 _cache: dict = {}
 
 
-def _hf_model(model_dir: Path):
+def _hf_model(model_dir: Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForSeq2SeqLM
 
-    key = str(model_dir)
+    key = (str(model_dir), dtype)
     if key not in _cache:
-        _cache[key] = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        _cache[key] = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=dtype).eval()
     return _cache[key]
