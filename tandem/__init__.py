@@ -3,6 +3,8 @@
 The names exported here are the public API, for users and for plugin authors.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from tandem.core.attention import (
     AttentionBackend,
     AttentionImpl,
@@ -16,9 +18,15 @@ from tandem.core.model import EncoderDecoderModel, KVCacheSpec, ModelContext
 from tandem.core.outputs import CompletionOutput, RequestOutput
 from tandem.core.sampling_params import SamplingParams
 from tandem.entrypoints.llm import LLM
+from tandem.logger import configure_library_logging
 from tandem.plugins.hookspecs import hookimpl
 
-__version__ = "0.1.0"
+configure_library_logging()
+
+try:
+    __version__ = version("tandem-engine")
+except PackageNotFoundError:  # a source tree on sys.path without an install
+    __version__ = "0.0.0+unknown"
 
 __all__ = [
     "LLM",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,14 @@ _DTYPES = {
 
 
 DEFAULT_KV_CACHE_GIB = 1.0
+
+
+def is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
@@ -36,6 +45,8 @@ class EngineConfig:
     preemption_mode: str | None = None
     attention_backend: str | None = None
     seed: int = 0
+    # Never run Python code shipped inside a checkpoint (transformers' auto_map) unless asked.
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, Path)) or not Path(self.model).is_dir():
@@ -56,16 +67,16 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r}: CUDA is not available on this machine")
         self.torch_device = torch.device(self.device)
-        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size > 1024:
+        if not is_int(self.block_size) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size={self.block_size!r}: must be an integer in [1, 1024]")
-        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+        if self.num_kv_blocks is not None and (not is_int(self.num_kv_blocks) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r}: must be an integer >= 1")
-        if self.kv_cache_memory is not None and (
-            not isinstance(self.kv_cache_memory, (int, float)) or self.kv_cache_memory <= 0
-        ):
-            raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r}: must be a positive number of GiB")
-        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
-            raise ValueError(f"swap_space={self.swap_space!r}: must be >= 0 GiB")
-        if not isinstance(self.seed, int):
+        if self.kv_cache_memory is not None and (not is_real(self.kv_cache_memory) or self.kv_cache_memory <= 0):
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r}: must be a finite, positive number of GiB")
+        if not is_real(self.swap_space) or self.swap_space < 0:
+            raise ValueError(f"swap_space={self.swap_space!r}: must be a finite number of GiB >= 0")
+        if not isinstance(self.trust_remote_code, bool):
+            raise ValueError(f"trust_remote_code={self.trust_remote_code!r}: must be True or False")
+        if not is_int(self.seed):
             raise ValueError(f"seed={self.seed!r}: must be an integer")
         # max_num_seqs, max_num_batched_tokens and preemption_mode are checked by SchedulerConfig.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -13,7 +14,8 @@ from tandem.core.attention import AttentionType
 from tandem.core.block_manager import BlockManager, Device, blocks_for
 from tandem.core.config import DEFAULT_KV_CACHE_GIB, EngineConfig
 from tandem.core.inputs import EncoderDecoderInputs, InputProcessor, PromptType
-from tandem.core.loader import load_hf_config, load_model, load_tokenizer
+from tandem.core.loader import check_model_config, load_hf_config, load_model, load_tokenizer
+from tandem.core.memory import GiB, check_fits
 from tandem.core.model_runner import ModelRunner
 from tandem.core.outputs import CompletionOutput, RequestOutput
 from tandem.core.sampler import Sampler
@@ -23,7 +25,6 @@ from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
-_GiB = 1 << 30
 
 
 @dataclass
@@ -45,27 +46,31 @@ class LLMEngine:
         model_registry = model_registry or default_model_registry()
         backend_registry = backend_registry or default_backend_registry()
 
-        self.hf_config = load_hf_config(config.model)
+        trust = config.trust_remote_code
+        self.hf_config = load_hf_config(config.model, trust_remote_code=trust)
         self.model_cls, self.architecture = model_registry.resolve(getattr(self.hf_config, "architectures", None))
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        spec = self.model_cls.kv_cache_spec(self.hf_config)
         device, dtype = config.torch_device, config.torch_dtype
+        # Before anything is built from it: sizes, head divisibility, parameters vs weights and memory.
+        check_model_config(self.model_cls, self.hf_config, config.model, dtype, device)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model, trust_remote_code=trust)
+        spec = self.model_cls.kv_cache_spec(self.hf_config)
         self.attn_backend = backend_registry.select(
             config.attention_backend, device, dtype, spec.head_size, frozenset(AttentionType)
         )
-        self.model = load_model(self.model_cls, self.hf_config, config.model, self.attn_backend, dtype, device)
-
         shape_of = self.attn_backend.get_kv_cache_shape
         per_block = spec.num_layers * 2 * config.block_size * spec.num_kv_heads * spec.head_size
         block_bytes = per_block * torch.empty((), dtype=dtype).element_size()
         num_blocks = config.num_kv_blocks or self._default_num_blocks(spec, block_bytes)
-        num_cpu_blocks = int(config.swap_space * _GiB // block_bytes)
+        num_cpu_blocks = int(config.swap_space * GiB // block_bytes)
+        self._check_pool_memory(num_blocks * block_bytes, num_cpu_blocks * block_bytes, device)
+        self.model = load_model(self.model_cls, self.hf_config, config.model, self.attn_backend, dtype, device)
+
         self._cache_shape = lambda n: shape_of(n, config.block_size, spec.num_kv_heads, spec.head_size)
         self.kv_caches = [
             torch.zeros(self._cache_shape(num_blocks), dtype=dtype, device=device)
             for _ in range(spec.num_layers)
         ]
-        self._swap_caches: list[torch.Tensor] | None = None  # allocated on first swap-out
+        self._swap_caches: list[torch.Tensor] | None = None  # created on the first swap-out
         self._num_layers = spec.num_layers
 
         self.block_manager = BlockManager(config.block_size, num_blocks, num_cpu_blocks)
@@ -80,18 +85,44 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
         self.stats = EngineStats()
+        logger.info(
+            "engine ready: %s for %s, %s on %s; attention backend %s (%s); KV pool %d blocks x %d "
+            "tokens = %.1f MiB; swap space %d blocks = %.2f GiB, committed as used",
+            self.model_cls.__name__, self.architecture, str(dtype).removeprefix("torch."), device,
+            self.attn_backend.name, self._backend_reason(), num_blocks, config.block_size,
+            num_blocks * block_bytes / (1 << 20), num_cpu_blocks, num_cpu_blocks * block_bytes / GiB,
+        )
+
+    def _backend_reason(self) -> str:
+        from tandem.registry.backends import _PREFERENCE, ENV_VAR
+
+        if self.config.attention_backend:
+            return "asked for by attention_backend"
+        if os.environ.get(ENV_VAR):
+            return f"asked for by ${ENV_VAR}"
+        return f"the first of {', '.join(_PREFERENCE)}, then others, that can serve this device and dtype"
+
+    def _check_pool_memory(self, kv_bytes: int, swap_bytes: int, device: torch.device) -> None:
+        c = self.config
+        pool = f"num_kv_blocks={c.num_kv_blocks}" if c.num_kv_blocks else f"kv_cache_memory={c.kv_cache_memory}"
+        if device.type == "cpu":  # both pools live in host RAM
+            what = f"the KV pool ({pool}) + swap_space={c.swap_space}"
+            check_fits(what, kv_bytes + swap_bytes, device, "lower them")
+        else:
+            check_fits(f"the KV pool ({pool})", kv_bytes, device, "lower it")
+            check_fits(f"swap_space={c.swap_space}", swap_bytes, torch.device("cpu"), "lower it")
 
     def _default_num_blocks(self, spec, block_bytes: int) -> int:
         config, m, cfg = self.config, self.model_cls, self.hf_config
         if config.kv_cache_memory is not None:
-            return max(1, int(config.kv_cache_memory * _GiB // block_bytes))
+            return max(1, int(config.kv_cache_memory * GiB // block_bytes))
         # Enough for max_num_seqs requests of the longest encoder and decoder the
         # model allows (plus the watermark), but no more than the default memory.
         per_request = blocks_for(m.max_encoder_len(cfg), config.block_size) + blocks_for(
             m.max_decoder_len(cfg), config.block_size
         )
         wanted = int(config.max_num_seqs * per_request * 1.02) + 1
-        return max(1, min(wanted, int(DEFAULT_KV_CACHE_GIB * _GiB // block_bytes)))
+        return max(1, min(wanted, int(DEFAULT_KV_CACHE_GIB * GiB // block_bytes)))
 
     # -- requests ------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
@@ -119,6 +150,12 @@ class LLMEngine:
         self.groups[request_id] = group
         self.scheduler.add(group)
 
+    def max_new_tokens(self, prompt: PromptType) -> int:
+        """Tokens the model's decoder positions leave after this prompt's decoder prompt;
+        raises ``ValueError`` or ``TypeError`` for a prompt ``add_request`` would reject."""
+        inputs = self.input_processor.process(prompt)
+        return self.model_cls.max_decoder_len(self.hf_config) - len(inputs.prompt_token_ids)
+
     def _validate(self, inputs: EncoderDecoderInputs, params: SamplingParams) -> None:
         cfg, m = self.hf_config, self.model_cls
         for where, ids in (("encoder prompt", inputs.encoder_prompt_token_ids), ("decoder prompt", inputs.prompt_token_ids)):
@@ -138,6 +175,15 @@ class LLMEngine:
                 f"decoder prompt ({dec_len} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's {m.max_decoder_len(cfg)} decoder positions"
             )
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(
+                f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary size ({self.vocab_size})"
+            )
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(
+                f"SamplingParams.stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
         if params.n > self.scheduler_config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler_config.max_num_seqs}")
         # A group preempted by recompute runs its encoder and every decoder token
@@ -152,12 +198,31 @@ class LLMEngine:
             )
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Drop the requests and free their blocks; returns their (aborted) outputs."""
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
-        outs = []
-        for group in self.scheduler.abort(ids):
-            del self.groups[group.request_id]
-            outs.append(self._make_output(group))
+        found = self.scheduler.abort(ids)
+        # A request caught between queues (an exception or interrupt inside
+        # schedule()) is in none of them: free it through the engine's own list.
+        queued = {g.request_id for g in found}
+        for rid in ids & self.groups.keys() - queued:
+            group = self.groups[rid]
+            for seq in group.unfinished_seqs():
+                seq.status = SequenceStatus.FINISHED_ABORTED
+            self.block_manager.free_group(group)
+            found.append(group)
+        outs = [self._make_output(self.groups.pop(g.request_id)) for g in found]
+        if not self.groups:
+            self._reclaim_leaked_blocks()
         return outs
+
+    def _reclaim_leaked_blocks(self) -> None:
+        """With no request left, every block must be free; take back any that are not."""
+        bm = self.block_manager
+        leaked = {d.value: bm.num_total_blocks(d) - bm.num_free_blocks(d) for d in Device}
+        if any(leaked.values()):
+            logger.warning("no request is left but blocks are held (%s); resetting the pools", leaked)
+            bm.reset()
+        self.scheduler.clear()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -176,6 +241,8 @@ class LLMEngine:
         if sched.blocks_to_swap_in:
             self._swap(sched.blocks_to_swap_in, to_cpu=False)
         if not sched.scheduled:
+            if not (sched.blocks_to_swap_out or sched.blocks_to_swap_in):
+                self._no_progress()
             return []
         owners = [meta.group for meta in sched.scheduled for _ in meta.seqs]
         with torch.inference_mode():
@@ -199,6 +266,21 @@ class LLMEngine:
             del self.groups[group.request_id]
             outputs.append(self._make_output(group))
         return outputs
+
+    def _no_progress(self) -> None:
+        """Requests wait, nothing runs and nothing was admitted: every later step would
+        do the same, so say why instead of spinning."""
+        sch, bm = self.scheduler, self.block_manager
+        if not sch.waiting or sch.running or sch.swapped:
+            return
+        head = sch.waiting[0]
+        raise RuntimeError(
+            f"the scheduler cannot admit request {head.request_id!r} although nothing runs: it needs "
+            f"{bm.blocks_needed(head)} KV blocks and {head.encoder_len + sum(len(s) for s in head.seqs)} "
+            f"tokens; {bm.num_free_blocks()} of {bm.num_total_blocks()} blocks are free "
+            f"(watermark {bm.watermark_blocks}), max_num_batched_tokens="
+            f"{self.scheduler_config.max_num_batched_tokens}; {len(sch.waiting)} requests wait"
+        )
 
     def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
         p = group.sampling_params
@@ -257,8 +339,11 @@ class LLMEngine:
     def _swap(self, mapping: list[tuple[int, int]], to_cpu: bool) -> None:
         if self._swap_caches is None:
             n = self.block_manager.num_total_blocks(Device.CPU)
+            # empty, not zeros: the OS commits a page when a swapped block first
+            # lands on it, so swap_space costs memory only as it is used. Only
+            # blocks that were swapped out are ever read back.
             self._swap_caches = [
-                torch.zeros(self._cache_shape(n), dtype=self.config.torch_dtype, device="cpu")
+                torch.empty(self._cache_shape(n), dtype=self.config.torch_dtype, device="cpu")
                 for _ in range(self._num_layers)
             ]
         src_ids = torch.tensor([s for s, _ in mapping], dtype=torch.long)

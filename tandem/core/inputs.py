@@ -96,8 +96,14 @@ class InputProcessor:
                     raise ValueError(f"{where}.prompt must be a string, got {type(text).__name__}")
                 return self._tokenize(text, where, is_encoder), text
             raise ValueError(f"{where} dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
-        raise ValueError(
-            f"{where} must be a str, a TextPrompt or a TokensPrompt dict, got {type(prompt).__name__}"
+        hint = ""
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            hint = f"; token ids go in a dict: {{'prompt_token_ids': {list(prompt)!r}}}"
+        elif isinstance(prompt, (bytes, bytearray)):
+            hint = "; decode bytes to str first"
+        raise TypeError(
+            f"{where} must be a str, {{'prompt': str}} or {{'prompt_token_ids': [int, ...]}}, "
+            f"got {type(prompt).__name__} {preview(prompt)}{hint}"
         )
 
     def _tokenize(self, text: str, where: str, is_encoder: bool) -> list[int]:
@@ -111,3 +117,8 @@ class InputProcessor:
         if not is_encoder and ids and eos is not None and ids[-1] == eos:
             ids.pop()
         return ids
+
+
+def preview(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tandem.core.block_manager import AllocStatus, BlockManager
+from tandem.core.config import is_int
 from tandem.core.sequence import (
     SchedulerOutputs,
     SequenceGroup,
@@ -33,9 +34,9 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+        if not is_int(self.max_num_seqs) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs!r}: must be an integer >= 1")
-        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+        if not is_int(self.max_num_batched_tokens) or self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens!r}: must be an integer >= 1"
             )
@@ -80,6 +81,12 @@ class Scheduler:
                 self.block_manager.free_group(group)
                 aborted.append(group)
         return aborted
+
+    def clear(self) -> None:
+        """Forget every queued group (their blocks are the caller's to free)."""
+        self.waiting.clear()
+        self.running.clear()
+        self.swapped.clear()
 
     def finish(self, group: SequenceGroup) -> None:
         """Remove a finished group from the running queue and free its blocks."""

@@ -5,49 +5,83 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
 
+# What a command can fail with that is the user's to fix: printed as one line, exit 2.
+_USER_ERRORS = (ValueError, TypeError, RuntimeError, ImportError, OSError)
+
+
+def _version() -> str:
+    try:
+        return version("tandem-engine")
+    except PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default unless it is None/False or its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", dest="attention_backend", default=None, help="attention backend name")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--backend", dest="attention_backend", default=None,
+                   help="attention backend name (default: $TANDEM_ATTENTION_BACKEND, else the first that can serve)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow Python code shipped inside the checkpoint (transformers' auto_map) to run")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="new tokens per prompt (default: all the model's decoder positions after the "
+                        "decoder prompt; larger values are capped there)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=-1, help="sample from the k likeliest tokens; -1 is off")
+    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog="tandem", description="Encoder/decoder inference engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"tandem-engine {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,plugins,demo}")
+    fmt = _HelpFormatter
 
-    gen = sub.add_parser("generate", help="generate for each prompt and print the outputs")
+    gen = sub.add_parser("generate", help="generate for each prompt and print the outputs", formatter_class=fmt)
     gen.add_argument("--model", required=True, help="local HF checkpoint directory")
     _engine_args(gen)
     _sampling_args(gen)
     gen.add_argument("--json", action="store_true", help="one JSON object per line")
     gen.add_argument("prompts", nargs="+", help="encoder prompts; '-' reads one per line from stdin")
 
-    plugins = sub.add_parser("plugins", help="list loaded plugins and what each registered")
-    plugins.add_argument("--json", action="store_true")
+    plugins = sub.add_parser("plugins", help="list loaded plugins and what each registered", formatter_class=fmt)
+    plugins.add_argument("--json", action="store_true", help="print a JSON list")
 
-    demo = sub.add_parser("demo", help="run the shipped word-reversal model on a few sentences")
+    demo = sub.add_parser("demo", help="run the shipped word-reversal model on a few sentences", formatter_class=fmt)
     _engine_args(demo)
     demo.add_argument("sentences", nargs="*", help="sentences to reverse (default: built-in examples)")
-    return parser
+    return parser, {"generate": gen, "plugins": plugins, "demo": demo}
 
 
 def _llm(args, model: str):
     from tandem import LLM
 
-    return LLM(model=model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend)
+    return LLM(
+        model=model,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        trust_remote_code=args.trust_remote_code,
+    )
 
 
 def _read_prompts(items: list[str]) -> list[str]:
@@ -60,14 +94,44 @@ def _read_prompts(items: list[str]) -> list[str]:
     return prompts
 
 
-def cmd_generate(args) -> int:
+def _params_per_prompt(args, llm, prompts: list[str]) -> list:
+    """``--max-tokens`` (default: all that is left) capped at what the model's decoder
+    positions leave after each prompt's decoder prompt; a cap is reported once on stderr."""
     from tandem import SamplingParams
 
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
-    )
+    capped = []
+    params = []
+    for prompt in prompts:
+        try:
+            room = llm.engine.max_new_tokens(prompt)
+        except (ValueError, TypeError):
+            room = None  # generate() reports this prompt's error
+        want = args.max_tokens
+        if room is not None and room >= 1 and (want is None or want > room):
+            if want is not None:
+                capped.append(room)
+            want = room
+        params.append(
+            SamplingParams(
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                max_tokens=want if want is not None else 16,
+            )
+        )
+    if capped:
+        positions = llm.engine.model_cls.max_decoder_len(llm.engine.hf_config)
+        print(
+            f"tandem generate: note: --max-tokens {args.max_tokens} capped to {max(capped)} or less for "
+            f"{len(capped)} of {len(prompts)} prompts: the model has {positions} decoder positions, "
+            "and the decoder prompt takes some",
+            file=sys.stderr,
+        )
+    return params
+
+
+def cmd_generate(args) -> int:
     prompts = _read_prompts(args.prompts)
-    outs = _llm(args, args.model).generate(prompts, params, use_tqdm=False)
+    llm = _llm(args, args.model)
+    outs = llm.generate(prompts, _params_per_prompt(args, llm, prompts), use_tqdm=False)
     failed = 0
     for prompt, out in zip(prompts, outs):
         if args.json:
@@ -122,13 +186,22 @@ def cmd_demo(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    parser, subparsers = _build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # a bad flag: show the usage of the subcommand it was given to
+        subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     handlers = {"generate": cmd_generate, "plugins": cmd_plugins, "demo": cmd_demo}
     try:
+        from tandem.logger import configure_cli_logging
+
+        configure_cli_logging()
         return handlers[args.command](args)
-    except (ValueError, RuntimeError) as e:
+    except _USER_ERRORS as e:
         print(f"tandem {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"tandem {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

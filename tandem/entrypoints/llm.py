@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
 
 from tandem.core.config import EngineConfig
 from tandem.core.engine import LLMEngine
-from tandem.core.inputs import PromptType
+from tandem.core.inputs import PromptType, preview
 from tandem.core.outputs import RequestOutput
 from tandem.core.sampling_params import SamplingParams
 
@@ -37,6 +38,7 @@ class LLM:
         preemption_mode: str | None = None,
         attention_backend: str | None = None,
         seed: int = 0,
+        trust_remote_code: bool = False,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -52,9 +54,12 @@ class LLM:
             preemption_mode=preemption_mode,
             attention_backend=attention_backend,
             seed=seed,
+            trust_remote_code=trust_remote_code,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        # The engine is single-threaded: concurrent generate() calls take turns.
+        self._lock = threading.Lock()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -67,35 +72,30 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Outputs in prompt order. A prompt that fails validation gets an output
-        whose ``error`` says why; the other prompts are generated as usual."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(
-                    f"got {len(params)} sampling params for {len(prompts)} prompts; "
-                    "pass one, or one per prompt"
-                )
+        whose ``error`` says why; the other prompts are generated as usual.
+
+        Calls from several threads are served one after another. If the call
+        raises or is interrupted, its requests are aborted and their blocks
+        freed, so the engine is as it was before the call."""
+        prompts = _prompt_list(prompts)
+        params = _params_list(sampling_params, len(prompts))
+        with self._lock:
+            return self._run(prompts, params, use_tqdm)
+
+    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for prompt, p in zip(prompts, params):
-            rid = str(next(self._ids))
-            order.append(rid)
-            try:
-                engine.add_request(rid, prompt, p)
-            except (ValueError, TypeError) as e:
-                results[rid] = _rejected(rid, prompt, e)
-
         bar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm, unit="req")
-        bar.update(len(results))
         try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._ids))
+                order.append(rid)
+                try:
+                    engine.add_request(rid, prompt, p)
+                except (ValueError, TypeError) as e:
+                    results[rid] = _rejected(rid, prompt, e)
+            bar.update(len(results))
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     results[out.request_id] = out
@@ -106,6 +106,48 @@ class LLM:
         finally:
             bar.close()
         return [results[r] for r in order]
+
+
+_PROMPT_FORMS = (
+    "a str (the encoder text), {'prompt': str}, {'prompt_token_ids': [int, ...]}, "
+    "{'encoder_prompt': ..., 'decoder_prompt': ...}, or a list of these"
+)
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt or a list of them; anything else is a ``TypeError`` listing the accepted forms.
+
+    Elements of a list are checked per request (a bad one gets an output with ``error``)."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            raise TypeError(
+                f"prompts is a bare list of ints ({preview(prompts)}); token ids go in a dict: "
+                f"{{'prompt_token_ids': {preview(prompts)}}} (or a list of such dicts)"
+            )
+        return list(prompts)
+    raise TypeError(f"prompts must be {_PROMPT_FORMS}; got {type(prompts).__name__}: {preview(prompts)}")
+
+
+def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if not isinstance(sampling_params, (list, tuple)):
+        hint = "; build one with SamplingParams(**...)" if isinstance(sampling_params, dict) else ""
+        raise TypeError(
+            "sampling_params must be a SamplingParams or a list of them, got "
+            f"{type(sampling_params).__name__}: {preview(sampling_params)}{hint}"
+        )
+    bad = [(i, p) for i, p in enumerate(sampling_params) if not isinstance(p, SamplingParams)]
+    if bad:
+        i, p = bad[0]
+        raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}: {preview(p)}")
+    if len(sampling_params) != n:
+        raise ValueError(f"got {len(sampling_params)} sampling params for {n} prompts; pass one, or one per prompt")
+    return list(sampling_params)
 
 
 def _rejected(rid: str, prompt, error: Exception) -> RequestOutput:

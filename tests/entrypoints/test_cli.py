@@ -1,15 +1,17 @@
 """The ``tandem`` command line."""
 
 import json
+import os
 import subprocess
 import sys
 
 from tandem import LLM, SamplingParams
+from tandem.entrypoints.cli import DEMO_MODEL
 
 
-def tandem(*args, stdin=None):
+def tandem(*args, stdin=None, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "tandem.entrypoints.cli", *args], input=stdin, capture_output=True, text=True
+        [sys.executable, "-m", "tandem.entrypoints.cli", *args], input=stdin, capture_output=True, text=True, env=env
     )
 
 
@@ -27,11 +29,74 @@ def test_generate_json_reads_stdin_and_matches_the_library(bart_dir):
         assert r["error"] is None
 
 
-def test_generate_reports_bad_input_and_bad_backend(bart_dir):
-    res = tandem("generate", "--model", str(bart_dir), "--max-tokens", "500", "the rain")
-    assert res.returncode == 1 and "[error]" in res.stdout and "max_tokens (500)" in res.stdout
+def test_generate_caps_max_tokens_at_the_positions_left_and_says_so_once(bart_dir):
+    # 128 decoder positions, decoder prompt [2, 0]: 126 new tokens fit.
+    res = tandem("generate", "--model", str(bart_dir), "--json", "--max-tokens", "500", "the rain", "red sun")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.count("capped to 126") == 1 and "128 decoder positions" in res.stderr
+    records = [json.loads(line) for line in res.stdout.splitlines()]
+    ref = LLM(model=str(bart_dir), device="cpu").generate(
+        ["the rain", "red sun"], SamplingParams(temperature=0.0, max_tokens=126), use_tqdm=False
+    )
+    assert [r["token_ids"] for r in records] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_generate_reports_a_bad_prompt_and_a_bad_backend(bart_dir):
+    res = tandem("generate", "--model", str(bart_dir), "--json", "the rain", "zzz-not-a-word " * 200)
+    assert res.returncode == 1
+    good, bad = [json.loads(line) for line in res.stdout.splitlines()]
+    assert good["error"] is None and "encoder prompt has 202 tokens" in bad["error"]
     res = tandem("generate", "--model", str(bart_dir), "--backend", "nope", "the rain")
     assert res.returncode == 2 and "attention_backend='nope'" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_generate_on_the_demo_model_works_with_no_flags():
+    res = tandem("generate", "--model", str(DEMO_MODEL), "the cat sat on the mat")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "the cat sat on the mat\tmat the on sat cat the\n"
+    # The CLI logs at INFO: one start-up line naming the backend and the pool.
+    assert "engine ready: BartForConditionalGeneration" in res.stderr and "torch_sdpa" in res.stderr
+
+
+def test_version_help_defaults_and_bad_flags():
+    from tandem import __version__
+
+    res = tandem("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"tandem-engine {__version__}"
+    res = tandem("generate", "--help")
+    assert res.returncode == 0 and "(default: float32)" in res.stdout and "(default: auto)" in res.stdout
+    res = tandem("generate", "--model", "m", "--bogus-flag", "x")
+    assert res.returncode == 2
+    assert res.stderr.startswith("usage: tandem generate") and "unrecognized arguments: --bogus-flag" in res.stderr
+    res = tandem("demo", "--dtype", "float8")
+    assert res.returncode == 2 and res.stderr.startswith("usage: tandem demo") and "'float8'" in res.stderr
+
+
+def test_a_backend_whose_module_cannot_be_imported_is_a_one_line_error(bart_dir, tmp_path):
+    # A plugin installed the way pip would (a dist-info with an entry point) that registers
+    # a backend whose module does not exist.
+    dist = tmp_path / "ghost_backend-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ghost-backend\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[tandem.plugins]\nghost-backend = ghost_backend_plugin\n")
+    (tmp_path / "ghost_backend_plugin.py").write_text(
+        "from tandem import hookimpl\n\n"
+        "@hookimpl\n"
+        "def tandem_register_attention_backends(registry):\n"
+        "    registry.register_backend('ghost', 'no_such_module_anywhere:GhostBackend')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    res = tandem("generate", "--model", str(bart_dir), "--backend", "ghost", "the rain", env=env)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    error = res.stderr.strip().splitlines()[-1]
+    assert error.startswith("tandem generate: error:") and "no_such_module_anywhere" in error and "'ghost'" in error
+
+
+def test_bad_logging_level_is_a_clear_error(bart_dir):
+    res = tandem("generate", "--model", str(bart_dir), "the rain", env={**os.environ, "TANDEM_LOGGING_LEVEL": "LOUD"})
+    assert res.returncode == 2 and "TANDEM_LOGGING_LEVEL='LOUD'" in res.stderr
 
 
 def test_demo_reverses_words():
