@@ -149,20 +149,26 @@ def cmd_generate(args) -> int:
 
 
 def cmd_plugins(args) -> int:
-    from tandem.registry import plugin_manager
+    # Lists the healthy plugins even when one is broken, marking it; exit 1 then, so scripts notice.
+    from tandem.plugins.manager import exclusion_hint
+    from tandem.registry import plugin_report
 
-    plugins = plugin_manager().plugins
+    plugins = plugin_report()
+    broken = [p.name for p in plugins if p.error is not None]
     if args.json:
-        print(json.dumps([vars(p) for p in plugins.values()], indent=2))
-        return 0
-    for info in plugins.values():
-        print(f"{info.name}  ({info.value}, from {info.distribution or 'unknown distribution'})")
+        print(json.dumps([vars(p) for p in plugins], indent=2))
+    for info in [] if args.json else plugins:
+        status = f"  BROKEN: {info.error}" if info.error is not None else ""
+        print(f"{info.name}  ({info.value}, from {info.distribution or 'unknown distribution'}){status}")
         if info.models:
             print(f"    models:   {', '.join(info.models)}")
         if info.backends:
             print(f"    backends: {', '.join(info.backends)}")
-    if not plugins:
+    if not plugins and not args.json:
         print("no plugins loaded")
+    if broken:
+        print(f"tandem plugins: broken: {', '.join(broken)}; {exclusion_hint(plugins)}", file=sys.stderr)
+        return 1
     return 0
 
 

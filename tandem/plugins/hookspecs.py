@@ -27,7 +27,9 @@ def tandem_register_models(registry: "ModelRegistry") -> None:
         where ``target`` is a class or a lazily imported
         ``"package.module:Class"`` subclassing
         ``tandem.EncoderDecoderModel``. Registering an architecture another
-        plugin registered is an error unless ``override=True`` is passed.
+        plugin registered is an error unless ``override=True`` is passed;
+        an override that replaces another registration is logged as a
+        warning on ``tandem.registry`` naming both plugins.
     :return: nothing; every plugin's implementation is called (not
         ``firstresult``).
     """
@@ -39,10 +41,11 @@ def tandem_register_attention_backends(registry: "AttentionBackendRegistry") -> 
 
     :param registry: call ``registry.register_backend(name, target)`` where
         ``target`` is a ``tandem.AttentionBackend`` subclass or a lazily
-        imported ``"package.module:Class"``. Keep heavy imports (triton,
+        imported ``"package.module:Class"`` whose ``name`` class attribute
+        equals ``name`` (checked when it is loaded). Keep heavy imports (triton,
         CUDA libraries) out of the plugin module: the target is imported only
         when the backend is selected. Duplicate names are an error unless
-        ``override=True``.
+        ``override=True`` (logged as a warning, as for models).
     :return: nothing; every plugin's implementation is called (not
         ``firstresult``).
     """

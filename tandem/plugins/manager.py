@@ -26,6 +26,8 @@ class PluginInfo:
     distribution: str | None
     models: list[str] = field(default_factory=list)
     backends: list[str] = field(default_factory=list)
+    # Why the plugin is broken ("failed to import: ModuleNotFoundError: ..."); None when healthy.
+    error: str | None = None
 
 
 def allowed_plugins() -> set[str] | None:
@@ -36,8 +38,33 @@ def allowed_plugins() -> set[str] | None:
     return {name.strip() for name in raw.split(",") if name.strip()}
 
 
+def exclusion_hint(infos: list[PluginInfo]) -> str:
+    """How to run without the broken plugins: the ``$TANDEM_PLUGINS`` value that leaves them out."""
+    healthy = [i.name for i in infos if i.error is None]
+    broken = [i for i in infos if i.error is not None]
+    it = "it" if len(broken) == 1 else "them"
+    dists = sorted({i.distribution for i in broken if i.distribution})
+    if dists:
+        uninstall = f"`pip uninstall {' '.join(dists)}`"
+    else:  # an entry point handed to PluginManager directly, with no distribution behind it
+        uninstall = f"remove {it} from the '{ENTRY_POINT_GROUP}' entry points"
+    if not healthy:  # an empty TANDEM_PLUGINS means "all", so it cannot leave everything out
+        return f"no other plugin loads, so {ENV_VAR} cannot leave {it} out: fix {it} or {uninstall}"
+    return f"to run without {it}, set {ENV_VAR}={','.join(healthy)} (the plugins that load), or {uninstall}"
+
+
+def _cause(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
 class PluginManager:
-    """Discovers plugins, registers them with pluggy, and runs their hooks once."""
+    """Discovers plugins, registers them with pluggy, and runs their hooks once.
+
+    Strict (the default, what ``LLM(...)`` uses): a broken plugin raises
+    ``PluginError``, since running without a plugin the user installed would
+    silently change what the engine can serve. Non-strict (``tandem plugins``):
+    the failure is kept in ``PluginInfo.error`` and the other plugins load.
+    """
 
     def __init__(self, allow: set[str] | None = None, entry_point_list: list[EntryPoint] | None = None) -> None:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
@@ -46,41 +73,82 @@ class PluginManager:
         self._entry_points = entry_point_list
         self.plugins: dict[str, PluginInfo] = {}
         self._objects: dict[str, object] = {}
+        self._errors: dict[str, BaseException] = {}  # plugin name -> what broke it, for __cause__
 
-    def load(self) -> None:
-        """Import every allowed plugin in the entry-point group."""
+    def broken(self) -> list[str]:
+        return [n for n, info in self.plugins.items() if info.error is not None]
+
+    def exclusion_hint(self) -> str:
+        return exclusion_hint(list(self.plugins.values()))
+
+    def _fail(self, name: str, message: str, cause: BaseException) -> None:
+        self.plugins[name].error = message
+        self._errors[name] = cause
+        self._objects.pop(name, None)
+        if self.pm.has_plugin(name):  # else its hooks would run again, attributed to later plugins
+            self.pm.unregister(name=name)
+
+    def _raise_first_failure(self) -> None:
+        broken = self.broken()
+        if not broken:
+            return
+        first = self.plugins[broken[0]]
+        also = f" (also broken: {', '.join(repr(n) for n in broken[1:])})" if broken[1:] else ""
+        raise PluginError(
+            f"plugin {first.name!r} ({first.value}) {first.error}{also}; {self.exclusion_hint()}"
+        ) from self._errors[first.name]
+
+    def load(self, strict: bool = True) -> None:
+        """Import every allowed plugin in the entry-point group; with ``strict``, raise
+        ``PluginError`` for the first broken one once all have been tried."""
         eps = self._entry_points
         if eps is None:
             eps = list(entry_points(group=ENTRY_POINT_GROUP))
         for ep in sorted(eps, key=lambda e: e.name):
             if self.allow is not None and ep.name not in self.allow:
                 continue
+            if ep.name in self.plugins and self.plugins[ep.name].value == ep.value:
+                # The same entry point seen twice: a stale *.egg-info beside an install.
+                continue
             if ep.name in self.plugins:
-                raise PluginError(f"two plugins are named {ep.name!r}: {self.plugins[ep.name].value} and {ep.value}")
-            try:
-                obj = ep.load()
-            except Exception as e:
-                raise PluginError(f"plugin {ep.name!r} ({ep.value}) failed to import: {type(e).__name__}: {e}") from e
+                error = PluginError(f"two plugins are named {ep.name!r}: {self.plugins[ep.name].value} and {ep.value}")
+                if strict:
+                    raise error
+                self._fail(ep.name, f"is named twice: {error}", error)
+                continue
             dist = getattr(ep, "dist", None)
             self.plugins[ep.name] = PluginInfo(ep.name, ep.value, dist.name if dist is not None else None)
-            self._objects[ep.name] = obj
-            try:
-                self.pm.register(obj, name=ep.name)
-                self.pm.check_pending()  # a misspelled hook name is an error, not a no-op
-            except pluggy.PluginValidationError as e:
-                raise PluginError(f"plugin {ep.name!r} ({ep.value}) is invalid: {e}") from e
+            self._import(ep)
         if self.allow is not None:
             unknown = sorted(self.allow - set(self.plugins))
             if unknown:
                 found = sorted(ep.name for ep in eps)
                 raise PluginError(f"{ENV_VAR} names unknown plugins {unknown}; installed: {found}")
+        if strict:
+            self._raise_first_failure()
 
-    def register_all(self, model_registry, backend_registry) -> None:
+    def _import(self, ep: EntryPoint) -> None:
+        try:
+            obj = ep.load()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # SystemExit too: a plugin calling sys.exit() must not end tandem
+            self._fail(ep.name, f"failed to import: {_cause(e)}", e)
+            return
+        try:
+            self.pm.register(obj, name=ep.name)
+            self.pm.check_pending()  # a misspelled hook name is an error, not a no-op
+        except (pluggy.PluginValidationError, ValueError) as e:  # ValueError: one object, two names
+            self._fail(ep.name, f"is invalid: {e}", e)
+            return
+        self._objects[ep.name] = obj
+
+    def register_all(self, model_registry, backend_registry, strict: bool = True) -> None:
         """Call each plugin's hooks, one plugin at a time, so that every
         registration (and every failure) is attributed to its plugin."""
         from tandem.registry._lazy import DuplicateRegistrationError
 
-        for name in self._objects:
+        for name in list(self._objects):
             others = [o for n, o in self._objects.items() if n != name]
             for hook, registry in (
                 ("tandem_register_models", model_registry),
@@ -90,10 +158,18 @@ class PluginManager:
                 with registry.owned_by(name):
                     try:
                         caller(registry=registry)
+                    except KeyboardInterrupt:
+                        raise
                     except DuplicateRegistrationError as e:
-                        raise PluginError(str(e)) from e
-                    except Exception as e:
-                        raise PluginError(f"plugin {name!r} failed in {hook}: {type(e).__name__}: {e}") from e
+                        if strict:  # the message already names both plugins
+                            raise PluginError(str(e)) from e
+                        self._fail(name, f"failed in {hook}: {e}", e)
+                    except BaseException as e:  # SystemExit too, as for imports
+                        self._fail(name, f"failed in {hook}: {_cause(e)}", e)
+                        if strict:
+                            self._raise_first_failure()
+                if name not in self._objects:
+                    break  # broken: its other hook is not called
         for name, info in self.plugins.items():
             info.models = [n for n in model_registry.names() if model_registry.owner(n) == name]
             info.backends = [n for n in backend_registry.names() if backend_registry.owner(n) == name]

@@ -21,7 +21,9 @@ _plugin_manager = None
 
 
 def _populate() -> None:
-    """Load the ``tandem.plugins`` entry points once per process and run their hooks."""
+    """Load the ``tandem.plugins`` entry points once per process and run their hooks.
+
+    Strict: a broken plugin raises ``PluginError`` rather than the engine running without it."""
     global _model_registry, _backend_registry, _plugin_manager
     from tandem.plugins.manager import PluginManager, allowed_plugins
 
@@ -51,6 +53,21 @@ def plugin_manager():
     if _plugin_manager is None:
         _populate()
     return _plugin_manager
+
+
+def plugin_report(entry_point_list=None) -> list:
+    """Every allowed plugin as a ``PluginInfo``, broken ones included with their ``error``.
+
+    Loads into fresh registries without raising for a broken plugin (``tandem plugins``
+    shows them all); the default registries are neither filled nor changed. An unknown
+    name in ``$TANDEM_PLUGINS`` still raises ``PluginError``.
+    """
+    from tandem.plugins.manager import PluginManager, allowed_plugins
+
+    manager = PluginManager(allow=allowed_plugins(), entry_point_list=entry_point_list)
+    manager.load(strict=False)
+    manager.register_all(ModelRegistry(), AttentionBackendRegistry(), strict=False)
+    return list(manager.plugins.values())
 
 
 def reset_registries() -> None:

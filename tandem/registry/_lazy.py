@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+
+logger = logging.getLogger("tandem.registry")
 
 
 def import_object(path: str) -> Any:
@@ -20,6 +23,10 @@ def import_object(path: str) -> Any:
         return getattr(module, attr)
     except AttributeError:
         raise ImportError(f"module {module_name!r} has no attribute {attr!r}") from None
+
+
+def _describe(target: Any) -> str:
+    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
 
 
 class DuplicateRegistrationError(ValueError):
@@ -61,14 +68,25 @@ class LazyRegistry(Generic[T]):
                 raise ValueError(f"{self.kind} {name!r}: {target!r} is not 'package.module:Class'")
         elif not isinstance(target, type):
             raise TypeError(f"{self.kind} {name!r}: expected a class or 'module:Class', got {target!r}")
+        new_owner, old_owner = self._who(self._current_owner), self._who(self._owners.get(name))
         if name in self._entries and not override:
             if self._overrides.get(name):
-                return  # an explicit override wins whichever plugin ran first
+                # An explicit override wins whichever plugin ran first; say which one lost.
+                logger.warning(
+                    "%s %r: %s registered %s, ignored: %s overrides it with %s (override=True)",
+                    self.kind, name, new_owner, _describe(target), old_owner, self._describe(name),
+                )
+                return
             raise DuplicateRegistrationError(
-                f"{self.kind} {name!r} is registered twice: by {self._who(self._owners.get(name))} "
-                f"({self._describe(name)}) and by {self._who(self._current_owner)} "
-                f"({target if isinstance(target, str) else target.__qualname__}); "
+                f"{self.kind} {name!r} is registered twice: by {old_owner} "
+                f"({self._describe(name)}) and by {new_owner} "
+                f"({_describe(target)}); "
                 "pass override=True to replace it"
+            )
+        if name in self._entries:  # an override replacing a built-in or another plugin's entry
+            logger.warning(
+                "%s %r: %s overrides it with %s, replacing %s registered by %s",
+                self.kind, name, new_owner, _describe(target), self._describe(name), old_owner,
             )
         self._entries[name] = target
         self._owners[name] = self._current_owner
@@ -80,8 +98,11 @@ class LazyRegistry(Generic[T]):
         return f"plugin {owner!r}" if owner else "a direct call"
 
     def _describe(self, name: str) -> str:
-        target = self._entries[name]
-        return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+        return _describe(self._entries[name])
+
+    def origin(self, name: str) -> str:
+        """``"<kind> '<name>' (registered by plugin '<owner>')"``, for errors about an entry."""
+        return f"{self.kind} {name!r} (registered by {self._who(self._owners.get(name))})"
 
     def names(self) -> list[str]:
         return sorted(self._entries)
@@ -98,10 +119,7 @@ class LazyRegistry(Generic[T]):
                 try:
                     self._loaded[name] = import_object(target)
                 except ImportError as e:
-                    raise ImportError(
-                        f"{self.kind} {name!r} (registered by {self._who(self._owners.get(name))}): "
-                        f"cannot import {target!r}: {e}"
-                    ) from e
+                    raise ImportError(f"{self.origin(name)}: cannot import {target!r}: {e}") from e
             else:
                 self._loaded[name] = target
         return self._loaded[name]

@@ -25,6 +25,23 @@ class AttentionBackendRegistry(LazyRegistry[AttentionBackend]):
     def register_backend(self, name: str, target: str | type, *, override: bool = False) -> None:
         self.register(name, target, override=override)
 
+    def load(self, name: str) -> type[AttentionBackend]:
+        """The backend class registered as ``name``, checked to be an ``AttentionBackend``
+        subclass whose ``name`` attribute is ``name``."""
+        cls = super().load(name)
+        if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+            raise TypeError(f"{self.origin(name)} resolves to {cls!r}, not an AttentionBackend subclass")
+        # The engine reports (and users check) the chosen backend by its class's ``name``,
+        # so it must be the name users select it by.
+        declared = getattr(cls, "name", None)
+        if declared != name:
+            raise ValueError(
+                f"{self.origin(name)}: {cls.__module__}.{cls.__qualname__}.name is "
+                f"{'not set' if declared is None else repr(declared)}, "
+                f"not {name!r}; a backend class's name must be the name it is registered under"
+            )
+        return cls
+
     def select(
         self,
         requested: str | None,

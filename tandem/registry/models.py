@@ -30,7 +30,7 @@ class ModelRegistry(LazyRegistry[EncoderDecoderModel]):
             if arch in self:
                 cls = self.load(arch)
                 if not (isinstance(cls, type) and issubclass(cls, EncoderDecoderModel)):
-                    raise TypeError(f"{arch!r} resolves to {cls!r}, not an EncoderDecoderModel subclass")
+                    raise TypeError(f"{self.origin(arch)} resolves to {cls!r}, not an EncoderDecoderModel subclass")
                 return cls, arch
         if not self.names():
             raise UnsupportedArchitectureError(

@@ -30,8 +30,30 @@ class Raising:
 fancy = ModelPlugin("FancyModel", "tandem.model_zoo.bart:BartForConditionalGeneration")
 fancy_again = ModelPlugin("FancyModel", "some_pkg.models:OtherFancy")
 fancy_override = ModelPlugin("FancyModel", "some_pkg.models:OtherFancy", override=True)
-backend = BackendPlugin("my_backend", "tandem.backends.torch_sdpa:TorchSDPABackend")
+backend = BackendPlugin("my_backend", "fake_backends:MyBackend")
+misnamed_backend = BackendPlugin("my_backend", "fake_backends:MisnamedBackend")
+subclass_keeping_parent_name = BackendPlugin("my_backend", "fake_backends:InheritsItsName")
+not_a_backend = BackendPlugin("not_a_backend", "fake_backends:NotABackend")
+nameless_backend = BackendPlugin("nameless", "fake_backends:NamelessBackend")
 raising = Raising()
+
+
+class Exiting:
+    @hookimpl
+    def tandem_register_attention_backends(self, registry) -> None:
+        raise SystemExit(3)
+
+
+exiting = Exiting()
+
+
+class Interrupted:
+    @hookimpl
+    def tandem_register_models(self, registry) -> None:
+        raise KeyboardInterrupt
+
+
+interrupted = Interrupted()
 
 
 class Misspelled:

@@ -42,7 +42,7 @@ def test_builtins_come_through_the_entry_point_group():
     infos = plugin_manager().plugins
     assert infos["tandem-models"].models == ["BartForConditionalGeneration", "BartModel"]
     assert infos["tandem-torch-sdpa"].backends == ["torch_sdpa"]
-    assert infos["tandem-models"].distribution == "tandem"
+    assert infos["tandem-models"].distribution == "tandem-engine"
     # What they registered is what the engine resolves with.
     cls, arch = default_model_registry().resolve(["BartForConditionalGeneration"])
     assert cls.__name__ == "BartForConditionalGeneration"
@@ -79,12 +79,14 @@ def test_allow_list_naming_an_unknown_plugin_is_an_error():
 
 def test_plugin_that_fails_to_import_is_named_with_its_error():
     with pytest.raises(PluginError, match=r"plugin 'broken' \(broken_plugin\) failed to import: "
-                       r"ModuleNotFoundError: No module named 'not_a_real_module_anywhere'"):
-        run([ep("a", "fake_plugins:fancy"), ep("broken", "broken_plugin")])
+                       r"ModuleNotFoundError: No module named 'not_a_real_module_anywhere'; "
+                       r"to run without it, set TANDEM_PLUGINS=a,c \(the plugins that load\)") as info:
+        run([ep("a", "fake_plugins:fancy"), ep("broken", "broken_plugin"), ep("c", "fake_plugins:backend")])
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
 
 
 def test_plugin_whose_hook_raises_is_named_with_its_error():
-    with pytest.raises(PluginError, match=r"plugin 'bad' failed in tandem_register_models: KeyError: .*hidden"):
+    with pytest.raises(PluginError, match=r"plugin 'bad' \(fake_plugins:raising\) failed in tandem_register_models: KeyError: .*hidden"):
         run([ep("bad", "fake_plugins:raising")])
 
 
@@ -111,8 +113,9 @@ def test_cli_lists_plugins():
     out = subprocess.run(
         [sys.executable, "-m", "tandem.entrypoints.cli", "plugins"], capture_output=True, text=True, check=True
     ).stdout
-    assert "tandem-models" in out and "BartForConditionalGeneration" in out
-    assert "tandem-torch-sdpa" in out and "torch_sdpa" in out
+    assert "tandem-models  (tandem.model_zoo.plugin, from tandem-engine)" in out
+    assert "BartForConditionalGeneration" in out
+    assert "tandem-torch-sdpa" in out and "torch_sdpa" in out and "BROKEN" not in out
 
 
 def test_override_wins_whichever_plugin_runs_first():

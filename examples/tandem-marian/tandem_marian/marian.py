@@ -10,6 +10,10 @@ Marian is a post-LN BART with these differences, all of them here or in the vari
 - one embedding matrix shared by encoder, decoder and LM head;
 - decoding starts from ``decoder_start_token_id`` (the pad token) alone;
 - the pad token is never generated.
+
+Layers, weight names and loading are BART's (``tandem.core.layers`` and the
+generic loader): OPUS-MT checkpoints use the same names, so this file holds no
+loading logic.
 """
 
 from __future__ import annotations
