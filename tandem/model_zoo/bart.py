@@ -7,6 +7,11 @@ Class structure: ``BartForConditionalGeneration`` (weights, logits) ->
 Q/K/V with one fused GEMM; cross-attention projects Q from the decoder and
 K/V (one fused GEMM) from the encoder output only, on the step the encoder
 runs. Afterwards the decoder reads cross K/V from the paged cache.
+
+Projections and embeddings are tensor-parallel layers (``tandem.core.layers``):
+attention heads and FFN columns split across ranks, outputs summed after
+``out_proj`` / ``fc2``. Their parameters load themselves; this file only says how
+HF names map (``packed_modules_mapping``, :meth:`hf_to_tandem_name`).
 """
 
 from __future__ import annotations
@@ -20,8 +25,17 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from tandem.core.attention import AttentionMetadata, AttentionType
-from tandem.core.layers import Attention
+from tandem.core.layers import (
+    Attention,
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from tandem.core.model import EncoderDecoderModel, KVCacheSpec, ModelContext
+from tandem.core.weight_loading import load_checkpoint
 
 
 @dataclass(frozen=True)
@@ -85,14 +99,15 @@ class _SelfAttention(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, ctx: ModelContext) -> None:
         super().__init__()
-        self.dim = dim
         head_size = dim // num_heads
-        self.qkv_proj = nn.Linear(dim, 3 * dim)
-        self.out_proj = nn.Linear(dim, dim)
+        self.qkv_proj = QKVParallelLinear(dim, head_size, num_heads)
+        self.out_proj = RowParallelLinear(dim, dim)
+        num_heads = self.qkv_proj.num_heads  # this rank's
+        self.split = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
         self.attn = Attention(num_heads, head_size, head_size**-0.5, ctx.attn_backend, self.attn_type)
 
     def forward(self, hidden: torch.Tensor, kv_cache, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.dim, dim=-1)
+        q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
         return self.out_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
@@ -107,11 +122,11 @@ class BartDecoderSelfAttention(_SelfAttention):
 class BartCrossAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, ctx: ModelContext) -> None:
         super().__init__()
-        self.dim = dim
         head_size = dim // num_heads
-        self.q_proj = nn.Linear(dim, dim)
-        self.kv_proj = nn.Linear(dim, 2 * dim)
-        self.out_proj = nn.Linear(dim, dim)
+        self.q_proj = ColumnParallelLinear(dim, dim)
+        self.kv_proj = MergedColumnParallelLinear(dim, [dim, dim])
+        self.out_proj = RowParallelLinear(dim, dim)
+        num_heads = self.q_proj.output_size // head_size  # this rank's
         self.attn = Attention(
             num_heads, head_size, head_size**-0.5, ctx.attn_backend, AttentionType.ENCODER_DECODER
         )
@@ -126,12 +141,12 @@ class BartCrossAttention(nn.Module):
         q = self.q_proj(hidden)
         k = v = None
         if encoder_hidden is not None:
-            k, v = self.kv_proj(encoder_hidden).split(self.dim, dim=-1)
+            k, v = self.kv_proj(encoder_hidden).split(self.kv_proj.output_partition_sizes, dim=-1)
         return self.out_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
-def _ffn(dim: int, ffn_dim: int) -> tuple[nn.Linear, nn.Linear]:
-    return nn.Linear(dim, ffn_dim), nn.Linear(ffn_dim, dim)
+def _ffn(dim: int, ffn_dim: int) -> tuple[ColumnParallelLinear, RowParallelLinear]:
+    return ColumnParallelLinear(dim, ffn_dim), RowParallelLinear(ffn_dim, dim)
 
 
 class BartEncoderLayer(nn.Module):
@@ -181,7 +196,7 @@ class BartDecoderLayer(nn.Module):
 class _Stack(nn.Module):
     """Embedding front-end shared by the encoder and the decoder."""
 
-    def __init__(self, config, variant: BartVariant, embed_tokens: nn.Embedding) -> None:
+    def __init__(self, config, variant: BartVariant, embed_tokens: VocabParallelEmbedding) -> None:
         super().__init__()
         dim = config.d_model
         self.embed_scale = math.sqrt(dim) if config.scale_embedding else 1.0
@@ -228,30 +243,22 @@ class BartDecoder(_Stack):
 class BartModel(nn.Module):
     def __init__(self, config, variant: BartVariant, ctx: ModelContext) -> None:
         super().__init__()
-        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.shared = VocabParallelEmbedding(config.vocab_size, config.d_model)
         self.encoder = BartEncoder(config, variant, self.shared, ctx)
         self.decoder = BartDecoder(config, variant, self.shared, ctx)
 
 
-# HF checkpoint projection names -> (our fused parameter, shard index)
-_STACKED = (
-    (".self_attn.q_proj.", ".self_attn.qkv_proj.", 0),
-    (".self_attn.k_proj.", ".self_attn.qkv_proj.", 1),
-    (".self_attn.v_proj.", ".self_attn.qkv_proj.", 2),
-    (".encoder_attn.k_proj.", ".encoder_attn.kv_proj.", 0),
-    (".encoder_attn.v_proj.", ".encoder_attn.kv_proj.", 1),
-)
-
-
 class BartForConditionalGeneration(EncoderDecoderModel):
     variant = BartVariant()
+    # HF checkpoints keep q/k/v (and cross-attention k/v) apart; we fuse them.
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "kv_proj": ["k_proj", "v_proj"]}
 
     def __init__(self, config, ctx: ModelContext) -> None:
         super().__init__(config, ctx)
         self.model = BartModel(config, self.variant, ctx)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.d_model)
         self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size))
 
     @classmethod
@@ -315,61 +322,23 @@ class BartForConditionalGeneration(EncoderDecoderModel):
         return self.model.decoder(input_ids, positions, encoder_hidden, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.model.shared.weight if self.tie_word_embeddings else self.lm_head.weight
-        return nn.functional.linear(hidden_states, weight) + self.final_logits_bias
+        head = self.model.shared if self.tie_word_embeddings else self.lm_head
+        return head.logits(hidden_states) + self.final_logits_bias
 
-    def _checkpoint_name(self, name: str) -> str | None:
-        """Map a HF name onto ours; None for names we do not keep."""
+    def hf_to_tandem_name(self, name: str) -> str | None:
+        """Map a HF name onto ours (before packing q/k/v)."""
         if name.startswith(("encoder.", "decoder.", "shared.")):
             name = "model." + name  # saved from BartModel rather than ...ForConditionalGeneration
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return "model.shared.weight"
-        for ours in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"):
-            if name == ours:
-                return "model.shared.weight"
+        if name in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"):
+            return "model.shared.weight"
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        buffers = dict(self.named_buffers())
+        # Buffers a checkpoint may omit; one that has them overwrites these.
         self.final_logits_bias.zero_()
         for module in self.modules():
             if isinstance(module, BartSinusoidalPositionalEmbedding):
                 module.reset_table()
-        loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            name = self._checkpoint_name(hf_name)
-            shard = None
-            for theirs, ours, idx in _STACKED:
-                if theirs in name:
-                    name, shard = name.replace(theirs, ours), idx
-                    break
-            target = params.get(name)
-            if target is None:
-                target = buffers.get(name)
-            if target is None:
-                continue  # e.g. unused heads of other task variants
-            dest = target.data
-            if shard is not None:
-                rows = dest.shape[0] // (3 if ".qkv_proj." in name else 2)
-                dest = dest[shard * rows : (shard + 1) * rows]
-            if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
-            loaded.add(name if shard is None else f"{name}#{shard}")
-        expected = set()
-        for name, p in params.items():
-            if ".qkv_proj." in name:
-                expected.update(f"{name}#{i}" for i in range(3))
-            elif ".encoder_attn.kv_proj." in name:
-                expected.update(f"{name}#{i}" for i in range(2))
-            else:
-                expected.add(name)
-        missing = sorted(expected - loaded)
-        if missing:
-            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-            raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
-        return loaded
+        return load_checkpoint(self, weights)
