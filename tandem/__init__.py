@@ -16,7 +16,8 @@ from tandem.core.inputs import ExplicitEncoderDecoderPrompt, TextPrompt, TokensP
 from tandem.core.layers import Attention
 from tandem.core.model import EncoderDecoderModel, KVCacheSpec, ModelContext
 from tandem.core.outputs import CompletionOutput, RequestOutput
-from tandem.core.sampling_params import SamplingParams
+from tandem.core.engine import LLMEngine
+from tandem.core.sampling_params import RequestOutputKind, SamplingParams
 from tandem.entrypoints.llm import LLM
 from tandem.logger import configure_library_logging
 from tandem.plugins.hookspecs import hookimpl
@@ -30,6 +31,7 @@ except PackageNotFoundError:  # a source tree on sys.path without an install
 
 __all__ = [
     "LLM",
+    "LLMEngine",
     "Attention",
     "AttentionBackend",
     "AttentionImpl",
@@ -42,6 +44,7 @@ __all__ = [
     "KVCacheSpec",
     "ModelContext",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "TextPrompt",
     "TokensPrompt",

@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,14 +18,17 @@ from tandem.core.inputs import EncoderDecoderInputs, InputProcessor, PromptType
 from tandem.core.loader import check_model_config, load_hf_config, load_model, load_tokenizer
 from tandem.core.memory import GiB, check_fits
 from tandem.core.model_runner import ModelRunner
-from tandem.core.outputs import CompletionOutput, RequestOutput
+from tandem.core.output_processor import OutputProcessor
+from tandem.core.outputs import RequestOutput
 from tandem.core.sampler import Sampler
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler, SchedulerConfig
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from tandem.registry import AttentionBackendRegistry, ModelRegistry
 
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,18 +37,18 @@ class EngineStats:
     preemptions: int = 0
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
+    num_requests_finished: int = 0
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model_registry=None, backend_registry=None) -> None:
-        from tandem.registry import default_backend_registry, default_model_registry
-
+    def __init__(
+        self, config: EngineConfig, model_registry: "ModelRegistry", backend_registry: "AttentionBackendRegistry"
+    ) -> None:
+        """The registries come from the caller (``LLM`` fills them from the plugins)."""
         self.config = config
         self.scheduler_config = SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode
         )
-        model_registry = model_registry or default_model_registry()
-        backend_registry = backend_registry or default_backend_registry()
 
         trust = config.trust_remote_code
         self.hf_config = load_hf_config(config.model, trust_remote_code=trust)
@@ -81,6 +85,7 @@ class LLMEngine:
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.sampler = Sampler(sorted(self.eos_token_ids), config.seed, device)
         self.input_processor = InputProcessor(self.hf_config, self.model_cls, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = self.model_cls.vocab_size(self.hf_config)
         self._seq_ids = itertools.count()
         self.groups: dict[str, SequenceGroup] = {}
@@ -139,7 +144,8 @@ class LLMEngine:
         group = SequenceGroup(
             request_id, enc, seqs, params, time.monotonic(), inputs.encoder_prompt, inputs.prompt
         )
-        # Every sequence at full length must fit the pool, or it would preempt itself forever.
+        # Every sequence at full length must fit the pool, or it would preempt itself
+        # forever (blocks its sequences share count once; the cross table always counts).
         need = self.block_manager.blocks_needed(group, extra_tokens=params.max_tokens)
         usable = self.block_manager.usable_blocks
         if need > usable:
@@ -148,6 +154,7 @@ class LLMEngine:
                 "raise num_kv_blocks or kv_cache_memory, or lower max_tokens"
             )
         self.groups[request_id] = group
+        self.output_processor.add_request(group)
         self.scheduler.add(group)
 
     def max_new_tokens(self, prompt: PromptType) -> int:
@@ -210,7 +217,7 @@ class LLMEngine:
                 seq.status = SequenceStatus.FINISHED_ABORTED
             self.block_manager.free_group(group)
             found.append(group)
-        outs = [self._make_output(self.groups.pop(g.request_id)) for g in found]
+        outs = [self.output_processor.make_output(self.groups.pop(g.request_id)) for g in found]
         if not self.groups:
             self._reclaim_leaked_blocks()
         return outs
@@ -230,9 +237,25 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished()
 
+    def get_stats(self) -> dict[str, int]:
+        bm, sch = self.block_manager, self.scheduler
+        return {
+            "encoder_tokens_computed": sch.encoder_tokens_computed,
+            "encoder_tokens_reused": sch.encoder_tokens_reused,
+            "num_preemptions": self.stats.preemptions,
+            "kv_blocks_total": bm.num_total_blocks(),
+            "kv_blocks_free": bm.num_free_blocks(),
+            "swapped_out_blocks": self.stats.swapped_out_blocks,
+            "swapped_in_blocks": self.stats.swapped_in_blocks,
+            "num_requests_finished": self.stats.num_requests_finished,
+            "num_requests_unfinished": sch.num_unfinished(),
+        }
+
     # -- the step ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled forward pass; returns the requests that finished in it."""
+        """Run one scheduled forward pass. Returns an output for every request that
+        advanced, as its ``output_kind`` asks: everything so far, only what is new,
+        or (``FINAL_ONLY``) nothing until it finishes."""
         sched = self.scheduler.schedule()
         self.stats.steps += 1
         self.stats.preemptions += sched.preempted
@@ -240,6 +263,10 @@ class LLMEngine:
             self._swap(sched.blocks_to_swap_out, to_cpu=True)
         if sched.blocks_to_swap_in:
             self._swap(sched.blocks_to_swap_in, to_cpu=False)
+        # After the swaps: a copy may read a block just swapped in, or write one
+        # a swap-out just vacated.
+        if sched.blocks_to_copy:
+            self._copy_blocks(sched.blocks_to_copy)
         if not sched.scheduled:
             if not (sched.blocks_to_swap_out or sched.blocks_to_swap_in):
                 self._no_progress()
@@ -249,22 +276,30 @@ class LLMEngine:
             logits, seqs = self.runner.execute(sched.scheduled, self.kv_caches)
             sampled = self.sampler(logits, seqs, owners)
 
+        # Sharers too: their cross table was filled by now, in this step or an earlier one.
         for meta in sched.scheduled:
             meta.group.encoder_computed = True
-        finished_groups: list[SequenceGroup] = []
         for i, (seq, group) in enumerate(zip(seqs, owners)):
             seq.num_computed_tokens = len(seq)
             seq.append_token(sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])
             self._check_stop(seq, group)
-            if seq.finished:
-                self.block_manager.free(seq, group)
-                if group.is_finished and (not finished_groups or finished_groups[-1] is not group):
-                    finished_groups.append(group)
+        return self._process_outputs(sched.scheduled)
+
+    def _process_outputs(self, scheduled) -> list[RequestOutput]:
+        """Stop strings and outputs for every group that advanced; free what finished."""
         outputs = []
-        for group in finished_groups:
-            self.scheduler.finish(group)
-            del self.groups[group.request_id]
-            outputs.append(self._make_output(group))
+        for meta in scheduled:
+            group = meta.group
+            out = self.output_processor.process(group, {seq.seq_id: 1 for seq in meta.seqs})
+            for seq in meta.seqs:
+                if seq.finished:
+                    self.block_manager.free(seq, group)
+            if group.is_finished:
+                self.scheduler.finish(group)
+                del self.groups[group.request_id]
+                self.stats.num_requests_finished += 1
+            if out is not None:
+                outputs.append(out)
         return outputs
 
     def _no_progress(self) -> None:
@@ -283,6 +318,7 @@ class LLMEngine:
         )
 
     def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
+        """Stops on token ids and length; stop strings are the output processor's."""
         p = group.sampling_params
         token = seq.output_token_ids[-1]
         num_out = len(seq.output_token_ids)
@@ -293,49 +329,18 @@ class LLMEngine:
             if token in p.stop_token_ids:
                 seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
                 return
-            if p.stop_strings and self.tokenizer is not None:
-                text = self._decode(seq.output_token_ids, p)
-                hits = [(text.find(s), s) for s in p.stop_strings if s in text]
-                if hits:
-                    at, s = min(hits)
-                    seq.output_text = text[:at]
-                    seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, s
-                    return
         if num_out >= p.max_tokens:
             seq.status = SequenceStatus.FINISHED_LENGTH
 
-    def _decode(self, token_ids: list[int], p: SamplingParams) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=p.skip_special_tokens)
-
-    def _make_output(self, group: SequenceGroup) -> RequestOutput:
-        p = group.sampling_params
-        completions = []
-        for i, seq in enumerate(group.seqs):
-            text = seq.output_text  # already cut before a stop string
-            if not isinstance(seq.stop_reason, str) and self.tokenizer is not None:
-                text = self._decode(seq.output_token_ids, p)
-            completions.append(
-                CompletionOutput(
-                    index=i,
-                    text=text,
-                    token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=seq.output_logprobs if p.logprobs is not None else None,
-                    finish_reason=seq.status.value if seq.finished else None,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-        return RequestOutput(
-            request_id=group.request_id,
-            encoder_prompt=group.encoder_prompt,
-            encoder_prompt_token_ids=list(group.encoder_seq.token_ids),
-            prompt=group.prompt,
-            prompt_token_ids=list(group.seqs[0].prompt_token_ids),
-            outputs=completions,
-            finished=group.is_finished,
-        )
-
     # -- swapping --------------------------------------------------------------
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each ``dst`` device block gets ``src``'s K/V in every layer."""
+        device = self.kv_caches[0].device
+        src_ids = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+        dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+        for cache in self.kv_caches:  # [2, num_blocks, block_size, heads, head_size]
+            cache.index_copy_(1, dst_ids, cache.index_select(1, src_ids))
+
     def _swap(self, mapping: list[tuple[int, int]], to_cpu: bool) -> None:
         if self._swap_caches is None:
             n = self.block_manager.num_total_blocks(Device.CPU)

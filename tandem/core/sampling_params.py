@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
+import enum
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -15,6 +16,14 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 _MAX_SHOWN = 200
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What ``LLMEngine.step()`` returns for a request that advanced."""
+
+    CUMULATIVE = 0  # everything generated so far, every step
+    DELTA = 1  # only the tokens and text new since the last output
+    FINAL_ONLY = 2  # nothing until the request finishes
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request.
@@ -23,7 +32,9 @@ class SamplingParams:
     tokens (the decoder prompt is not counted); ``min_tokens`` suppresses EOS
     and ``stop_token_ids`` until that many tokens exist. ``logprobs=k`` returns
     the top-k log-probabilities (plus the chosen token's) for every step.
-    ``top_k`` of 0 or -1 means off (stored as -1).
+    ``top_k`` of 0 or -1 means off (stored as -1). ``output_kind`` says what
+    ``LLMEngine.step()`` returns for the request as it advances (``LLM.generate``
+    always returns the final output).
 
     Every field is checked here, type before range: a wrong type raises
     ``TypeError`` and a wrong value ``ValueError``, both worded
@@ -50,6 +61,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Derived from ``stop``; left out of eq/hash because ``stop`` already decides it.
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -76,6 +88,9 @@ class SamplingParams:
             put("logprobs", _int("logprobs", self.logprobs, 0, "None or an integer >= 0"))
         put("ignore_eos", _bool("ignore_eos", self.ignore_eos))
         put("skip_special_tokens", _bool("skip_special_tokens", self.skip_special_tokens))
+        if not isinstance(self.output_kind, RequestOutputKind):
+            kinds = ", ".join(f"RequestOutputKind.{k.name}" for k in RequestOutputKind)
+            raise TypeError(f"SamplingParams.output_kind={self.output_kind!r}: must be one of {kinds}")
 
         stop_strings = _stop_strings(self.stop)
         if not isinstance(self.stop, str) and self.stop is not None:

@@ -4,8 +4,10 @@ Each step: running groups first (each decoder sequence computes its new
 tokens), preempting the most recently admitted groups when blocks run out;
 then swapped groups come back; then waiting groups are admitted while the
 token budget, ``max_num_seqs`` and free blocks allow. A group admitted this
-step runs its encoder, fills its cross-attention table and prefills its
-decoder prompt in the same step.
+step prefills its decoder prompt and, unless it shares the live cross table
+of an identical encoder input, runs its encoder and fills its cross table in
+the same step. Sequences about to write into shared blocks get copies first
+(``blocks_to_copy``).
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ class Scheduler:
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = 0
+        # Encoder tokens of admitted groups that ran the encoder, and of those
+        # that shared a live cross table of the same input instead.
+        self.encoder_tokens_computed = 0
+        self.encoder_tokens_reused = 0
 
     # -- queue management --------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -101,6 +107,7 @@ class Scheduler:
         scheduled: list[SequenceGroupMetadata] = []
         swap_in: list[tuple[int, int]] = []
         swap_out: list[tuple[int, int]] = []
+        copies: list[tuple[int, int]] = []
         preempted = 0
 
         # 1. Running groups, oldest first; evict from the back when short of blocks.
@@ -116,7 +123,7 @@ class Scheduler:
             else:
                 seqs = group.get_seqs(SequenceStatus.RUNNING)
                 for seq in seqs:
-                    bm.append_slots(seq)
+                    copies += bm.append_slots(seq)
                 budget -= sum(s.num_new_tokens for s in seqs)
                 num_seqs += len(seqs)
                 self.running.append(group)
@@ -135,17 +142,18 @@ class Scheduler:
             swap_in.extend(bm.swap_in(group))
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
-                bm.append_slots(seq)
+                copies += bm.append_slots(seq)
             budget -= tokens
             num_seqs += len(seqs)
             self.running.append(group)
             scheduled.append(self._metadata(group, run_encoder=False))
 
-        # 3. Waiting groups: run the encoder and prefill the decoder prompt.
+        # 3. Waiting groups: run the encoder (unless shared) and prefill the decoder prompt.
         while self.waiting and not self.swapped and not preempted:
             group = self.waiting[0]
             seqs = group.unfinished_seqs()
-            tokens = group.encoder_len + sum(len(s) for s in seqs)
+            run_encoder = not bm.cross_is_live(group)
+            tokens = (group.encoder_len if run_encoder else 0) + sum(len(s) for s in seqs)
             if num_seqs + len(seqs) > self.config.max_num_seqs or tokens > budget:
                 break
             status = bm.can_allocate(group)
@@ -153,13 +161,18 @@ class Scheduler:
                 # NEVER cannot happen for requests the engine validated on entry.
                 break
             self.waiting.popleft()
-            bm.allocate(group)
+            if bm.allocate(group) != run_encoder:
+                raise RuntimeError(f"request {group.request_id!r}: cross table sharing changed while admitting")
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
+            if run_encoder:
+                self.encoder_tokens_computed += group.encoder_len
+            else:
+                self.encoder_tokens_reused += group.encoder_len
             budget -= tokens
             num_seqs += len(seqs)
             self.running.append(group)
-            scheduled.append(self._metadata(group, run_encoder=True))
+            scheduled.append(self._metadata(group, run_encoder))
 
         self.num_preemptions += preempted
         return SchedulerOutputs(
@@ -168,6 +181,7 @@ class Scheduler:
             blocks_to_swap_in=swap_in,
             blocks_to_swap_out=swap_out,
             preempted=preempted,
+            blocks_to_copy=copies,
         )
 
     def _metadata(self, group: SequenceGroup, run_encoder: bool) -> SequenceGroupMetadata:
@@ -194,7 +208,8 @@ class Scheduler:
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.append(group)
             return
-        # Recompute: drop the cache; encoder and decoder tokens run again later.
+        # Recompute: drop the group's references; its decoder tokens run again
+        # later, its encoder too unless a sharer keeps the cross table alive.
         bm.free_group(group)
         group.reset_for_recompute()
         self.waiting.appendleft(group)

@@ -96,7 +96,10 @@ class SequenceGroup:
         self.arrival_time = arrival_time
         self.encoder_prompt = encoder_prompt
         self.prompt = prompt
-        # True once the encoder ran and the cross-attention cache holds its K/V.
+        # The encoder input, hashable: groups with equal keys share one cross table.
+        self.encoder_key: tuple[int, ...] = tuple(encoder_seq.token_ids)
+        # True once the cross-attention cache holds the encoder's K/V (its own
+        # encoder run, or that of the group whose cross table it shares).
         self.encoder_computed = False
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
@@ -133,6 +136,8 @@ class SequenceGroupMetadata:
 
     request_id: str
     # Whether the encoder runs this step (its output fills the cross cache).
+    # False for a group sharing another's cross table: filled in an earlier
+    # step, or in this one (every layer writes new cross K/V before reading).
     run_encoder: bool
     seqs: list[Sequence]
     # seq_id -> self-attention block table
@@ -150,3 +155,6 @@ class SchedulerOutputs:
     blocks_to_swap_in: list[tuple[int, int]]
     blocks_to_swap_out: list[tuple[int, int]]
     preempted: int = 0
+    # (src_block, dst_block) device pairs to copy before the forward pass, after
+    # the swaps: shared blocks a sequence is about to write into (copy-on-write)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)

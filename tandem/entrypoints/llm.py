@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections.abc import Sequence as Seq
@@ -12,7 +13,8 @@ from tandem.core.config import EngineConfig
 from tandem.core.engine import LLMEngine
 from tandem.core.inputs import PromptType, preview
 from tandem.core.outputs import RequestOutput
-from tandem.core.sampling_params import SamplingParams
+from tandem.core.sampling_params import RequestOutputKind, SamplingParams
+from tandem.plugins import default_backend_registry, default_model_registry
 
 
 class LLM:
@@ -56,13 +58,23 @@ class LLM:
             seed=seed,
             trust_remote_code=trust_remote_code,
         )
-        self.engine = LLMEngine(config)
+        self.llm_engine = LLMEngine(config, default_model_registry(), default_backend_registry())
         self._ids = itertools.count()
         # The engine is single-threaded: concurrent generate() calls take turns.
         self._lock = threading.Lock()
 
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine (also ``llm_engine``, vLLM's name)."""
+        return self.llm_engine
+
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.llm_engine.tokenizer
+
+    def get_stats(self) -> dict[str, int]:
+        """Counters since construction: encoder tokens computed and reused, preemptions,
+        KV blocks in total and free, requests finished."""
+        return self.llm_engine.get_stats()
 
     def generate(
         self,
@@ -132,9 +144,9 @@ def _prompt_list(prompts) -> list:
 
 def _params_list(sampling_params, n: int) -> list[SamplingParams]:
     if sampling_params is None:
-        return [SamplingParams()] * n
+        return [SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)] * n
     if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
+        return [_final_only(sampling_params)] * n
     if not isinstance(sampling_params, (list, tuple)):
         hint = "; build one with SamplingParams(**...)" if isinstance(sampling_params, dict) else ""
         raise TypeError(
@@ -147,7 +159,14 @@ def _params_list(sampling_params, n: int) -> list[SamplingParams]:
         raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}: {preview(p)}")
     if len(sampling_params) != n:
         raise ValueError(f"got {len(sampling_params)} sampling params for {n} prompts; pass one, or one per prompt")
-    return list(sampling_params)
+    return [_final_only(p) for p in sampling_params]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    # generate() returns each request once, finished: no per-step outputs to build.
+    if params.output_kind is RequestOutputKind.FINAL_ONLY:
+        return params
+    return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _rejected(rid: str, prompt, error: Exception) -> RequestOutput:

@@ -1,48 +1,46 @@
 """Property-based tests for ``tandem.core.block_manager``.
 
 A hypothesis state machine drives one ``BlockManager`` through random
-allocate / append / swap / free / reset sequences and, after every single
-operation, compares it with an independent model kept here: which device each
-group lives on and how many blocks each of its tables must hold.
+allocate / step (append + copy-on-write) / fork / swap / free / recompute /
+abort / reset sequences over groups that share encoder inputs and decoder
+prompts. Next to it the test keeps a fake KV cache: what each slot of each
+block holds. It applies the swap and copy pairs the manager returns and writes
+every computed token where the tables say, so after every operation:
+
+- on each device, ``refcount(block)`` = the number of tables holding it, and
+  the free blocks (refcount 0) number ``num_free_blocks``;
+- every sequence reads its computed tokens back through its table, and every
+  group whose encoder ran (or was shared) reads its encoder ids back through
+  its cross table: nothing was overwritten by a sharer, lost in a swap, or
+  left uncopied.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tandem.core.block_manager import (
-    AllocStatus,
-    BlockManager,
-    BlockPool,
-    Device,
-    blocks_for,
-)
+from tandem.core.block_manager import AllocStatus, BlockManager, BlockPool, Device, blocks_for
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 _ids = itertools.count()
+_tokens = itertools.count(10_000)  # every generated token is distinct: stale slots never match
+
+GPU, CPU = Device.GPU, Device.CPU
 
 
-def ceil_div(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
-def make_group(enc_len: int, prompt_lens: list[int]) -> SequenceGroup:
-    rid = f"req-{next(_ids)}"
-    enc = Sequence(next(_ids), list(range(enc_len)))
-    seqs = [Sequence(next(_ids), [7] * p) for p in prompt_lens]
-    return SequenceGroup(rid, enc, seqs, SamplingParams(n=len(prompt_lens)), 0.0)
+def make_group(encoder: list[int], prompt_len: int, n: int) -> SequenceGroup:
+    gid = next(_ids)
+    prompt = [1_000_000 * (gid + 1) + i for i in range(prompt_len)]
+    enc = Sequence(next(_ids), encoder)
+    seqs = [Sequence(next(_ids), prompt) for _ in range(n)]
+    return SequenceGroup(f"req-{gid}", enc, seqs, SamplingParams(n=n), 0.0)
 
 
 # -- plain unit checks ---------------------------------------------------------
@@ -51,449 +49,30 @@ def make_group(enc_len: int, prompt_lens: list[int]) -> SequenceGroup:
 def test_blocks_for_is_ceil_div():
     for bs in range(1, 9):
         for n in range(0, 50):
-            assert blocks_for(n, bs) == ceil_div(n, bs)
+            assert blocks_for(n, bs) == -(-n // bs)
 
 
-def test_pool_allocate_free_roundtrip():
+def test_pool_refcounts():
     pool = BlockPool(5)
     a = pool.allocate(2)
     b = pool.allocate(3)
-    assert sorted(a + b) == list(range(5))
-    assert pool.num_free == 0
+    assert sorted(a + b) == list(range(5)) and pool.num_free == 0
     with pytest.raises(RuntimeError):
         pool.allocate(1)
-    pool.free(a)
-    assert pool.num_free == 2
+    pool.incref(a + a[:1])
+    assert [pool.refcount(x) for x in a] == [3, 2]
+    pool.decref(a)
+    assert pool.num_free == 0
+    pool.decref(a, times=1)
+    assert pool.num_free == 1 and pool.refcount(a[1]) == 0 and pool.free_ids() == [a[1]]
+    with pytest.raises(RuntimeError, match="freed twice"):
+        pool.decref([a[1]])
+    assert pool.num_free == 1  # a failed decref changes nothing
+    with pytest.raises(RuntimeError, match="is free"):
+        pool.incref([a[1]])
     assert pool.allocate(0) == []
     pool.reset()
     assert pool.free_ids() == list(range(5))
-
-
-def test_allocate_twice_and_move_from_wrong_device_raise():
-    bm = BlockManager(4, 16, 16, watermark=0.0)
-    g = make_group(5, [3, 2])
-    bm.allocate(g)
-    with pytest.raises(RuntimeError):
-        bm.allocate(g)
-    with pytest.raises(RuntimeError):
-        bm.swap_in(g)  # lives on the GPU
-    bm.swap_out(g)
-    with pytest.raises(RuntimeError):
-        bm.swap_out(g)  # lives on the CPU
-    bm.free_group(g)
-    assert bm.num_free_blocks(Device.GPU) == 16
-    assert bm.num_free_blocks(Device.CPU) == 16
-    assert not bm.location
-
-
-def test_group_blocks_counts_self_tables_after_free_cross():
-    bm = BlockManager(2, 16, 0, watermark=0.0)
-    g = make_group(3, [3, 1])  # cross 2, self 2 + 1
-    bm.allocate(g)
-    assert bm.group_blocks(g) == 5
-    bm.free_cross(g)
-    assert bm.group_blocks(g) == 3
-    assert bm.num_free_blocks() == 16 - 3
-    bm.free_group(g)
-    assert bm.group_blocks(g) == 0
-    assert bm.num_free_blocks() == 16
-
-
-def test_swapped_group_fits_back_into_an_empty_pool():
-    # A group that fills the whole pool must be able to come back once the pool
-    # is empty; a flat "one spare block per sequence" rule would need 4 + 3 > 4.
-    bm = BlockManager(8, 4, 8, watermark=0.0)
-    g = make_group(8, [1, 1, 1])  # cross 1 + 3 x self 1
-    bm.allocate(g)
-    assert bm.num_free_blocks() == 0
-    bm.swap_out(g)
-    assert bm.num_free_blocks() == 4
-    assert bm.can_swap_in(g)
-    bm.swap_in(g)
-    for s in g.seqs:
-        bm.append_slots(s)
-    assert bm.num_free_blocks() == 0
-    # Tokens past the last block need room for one more block each.
-    bm.swap_out(g)
-    for s in g.seqs:
-        for _ in range(8):
-            s.append_token(5, 0.0, None)
-    assert not bm.can_swap_in(g)  # 4 held + 3 new > 4
-    bm.free_group(g)
-    assert bm.num_free_blocks(Device.CPU) == 8
-
-
-# -- the state machine ---------------------------------------------------------
-
-
-class GroupModel:
-    """What the test believes about one group: independent of the manager."""
-
-    def __init__(self, group: SequenceGroup) -> None:
-        self.group = group
-        self.device: Device | None = None  # None: holds nothing
-        self.cross: int | None = None  # expected cross-table length, None once freed
-        self.selfs: dict[int, int] = {}  # seq_id -> expected self-table length
-
-    def held(self) -> int:
-        return (self.cross or 0) + sum(self.selfs.values())
-
-
-def _idle(m: GroupModel) -> bool:
-    return bool(m.device is None and not m.group.is_finished)
-
-
-def _on_gpu_with_seqs(m: GroupModel) -> bool:
-    return bool(m.device is Device.GPU and m.selfs)
-
-
-def _swappable_out(m: GroupModel) -> bool:
-    return bool(m.device is Device.GPU and m.cross)
-
-
-def _swappable_in(m: GroupModel) -> bool:
-    return bool(m.device is Device.CPU and m.cross)
-
-
-def _has_seqs(m: GroupModel) -> bool:
-    return bool(m.selfs)
-
-
-def _has_cross(m: GroupModel) -> bool:
-    return bool(m.cross)
-
-
-def _holds_blocks(m: GroupModel) -> bool:
-    return bool(m.device is not None)
-
-
-class BlockManagerMachine(RuleBasedStateMachine):
-    def __init__(self) -> None:
-        super().__init__()
-        self.bm: BlockManager | None = None
-        self.groups: list[GroupModel] = []
-        self.steps_since_reset = 0
-
-    # -- setup -------------------------------------------------------------
-    @initialize(
-        block_size=st.integers(1, 8),
-        gpu=st.integers(4, 64),
-        cpu=st.integers(0, 64),
-        watermark=st.sampled_from([0.0, 0.01, 0.05, 0.1, 0.25]),
-    )
-    def setup(self, block_size, gpu, cpu, watermark):
-        self.bs = block_size
-        self.gpu_total = gpu
-        self.cpu_total = cpu
-        self.bm = BlockManager(block_size, gpu, cpu, watermark=watermark)
-        self.wm = self.bm.watermark_blocks
-        assert self.wm == int(watermark * gpu)
-
-    # -- helpers -----------------------------------------------------------
-    def _any(self, pred) -> bool:
-        return any(pred(m) for m in self.groups)
-
-    def _pick(self, idx: int, pred) -> GroupModel:
-        cands = [m for m in self.groups if pred(m)]
-        assert cands, "precondition and pick disagree"
-        return cands[idx % len(cands)]
-
-    def _needed(self, m: GroupModel) -> int:
-        g = m.group
-        return ceil_div(g.encoder_len, self.bs) + sum(
-            ceil_div(len(s), self.bs) for s in g.seqs if not s.finished
-        )
-
-    def _free(self, dev: Device) -> int:
-        return self.bm.num_free_blocks(dev)
-
-    def _tables_of(self, m: GroupModel) -> list[int]:
-        blocks = list(self.bm.cross_tables.get(m.group.request_id, []))
-        for s in m.group.seqs:
-            blocks += self.bm.self_tables.get(s.seq_id, [])
-        return blocks
-
-    def _check_status(self, m: GroupModel) -> AllocStatus:
-        needed = self._needed(m)
-        assert self.bm.blocks_needed(m.group) == needed
-        status = self.bm.can_allocate(m.group)
-        free = self._free(Device.GPU)
-        if needed > self.gpu_total - self.wm:
-            assert status is AllocStatus.NEVER, (needed, self.gpu_total, self.wm, status)
-        elif free - needed >= self.wm:
-            assert status is AllocStatus.OK, (needed, free, self.wm, status)
-        else:
-            assert status is AllocStatus.LATER, (needed, free, self.wm, status)
-        return status
-
-    def _do_allocate(self, m: GroupModel) -> None:
-        before = self._free(Device.GPU)
-        if self._check_status(m) is not AllocStatus.OK:
-            return
-        self.bm.allocate(m.group)
-        m.device = Device.GPU
-        m.cross = ceil_div(m.group.encoder_len, self.bs)
-        m.selfs = {
-            s.seq_id: ceil_div(len(s), self.bs) for s in m.group.seqs if not s.finished
-        }
-        assert self._free(Device.GPU) == before - m.held()
-        for s in m.group.unfinished_seqs():
-            s.status = SequenceStatus.RUNNING
-
-    # -- rules -------------------------------------------------------------
-    @precondition(lambda self: sum(1 for m in self.groups if not m.group.is_finished) < 8)
-    @rule(
-        enc_len=st.integers(1, 40),
-        prompt_lens=st.lists(st.integers(1, 10), min_size=1, max_size=3),
-    )
-    def add_group(self, enc_len, prompt_lens):
-        m = GroupModel(make_group(enc_len, prompt_lens))
-        self.groups.append(m)
-        self._do_allocate(m)
-
-    @precondition(lambda self: self._any(_idle))
-    @rule(idx=st.integers(0, 1000))
-    def reallocate(self, idx):
-        """A group that holds nothing (never admitted or fully freed) tries again."""
-        m = self._pick(idx, _idle)
-        m.group.reset_for_recompute()
-        self._do_allocate(m)
-
-    @precondition(lambda self: self._any(_on_gpu_with_seqs))
-    @rule(idx=st.integers(0, 1000), seq_idx=st.integers(0, 2), k=st.integers(1, 12))
-    def append(self, idx, seq_idx, k):
-        m = self._pick(idx, _on_gpu_with_seqs)
-        live = [s for s in m.group.seqs if s.seq_id in m.selfs]
-        seq = live[seq_idx % len(live)]
-        for _ in range(k):
-            seq.append_token(5, 0.0, None)
-        need = sum(
-            max(0, ceil_div(len(s), self.bs) - m.selfs[s.seq_id]) for s in live
-        )
-        free = self._free(Device.GPU)
-        can = self.bm.can_append_slots(m.group)
-        assert can == (need <= free), (need, free, can)
-        if not can:
-            return
-        for s in live:
-            self.bm.append_slots(s)
-            m.selfs[s.seq_id] = max(m.selfs[s.seq_id], ceil_div(len(s), self.bs))
-            assert len(self.bm.get_block_table(s)) >= ceil_div(len(s), self.bs)
-        assert self._free(Device.GPU) == free - need
-
-    def _swap(self, m: GroupModel, src: Device, dst: Device) -> None:
-        g = m.group
-        n = self.bm.group_blocks(g)
-        assert n == m.held()
-        old = self._tables_of(m)
-        src_free, dst_free = self._free(src), self._free(dst)
-        mapping = self.bm.swap_out(g) if dst is Device.CPU else self.bm.swap_in(g)
-        new = self._tables_of(m)
-        m.device = dst
-        assert self._free(src) == src_free + n
-        assert self._free(dst) == dst_free - n
-        assert len(mapping) == n
-        assert sorted(a for a, _ in mapping) == sorted(old)
-        assert sorted(b for _, b in mapping) == sorted(new)
-        assert len(set(a for a, _ in mapping)) == n
-        assert len(set(b for _, b in mapping)) == n
-        assert self.bm.location[g.request_id] is dst
-        # Table shapes are preserved: each table maps position-by-position.
-        src_to_dst = dict(mapping)
-        assert [src_to_dst[a] for a in old] == new
-        assert self.bm.group_blocks(g) == n
-
-    @precondition(lambda self: self._any(_swappable_out))
-    @rule(idx=st.integers(0, 1000))
-    def swap_out(self, idx):
-        m = self._pick(idx, _swappable_out)
-        can = self.bm.can_swap_out(m.group)
-        assert can == (m.held() <= self._free(Device.CPU))
-        if not can:
-            return
-        self._swap(m, Device.GPU, Device.CPU)
-        for s in m.group.get_seqs(SequenceStatus.RUNNING):
-            s.status = SequenceStatus.SWAPPED
-
-    @precondition(lambda self: self._any(_swappable_in))
-    @rule(idx=st.integers(0, 1000))
-    def swap_in(self, idx):
-        self._swap_in(idx)
-
-    # The same rule twice: swapped groups otherwise get freed before they come back.
-    @precondition(lambda self: self._any(_swappable_in))
-    @rule(idx=st.integers(0, 1000))
-    def swap_in_again(self, idx):
-        self._swap_in(idx)
-
-    def _swap_in(self, idx):
-        m = self._pick(idx, _swappable_in)
-        live = [s for s in m.group.seqs if s.seq_id in m.selfs]
-        # The blocks it holds plus those its sequences' pending tokens need.
-        grow = sum(max(0, ceil_div(len(s), self.bs) - m.selfs[s.seq_id]) for s in live)
-        can = self.bm.can_swap_in(m.group)
-        assert can == (self._free(Device.GPU) - (m.held() + grow) >= self.wm)
-        if not can:
-            return
-        self._swap(m, Device.CPU, Device.GPU)
-        for s in m.group.get_seqs(SequenceStatus.SWAPPED):
-            s.status = SequenceStatus.RUNNING
-        # What the scheduler does right after a swap-in must then succeed.
-        assert self.bm.can_append_slots(m.group)
-        before = self._free(Device.GPU)
-        for s in live:
-            self.bm.append_slots(s)
-            m.selfs[s.seq_id] = max(m.selfs[s.seq_id], ceil_div(len(s), self.bs))
-        assert self._free(Device.GPU) == before - grow >= self.wm
-
-    @precondition(lambda self: self._any(_has_seqs))
-    @rule(idx=st.integers(0, 1000), seq_idx=st.integers(0, 2))
-    def finish_seq(self, idx, seq_idx):
-        m = self._pick(idx, _has_seqs)
-        live = [s for s in m.group.seqs if s.seq_id in m.selfs]
-        seq = live[seq_idx % len(live)]
-        dev = m.device
-        before = self._free(dev)
-        seq.status = SequenceStatus.FINISHED_LENGTH
-        self.bm.free(seq, m.group)
-        assert self._free(dev) == before + m.selfs.pop(seq.seq_id)
-        assert seq.seq_id not in self.bm.self_tables
-        if not m.selfs and m.cross is None:
-            m.device = None
-        # Freeing again is a no-op.
-        after = self._free(dev)
-        self.bm.free(seq, m.group)
-        assert self._free(dev) == after
-
-    @precondition(lambda self: self._any(_has_cross))
-    @rule(idx=st.integers(0, 1000), coin=st.integers(0, 3))
-    def free_cross(self, idx, coin):
-        # Rare on purpose: a group without its cross table can no longer swap.
-        if coin != 3:
-            return
-        m = self._pick(idx, _has_cross)
-        dev = m.device
-        before = self._free(dev)
-        self.bm.free_cross(m.group)
-        assert self._free(dev) == before + m.cross
-        m.cross = None
-        if not m.selfs:
-            m.device = None
-
-    @precondition(lambda self: self._any(_holds_blocks))
-    @rule(idx=st.integers(0, 1000))
-    def free_group(self, idx):
-        m = self._pick(idx, _holds_blocks)
-        dev = m.device
-        before = self._free(dev)
-        other = Device.CPU if dev is Device.GPU else Device.GPU
-        other_before = self._free(other)
-        self.bm.free_group(m.group)
-        assert self._free(dev) == before + m.held()
-        assert self._free(other) == other_before
-        m.device, m.cross, m.selfs = None, None, {}
-        assert self.bm.group_blocks(m.group) == 0
-
-    # Rare on purpose, or most runs would keep restarting from an empty pool.
-    @precondition(lambda self: self.steps_since_reset >= 20)
-    @rule()
-    def reset(self):
-        self.steps_since_reset = 0
-        self.bm.reset()
-        for m in self.groups:
-            m.device, m.cross, m.selfs = None, None, {}
-        self.groups = [m for m in self.groups if not m.group.is_finished]
-        assert self._free(Device.GPU) == self.gpu_total
-        assert self._free(Device.CPU) == self.cpu_total
-
-    # -- invariants, checked after every step -------------------------------
-    @invariant()
-    def accounting(self):
-        if self.bm is None:
-            return
-        self.steps_since_reset += 1
-        bm = self.bm
-        for dev, total in ((Device.GPU, self.gpu_total), (Device.CPU, self.cpu_total)):
-            assert bm.num_total_blocks(dev) == total
-            held = sum(m.held() for m in self.groups if m.device is dev)
-            assert bm.num_free_blocks(dev) + held == total, (dev, bm.num_free_blocks(dev), held)
-            free = bm.pools[dev].free_ids()
-            assert len(free) == len(set(free)), f"duplicate ids in the {dev} free list"
-            in_tables: list[int] = []
-            for m in self.groups:
-                if m.device is dev:
-                    in_tables += self._tables_of(m)
-            assert len(in_tables) == len(set(in_tables)), f"a {dev} block id is in two tables"
-            assert not set(in_tables) & set(free), f"a {dev} block is both held and free"
-            assert sorted(in_tables + free) == list(range(total))
-
-    @invariant()
-    def tables_match_model(self):
-        if self.bm is None:
-            return
-        bm = self.bm
-        live_rids = set()
-        live_sids = set()
-        for m in self.groups:
-            g = m.group
-            rid = g.request_id
-            assert bm.location.get(rid) is m.device
-            if m.cross is None:
-                assert rid not in bm.cross_tables
-            else:
-                live_rids.add(rid)
-                assert len(bm.get_cross_block_table(g)) == ceil_div(g.encoder_len, self.bs)
-                assert len(bm.get_cross_block_table(g)) == m.cross
-            for s in g.seqs:
-                if s.seq_id in m.selfs:
-                    live_sids.add(s.seq_id)
-                    assert len(bm.get_block_table(s)) == m.selfs[s.seq_id]
-                else:
-                    assert s.seq_id not in bm.self_tables
-            assert bm.group_blocks(g) == m.held()
-        # Nothing the model does not know about (no leaks after free/reset).
-        assert set(bm.cross_tables) == live_rids
-        assert set(bm.self_tables) == live_sids
-        assert set(bm.location) == {m.group.request_id for m in self.groups if m.device}
-
-
-BlockManagerMachine.TestCase.settings = settings(
-    max_examples=400,
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
-)
-TestBlockManagerMachine = BlockManagerMachine.TestCase
-
-
-# -- can_allocate NEVER boundary, directly ----------------------------------------
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    block_size=st.integers(1, 8),
-    gpu=st.integers(4, 64),
-    watermark=st.sampled_from([0.0, 0.01, 0.1, 0.25, 0.5]),
-    enc_len=st.integers(1, 40),
-    prompt_lens=st.lists(st.integers(1, 10), min_size=1, max_size=3),
-)
-def test_can_allocate_never_iff_over_capacity(block_size, gpu, watermark, enc_len, prompt_lens):
-    bm = BlockManager(block_size, gpu, 0, watermark=watermark)
-    g = make_group(enc_len, prompt_lens)
-    needed = ceil_div(enc_len, block_size) + sum(ceil_div(p, block_size) for p in prompt_lens)
-    wm = int(watermark * gpu)
-    status = bm.can_allocate(g)
-    assert (status is AllocStatus.NEVER) == (needed > gpu - wm)
-    if status is AllocStatus.OK:
-        bm.allocate(g)
-        assert bm.num_free_blocks() == gpu - needed
-    else:
-        # On an empty pool "not now" can only mean "never".
-        assert status is AllocStatus.NEVER
-        if needed > gpu:
-            with pytest.raises(RuntimeError):
-                bm.allocate(g)
-        assert bm.num_free_blocks() == gpu
 
 
 def test_cross_tables_take_consecutive_runs_and_self_blocks_the_low_end():
@@ -503,15 +82,402 @@ def test_cross_tables_take_consecutive_runs_and_self_blocks_the_low_end():
     run = pool.allocate_run(5)
     assert run == list(range(27, 32))  # best fit is the only run: its top end
     pool.free(low[1:2])  # a hole of length 1 at id 1
-    run2 = pool.allocate_run(1)
-    assert run2 == [1]  # the smallest run that fits
+    assert pool.allocate_run(1) == [1]  # the smallest run that fits
     pool.free(run)
     assert pool.num_free == len(pool.free_ids()) == 32 - 3
     # No run long enough: fall back to scattered blocks, still exact accounting.
     full = BlockPool(6)
     a = full.allocate(6)
     full.free([a[0], a[2], a[4]])
-    got = full.allocate_run(3)
-    assert sorted(got) == [0, 2, 4] and full.num_free == 0
-    with pytest.raises(RuntimeError, match="freed twice"):
-        full.free([a[1]]) or full.free([a[1]])
+    assert sorted(full.allocate_run(3)) == [0, 2, 4] and full.num_free == 0
+
+
+def test_allocate_twice_and_move_from_wrong_device_raise():
+    bm = BlockManager(4, 16, 16, watermark=0.0)
+    g = make_group([1] * 5, 3, 2)
+    bm.allocate(g)
+    with pytest.raises(RuntimeError):
+        bm.allocate(g)
+    with pytest.raises(RuntimeError):
+        bm.swap_in(g)  # lives on the GPU
+    bm.swap_out(g)
+    with pytest.raises(RuntimeError):
+        bm.swap_out(g)  # lives on the CPU
+    bm.free_group(g)
+    assert bm.num_free_blocks(GPU) == 16 and bm.num_free_blocks(CPU) == 16
+    assert bm.device_of(g) is None
+
+
+def test_swapped_group_fits_back_into_an_empty_pool():
+    # A group that fills the whole pool must be able to come back once the pool
+    # is empty; a flat "one spare block per sequence" rule would need 4 + 3 > 4.
+    bm = BlockManager(8, 4, 8, watermark=0.0)
+    g = make_group([1] * 8, 1, 3)  # cross 1 + the shared prompt block
+    bm.allocate(g)
+    for s in g.seqs:
+        s.num_computed_tokens = 1
+        s.append_token(next(_tokens), 0.0, None)
+    assert bm.can_append_slots(g)  # two copies of the shared block; the last keeps it
+    for s in g.seqs:
+        bm.append_slots(s)
+    assert bm.num_free_blocks() == 0
+    assert len(bm.swap_out(g)) == 4
+    assert bm.num_free_blocks() == 4
+    assert bm.can_swap_in(g)
+    bm.swap_in(g)
+    assert bm.can_append_slots(g)
+    assert bm.num_free_blocks() == 0
+    # Tokens past the last block need room for one more block each.
+    bm.swap_out(g)
+    for s in g.seqs:
+        for _ in range(7):
+            s.append_token(next(_tokens), 0.0, None)
+    assert not bm.can_swap_in(g)  # 4 held + 3 new > 4
+    bm.free_group(g)
+    assert bm.num_free_blocks(CPU) == 8
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    block_size=st.integers(1, 8),
+    gpu=st.integers(4, 64),
+    watermark=st.sampled_from([0.0, 0.01, 0.1, 0.25, 0.5]),
+    enc_len=st.integers(1, 40),
+    prompt_len=st.integers(1, 10),
+    n=st.integers(1, 4),
+)
+def test_can_allocate_never_iff_over_capacity(block_size, gpu, watermark, enc_len, prompt_len, n):
+    bm = BlockManager(block_size, gpu, 0, watermark=watermark)
+    g = make_group([1] * enc_len, prompt_len, n)
+    needed = blocks_for(enc_len, block_size) + blocks_for(prompt_len, block_size)  # prompt shared
+    assert bm.blocks_needed(g) == needed
+    at_full = blocks_for(prompt_len + 7, block_size) - prompt_len // block_size
+    assert bm.blocks_needed(g, extra_tokens=7) == needed - blocks_for(prompt_len, block_size) + (
+        prompt_len // block_size + n * at_full
+    )
+    wm = int(watermark * gpu)
+    status = bm.can_allocate(g)
+    assert (status is AllocStatus.NEVER) == (needed > gpu - wm)
+    if status is AllocStatus.OK:
+        bm.allocate(g)
+        assert bm.num_free_blocks() == gpu - needed
+    else:
+        assert status is AllocStatus.NEVER  # on an empty pool "not now" means "never"
+        if needed > gpu:
+            with pytest.raises(RuntimeError):
+                bm.allocate(g)
+        assert bm.num_free_blocks() == gpu
+
+
+# -- the state machine ---------------------------------------------------------
+
+
+def _live(g: SequenceGroup, bm: BlockManager) -> list[Sequence]:
+    return [s for s in g.seqs if bm.has_block_table(s)]
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm: BlockManager | None = None
+        self.groups: list[SequenceGroup] = []
+        self.enc_written: set[str] = set()  # groups whose cross table holds their encoder ids
+        self.cache: dict[Device, dict[int, dict[int, int]]] = {GPU: {}, CPU: {}}  # block -> slot -> token
+        self.steps_since_reset = 0
+
+    @initialize(
+        block_size=st.integers(1, 8),
+        gpu=st.integers(4, 64),
+        cpu=st.integers(0, 64),
+        watermark=st.sampled_from([0.0, 0.01, 0.05, 0.1, 0.25]),
+    )
+    def setup(self, block_size, gpu, cpu, watermark):
+        self.bs = block_size
+        self.bm = BlockManager(block_size, gpu, cpu, watermark=watermark)
+        self.wm = self.bm.watermark_blocks
+        assert self.wm == int(watermark * gpu)
+
+    # -- helpers -----------------------------------------------------------
+    def _where(self, pred) -> list[SequenceGroup]:
+        return [g for g in self.groups if pred(g)]
+
+    def _pick(self, idx: int, pred) -> SequenceGroup:
+        cands = self._where(pred)
+        assert cands, "precondition and pick disagree"
+        return cands[idx % len(cands)]
+
+    def _on(self, device: Device):
+        return lambda g: self.bm.device_of(g) is device
+
+    def _idle(self, g: SequenceGroup) -> bool:
+        return self.bm.device_of(g) is None and not g.is_finished
+
+    def _copy(self, pairs, src: Device, dst: Device) -> None:
+        moved = {d: dict(self.cache[src].get(s, {})) for s, d in pairs}  # reads before writes
+        self.cache[dst].update(moved)
+
+    def _forward(self, g: SequenceGroup, run_encoder: bool) -> None:
+        """Write what the model would into the cache, then sample one token per sequence."""
+        bm, cache = self.bm, self.cache[GPU]
+        if run_encoder:
+            for pos, tok in enumerate(g.encoder_seq.token_ids):
+                cache.setdefault(bm.get_cross_block_table(g)[pos // self.bs], {})[pos % self.bs] = tok
+        for s in _live(g, bm):
+            table = bm.get_block_table(s)
+            for pos in range(s.num_computed_tokens, len(s)):
+                cache.setdefault(table[pos // self.bs], {})[pos % self.bs] = s.token_ids[pos]
+            s.num_computed_tokens = len(s)
+            s.append_token(next(_tokens), 0.0, None)
+        self.enc_written.add(g.request_id)
+
+    def _expected_append_need(self, g: SequenceGroup, device: Device) -> int:
+        bm, need, writers = self.bm, 0, Counter()
+        for s in _live(g, bm):
+            table = bm.get_block_table(s)
+            need += max(0, blocks_for(len(s), self.bs) - len(table))
+            if s.num_computed_tokens < len(s):
+                first = s.num_computed_tokens // self.bs
+                writers.update(b for b in table[first : blocks_for(len(s), self.bs)] if bm.refcount(device, b) > 1)
+        return need + sum(min(w, bm.refcount(device, b) - 1) for b, w in writers.items())
+
+    def _cross_moves(self, g: SequenceGroup, src: Device) -> bool:
+        bm = self.bm
+        if bm.cross_device(g) is not src:
+            return False
+        table = bm.get_cross_block_table(g)
+        return src is CPU or not any(
+            h is not g and bm.device_of(h) is GPU and bm.cross_device(h) is GPU
+            and bm.get_cross_block_table(h) == table
+            for h in self.groups
+        )
+
+    def _distinct_self(self, g: SequenceGroup) -> list[int]:
+        return list(dict.fromkeys(b for s in _live(g, self.bm) for b in self.bm.get_block_table(s)))
+
+    def _try_allocate(self, g: SequenceGroup) -> None:
+        bm = self.bm
+        live_key = any(
+            h is not g and bm.cross_device(h) is GPU and h.encoder_key == g.encoder_key for h in self.groups
+        )
+        assert bm.cross_is_live(g) == live_key
+        seqs = g.unfinished_seqs()
+        fresh = all(len(s) == len(s.prompt_token_ids) for s in seqs)
+        prompt = len(seqs[0].prompt_token_ids)
+        shared = blocks_for(prompt, self.bs) if fresh else prompt // self.bs
+        own = sum(blocks_for(len(s), self.bs) - shared for s in seqs)
+        cross = blocks_for(g.encoder_len, self.bs)
+        assert bm.blocks_needed(g) == cross + shared + own
+        needed = (0 if live_key else cross) + shared + own
+        assert bm.blocks_needed(g, share_cross=True) == needed
+        status, free = bm.can_allocate(g), bm.num_free_blocks()
+        if cross + shared + own > bm.usable_blocks:
+            assert status is AllocStatus.NEVER
+        else:
+            assert status is (AllocStatus.OK if free - needed >= self.wm else AllocStatus.LATER)
+        if status is not AllocStatus.OK:
+            return
+        assert bm.allocate(g) is (not live_key)
+        assert bm.num_free_blocks() == free - needed
+        tables = [bm.get_block_table(s) for s in seqs]
+        assert all(len(t) == blocks_for(len(s), self.bs) for t, s in zip(tables, seqs))
+        assert all(t[:shared] == tables[0][:shared] for t in tables)
+        for s in seqs:
+            s.status = SequenceStatus.RUNNING
+        self._forward(g, run_encoder=not live_key)
+
+    # -- rules -------------------------------------------------------------
+    @precondition(lambda self: self.bm is not None and sum(not g.is_finished for g in self.groups) < 8)
+    @rule(doc=st.integers(0, 2), enc_len=st.sampled_from([1, 5, 17]), prompt_len=st.integers(1, 10),
+          n=st.integers(1, 3))
+    def add_group(self, doc, enc_len, prompt_len, n):
+        g = make_group([doc] * enc_len, prompt_len, n)
+        self.groups.append(g)
+        self._try_allocate(g)
+
+    @precondition(lambda self: any(self._idle(g) for g in self.groups))
+    @rule(idx=st.integers(0, 1000))
+    def reallocate(self, idx):
+        """A group that holds nothing (never admitted, or preempted by recompute) tries again."""
+        self._try_allocate(self._pick(idx, self._idle))
+
+    @precondition(lambda self: any(_live(g, self.bm) for g in self._where(self._on(GPU))))
+    @rule(idx=st.integers(0, 1000), extra=st.integers(0, 12), seq_idx=st.integers(0, 4))
+    def step(self, idx, extra, seq_idx):
+        """One scheduler step for a running group; ``extra`` more tokens for one sequence."""
+        bm = self.bm
+        g = self._pick(idx, lambda g: self.bm.device_of(g) is GPU and _live(g, self.bm))
+        live = _live(g, bm)
+        for _ in range(extra):
+            live[seq_idx % len(live)].append_token(next(_tokens), 0.0, None)
+        need, free = self._expected_append_need(g, GPU), bm.num_free_blocks()
+        assert bm.can_append_slots(g) == (need <= free)
+        if need > free:
+            return
+        pairs = [p for s in live for p in bm.append_slots(s)]
+        assert bm.num_free_blocks() == free - need
+        assert len({d for _, d in pairs}) == len(pairs)
+        # Whatever the forward writes into is now the writer's alone.
+        for s in live:
+            table = bm.get_block_table(s)
+            assert len(table) == blocks_for(len(s), self.bs)
+            for b in table[s.num_computed_tokens // self.bs :]:
+                assert bm.refcount(GPU, b) == 1
+        self._copy(pairs, GPU, GPU)
+        self._forward(g, run_encoder=False)
+
+    @precondition(lambda self: any(_live(g, self.bm) and len(g.seqs) < 5 for g in self.groups))
+    @rule(idx=st.integers(0, 1000), seq_idx=st.integers(0, 4))
+    def fork(self, idx, seq_idx):
+        bm = self.bm
+        g = self._pick(idx, lambda g: _live(g, self.bm) and len(g.seqs) < 5)
+        live = _live(g, bm)
+        parent = live[seq_idx % len(live)]
+        child = Sequence(next(_ids), parent.prompt_token_ids)
+        child.token_ids = list(parent.token_ids)
+        child.output_token_ids = list(parent.output_token_ids)
+        child.num_computed_tokens, child.status = parent.num_computed_tokens, parent.status
+        g.seqs.append(child)
+        free = bm.num_free_blocks(bm.device_of(g))
+        bm.fork(parent, child)
+        assert bm.get_block_table(child) == bm.get_block_table(parent)
+        assert bm.num_free_blocks(bm.device_of(g)) == free
+
+    def _swap(self, g: SequenceGroup, src: Device, dst: Device) -> None:
+        bm = self.bm
+        old_tables = {s.seq_id: list(bm.get_block_table(s)) for s in _live(g, bm)}
+        has_cross = bm.cross_device(g) is not None
+        old_cross = list(bm.get_cross_block_table(g)) if has_cross else []
+        moves = self._cross_moves(g, src)
+        moved = len(self._distinct_self(g)) + (len(old_cross) if moves else 0)
+        src_free, dst_free = bm.num_free_blocks(src), bm.num_free_blocks(dst)
+        pairs = bm.swap_out(g) if dst is CPU else bm.swap_in(g)
+        assert len(pairs) == moved
+        assert len({a for a, _ in pairs}) == len({b for _, b in pairs}) == moved
+        assert bm.num_free_blocks(src) == src_free + moved
+        assert bm.num_free_blocks(dst) == dst_free - moved
+        assert bm.device_of(g) is dst
+        m = dict(pairs)
+        for sid, t in old_tables.items():  # tables map position by position
+            assert bm.get_block_table(next(s for s in g.seqs if s.seq_id == sid)) == [m[b] for b in t]
+        if has_cross:
+            new_cross = bm.get_cross_block_table(g)
+            assert new_cross == ([m[b] for b in old_cross] if moves else old_cross)
+        self._copy(pairs, src, dst)
+
+    @precondition(lambda self: any(self._where(self._on(GPU))))
+    @rule(idx=st.integers(0, 1000))
+    def swap_out(self, idx):
+        g = self._pick(idx, self._on(GPU))
+        moved = len(self._distinct_self(g)) + (
+            len(self.bm.get_cross_block_table(g)) if self._cross_moves(g, GPU) else 0
+        )
+        can = self.bm.can_swap_out(g)
+        assert can == (moved <= self.bm.num_free_blocks(CPU))
+        if can:
+            self._swap(g, GPU, CPU)
+
+    @precondition(lambda self: any(self._where(self._on(CPU))))
+    @rule(idx=st.integers(0, 1000))
+    def swap_in(self, idx):
+        bm = self.bm
+        g = self._pick(idx, self._on(CPU))
+        moved = len(self._distinct_self(g)) + (len(bm.get_cross_block_table(g)) if self._cross_moves(g, CPU) else 0)
+        need = moved + self._expected_append_need(g, CPU)
+        can = bm.can_swap_in(g)
+        assert can == (bm.num_free_blocks(GPU) - need >= self.wm)
+        if can:
+            self._swap(g, CPU, GPU)
+            assert bm.can_append_slots(g)  # what the scheduler does next must succeed
+
+    @precondition(lambda self: any(_live(g, self.bm) for g in self.groups))
+    @rule(idx=st.integers(0, 1000), seq_idx=st.integers(0, 4))
+    def finish_seq(self, idx, seq_idx):
+        bm = self.bm
+        g = self._pick(idx, lambda g: _live(g, self.bm))
+        live = _live(g, bm)
+        seq = live[seq_idx % len(live)]
+        seq.status = SequenceStatus.FINISHED_LENGTH
+        bm.free(seq, g)
+        assert not bm.has_block_table(seq)
+        bm.free(seq, g)  # freeing again is a no-op
+
+    @precondition(lambda self: any(self.bm.cross_device(g) for g in self.groups))
+    @rule(idx=st.integers(0, 1000), coin=st.integers(0, 3))
+    def free_cross(self, idx, coin):
+        if coin != 3:  # rare: a group without its cross table cannot run
+            return
+        g = self._pick(idx, lambda g: self.bm.cross_device(g))
+        self.bm.free_cross(g)
+        self.enc_written.discard(g.request_id)
+        assert self.bm.cross_device(g) is None
+
+    @precondition(lambda self: any(self.bm.device_of(g) for g in self.groups))
+    @rule(idx=st.integers(0, 1000), abort=st.booleans())
+    def preempt_or_abort(self, idx, abort):
+        g = self._pick(idx, lambda g: self.bm.device_of(g))
+        self.bm.free_group(g)
+        self.enc_written.discard(g.request_id)
+        assert self.bm.device_of(g) is None and self.bm.group_blocks(g) == 0
+        if abort:
+            for s in g.unfinished_seqs():
+                s.status = SequenceStatus.FINISHED_ABORTED
+        else:
+            g.reset_for_recompute()
+
+    # Rare on purpose, or most runs would keep restarting from an empty pool.
+    @precondition(lambda self: self.steps_since_reset >= 20)
+    @rule()
+    def reset(self):
+        self.steps_since_reset = 0
+        self.bm.reset()
+        self.enc_written.clear()
+        for g in self.groups:
+            g.reset_for_recompute()
+        self.groups = [g for g in self.groups if not g.is_finished]
+        for dev in Device:
+            assert self.bm.num_free_blocks(dev) == self.bm.num_total_blocks(dev)
+            assert self.bm.tables(dev) == []
+
+    # -- invariants, checked after every step -------------------------------
+    @invariant()
+    def refcounts_are_the_tables_holding_each_block(self):
+        if self.bm is None:
+            return
+        self.steps_since_reset += 1
+        bm = self.bm
+        for dev in Device:
+            total = bm.num_total_blocks(dev)
+            counts = Counter(b for t in bm.tables(dev) for b in t)
+            assert all(0 <= b < total for b in counts)
+            refs = [bm.refcount(dev, b) for b in range(total)]
+            assert refs == [counts[b] for b in range(total)], dev
+            assert refs.count(0) == bm.num_free_blocks(dev)  # free + distinct held = total
+            for b in [b for b in self.cache[dev] if refs[b] == 0]:
+                del self.cache[dev][b]  # a free block's contents are garbage
+
+    @invariant()
+    def every_table_reads_back_what_was_written(self):
+        if self.bm is None:
+            return
+        bm = self.bm
+        for g in self.groups:
+            dev = bm.device_of(g)
+            for s in _live(g, bm):
+                table, cache = bm.get_block_table(s), self.cache[dev]
+                assert blocks_for(s.num_computed_tokens, self.bs) <= len(table) <= blocks_for(len(s), self.bs)
+                got = [cache.get(table[p // self.bs], {}).get(p % self.bs) for p in range(s.num_computed_tokens)]
+                assert got == s.token_ids[: s.num_computed_tokens], (g, s)
+            cross_dev = bm.cross_device(g)
+            if cross_dev is not None and g.request_id in self.enc_written:
+                table, cache = bm.get_cross_block_table(g), self.cache[cross_dev]
+                got = [cache.get(table[p // self.bs], {}).get(p % self.bs) for p in range(g.encoder_len)]
+                assert got == g.encoder_seq.token_ids, g
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=400,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
+)
+TestBlockManagerMachine = BlockManagerMachine.TestCase

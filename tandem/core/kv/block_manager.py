@@ -1,0 +1,352 @@
+"""Block tables of encoder/decoder groups over refcounted pools.
+
+A group holds one cross-attention table (covering the encoder tokens) and one
+self-attention table per decoder sequence; a block's refcount is the number
+of tables holding it. Tables share blocks in two ways:
+
+- the ``n`` sequences of a group share their decoder prompt's blocks; a
+  sequence about to write into a shared block copies it first
+  (copy-on-write: ``append_slots`` returns the ``(src, dst)`` pairs the
+  engine copies before the forward pass);
+- groups whose encoder input is identical share one cross table while it is
+  on the device, so the encoder runs once for all of them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tandem.core.kv.block_pool import BlockPool, Device, blocks_for
+from tandem.core.sequence import Sequence, SequenceGroup
+
+
+class AllocStatus(enum.Enum):
+    OK = "ok"
+    LATER = "later"  # not enough free blocks now
+    NEVER = "never"  # more blocks than the pool has
+
+
+@dataclass(eq=False)
+class _CrossTable:
+    """One cross table and the groups holding it (each holds every block once)."""
+
+    key: tuple[int, ...]  # the encoder token ids
+    blocks: list[int]
+    device: Device
+    holders: set[str] = field(default_factory=set)  # request ids
+
+
+class BlockManager:
+    def __init__(
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        watermark: float = 0.01,
+    ) -> None:
+        self.block_size = block_size
+        self.pools = {Device.GPU: BlockPool(num_gpu_blocks), Device.CPU: BlockPool(num_cpu_blocks)}
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self._self: dict[int, list[int]] = {}  # seq_id -> self table
+        self._owner: dict[int, str] = {}  # seq_id -> request id
+        self._cross: dict[str, _CrossTable] = {}  # request id -> its (maybe shared) cross table
+        # Cross tables that new groups may share: device-resident ones, by
+        # encoder ids. A dict keyed by the tuple matches on its hash and then
+        # compares the ids, so inputs whose hashes collide never share.
+        self._live_cross: dict[tuple[int, ...], _CrossTable] = {}
+        self._location: dict[str, Device] = {}  # where each group's self tables live
+
+    # -- queries -----------------------------------------------------------
+    def num_free_blocks(self, device: Device = Device.GPU) -> int:
+        return self.pools[device].num_free
+
+    def num_total_blocks(self, device: Device = Device.GPU) -> int:
+        return self.pools[device].num_blocks
+
+    @property
+    def usable_blocks(self) -> int:
+        """Device blocks one group may ever hold: the pool less the watermark."""
+        return self.pools[Device.GPU].num_blocks - self.watermark_blocks
+
+    def refcount(self, device: Device, block: int) -> int:
+        """Tables holding ``block`` of ``device``; 0 iff the block is free."""
+        return self.pools[device].refcount(block)
+
+    def tables(self, device: Device) -> list[list[int]]:
+        """Every table holding blocks of ``device``: self tables, and one cross
+        table per group holding it (a shared one appears once per holder)."""
+        out = [t for sid, t in self._self.items() if self._location[self._owner[sid]] is device]
+        out += [t.blocks for t in self._cross.values() if t.device is device]
+        return out
+
+    def device_of(self, group: SequenceGroup) -> Device | None:
+        """Where the group's self tables live; None when it holds nothing."""
+        return self._location.get(group.request_id)
+
+    def cross_device(self, group: SequenceGroup) -> Device | None:
+        """Where the group's cross table lives (a shared one may stay on the device
+        while the group is swapped out); None when it holds none."""
+        table = self._cross.get(group.request_id)
+        return table.device if table else None
+
+    def has_block_table(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._self
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        return self._self[seq.seq_id]
+
+    def get_cross_block_table(self, group: SequenceGroup) -> list[int]:
+        return self._cross[group.request_id].blocks
+
+    def group_blocks(self, group: SequenceGroup) -> int:
+        """Distinct blocks the group holds now (its cross table included, wherever it is)."""
+        cross = self._cross.get(group.request_id)
+        return len(self._distinct_self(group)) + (len(cross.blocks) if cross else 0)
+
+    def cross_is_live(self, group: SequenceGroup) -> bool:
+        """Whether a cross table of the same encoder input is on the device, so
+        that allocating the group would share it and not run the encoder."""
+        return group.encoder_key in self._live_cross
+
+    def blocks_needed(self, group: SequenceGroup, extra_tokens: int = 0, share_cross: bool = False) -> int:
+        """Device blocks a fresh allocation of the group needs, with ``extra_tokens``
+        more per sequence; shared blocks count once. The cross table counts
+        unless ``share_cross`` and a live one of the same input exists."""
+        seqs = group.unfinished_seqs()
+        shared = self._shared_prompt_blocks(seqs, fresh=extra_tokens == 0)
+        cross = 0 if share_cross and self.cross_is_live(group) else blocks_for(group.encoder_len, self.block_size)
+        return cross + shared + sum(blocks_for(len(s) + extra_tokens, self.block_size) - shared for s in seqs)
+
+    def _shared_prompt_blocks(self, seqs: list[Sequence], fresh: bool) -> int:
+        """Blocks at the front of the self tables all ``seqs`` share: the full
+        blocks of their common decoder prompt, and its partly filled last block
+        too while no sequence has gone past the prompt (``fresh``)."""
+        if not seqs:
+            return 0
+        prompt = seqs[0].prompt_token_ids
+        if any(s.prompt_token_ids != prompt for s in seqs[1:]):
+            return 0
+        if fresh and all(len(s) == len(prompt) for s in seqs):
+            return blocks_for(len(prompt), self.block_size)
+        return len(prompt) // self.block_size
+
+    # -- allocation --------------------------------------------------------
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        # NEVER counts the cross table even when a live one could be shared:
+        # the sharers may be gone by the time the group is admitted.
+        if self.blocks_needed(group) > self.usable_blocks:
+            return AllocStatus.NEVER
+        needed = self.blocks_needed(group, share_cross=True)
+        if self.pools[Device.GPU].num_free - needed >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, group: SequenceGroup) -> bool:
+        """Give the group its cross table and the self tables of its unfinished
+        sequences on the device. Returns whether its encoder must run: True if
+        it created the cross table, False if it shares a live one (filled in an
+        earlier step, or by its creator earlier in the same forward pass)."""
+        rid = group.request_id
+        if rid in self._location or rid in self._cross:
+            raise RuntimeError(f"request {rid!r} already holds blocks")
+        pool = self.pools[Device.GPU]
+        if self.blocks_needed(group, share_cross=True) > pool.num_free:
+            raise RuntimeError(f"not enough free blocks to allocate request {rid!r}")
+        run_encoder = self._acquire_cross(group)
+        seqs = group.unfinished_seqs()
+        # Every sequence computes its prompt tokens in the first step and writes
+        # the same K/V (same tokens, positions and encoder) into the shared slots.
+        n_shared = self._shared_prompt_blocks(seqs, fresh=True)
+        shared = pool.allocate(n_shared)
+        pool.incref(shared, times=len(seqs) - 1)
+        for seq in seqs:
+            own = pool.allocate(blocks_for(len(seq), self.block_size) - n_shared)
+            self._self[seq.seq_id] = shared + own
+            self._owner[seq.seq_id] = rid
+        self._location[rid] = Device.GPU
+        return run_encoder
+
+    def _acquire_cross(self, group: SequenceGroup) -> bool:
+        rid, key = group.request_id, group.encoder_key
+        table = self._live_cross.get(key)
+        if table is not None:
+            self.pools[Device.GPU].incref(table.blocks)
+            created = False
+        else:
+            blocks = self.pools[Device.GPU].allocate_run(blocks_for(len(key), self.block_size))
+            table = self._live_cross[key] = _CrossTable(key, blocks, Device.GPU)
+            created = True
+        table.holders.add(rid)
+        self._cross[rid] = table
+        return created
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` (a sequence of the parent's group) the parent's self
+        table, sharing every block; writes copy shared blocks first."""
+        if child.seq_id in self._self:
+            raise RuntimeError(f"sequence {child.seq_id} already holds blocks")
+        table, rid = self._self[parent.seq_id], self._owner[parent.seq_id]
+        self.pools[self._location[rid]].incref(table)
+        self._self[child.seq_id] = list(table)
+        self._owner[child.seq_id] = rid
+
+    def _written(self, seq: Sequence, table: list[int]) -> range:
+        """Indices of the existing table blocks the next forward writes into."""
+        if seq.num_computed_tokens >= len(seq):
+            return range(0)
+        end = min(len(table), blocks_for(len(seq), self.block_size))
+        return range(seq.num_computed_tokens // self.block_size, end)
+
+    def _append_need(self, group: SequenceGroup, device: Device) -> int:
+        """Blocks ``append_slots`` takes for the group's sequences: new blocks,
+        plus one copy per writer of a shared block (the last holder that writes
+        keeps the original)."""
+        pool, need = self.pools[device], 0
+        writers: Counter[int] = Counter()
+        for seq in group.seqs:
+            table = self._self.get(seq.seq_id)
+            if table is None:
+                continue
+            need += max(0, blocks_for(len(seq), self.block_size) - len(table))
+            writers.update(b for b in (table[i] for i in self._written(seq, table)) if pool.refcount(b) > 1)
+        return need + sum(w if pool.refcount(b) > w else w - 1 for b, w in writers.items())
+
+    def can_append_slots(self, group: SequenceGroup) -> bool:
+        return self._append_need(group, Device.GPU) <= self.pools[Device.GPU].num_free
+
+    def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Make the sequence's self table hold all its tokens, copying each shared
+        block its new tokens go into. Returns the ``(src, dst)`` device blocks the
+        engine must copy before the forward pass."""
+        pool, table = self.pools[Device.GPU], self._self[seq.seq_id]
+        copies: list[tuple[int, int]] = []
+        for i in self._written(seq, table):
+            old = table[i]
+            if pool.refcount(old) > 1:
+                table[i] = pool.allocate(1)[0]
+                pool.decref([old])
+                copies.append((old, table[i]))
+        grow = blocks_for(len(seq), self.block_size) - len(table)
+        if grow > 0:
+            table.extend(pool.allocate(grow))
+        return copies
+
+    # -- swapping ----------------------------------------------------------
+    def _distinct_self(self, group: SequenceGroup) -> list[int]:
+        return list(dict.fromkeys(b for s in group.seqs for b in self._self.get(s.seq_id, ())))
+
+    def _cross_moves(self, group: SequenceGroup, src: Device) -> bool:
+        """Whether the group's cross table moves with it: it leaves the device only
+        when no other holder runs there, and comes back with the first holder."""
+        table = self._cross.get(group.request_id)
+        if table is None or table.device is not src:
+            return False
+        return src is Device.CPU or all(
+            self._location[h] is not Device.GPU for h in table.holders if h != group.request_id
+        )
+
+    def _blocks_to_move(self, group: SequenceGroup, src: Device) -> int:
+        cross = len(self._cross[group.request_id].blocks) if self._cross_moves(group, src) else 0
+        return len(self._distinct_self(group)) + cross
+
+    def can_swap_in(self, group: SequenceGroup) -> bool:
+        # The group's blocks plus what append_slots takes right after the move
+        # (not a flat spare per sequence: that can exceed the whole pool for a
+        # group the engine admitted, which would then never come back).
+        need = self._blocks_to_move(group, Device.CPU) + self._append_need(group, Device.CPU)
+        return self.pools[Device.GPU].num_free - need >= self.watermark_blocks
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        return self._blocks_to_move(group, Device.GPU) <= self.pools[Device.CPU].num_free
+
+    def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        return self._move(group, Device.CPU, Device.GPU)
+
+    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        return self._move(group, Device.GPU, Device.CPU)
+
+    def _move(self, group: SequenceGroup, src: Device, dst: Device) -> list[tuple[int, int]]:
+        """Move the group's blocks, each distinct block once (sharing is kept on
+        the other pool); returns the ``(src, dst)`` block pairs to copy."""
+        rid = group.request_id
+        if self._location.get(rid) is not src:
+            raise RuntimeError(f"request {rid!r} is not on {src.value}")
+        src_pool, dst_pool = self.pools[src], self.pools[dst]
+        if self._blocks_to_move(group, src) > dst_pool.num_free:
+            raise RuntimeError(f"not enough free {dst.value} blocks to move request {rid!r}")
+        mapping: list[tuple[int, int]] = []
+        cross = self._cross.get(rid)
+        if self._cross_moves(group, src):
+            holders = len(cross.holders)
+            new = dst_pool.allocate_run(len(cross.blocks))
+            dst_pool.incref(new, times=holders - 1)
+            src_pool.decref(cross.blocks, times=holders)
+            mapping += zip(cross.blocks, new)
+            self._unlist(cross)
+            cross.blocks, cross.device = new, dst
+            if dst is Device.GPU:
+                self._live_cross.setdefault(cross.key, cross)
+        sids = [s.seq_id for s in group.seqs if s.seq_id in self._self]
+        counts = Counter(b for sid in sids for b in self._self[sid])
+        new = dst_pool.allocate(len(counts))
+        to_new = dict(zip(counts, new))
+        dst_pool.incref([to_new[b] for b, c in counts.items() for _ in range(c - 1)])
+        src_pool.decref(list(counts.elements()))
+        for sid in sids:
+            self._self[sid] = [to_new[b] for b in self._self[sid]]
+        mapping += to_new.items()
+        self._location[rid] = dst
+        return mapping
+
+    # -- freeing -----------------------------------------------------------
+    def free(self, seq: Sequence, group: SequenceGroup) -> None:
+        """Drop the sequence's self table (a no-op if it holds none)."""
+        table = self._self.pop(seq.seq_id, None)
+        if table is not None:
+            del self._owner[seq.seq_id]
+            self.pools[self._location[group.request_id]].decref(table)
+        self._forget_if_empty(group)
+
+    def free_cross(self, group: SequenceGroup) -> None:
+        """Drop the group's reference to its cross table; the last holder frees it."""
+        rid = group.request_id
+        table = self._cross.pop(rid, None)
+        if table is not None:
+            table.holders.discard(rid)
+            self.pools[table.device].decref(table.blocks)
+            if not table.holders:
+                self._unlist(table)
+        self._forget_if_empty(group)
+
+    def _unlist(self, table: _CrossTable) -> None:
+        """Take a cross table out of the share index, handing its place to another
+        device-resident table of the same input if there is one."""
+        if self._live_cross.get(table.key) is not table:
+            return
+        del self._live_cross[table.key]
+        for other in self._cross.values():
+            if other is not table and other.device is Device.GPU and other.key == table.key:
+                self._live_cross[table.key] = other
+                break
+
+    def _forget_if_empty(self, group: SequenceGroup) -> None:
+        rid = group.request_id
+        if rid not in self._cross and not any(s.seq_id in self._self for s in group.seqs):
+            self._location.pop(rid, None)
+
+    def free_group(self, group: SequenceGroup) -> None:
+        """Drop every reference the group holds: each self table, then the cross table."""
+        for seq in group.seqs:
+            self.free(seq, group)
+        self.free_cross(group)
+
+    def reset(self) -> None:
+        for pool in self.pools.values():
+            pool.reset()
+        self._self.clear()
+        self._owner.clear()
+        self._cross.clear()
+        self._live_cross.clear()
+        self._location.clear()

@@ -1,0 +1,114 @@
+"""Refcounted KV blocks of one device.
+
+A block's reference count is the number of block tables holding it (self
+tables of decoder sequences, cross tables of groups); a block is free iff its
+count is zero.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+
+import numpy as np
+
+
+class Device(enum.Enum):
+    GPU = "device"
+    CPU = "cpu"
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockPool:
+    """Block ids ``0 .. num_blocks - 1`` of one device, with reference counts.
+
+    Self-attention blocks come one at a time from the low end (a min-heap);
+    cross-attention tables, allocated whole and freed whole, take the
+    best-fitting run of consecutive ids, so that a backend can read a
+    sequence's encoder keys through one view of the cache instead of a gather.
+    Keeping the two apart keeps the runs from fragmenting.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.reset()
+
+    def reset(self) -> None:
+        self._refs = np.zeros(self.num_blocks, dtype=np.int64)
+        # Lazily pruned: ids taken as part of a run stay here until popped.
+        self._heap: list[int] = list(range(self.num_blocks))
+        self.num_free = self.num_blocks
+
+    # -- queries -----------------------------------------------------------
+    def free_ids(self) -> list[int]:
+        return np.flatnonzero(self._refs == 0).tolist()
+
+    def refcount(self, block: int) -> int:
+        return int(self._refs[block])
+
+    # -- allocation (each new block has one reference) ----------------------
+    def allocate(self, n: int) -> list[int]:
+        """``n`` free blocks, lowest ids first; not necessarily consecutive."""
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
+        taken: list[int] = []
+        while len(taken) < n:
+            b = heapq.heappop(self._heap)
+            if self._refs[b] == 0:
+                self._refs[b] = 1
+                taken.append(b)
+        self.num_free -= n
+        return taken
+
+    def allocate_run(self, n: int) -> list[int]:
+        """``n`` consecutive free blocks from the smallest run that fits (highest
+        ids of it), or scattered ones when no run is long enough."""
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
+        if n == 0:
+            return []
+        is_free = (self._refs == 0).view(np.int8)
+        edges = np.diff(np.concatenate(([0], is_free, [0])))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        lengths = ends - starts
+        fits = np.flatnonzero(lengths >= n)
+        if fits.size == 0:
+            return self.allocate(n)
+        best = fits[np.argmin(lengths[fits])]
+        end = int(ends[best])
+        self._refs[end - n : end] = 1
+        self.num_free -= n
+        return list(range(end - n, end))
+
+    # -- references ----------------------------------------------------------
+    def incref(self, blocks: list[int], times: int = 1) -> None:
+        """One more reference (``times`` more) to each of ``blocks`` (repeats count)."""
+        if not blocks or times == 0:
+            return
+        ids = np.asarray(blocks, dtype=np.int64)
+        if (self._refs[ids] == 0).any():
+            raise RuntimeError(f"a block of {blocks} is free: it cannot gain a reference")
+        np.add.at(self._refs, ids, times)
+
+    def decref(self, blocks: list[int], times: int = 1) -> None:
+        """Drop one reference (``times``) from each of ``blocks`` (repeats count);
+        blocks whose count reaches zero are free again."""
+        if not blocks or times == 0:
+            return
+        ids = np.asarray(blocks, dtype=np.int64)
+        np.subtract.at(self._refs, ids, times)
+        if (self._refs[ids] < 0).any():
+            np.add.at(self._refs, ids, times)  # leave the pool as it was
+            raise RuntimeError(f"a block of {blocks} freed twice")
+        freed = np.unique(ids[self._refs[ids] == 0]).tolist()
+        for b in freed:
+            heapq.heappush(self._heap, b)
+        self.num_free += len(freed)
+        if len(self._heap) > 2 * self.num_blocks:  # drop stale ids left by runs
+            self._heap = self.free_ids()
+
+    # Releasing the only reference is freeing.
+    free = decref
