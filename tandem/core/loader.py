@@ -11,7 +11,7 @@ import torch
 from tandem.core.attention import AttentionBackend
 from tandem.core.memory import check_fits
 from tandem.core.model import EncoderDecoderModel, ModelContext
-from tandem.model_zoo.weight_utils import WeightLoadError, checkpoint_files, iterate_weights
+from tandem.core.checkpoint import WeightLoadError, checkpoint_files, iterate_weights
 
 logger = logging.getLogger(__name__)
 

@@ -151,7 +151,7 @@ def cmd_generate(args) -> int:
 def cmd_plugins(args) -> int:
     # Lists the healthy plugins even when one is broken, marking it; exit 1 then, so scripts notice.
     from tandem.plugins.manager import exclusion_hint
-    from tandem.registry import plugin_report
+    from tandem.plugins import plugin_report
 
     plugins = plugin_report()
     broken = [p.name for p in plugins if p.error is not None]

@@ -1,0 +1,8 @@
+"""tandem's own models. The table below is what the ``tandem-models`` plugin registers;
+model modules are imported only when a checkpoint names one of their architectures."""
+
+# "<architecture in config.json>": ("<module in tandem.model_zoo>", "<class>")
+_CONDITIONAL_GENERATION_MODELS: dict[str, tuple[str, str]] = {
+    "BartModel": ("bart", "BartForConditionalGeneration"),
+    "BartForConditionalGeneration": ("bart", "BartForConditionalGeneration"),
+}

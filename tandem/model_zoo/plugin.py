@@ -1,7 +1,7 @@
 """tandem's own model zoo, registered through the ``tandem.plugins`` entry point."""
 
 from tandem.plugins.hookspecs import hookimpl
-from tandem.registry.models import _CONDITIONAL_GENERATION_MODELS
+from tandem.model_zoo import _CONDITIONAL_GENERATION_MODELS
 
 
 @hookimpl

@@ -9,6 +9,7 @@ from importlib.metadata import EntryPoint, entry_points
 import pluggy
 
 from tandem.plugins import hookspecs
+from tandem.registry._lazy import DuplicateRegistrationError
 
 ENTRY_POINT_GROUP = "tandem.plugins"
 ENV_VAR = "TANDEM_PLUGINS"
@@ -146,8 +147,6 @@ class PluginManager:
     def register_all(self, model_registry, backend_registry, strict: bool = True) -> None:
         """Call each plugin's hooks, one plugin at a time, so that every
         registration (and every failure) is attributed to its plugin."""
-        from tandem.registry._lazy import DuplicateRegistrationError
-
         for name in list(self._objects):
             others = [o for n, o in self._objects.items() if n != name]
             for hook, registry in (

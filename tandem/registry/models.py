@@ -5,11 +5,6 @@ from __future__ import annotations
 from tandem.core.model import EncoderDecoderModel
 from tandem.registry._lazy import LazyRegistry
 
-# "<architecture in config.json>": ("<module in tandem.model_zoo>", "<class>")
-_CONDITIONAL_GENERATION_MODELS: dict[str, tuple[str, str]] = {
-    "BartModel": ("bart", "BartForConditionalGeneration"),
-    "BartForConditionalGeneration": ("bart", "BartForConditionalGeneration"),
-}
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -18,7 +13,6 @@ class UnsupportedArchitectureError(ValueError):
 
 class ModelRegistry(LazyRegistry[EncoderDecoderModel]):
     kind = "model architecture"
-    _CONDITIONAL_GENERATION_MODELS = _CONDITIONAL_GENERATION_MODELS
 
     def register_model(self, arch: str, target: str | type, *, override: bool = False) -> None:
         self.register(arch, target, override=override)

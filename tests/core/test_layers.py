@@ -378,7 +378,7 @@ def test_bart_loads_each_ranks_slice(bart_dir):
     from safetensors.torch import load_file
 
     from tandem.core.loader import load_hf_config
-    from tandem.model_zoo.weight_utils import iterate_weights
+    from tandem.core.checkpoint import iterate_weights
 
     cfg, hf = load_hf_config(str(bart_dir)), load_file(bart_dir / "model.safetensors")
     d, ffn = cfg.d_model, cfg.encoder_ffn_dim
@@ -408,7 +408,7 @@ def _tp_worker(rank: int, init_file: str, model_dir: str, result_file: str) -> N
 
     from tandem.core.layers import Attention
     from tandem.core.loader import load_hf_config
-    from tandem.model_zoo.weight_utils import iterate_weights
+    from tandem.core.checkpoint import iterate_weights
 
     def dense_attention(self, query, key, value, kv_cache, attn_metadata):
         q, k, v = (t.view(-1, self.num_heads, self.head_size).transpose(0, 1) for t in (query, key, value))

@@ -15,7 +15,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.core.loader import check_model_config, load_hf_config
-from tandem.model_zoo.weight_utils import WeightLoadError, checkpoint_files
+from tandem.core.checkpoint import WeightLoadError, checkpoint_files
 
 
 def edited(tmp_path: Path, bart_dir: Path, name: str = "m", **changes) -> Path:
@@ -83,7 +83,7 @@ def test_num_parameters_matches_the_built_model(bart_dir):
     from tandem.core.attention import AttentionType
     from tandem.core.model import ModelContext
     from tandem.model_zoo.bart import BartForConditionalGeneration as Bart
-    from tandem.registry import default_backend_registry
+    from tandem.plugins import default_backend_registry
 
     cpu = torch.device("cpu")
     backend = default_backend_registry().select(None, cpu, torch.float32, 8, frozenset(AttentionType))

@@ -90,7 +90,7 @@ def test_unknown_architecture_lists_supported(tmp_path, bart_dir):
 
 
 def test_missing_and_corrupt_weights(tmp_path, bart_dir):
-    from tandem.model_zoo.weight_utils import WeightLoadError
+    from tandem.core.checkpoint import WeightLoadError
 
     missing = tmp_path / "missing"
     shutil.copytree(bart_dir, missing)

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-import tandem.registry
+import tandem.plugins.defaults
 from tandem.plugins import PluginError, PluginManager
-from tandem.registry import plugin_report, reset_registries
+from tandem.plugins import plugin_report, reset_registries
 from test_plugin_manager import ep, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -74,7 +74,7 @@ def test_report_keeps_the_healthy_plugins_and_marks_the_broken():
     assert "'FancyModel' is registered twice: by plugin 'a'" in report["z-dup"].error
     assert report["z-dup"].models == []
     # The process-wide registries are neither filled nor changed by a report.
-    assert tandem.registry._model_registry is None and tandem.registry._plugin_manager is None
+    assert tandem.plugins.defaults._model_registry is None and tandem.plugins.defaults._plugin_manager is None
 
 
 def test_a_failed_plugins_hooks_are_not_called_again_for_later_plugins():

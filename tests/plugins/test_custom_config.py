@@ -10,7 +10,7 @@ from transformers import CONFIG_MAPPING, AutoConfig
 from custom_config_plugin import MODEL_TYPE, TandemTestBartConfig
 from helpers import TINY_DIMS
 from tandem import LLM, SamplingParams
-from tandem.registry import reset_registries
+from tandem.plugins import reset_registries
 from test_plugin_manager import ep, run
 
 ARCH = "TandemTestBartForConditionalGeneration"

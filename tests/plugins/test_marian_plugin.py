@@ -13,7 +13,7 @@ import torch
 
 from helpers import TINY_DIMS, hf_generate
 from tandem import LLM, SamplingParams
-from tandem.registry import default_model_registry, plugin_manager, reset_registries
+from tandem.plugins import default_model_registry, plugin_manager, reset_registries
 
 PACKAGE = Path(__file__).resolve().parents[2] / "examples" / "tandem-marian"
 VOCAB, PAD, EOS = 96, 95, 0  # OPUS-MT layout: </s>=0, <pad>=last id, decoder start = pad

@@ -7,14 +7,8 @@ from importlib.metadata import EntryPoint
 import pytest
 
 from tandem.plugins import PluginError, PluginManager
-from tandem.registry import (
-    AttentionBackendRegistry,
-    ModelRegistry,
-    default_backend_registry,
-    default_model_registry,
-    plugin_manager,
-    reset_registries,
-)
+from tandem.registry import AttentionBackendRegistry, ModelRegistry
+from tandem.plugins import default_backend_registry, default_model_registry, plugin_manager, reset_registries
 
 G = "tandem.plugins"
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tandem import AttentionType
-from tandem.registry import AttentionBackendRegistry, ModelRegistry, default_backend_registry, reset_registries
+from tandem.registry import AttentionBackendRegistry, ModelRegistry
+from tandem.plugins import default_backend_registry, reset_registries
 from test_plugin_manager import ep, run
 
 BART = "tandem.model_zoo.bart:BartForConditionalGeneration"
