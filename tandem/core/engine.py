@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EngineStats:
-    steps: int = 0
     preemptions: int = 0
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
@@ -257,7 +256,6 @@ class LLMEngine:
         advanced, as its ``output_kind`` asks: everything so far, only what is new,
         or (``FINAL_ONLY``) nothing until it finishes."""
         sched = self.scheduler.schedule()
-        self.stats.steps += 1
         self.stats.preemptions += sched.preempted
         if sched.blocks_to_swap_out:
             self._swap(sched.blocks_to_swap_out, to_cpu=True)

@@ -47,7 +47,6 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.cumulative_logprob = 0.0
         self.output_logprobs: list[dict[int, float]] = []
-        self.output_text = ""
         self.stop_reason: int | str | None = None
 
     def __len__(self) -> int:
