@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tandem.core.block_manager import AllocStatus, BlockManager
-from tandem.core.config import is_int
+from tandem.core.config import EngineConfig, is_int
 from tandem.core.sequence import (
     SchedulerOutputs,
     SequenceGroup,
@@ -30,8 +30,9 @@ PreemptionMode = Literal["recompute", "swap"]
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # Defaults live in EngineConfig, the one home for engine settings.
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
     # None: recompute single-sequence groups, swap groups with n > 1.
     preemption_mode: PreemptionMode | None = None
 
