@@ -438,6 +438,10 @@ def _tp_worker(rank: int, init_file: str, model_dir: str, result_file: str) -> N
             with open(result_file, "w") as f:
                 f.write("ok")
     finally:
+        # Without this barrier a rank that finishes first closes its gloo pairs while the
+        # other still reads the last collective's message, and gloo's receive thread
+        # aborts that process ("terminate called without an active exception").
+        dist.barrier()
         dist.destroy_process_group()
 
 
