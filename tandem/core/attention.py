@@ -12,13 +12,9 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
-
-if TYPE_CHECKING:
-    from tandem.core.model_runner import StepInputs
-
 
 class AttentionType(str, enum.Enum):
     """Which of the three attention kinds a layer computes."""
@@ -54,6 +50,30 @@ class KVCacheSpec:
     head_size: int
 
 
+@dataclass
+class StepInputs:
+    """One step's inputs, before a backend packs them into its metadata.
+
+    Decoder sequences are packed without padding, ``S`` of them, ``T`` tokens.
+    ``E`` encoder tokens belong to the ``G`` groups whose encoder runs now.
+    """
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+    query_lens: list[int]  # [S] new tokens per sequence
+    seq_lens: list[int]  # [S] cached + new tokens per sequence
+    query_start_loc: torch.Tensor  # [S + 1]
+    block_tables: torch.Tensor  # [S, max_blocks], padded with block 0
+    encoder_input_ids: torch.Tensor  # [E]
+    encoder_positions: torch.Tensor  # [E]
+    encoder_seq_lens: list[int]  # [G]
+    cross_slot_mapping: torch.Tensor  # [E]
+    cross_seq_lens: list[int]  # [S] encoder length seen by each decoder sequence
+    cross_block_tables: torch.Tensor  # [S, max_cross_blocks]
+    logits_indices: torch.Tensor  # [S] last token of each sequence in the packed batch
+
+
 class AttentionMetadataBuilder(ABC):
     """Packs one step's inputs into a backend's own metadata dataclass."""
 
@@ -63,7 +83,7 @@ class AttentionMetadataBuilder(ABC):
         self.kv_spec = kv_spec
 
     @abstractmethod
-    def build(self, inputs: "StepInputs") -> AttentionMetadata: ...
+    def build(self, inputs: StepInputs) -> AttentionMetadata: ...
 
 
 class AttentionImpl(ABC):

@@ -6,37 +6,11 @@ arithmetic on whole tensors; Python only loops over sequences.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from tandem.core.attention import AttentionMetadataBuilder
+from tandem.core.attention import AttentionMetadataBuilder, StepInputs
 from tandem.core.model import EncoderDecoderModel
 from tandem.core.sequence import Sequence, SequenceGroupMetadata
-
-
-@dataclass
-class StepInputs:
-    """One step's inputs, before a backend packs them into its metadata.
-
-    Decoder sequences are packed without padding, ``S`` of them, ``T`` tokens.
-    ``E`` encoder tokens belong to the ``G`` groups whose encoder runs now.
-    """
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    slot_mapping: torch.Tensor  # [T]
-    query_lens: list[int]  # [S] new tokens per sequence
-    seq_lens: list[int]  # [S] cached + new tokens per sequence
-    query_start_loc: torch.Tensor  # [S + 1]
-    block_tables: torch.Tensor  # [S, max_blocks], padded with block 0
-    encoder_input_ids: torch.Tensor  # [E]
-    encoder_positions: torch.Tensor  # [E]
-    encoder_seq_lens: list[int]  # [G]
-    cross_slot_mapping: torch.Tensor  # [E]
-    cross_seq_lens: list[int]  # [S] encoder length seen by each decoder sequence
-    cross_block_tables: torch.Tensor  # [S, max_cross_blocks]
-    logits_indices: torch.Tensor  # [S] last token of each sequence in the packed batch
 
 
 def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
