@@ -128,11 +128,60 @@ class AttentionBackend(ABC):
     @abstractmethod
     def get_metadata_builder_cls() -> type[AttentionMetadataBuilder]: ...
 
+    # -- the KV cache: this backend's own layout and the ops that move its blocks.
+    # The defaults serve any layout whose block index is ``kv_cache_block_dim``;
+    # override them for a layout that is not (or for faster kernels).
+
+    # Which dimension of ``get_kv_cache_shape`` indexes blocks.
+    kv_cache_block_dim: ClassVar[int] = 1
+
     @staticmethod
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
+        """One layer's cache; the default is ``[2, num_blocks, block_size, H, D]``."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def kv_cache_block_bytes(cls, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes in one layer's cache, from this backend's own shape."""
+        numel = 1
+        for n in cls.get_kv_cache_shape(1, block_size, num_kv_heads, head_size):
+            numel *= n
+        return numel * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def allocate_kv_cache(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        zeroed: bool = True,
+    ) -> torch.Tensor:
+        """One layer's cache. ``zeroed=False`` leaves memory uncommitted until written
+        (the host swap pool: only blocks that were swapped out are ever read back)."""
+        shape = cls.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+        make = torch.zeros if zeroed else torch.empty
+        return make(shape, dtype=dtype, device=device)
+
+    @classmethod
+    def swap_blocks(cls, src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+        """Copy blocks ``src_ids`` of one layer's cache ``src`` into blocks ``dst_ids``
+        of ``dst``, which may be on another device (swap out and swap in)."""
+        dim = cls.kv_cache_block_dim
+        moved = src.index_select(dim, src_ids.to(src.device)).to(dst.device)
+        dst.index_copy_(dim, dst_ids.to(dst.device), moved)
+
+    @classmethod
+    def copy_blocks(cls, kv_caches: list[torch.Tensor], src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+        """Copy-on-write: in every layer, block ``dst_ids[i]`` gets block ``src_ids[i]``'s K/V.
+        Reads all sources before writing (a destination may be another pair's source)."""
+        dim = cls.kv_cache_block_dim
+        for cache in kv_caches:
+            cache.index_copy_(dim, dst_ids, cache.index_select(dim, src_ids))
 
     @classmethod
     @abstractmethod
