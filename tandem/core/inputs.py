@@ -10,8 +10,13 @@ prepended unless already present).
 
 from __future__ import annotations
 
+import functools
+import hashlib
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, Union
+
+import torch
 
 from typing_extensions import NotRequired
 
@@ -41,12 +46,47 @@ class ExplicitEncoderDecoderPrompt(TypedDict):
 PromptType = Union[SingletonPrompt, ExplicitEncoderDecoderPrompt]
 
 
+@dataclass(frozen=True, eq=False)
+class EncoderInputs:
+    """What a model's encoder consumes for one request, as the model class made it
+    (:meth:`tandem.core.model.EncoderDecoderModel.get_encoder_inputs`).
+
+    ``num_positions`` is how many encoder positions the encoder produces: the
+    length of the cross-attention K/V every decoder token reads, which sizes the
+    request's cross block table. For a text encoder it is the number of tokens;
+    an audio encoder that downsamples frames produces fewer positions than it
+    reads frames. ``token_ids`` is set for token inputs (and only token inputs
+    are checked against the vocabulary); ``features`` for anything else.
+    """
+
+    num_positions: int
+    token_ids: tuple[int, ...] | None = None
+    features: "torch.Tensor | None" = None
+
+    @classmethod
+    def from_token_ids(cls, token_ids: list[int] | tuple[int, ...]) -> "EncoderInputs":
+        return cls(num_positions=len(token_ids), token_ids=tuple(token_ids))
+
+    @functools.cached_property
+    def cache_key(self) -> Hashable:
+        """Equal for equal inputs: requests with equal keys share one encoder run and
+        one cross table. Token inputs key by their ids, features by a content hash."""
+        if self.token_ids is not None:
+            return ("tokens", self.token_ids)
+        if self.features is not None:
+            t = self.features.detach().contiguous().cpu()
+            digest = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+            return ("features", str(t.dtype), tuple(t.shape), digest)
+        return ("positions", self.num_positions)
+
+
 @dataclass
 class EncoderDecoderInputs:
-    encoder_prompt_token_ids: list[int]
+    encoder_prompt_token_ids: list[int]  # what the request gave (or tokenized to)
     prompt_token_ids: list[int]  # the decoder prompt, after completion
     encoder_prompt: str | None = None
     prompt: str | None = None
+    encoder_inputs: EncoderInputs | None = None  # what the encoder runs on
 
 
 class InputProcessor:
@@ -77,7 +117,8 @@ class InputProcessor:
         else:
             ids, dec_text = self._singleton(decoder, "decoder_prompt", False)
             dec_ids = self.model_cls.process_decoder_prompt(self.hf_config, ids)
-        return EncoderDecoderInputs(enc_ids, dec_ids, enc_text, dec_text)
+        encoder_inputs = self.model_cls.get_encoder_inputs(self.hf_config, enc_ids)
+        return EncoderDecoderInputs(enc_ids, dec_ids, enc_text, dec_text, encoder_inputs)
 
     def _singleton(self, prompt: Any, where: str, is_encoder: bool) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

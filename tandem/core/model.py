@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tandem.core.attention import AttentionBackend, AttentionMetadata, KVCacheSpec
+from tandem.core.inputs import EncoderInputs
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -82,7 +83,15 @@ class EncoderDecoderModel(nn.Module, ABC):
         return None
 
     @classmethod
+    def get_encoder_inputs(cls, config: "PretrainedConfig", token_ids: list[int]) -> EncoderInputs:
+        """Turn an encoder prompt into what this model's encoder runs on, and say how
+        many encoder positions it yields (cross tables are sized by that). Text
+        encoders: the token ids, one position each. Override for other inputs."""
+        return EncoderInputs.from_token_ids(token_ids)
+
+    @classmethod
     def max_encoder_len(cls, config: "PretrainedConfig") -> int:
+        """Most encoder positions (``EncoderInputs.num_positions``) a request may have."""
         return int(config.max_position_embeddings)
 
     @classmethod

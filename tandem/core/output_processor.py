@@ -146,7 +146,7 @@ class OutputProcessor:
         out = RequestOutput(
             request_id=group.request_id,
             encoder_prompt=group.encoder_prompt,
-            encoder_prompt_token_ids=list(group.encoder_seq.token_ids),
+            encoder_prompt_token_ids=list(group.encoder_prompt_token_ids),
             prompt=group.prompt,
             prompt_token_ids=list(group.seqs[0].prompt_token_ids),
             outputs=completions,

@@ -1,5 +1,9 @@
 """Continuous batching over encoder/decoder groups.
 
+``schedule()`` decides one step and returns plain data (``SchedulerOutput``);
+the worker runs it; ``update_from_output()`` appends the sampled tokens, stops
+sequences on EOS, stop token ids and length, and frees what finished.
+
 Each step: running groups first (each decoder sequence computes its new
 tokens), preempting the most recently admitted groups when blocks run out;
 then swapped groups come back; then waiting groups are admitted while the
@@ -13,17 +17,20 @@ the same step. Sequences about to write into shared blocks get copies first
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 from tandem.core.block_manager import AllocStatus, BlockManager
 from tandem.core.config import EngineConfig, is_int
-from tandem.core.sequence import (
-    SchedulerOutputs,
-    SequenceGroup,
-    SequenceGroupMetadata,
-    SequenceStatus,
+from tandem.core.scheduler_output import (
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledGroup,
+    ScheduledSequence,
+    SchedulerOutput,
 )
+from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 PreemptionMode = Literal["recompute", "swap"]
 
@@ -55,7 +62,9 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Iterable[int] = ()
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[SequenceGroup] = deque()
@@ -66,9 +75,19 @@ class Scheduler:
         # that shared a live cross table of the same input instead.
         self.encoder_tokens_computed = 0
         self.encoder_tokens_reused = 0
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.groups: dict[str, SequenceGroup] = {}  # live groups by request id
+        # What the worker was last told, to send it only what changed.
+        self._sent_tables: dict[int, list[int]] = {}
+        self._announced: set[str] = set()
+        self._finished_requests: list[str] = []
+        self._finished_seqs: list[int] = []
 
     # -- queue management --------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
+        if group.request_id in self.groups:
+            raise ValueError(f"request id {group.request_id!r} is already in use")
+        self.groups[group.request_id] = group
         self.waiting.append(group)
 
     def has_unfinished(self) -> bool:
@@ -85,27 +104,49 @@ class Scheduler:
                 queue.remove(group)
                 for seq in group.unfinished_seqs():
                     seq.status = SequenceStatus.FINISHED_ABORTED
-                self.block_manager.free_group(group)
+                self._forget(group)
                 aborted.append(group)
+        # A group caught between queues (an exception or interrupt inside
+        # schedule()) is in none of them: free it through the id map.
+        for rid in request_ids & self.groups.keys():
+            group = self.groups[rid]
+            for seq in group.unfinished_seqs():
+                seq.status = SequenceStatus.FINISHED_ABORTED
+            self._forget(group)
+            aborted.append(group)
         return aborted
 
     def clear(self) -> None:
         """Forget every queued group (their blocks are the caller's to free)."""
+        for group in [*self.waiting, *self.running, *self.swapped]:
+            self._finished_requests.append(group.request_id)
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
+        self.groups.clear()
+        self._sent_tables.clear()
+        self._announced.clear()
 
     def finish(self, group: SequenceGroup) -> None:
         """Remove a finished group from the running queue and free its blocks."""
         self.running.remove(group)
+        self._forget(group)
+
+    def _forget(self, group: SequenceGroup) -> None:
         self.block_manager.free_group(group)
+        self.groups.pop(group.request_id, None)
+        for seq in group.seqs:
+            self._sent_tables.pop(seq.seq_id, None)
+        if group.request_id in self._announced:
+            self._announced.discard(group.request_id)
+            self._finished_requests.append(group.request_id)
 
     # -- the step ----------------------------------------------------------
-    def schedule(self) -> SchedulerOutputs:
+    def schedule(self) -> SchedulerOutput:
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         num_seqs = 0
-        scheduled: list[SequenceGroupMetadata] = []
+        scheduled: list[ScheduledGroup] = []
         swap_in: list[tuple[int, int]] = []
         swap_out: list[tuple[int, int]] = []
         copies: list[tuple[int, int]] = []
@@ -176,27 +217,106 @@ class Scheduler:
             scheduled.append(self._metadata(group, run_encoder))
 
         self.num_preemptions += preempted
-        return SchedulerOutputs(
+        new_requests = []
+        for g in scheduled:
+            if g.request_id not in self._announced:
+                self._announced.add(g.request_id)
+                new_requests.append(NewRequestData(g.request_id, self.groups[g.request_id].sampling_params))
+        finished_requests, self._finished_requests = self._finished_requests, []
+        finished_seqs, self._finished_seqs = self._finished_seqs, []
+        return SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             blocks_to_swap_in=swap_in,
             blocks_to_swap_out=swap_out,
-            preempted=preempted,
             blocks_to_copy=copies,
+            preempted=preempted,
+            new_requests=new_requests,
+            finished_request_ids=finished_requests,
+            finished_seq_ids=finished_seqs,
         )
 
-    def _metadata(self, group: SequenceGroup, run_encoder: bool) -> SequenceGroupMetadata:
+    def _metadata(self, group: SequenceGroup, run_encoder: bool) -> ScheduledGroup:
         bm = self.block_manager
-        seqs = group.get_seqs(SequenceStatus.RUNNING)
-        return SequenceGroupMetadata(
+        seqs = []
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            table = bm.get_block_table(seq)
+            sent = self._sent_tables.get(seq.seq_id)
+            if sent is not None and len(table) >= len(sent) and table[: len(sent)] == sent:
+                block_ids, replace = table[len(sent) :], False
+            else:
+                block_ids, replace = list(table), True
+            self._sent_tables[seq.seq_id] = list(table)
+            seqs.append(
+                ScheduledSequence(
+                    seq_id=seq.seq_id,
+                    token_ids=seq.token_ids[seq.num_computed_tokens :],
+                    num_computed_tokens=seq.num_computed_tokens,
+                    block_ids=block_ids,
+                    replace_blocks=replace,
+                    num_output_tokens=len(seq.output_token_ids),
+                )
+            )
+        return ScheduledGroup(
             request_id=group.request_id,
-            run_encoder=run_encoder,
             seqs=seqs,
-            block_tables={s.seq_id: bm.get_block_table(s) for s in seqs},
-            encoder_token_ids=group.encoder_seq.token_ids,
-            cross_block_table=bm.get_cross_block_table(group),
-            group=group,
+            encoder_inputs=group.encoder_inputs if run_encoder else None,
+            num_encoder_positions=group.encoder_len,
+            cross_block_table=list(bm.get_cross_block_table(group)),
         )
+
+    # -- after the forward pass ----------------------------------------------
+    def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceGroup]:
+        """Append each sequence's sampled token, stop it on EOS, a stop token id or
+        its length, and free what finished. Returns the groups that advanced, in
+        schedule order (a group aborted since ``schedule()`` is skipped)."""
+        row = {seq_id: i for i, seq_id in enumerate(result.seq_ids)}
+        advanced = []
+        for sg in output.scheduled:
+            group = self.groups.get(sg.request_id)
+            if group is None:
+                continue
+            # Sharers too: their cross table was filled by now, in this step or an earlier one.
+            group.encoder_computed = True
+            by_id = {s.seq_id: s for s in group.seqs}
+            for ss in sg.seqs:
+                seq = by_id[ss.seq_id]
+                if seq.finished:
+                    continue
+                i = row[ss.seq_id]
+                seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
+                seq.append_token(result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
+                self._check_stop(seq, group)
+            self.release_finished(group)
+            advanced.append(group)
+        return advanced
+
+    def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
+        """Stops on token ids and length; stop strings are the output processor's."""
+        p = group.sampling_params
+        token = seq.output_token_ids[-1]
+        num_out = len(seq.output_token_ids)
+        if num_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                return
+            if token in p.stop_token_ids:
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+                return
+        if num_out >= p.max_tokens:
+            seq.status = SequenceStatus.FINISHED_LENGTH
+
+    def release_finished(self, group: SequenceGroup) -> None:
+        """Free the blocks of the group's finished sequences (stopped here or, by a
+        stop string, by the output processor); retire the group once all are."""
+        bm = self.block_manager
+        for seq in group.seqs:
+            if seq.finished and bm.has_block_table(seq):
+                bm.free(seq, group)
+                self._sent_tables.pop(seq.seq_id, None)
+                self._finished_seqs.append(seq.seq_id)
+        if group.is_finished and group.request_id in self.groups:
+            self.finish(group)
 
     def _preempt(self, group: SequenceGroup, swap_out: list[tuple[int, int]]) -> None:
         bm = self.block_manager

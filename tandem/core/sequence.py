@@ -1,12 +1,11 @@
-"""Requests as the scheduler sees them: sequences, groups and step metadata."""
+"""Requests as the scheduler sees them: decoder sequences and the groups that hold them."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from collections.abc import Hashable
 
-import torch
-
+from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 
 
@@ -76,37 +75,43 @@ class Sequence:
 
 
 class SequenceGroup:
-    """All sequences of one request: a static encoder sequence and n decoder ones."""
+    """All sequences of one request: its encoder inputs and n decoder sequences."""
 
     def __init__(
         self,
         request_id: str,
-        encoder_seq: Sequence,
+        encoder_inputs: EncoderInputs,
         seqs: list[Sequence],
         sampling_params: SamplingParams,
         arrival_time: float,
+        *,
         encoder_prompt: str | None = None,
         prompt: str | None = None,
+        encoder_prompt_token_ids: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
-        self.encoder_seq = encoder_seq
+        self.encoder_inputs = encoder_inputs
         self.seqs = seqs
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.encoder_prompt = encoder_prompt
         self.prompt = prompt
-        # The encoder input, hashable: groups with equal keys share one cross table.
-        self.encoder_key: tuple[int, ...] = tuple(encoder_seq.token_ids)
+        self.encoder_prompt_token_ids = list(
+            encoder_prompt_token_ids if encoder_prompt_token_ids is not None else encoder_inputs.token_ids or ()
+        )
         # True once the cross-attention cache holds the encoder's K/V (its own
         # encoder run, or that of the group whose cross table it shares).
         self.encoder_computed = False
-        self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    @property
+    def encoder_key(self) -> Hashable:
+        """Groups with equal keys (equal encoder inputs) share one cross table."""
+        return self.encoder_inputs.cache_key
 
     @property
     def encoder_len(self) -> int:
-        return len(self.encoder_seq)
+        """Encoder positions: the cross K/V length, and the encoder's share of a step."""
+        return self.encoder_inputs.num_positions
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:
@@ -127,33 +132,3 @@ class SequenceGroup:
 
     def __repr__(self) -> str:
         return f"SequenceGroup({self.request_id!r}, enc_len={self.encoder_len}, seqs={self.seqs})"
-
-
-@dataclass
-class SequenceGroupMetadata:
-    """What the model runner needs about one group for one step."""
-
-    request_id: str
-    # Whether the encoder runs this step (its output fills the cross cache).
-    # False for a group sharing another's cross table: filled in an earlier
-    # step, or in this one (every layer writes new cross K/V before reading).
-    run_encoder: bool
-    seqs: list[Sequence]
-    # seq_id -> self-attention block table
-    block_tables: dict[int, list[int]]
-    encoder_token_ids: list[int]
-    cross_block_table: list[int]
-    group: SequenceGroup = field(repr=False)
-
-
-@dataclass
-class SchedulerOutputs:
-    scheduled: list[SequenceGroupMetadata]
-    num_batched_tokens: int
-    # (src_block, dst_block) pairs to move between the device and CPU pools
-    blocks_to_swap_in: list[tuple[int, int]]
-    blocks_to_swap_out: list[tuple[int, int]]
-    preempted: int = 0
-    # (src_block, dst_block) device pairs to copy before the forward pass, after
-    # the swaps: shared blocks a sequence is about to write into (copy-on-write)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)

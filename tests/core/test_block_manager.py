@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tandem.core.block_manager import AllocStatus, BlockManager, BlockPool, Device, blocks_for
+from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -38,7 +39,7 @@ GPU, CPU = Device.GPU, Device.CPU
 def make_group(encoder: list[int], prompt_len: int, n: int) -> SequenceGroup:
     gid = next(_ids)
     prompt = [1_000_000 * (gid + 1) + i for i in range(prompt_len)]
-    enc = Sequence(next(_ids), encoder)
+    enc = EncoderInputs.from_token_ids(encoder)
     seqs = [Sequence(next(_ids), prompt) for _ in range(n)]
     return SequenceGroup(f"req-{gid}", enc, seqs, SamplingParams(n=n), 0.0)
 
@@ -220,7 +221,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """Write what the model would into the cache, then sample one token per sequence."""
         bm, cache = self.bm, self.cache[GPU]
         if run_encoder:
-            for pos, tok in enumerate(g.encoder_seq.token_ids):
+            for pos, tok in enumerate(list(g.encoder_inputs.token_ids)):
                 cache.setdefault(bm.get_cross_block_table(g)[pos // self.bs], {})[pos % self.bs] = tok
         for s in _live(g, bm):
             table = bm.get_block_table(s)
@@ -471,7 +472,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if cross_dev is not None and g.request_id in self.enc_written:
                 table, cache = bm.get_cross_block_table(g), self.cache[cross_dev]
                 got = [cache.get(table[p // self.bs], {}).get(p % self.bs) for p in range(g.encoder_len)]
-                assert got == g.encoder_seq.token_ids, g
+                assert got == list(g.encoder_inputs.token_ids), g
 
 
 BlockManagerMachine.TestCase.settings = settings(

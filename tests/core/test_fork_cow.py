@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 
 from tandem.core.block_manager import AllocStatus, BlockManager, Device
+from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup
 
@@ -17,7 +18,7 @@ _ids = itertools.count()
 
 
 def make_group(encoder: list[int], prompt: list[int], n: int = 1) -> SequenceGroup:
-    enc = Sequence(next(_ids), encoder)
+    enc = EncoderInputs.from_token_ids(encoder)
     seqs = [Sequence(next(_ids), prompt) for _ in range(n)]
     return SequenceGroup(f"req-{next(_ids)}", enc, seqs, SamplingParams(n=n), 0.0)
 

@@ -1,11 +1,12 @@
 """Property-based tests for ``tandem.core.scheduler``.
 
-No model: a fake engine loop in this file does what ``LLMEngine.step`` does
-(apply the swap and copy pairs to a fake KV cache, write the computed tokens
-where the tables say, mark them computed, append one token per scheduled
-sequence, finish sequences at their target length, free them, hand finished
-groups back) and checks the scheduler's output, the refcount identities and
-the cache contents before and after every step. Requests share encoder inputs
+No model: a fake worker in this file does what ``Worker.execute_model`` does
+with the scheduler's plain-data output (keep block tables from the updates it
+is sent, apply the swap and copy pairs to a fake KV cache, write the computed
+tokens where the tables say, sample one token per scheduled sequence: EOS once
+a sequence reaches a target short of max_tokens). ``Scheduler.update_from_output`` does
+the rest, as in the engine. The checks cover the scheduler's output, the
+refcount identities and the cache contents before and after every step. Requests share encoder inputs
 (the same ``doc``) and ``n > 1`` groups share their decoder prompt's blocks.
 """
 
@@ -20,8 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.core.block_manager import BlockManager, Device, blocks_for
+from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler, SchedulerConfig
+from tandem.core.scheduler_output import ModelRunnerOutput
 from tandem.core.sequence import (
     Sequence,
     SequenceGroup,
@@ -30,6 +33,7 @@ from tandem.core.sequence import (
 
 _ids = itertools.count()
 _tokens = itertools.count(10_000)  # every generated token is distinct: stale slots never match
+EOS = 7  # sampled by the fake worker when a sequence reaches a target short of max_tokens
 
 GPU, CPU = Device.GPU, Device.CPU
 
@@ -52,7 +56,7 @@ class Spec:
 
 def make_group(spec: Spec) -> SequenceGroup:
     gid = next(_ids)
-    enc = Sequence(next(_ids), [1000 * spec.doc + i for i in range(spec.enc_len)])
+    enc = EncoderInputs.from_token_ids([1000 * spec.doc + i for i in range(spec.enc_len)])
     prompt = [1_000_000 * (gid + 1) + i for i in range(spec.prompt_len)]
     seqs = [Sequence(next(_ids), prompt) for _ in range(spec.n)]
     params = SamplingParams(n=spec.n, max_tokens=spec.max_tokens, temperature=0.0)
@@ -113,7 +117,7 @@ class Sim:
     def __init__(self, cfg: SchedulerConfig, block_size: int, gpu: int, cpu: int, watermark: float):
         self.cfg = cfg
         self.bm = BlockManager(block_size, gpu, cpu, watermark=watermark)
-        self.sched = Scheduler(cfg, self.bm)
+        self.sched = Scheduler(cfg, self.bm, eos_token_ids=[EOS])
         self.gpu, self.cpu = gpu, cpu
         self.targets: dict[int, int] = {}
         self.groups: dict[str, SequenceGroup] = {}
@@ -123,6 +127,9 @@ class Sim:
         self.swapped_out_blocks = 0
         self.copied_blocks = 0
         self.cache: dict[Device, dict[int, dict[int, int]]] = {GPU: {}, CPU: {}}
+        # The fake worker's block tables, kept from the updates it is sent.
+        self.worker_tables: dict[int, list[int]] = {}
+        self.worker_requests: set[str] = set()
 
     def add(self, spec: Spec) -> SequenceGroup:
         g = make_group(spec)
@@ -154,7 +161,7 @@ class Sim:
                 assert got == s.token_ids[: s.num_computed_tokens], (g, s)
         if g.encoder_computed:
             got = self._read(bm.cross_device(g), bm.get_cross_block_table(g), g.encoder_len)
-            assert got == g.encoder_seq.token_ids, g
+            assert got == list(g.encoder_inputs.token_ids), g
 
     # -- global checks ---------------------------------------------------------
     def check_state(self) -> None:
@@ -212,28 +219,54 @@ class Sim:
         assert num_seqs <= cfg.max_num_seqs
         assert out.num_batched_tokens <= cfg.max_num_batched_tokens
         tokens = sum(
-            (m.group.encoder_len if m.run_encoder else 0) + sum(s.num_new_tokens for s in m.seqs)
+            (m.num_encoder_positions if m.run_encoder else 0) + sum(len(s.token_ids) for s in m.seqs)
             for m in out.scheduled
         )
         assert out.num_batched_tokens == tokens
 
+        # The worker forgets what finished; it learns each request once.
+        for rid in out.finished_request_ids:
+            g = self.groups[rid]
+            assert g.is_finished
+            self.worker_requests.discard(rid)
+            for s in g.seqs:
+                self.worker_tables.pop(s.seq_id, None)
+        for sid in out.finished_seq_ids:
+            self.worker_tables.pop(sid, None)
+        for new in out.new_requests:
+            assert new.request_id not in self.worker_requests
+            assert new.sampling_params is self.groups[new.request_id].sampling_params
+            self.worker_requests.add(new.request_id)
+
         # Each scheduled group: once, all unfinished sequences, tables that cover it.
         seen_groups = set()
         for m in out.scheduled:
-            g = m.group
-            assert m.request_id == g.request_id and g.request_id not in seen_groups
+            g = self.groups[m.request_id]
+            assert g.request_id not in seen_groups and g.request_id in self.worker_requests
             seen_groups.add(g.request_id)
             assert g in sched.running
+            by_id = {s.seq_id: s for s in g.seqs}
             assert [s.seq_id for s in m.seqs] == [s.seq_id for s in g.unfinished_seqs()]
-            assert m.encoder_token_ids == g.encoder_seq.token_ids
+            assert m.num_encoder_positions == g.encoder_len
+            if m.run_encoder:
+                assert m.encoder_inputs is g.encoder_inputs
             admitted_now = g.request_id in before["waiting"]
             assert admitted_now or not m.run_encoder
-            for s in m.seqs:
+            for ss in m.seqs:
+                s = by_id[ss.seq_id]
                 assert s.status is SequenceStatus.RUNNING
-                assert s.num_new_tokens >= 1
+                assert ss.num_computed_tokens == s.num_computed_tokens
+                assert ss.token_ids == s.token_ids[s.num_computed_tokens :] and len(ss.token_ids) >= 1
+                assert ss.num_output_tokens == len(s.output_token_ids)
                 if admitted_now:
                     assert s.num_computed_tokens == 0
-                table = m.block_tables[s.seq_id]
+                # The worker's table, from whole tables and appended ids, is the block manager's.
+                if ss.replace_blocks:
+                    self.worker_tables[s.seq_id] = list(ss.block_ids)
+                else:
+                    assert s.seq_id in self.worker_tables
+                    self.worker_tables[s.seq_id] += ss.block_ids
+                table = self.worker_tables[s.seq_id]
                 assert table == bm.get_block_table(s)
                 assert len(table) == blocks_for(len(s), bm.block_size), (s, table)
                 assert all(bm.refcount(GPU, b) >= 1 for b in table)
@@ -339,25 +372,34 @@ class Sim:
         self.check_state()
         for m in out.scheduled:
             if m.run_encoder:
-                self._write(m.cross_block_table, 0, m.encoder_token_ids)
-            for s in m.seqs:
-                self._write(m.block_tables[s.seq_id], s.num_computed_tokens, s.token_ids[s.num_computed_tokens :])
+                self._write(m.cross_block_table, 0, list(m.encoder_inputs.token_ids))
+            for ss in m.seqs:
+                self._write(self.worker_tables[ss.seq_id], ss.num_computed_tokens, ss.token_ids)
 
-        # The fake forward pass and output processing.
+        # The fake sampler: EOS at a target short of max_tokens, otherwise a fresh
+        # token (a sequence at max_tokens stops on its length).
+        seq_ids, tokens = [], []
         for m in out.scheduled:
-            g = m.group
-            for s in m.seqs:
-                s.num_computed_tokens = len(s)
-                s.append_token(next(_tokens), 0.0, None)
+            max_tokens = self.groups[m.request_id].sampling_params.max_tokens
+            for ss in m.seqs:
+                target = self.targets[ss.seq_id]
+                seq_ids.append(ss.seq_id)
+                tokens.append(EOS if ss.num_output_tokens + 1 == target < max_tokens else next(_tokens))
+        result = ModelRunnerOutput(seq_ids, tokens, [0.0] * len(tokens), [None] * len(tokens))
+        advanced = sched.update_from_output(out, result)
+        assert [g.request_id for g in advanced] == [m.request_id for m in out.scheduled]
+        for m in out.scheduled:
+            g = self.groups[m.request_id]
+            assert g.encoder_computed
+            for s in g.seqs:
                 assert len(s.output_token_ids) <= self.targets[s.seq_id]
-                if len(s.output_token_ids) >= self.targets[s.seq_id]:
-                    s.status = SequenceStatus.FINISHED_LENGTH
-                    bm.free(s, g)
-            g.encoder_computed = True
-            self.check_contents(g)
+                assert s.finished == (len(s.output_token_ids) == self.targets[s.seq_id])
+                assert bm.has_block_table(s) == (not s.finished)
             if g.is_finished:
-                sched.finish(g)
+                assert g not in sched.running and g.request_id not in sched.groups
                 self.finished.append(g)
+            else:
+                self.check_contents(g)
         self.check_state()
         return out
 
@@ -459,7 +501,9 @@ def test_every_group_finishes_and_steps_are_valid(scenario):
     for g in sim.finished:
         for s in g.seqs:
             assert len(s.output_token_ids) == sim.targets[s.seq_id]
-            assert s.status is SequenceStatus.FINISHED_LENGTH
+            # Short of max_tokens the fake sampler ends a sequence with EOS; at max_tokens, its length does.
+            at_max = sim.targets[s.seq_id] == g.sampling_params.max_tokens
+            assert s.status is (SequenceStatus.FINISHED_LENGTH if at_max else SequenceStatus.FINISHED_STOPPED)
 
 
 @settings(max_examples=500, **SETTINGS)

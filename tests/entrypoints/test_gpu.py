@@ -26,6 +26,6 @@ def test_cuda_preemption_by_swap(bart_dir):
     params = SamplingParams(temperature=0.0, max_tokens=30, min_tokens=30)
     small = LLM(model=str(bart_dir), device="cuda", block_size=4, num_kv_blocks=60, preemption_mode="swap")
     outs = small.generate(prompts, params, use_tqdm=False)
-    assert small.engine.stats.swapped_out_blocks > 0
+    assert small.get_stats()["swapped_out_blocks"] > 0
     ref = LLM(model=str(bart_dir), device="cuda", block_size=4).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from tandem.core.kv.block_pool import BlockPool, Device, blocks_for
@@ -32,7 +33,7 @@ class AllocStatus(enum.Enum):
 class _CrossTable:
     """One cross table and the groups holding it (each holds every block once)."""
 
-    key: tuple[int, ...]  # the encoder token ids
+    key: Hashable  # the encoder inputs' cache_key
     blocks: list[int]
     device: Device
     holders: set[str] = field(default_factory=set)  # request ids
@@ -175,7 +176,7 @@ class BlockManager:
             self.pools[Device.GPU].incref(table.blocks)
             created = False
         else:
-            blocks = self.pools[Device.GPU].allocate_run(blocks_for(len(key), self.block_size))
+            blocks = self.pools[Device.GPU].allocate_run(blocks_for(group.encoder_len, self.block_size))
             table = self._live_cross[key] = _CrossTable(key, blocks, Device.GPU)
             created = True
         table.holders.add(rid)

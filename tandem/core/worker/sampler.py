@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.sequence import Sequence, SequenceGroup
 
 
 @dataclass
@@ -25,17 +24,21 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, seqs: list[Sequence], groups: list[SequenceGroup]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        num_output_tokens: list[int],
     ) -> SamplerOutput:
-        """``logits`` is float32 ``[S, vocab]``; ``groups[i]`` owns ``seqs[i]``."""
-        params = [g.sampling_params for g in groups]
-        self._suppress_stop_tokens(logits, seqs, params)
+        """``logits`` is float32 ``[S, vocab]``; row ``i`` samples with ``params[i]`` from
+        ``generators[i]`` (None: the engine's stream) after ``num_output_tokens[i]`` tokens."""
+        self._suppress_stop_tokens(logits, num_output_tokens, params)
         # The chosen token's log-probability needs only the row's logsumexp;
         # the full log-softmax is built only when top-k logprobs are asked for.
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
 
         greedy = [p.greedy for p in params]
-        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
         greedy_rows = [i for i, g in enumerate(greedy) if g]
         if greedy_rows:
             rows = torch.tensor(greedy_rows, device=logits.device)
@@ -44,10 +47,10 @@ class Sampler:
         if sample_rows:
             rows = torch.tensor(sample_rows, device=logits.device)
             probs = self._probs(logits.index_select(0, rows), [params[i] for i in sample_rows])
-            tokens[rows] = self._draw(probs, [groups[i].generator for i in sample_rows], self.generator)
+            tokens[rows] = self._draw(probs, [generators[i] for i in sample_rows], self.generator)
 
         chosen = (logits.gather(1, tokens[:, None]) - lse).squeeze(1)
-        top: list[dict[int, float] | None] = [None] * len(seqs)
+        top: list[dict[int, float] | None] = [None] * len(params)
         want = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
         if want:
             k_max = max(k for _, k in want)
@@ -60,9 +63,9 @@ class Sampler:
                 top[i] = d
         return SamplerOutput(tokens.tolist(), chosen.tolist(), top)
 
-    def _suppress_stop_tokens(self, logits, seqs, params: list[SamplingParams]) -> None:
+    def _suppress_stop_tokens(self, logits, num_output_tokens: list[int], params: list[SamplingParams]) -> None:
         """Before ``min_tokens`` exist, EOS and the stop tokens cannot be picked."""
-        young = [i for i, (seq, p) in enumerate(zip(seqs, params)) if len(seq.output_token_ids) < p.min_tokens]
+        young = [i for i, (n, p) in enumerate(zip(num_output_tokens, params)) if n < p.min_tokens]
         if not young:
             return
         eos_rows = [i for i in young if not params[i].ignore_eos]

@@ -1,0 +1,91 @@
+"""What crosses from the scheduler to the worker and back: plain data only.
+
+The scheduler keeps the live ``Sequence`` / ``SequenceGroup`` objects; the
+worker sees ids, token ids, block ids and counts, so it could run in another
+process (or as several tensor-parallel ranks) without sharing Python objects.
+The worker keeps what it needs across steps (sampling parameters, seeded
+generators, the persistent block tables) keyed by request and sequence id, and
+drops it when the request id shows up in ``finished_request_ids``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.core.inputs import EncoderInputs
+from tandem.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Sent once, the first time a request is scheduled."""
+
+    request_id: str
+    sampling_params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One decoder sequence's work this step."""
+
+    seq_id: int
+    # The tokens whose K/V are computed now, at positions num_computed_tokens, ...
+    token_ids: list[int]
+    num_computed_tokens: int
+    # Block-table update: the whole table when ``replace_blocks`` (first time
+    # scheduled, after a swap, a recompute or a copy-on-write), else the ids
+    # appended since the table was last sent (often none).
+    block_ids: list[int]
+    replace_blocks: bool
+    # Output tokens so far, for processors that depend on it (min_tokens).
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class ScheduledGroup:
+    """One request's work this step: its running decoder sequences, and its
+    encoder when it runs now (``encoder_inputs`` is None when the cross table
+    already holds, or is being filled this step by a sharer, its K/V)."""
+
+    request_id: str
+    seqs: list[ScheduledSequence]
+    encoder_inputs: EncoderInputs | None
+    num_encoder_positions: int  # cross K/V length every sequence attends to
+    cross_block_table: list[int]
+
+    @property
+    def run_encoder(self) -> bool:
+        return self.encoder_inputs is not None
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledGroup]
+    num_batched_tokens: int
+    # (src_block, dst_block) pairs moved between the device and host pools
+    blocks_to_swap_in: list[tuple[int, int]]
+    blocks_to_swap_out: list[tuple[int, int]]
+    # (src_block, dst_block) device pairs to copy after the swaps and before the
+    # forward pass: shared blocks a sequence is about to write into (copy-on-write)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    preempted: int = 0
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    # Requests that finished or were aborted since the last step: the worker
+    # forgets them (their blocks are already free in the block manager).
+    finished_request_ids: list[str] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return sum(len(g.seqs) for g in self.scheduled)
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """The worker's answer: one sampled token per scheduled sequence, in the
+    order the scheduler output lists them."""
+
+    seq_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # the sampled token's log-probability
+    top_logprobs: list[dict[int, float] | None]

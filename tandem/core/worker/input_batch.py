@@ -1,0 +1,84 @@
+"""Block tables that persist across steps.
+
+The scheduler sends a sequence's whole block table once and afterwards only
+the block ids appended since (usually none: a decode step fills a slot of a
+block it already holds). Each sequence keeps a row of a preallocated table
+tensor; a step gathers the rows it runs with one ``index_select`` instead of
+padding Python lists into a new tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BlockTableRows:
+    """Rows of block ids, one per key (a sequence id, or a request's cross table)."""
+
+    def __init__(self, initial_rows: int, initial_width: int) -> None:
+        self.table = torch.zeros(max(1, initial_rows), max(1, initial_width), dtype=torch.long)
+        self.width: list[int] = []  # ids held by each row
+        self._row: dict[object, int] = {}
+        self._free_rows: list[int] = list(range(self.table.shape[0] - 1, -1, -1))
+        self.width = [0] * self.table.shape[0]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._row
+
+    def row(self, key: object) -> int:
+        return self._row[key]
+
+    def num_blocks(self, key: object) -> int:
+        return self.width[self._row[key]]
+
+    def _grow(self, rows: int, width: int) -> None:
+        old_rows, old_width = self.table.shape
+        new_rows, new_width = max(old_rows, rows), max(old_width, width)
+        if (new_rows, new_width) == (old_rows, old_width):
+            return
+        grown = torch.zeros(new_rows, new_width, dtype=torch.long)
+        grown[:old_rows, :old_width] = self.table
+        self.table = grown
+        self._free_rows = list(range(new_rows - 1, old_rows - 1, -1)) + self._free_rows
+        self.width += [0] * (new_rows - old_rows)
+
+    def set(self, key: object, block_ids: list[int]) -> None:
+        """Replace the key's row (adding the key if new)."""
+        row = self._row.get(key)
+        if row is None:
+            if not self._free_rows:
+                self._grow(2 * self.table.shape[0], 0)
+            row = self._row[key] = self._free_rows.pop()
+        n = len(block_ids)
+        if n > self.table.shape[1]:
+            self._grow(0, max(n, 2 * self.table.shape[1]))
+        if n:
+            self.table[row, :n] = torch.tensor(block_ids, dtype=torch.long)
+        self.width[row] = n
+
+    def extend(self, key: object, block_ids: list[int]) -> None:
+        """Append ids to the key's row."""
+        if not block_ids:
+            return
+        row = self._row[key]
+        start = self.width[row]
+        end = start + len(block_ids)
+        if end > self.table.shape[1]:
+            self._grow(0, max(end, 2 * self.table.shape[1]))
+        self.table[row, start:end] = torch.tensor(block_ids, dtype=torch.long)
+        self.width[row] = end
+
+    def get(self, key: object) -> list[int]:
+        row = self._row[key]
+        return self.table[row, : self.width[row]].tolist()
+
+    def remove(self, key: object) -> None:
+        row = self._row.pop(key, None)
+        if row is not None:
+            self.width[row] = 0
+            self._free_rows.append(row)
+
+    def gather(self, rows: torch.Tensor, num_cols: int) -> torch.Tensor:
+        """``[len(rows), num_cols]``: the rows' leading ids (columns past a row's own
+        ids hold stale ids, which callers mask by length)."""
+        return self.table[:, : max(1, num_cols)].index_select(0, rows)

@@ -1,0 +1,142 @@
+"""Turns a ``SchedulerOutput`` into the tensors one forward pass needs, and runs it.
+
+Block tables persist across steps (``BlockTableRows``): the scheduler sends
+only what changed. Token-level tensors (positions, slot mappings) are built
+with index arithmetic on whole tensors; Python only loops over sequences.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from tandem.core.attention import AttentionMetadataBuilder, StepInputs
+from tandem.core.model import EncoderDecoderModel
+from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.worker.input_batch import BlockTableRows
+
+
+def _packed_positions(starts: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For runs of ``lens`` tokens beginning at position ``starts``: (run index, position)."""
+    run = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    begin = torch.cumsum(lens, 0) - lens
+    offsets = torch.arange(int(lens.sum())) - begin[run]
+    return run, starts[run] + offsets
+
+
+def _slots(tables: torch.Tensor, run: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    return tables[run, pos // block_size] * block_size + pos % block_size
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: EncoderDecoderModel,
+        builder: AttentionMetadataBuilder,
+        block_size: int,
+        device: torch.device,
+        max_num_seqs: int = 8,
+        max_blocks_per_seq: int = 8,
+    ) -> None:
+        self.model = model
+        self.builder = builder
+        self.block_size = block_size
+        self.device = device
+        self.tables = BlockTableRows(max_num_seqs, max_blocks_per_seq)  # by seq id
+        self.cross_tables = BlockTableRows(max_num_seqs, max_blocks_per_seq)  # by request id
+        self._cross_lists: dict[str, list[int]] = {}
+
+    # -- persistent state ------------------------------------------------------
+    def forget_seqs(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self.tables.remove(seq_id)
+
+    def forget_request(self, request_id: str) -> None:
+        self.cross_tables.remove(request_id)
+        self._cross_lists.pop(request_id, None)
+
+    def _update_tables(self, out: SchedulerOutput) -> None:
+        for group in out.scheduled:
+            if self._cross_lists.get(group.request_id) != group.cross_block_table:
+                self._cross_lists[group.request_id] = group.cross_block_table
+                self.cross_tables.set(group.request_id, group.cross_block_table)
+            for seq in group.seqs:
+                if seq.replace_blocks or seq.seq_id not in self.tables:
+                    if not seq.replace_blocks:
+                        raise RuntimeError(f"sequence {seq.seq_id}: block-table update for an unknown table")
+                    self.tables.set(seq.seq_id, seq.block_ids)
+                else:
+                    self.tables.extend(seq.seq_id, seq.block_ids)
+
+    # -- the step --------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        self._update_tables(out)
+        bs = self.block_size
+        seqs = [s for g in out.scheduled for s in g.seqs]
+        rows = torch.tensor([self.tables.row(s.seq_id) for s in seqs], dtype=torch.long)
+        cross_rows = torch.tensor(
+            [self.cross_tables.row(g.request_id) for g in out.scheduled for _ in g.seqs], dtype=torch.long
+        )
+        query_lens = [len(s.token_ids) for s in seqs]
+        seq_lens = [s.num_computed_tokens + q for s, q in zip(seqs, query_lens)]
+        cross_lens = [g.num_encoder_positions for g in out.scheduled for _ in g.seqs]
+        block_tables = self.tables.gather(rows, -(-max(seq_lens) // bs))
+        cross_tables = self.cross_tables.gather(cross_rows, -(-max(cross_lens) // bs))
+
+        q_lens = torch.tensor(query_lens, dtype=torch.long)
+        computed = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.long)
+        if all(q == 1 for q in query_lens):  # decodes only: one token at each sequence's end
+            run, positions = torch.arange(len(seqs)), computed
+        else:
+            run, positions = _packed_positions(computed, q_lens)
+        slot_mapping = _slots(block_tables, run, positions, bs)
+        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.long)
+        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+
+        encoders = [g for g in out.scheduled if g.encoder_inputs is not None]
+        enc_lens = [g.encoder_inputs.num_positions for g in encoders]
+        enc_tokens = list(itertools.chain.from_iterable(g.encoder_inputs.token_ids for g in encoders))
+        e_lens = torch.tensor(enc_lens, dtype=torch.long)
+        e_run, enc_positions = _packed_positions(torch.zeros_like(e_lens), e_lens)
+        if encoders:
+            enc_rows = torch.tensor([self.cross_tables.row(g.request_id) for g in encoders], dtype=torch.long)
+            enc_tables = self.cross_tables.gather(enc_rows, -(-max(enc_lens) // bs))
+            cross_slots = _slots(enc_tables, e_run, enc_positions, bs)
+        else:
+            cross_slots = e_run
+
+        dev = self.device
+        tokens = list(itertools.chain.from_iterable(s.token_ids for s in seqs))
+        return StepInputs(
+            input_ids=torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True),
+            positions=positions.to(dev, non_blocking=True),
+            slot_mapping=slot_mapping.to(dev, non_blocking=True),
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc.to(dev, non_blocking=True),
+            block_tables=block_tables.to(dev, non_blocking=True),
+            encoder_input_ids=torch.tensor(enc_tokens, dtype=torch.long).to(dev, non_blocking=True),
+            encoder_positions=enc_positions.to(dev, non_blocking=True),
+            encoder_seq_lens=enc_lens,
+            cross_slot_mapping=cross_slots.to(dev, non_blocking=True),
+            cross_seq_lens=cross_lens,
+            cross_block_tables=cross_tables.to(dev, non_blocking=True),
+            logits_indices=(query_start_loc[1:] - 1).to(dev, non_blocking=True),
+        )
+
+    def execute(self, out: SchedulerOutput, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Run the model; returns float32 logits ``[S, vocab]`` for each scheduled
+        sequence's last token, in the order ``out`` lists them."""
+        inputs = self.prepare(out)
+        attn_metadata = self.builder.build(inputs)
+        hidden = self.model(
+            inputs.input_ids,
+            inputs.positions,
+            inputs.encoder_input_ids,
+            inputs.encoder_positions,
+            kv_caches,
+            attn_metadata,
+        )
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        return logits.float()

@@ -1,0 +1,152 @@
+"""The worker: the model, its KV caches, the runner and the sampler.
+
+It runs a ``SchedulerOutput`` (plain data) and answers a ``ModelRunnerOutput``:
+swaps and copy-on-write copies first, through the attention backend's own
+cache ops, then the forward pass and sampling. What it keeps across steps is
+keyed by request and sequence id: each request's sampling parameters and
+seeded generator (so a request keeps its random stream through preemption),
+and the persistent block tables in the runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core.attention import AttentionBackend, KVCacheSpec
+from tandem.core.config import EngineConfig
+from tandem.core.loader import load_model
+from tandem.core.model import EncoderDecoderModel
+from tandem.core.sampling_params import SamplingParams
+from tandem.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tandem.core.worker.model_runner import ModelRunner
+from tandem.core.worker.sampler import Sampler
+
+
+@dataclass
+class _RequestState:
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+class Worker:
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config,
+        model_cls: type[EncoderDecoderModel],
+        attn_backend: type[AttentionBackend],
+        eos_token_ids: list[int],
+    ) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.model_cls = model_cls
+        self.backend = attn_backend
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.block_size = config.block_size
+        self.kv_spec: KVCacheSpec = model_cls.kv_cache_spec(hf_config)
+        self.sampler = Sampler(eos_token_ids, config.seed, self.device)
+        self.requests: dict[str, _RequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.swap_caches: list[torch.Tensor] | None = None  # made on the first swap-out
+        self.num_cpu_blocks = 0
+        self.model: EncoderDecoderModel | None = None
+        self.runner: ModelRunner | None = None
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block takes across every layer, in the backend's own layout."""
+        s = self.kv_spec
+        return s.num_layers * self.backend.kv_cache_block_bytes(self.block_size, s.num_kv_heads, s.head_size, self.dtype)
+
+    def load_model(self) -> None:
+        self.model = load_model(self.model_cls, self.hf_config, self.config.model, self.backend, self.dtype, self.device)
+
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocate the device pool (one tensor per decoder layer) and build the runner."""
+        s = self.kv_spec
+        self.kv_caches = [
+            self.backend.allocate_kv_cache(num_blocks, self.block_size, s.num_kv_heads, s.head_size, self.dtype, self.device)
+            for _ in range(s.num_layers)
+        ]
+        self.num_cpu_blocks = num_cpu_blocks
+        builder = self.backend.get_metadata_builder_cls()(self.block_size, self.device, s)
+        max_blocks = -(-self.model_cls.max_decoder_len(self.hf_config) // self.block_size)
+        self.runner = ModelRunner(self.model, builder, self.block_size, self.device, self.config.max_num_seqs, max_blocks)
+
+    # -- the step --------------------------------------------------------------
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Apply the step's swaps and copies, run the scheduled sequences, sample.
+        Returns None when nothing was scheduled."""
+        self._update_states(out)
+        if out.blocks_to_swap_out:
+            self._swap(out.blocks_to_swap_out, to_cpu=True)
+        if out.blocks_to_swap_in:
+            self._swap(out.blocks_to_swap_in, to_cpu=False)
+        # After the swaps: a copy may read a block just swapped in, or write one
+        # a swap-out just vacated.
+        if out.blocks_to_copy:
+            src, dst = self._ids(out.blocks_to_copy, self.device)
+            self.backend.copy_blocks(self.kv_caches, src, dst)
+        if not out.scheduled:
+            return None
+        params, generators, num_out, seq_ids = [], [], [], []
+        for group in out.scheduled:
+            state = self.requests[group.request_id]
+            for seq in group.seqs:
+                params.append(state.params)
+                generators.append(state.generator)
+                num_out.append(seq.num_output_tokens)
+                seq_ids.append(seq.seq_id)
+        with torch.inference_mode():
+            logits = self.runner.execute(out, self.kv_caches)
+            sampled = self.sampler(logits, params, generators, num_out)
+        return ModelRunnerOutput(seq_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs)
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        for rid in out.finished_request_ids:
+            self.requests.pop(rid, None)
+            self.runner.forget_request(rid)
+        self.runner.forget_seqs(out.finished_seq_ids)
+        for new in out.new_requests:
+            p = new.sampling_params
+            gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+            self.requests[new.request_id] = _RequestState(p, gen)
+
+    def forget_seq_ids(self, seq_ids: list[int]) -> None:
+        self.runner.forget_seqs(seq_ids)
+
+    def reset(self) -> None:
+        """Forget every request (the engine's pools were reset)."""
+        for rid in list(self.requests):
+            self.runner.forget_request(rid)
+        self.requests.clear()
+
+    @staticmethod
+    def _ids(pairs: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+        return src, dst
+
+    def _swap(self, mapping: list[tuple[int, int]], to_cpu: bool) -> None:
+        if self.swap_caches is None:
+            s = self.kv_spec
+            # Uncommitted, not zeroed: the OS commits a page when a swapped block
+            # first lands on it, so swap_space costs memory only as it is used.
+            self.swap_caches = [
+                self.backend.allocate_kv_cache(
+                    self.num_cpu_blocks, self.block_size, s.num_kv_heads, s.head_size, self.dtype, "cpu", zeroed=False
+                )
+                for _ in range(s.num_layers)
+            ]
+        src_ids, dst_ids = self._ids(mapping, "cpu")
+        for dev_cache, cpu_cache in zip(self.kv_caches, self.swap_caches):
+            src, dst = (dev_cache, cpu_cache) if to_cpu else (cpu_cache, dev_cache)
+            self.backend.swap_blocks(src, dst, src_ids, dst_ids)
+        if to_cpu:
+            self.swapped_out_blocks += len(mapping)
+        else:
+            self.swapped_in_blocks += len(mapping)
