@@ -33,7 +33,7 @@ from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 _ids = itertools.count()
 _tokens = itertools.count(10_000)  # every generated token is distinct: stale slots never match
 
-GPU, CPU = Device.GPU, Device.CPU
+DEV, HOST = Device.DEVICE, Device.HOST  # the device pool and the host swap pool
 
 
 def make_group(encoder: list[int], prompt_len: int, n: int) -> SequenceGroup:
@@ -100,12 +100,12 @@ def test_allocate_twice_and_move_from_wrong_device_raise():
     with pytest.raises(RuntimeError):
         bm.allocate(g)
     with pytest.raises(RuntimeError):
-        bm.swap_in(g)  # lives on the GPU
+        bm.swap_in(g)  # lives on the device
     bm.swap_out(g)
     with pytest.raises(RuntimeError):
-        bm.swap_out(g)  # lives on the CPU
+        bm.swap_out(g)  # lives on the host
     bm.free_group(g)
-    assert bm.num_free_blocks(GPU) == 16 and bm.num_free_blocks(CPU) == 16
+    assert bm.num_free_blocks(DEV) == 16 and bm.num_free_blocks(HOST) == 16
     assert bm.device_of(g) is None
 
 
@@ -135,7 +135,7 @@ def test_swapped_group_fits_back_into_an_empty_pool():
             s.append_token(next(_tokens), 0.0, None)
     assert not bm.can_swap_in(g)  # 4 held + 3 new > 4
     bm.free_group(g)
-    assert bm.num_free_blocks(CPU) == 8
+    assert bm.num_free_blocks(HOST) == 8
 
 
 @settings(max_examples=300, deadline=None)
@@ -183,7 +183,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm: BlockManager | None = None
         self.groups: list[SequenceGroup] = []
         self.enc_written: set[str] = set()  # groups whose cross table holds their encoder ids
-        self.cache: dict[Device, dict[int, dict[int, int]]] = {GPU: {}, CPU: {}}  # block -> slot -> token
+        self.cache: dict[Device, dict[int, dict[int, int]]] = {DEV: {}, HOST: {}}  # block -> slot -> token
         self.steps_since_reset = 0
 
     @initialize(
@@ -219,7 +219,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _forward(self, g: SequenceGroup, run_encoder: bool) -> None:
         """Write what the model would into the cache, then sample one token per sequence."""
-        bm, cache = self.bm, self.cache[GPU]
+        bm, cache = self.bm, self.cache[DEV]
         if run_encoder:
             for pos, tok in enumerate(list(g.encoder_inputs.token_ids)):
                 cache.setdefault(bm.get_cross_block_table(g)[pos // self.bs], {})[pos % self.bs] = tok
@@ -246,8 +246,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if bm.cross_device(g) is not src:
             return False
         table = bm.get_cross_block_table(g)
-        return src is CPU or not any(
-            h is not g and bm.device_of(h) is GPU and bm.cross_device(h) is GPU
+        return src is HOST or not any(
+            h is not g and bm.device_of(h) is DEV and bm.cross_device(h) is DEV
             and bm.get_cross_block_table(h) == table
             for h in self.groups
         )
@@ -258,7 +258,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _try_allocate(self, g: SequenceGroup) -> None:
         bm = self.bm
         live_key = any(
-            h is not g and bm.cross_device(h) is GPU and h.encoder_key == g.encoder_key for h in self.groups
+            h is not g and bm.cross_device(h) is DEV and h.encoder_key == g.encoder_key for h in self.groups
         )
         assert bm.cross_is_live(g) == live_key
         seqs = g.unfinished_seqs()
@@ -301,16 +301,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """A group that holds nothing (never admitted, or preempted by recompute) tries again."""
         self._try_allocate(self._pick(idx, self._idle))
 
-    @precondition(lambda self: any(_live(g, self.bm) for g in self._where(self._on(GPU))))
+    @precondition(lambda self: any(_live(g, self.bm) for g in self._where(self._on(DEV))))
     @rule(idx=st.integers(0, 1000), extra=st.integers(0, 12), seq_idx=st.integers(0, 4))
     def step(self, idx, extra, seq_idx):
         """One scheduler step for a running group; ``extra`` more tokens for one sequence."""
         bm = self.bm
-        g = self._pick(idx, lambda g: self.bm.device_of(g) is GPU and _live(g, self.bm))
+        g = self._pick(idx, lambda g: self.bm.device_of(g) is DEV and _live(g, self.bm))
         live = _live(g, bm)
         for _ in range(extra):
             live[seq_idx % len(live)].append_token(next(_tokens), 0.0, None)
-        need, free = self._expected_append_need(g, GPU), bm.num_free_blocks()
+        need, free = self._expected_append_need(g, DEV), bm.num_free_blocks()
         assert bm.can_append_slots(g) == (need <= free)
         if need > free:
             return
@@ -322,8 +322,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             table = bm.get_block_table(s)
             assert len(table) == blocks_for(len(s), self.bs)
             for b in table[s.num_computed_tokens // self.bs :]:
-                assert bm.refcount(GPU, b) == 1
-        self._copy(pairs, GPU, GPU)
+                assert bm.refcount(DEV, b) == 1
+        self._copy(pairs, DEV, DEV)
         self._forward(g, run_encoder=False)
 
     @precondition(lambda self: any(_live(g, self.bm) and len(g.seqs) < 5 for g in self.groups))
@@ -351,7 +351,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         moves = self._cross_moves(g, src)
         moved = len(self._distinct_self(g)) + (len(old_cross) if moves else 0)
         src_free, dst_free = bm.num_free_blocks(src), bm.num_free_blocks(dst)
-        pairs = bm.swap_out(g) if dst is CPU else bm.swap_in(g)
+        pairs = bm.swap_out(g) if dst is HOST else bm.swap_in(g)
         assert len(pairs) == moved
         assert len({a for a, _ in pairs}) == len({b for _, b in pairs}) == moved
         assert bm.num_free_blocks(src) == src_free + moved
@@ -365,29 +365,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert new_cross == ([m[b] for b in old_cross] if moves else old_cross)
         self._copy(pairs, src, dst)
 
-    @precondition(lambda self: any(self._where(self._on(GPU))))
+    @precondition(lambda self: any(self._where(self._on(DEV))))
     @rule(idx=st.integers(0, 1000))
     def swap_out(self, idx):
-        g = self._pick(idx, self._on(GPU))
+        g = self._pick(idx, self._on(DEV))
         moved = len(self._distinct_self(g)) + (
-            len(self.bm.get_cross_block_table(g)) if self._cross_moves(g, GPU) else 0
+            len(self.bm.get_cross_block_table(g)) if self._cross_moves(g, DEV) else 0
         )
         can = self.bm.can_swap_out(g)
-        assert can == (moved <= self.bm.num_free_blocks(CPU))
+        assert can == (moved <= self.bm.num_free_blocks(HOST))
         if can:
-            self._swap(g, GPU, CPU)
+            self._swap(g, DEV, HOST)
 
-    @precondition(lambda self: any(self._where(self._on(CPU))))
+    @precondition(lambda self: any(self._where(self._on(HOST))))
     @rule(idx=st.integers(0, 1000))
     def swap_in(self, idx):
         bm = self.bm
-        g = self._pick(idx, self._on(CPU))
-        moved = len(self._distinct_self(g)) + (len(bm.get_cross_block_table(g)) if self._cross_moves(g, CPU) else 0)
-        need = moved + self._expected_append_need(g, CPU)
+        g = self._pick(idx, self._on(HOST))
+        moved = len(self._distinct_self(g)) + (len(bm.get_cross_block_table(g)) if self._cross_moves(g, HOST) else 0)
+        need = moved + self._expected_append_need(g, HOST)
         can = bm.can_swap_in(g)
-        assert can == (bm.num_free_blocks(GPU) - need >= self.wm)
+        assert can == (bm.num_free_blocks(DEV) - need >= self.wm)
         if can:
-            self._swap(g, CPU, GPU)
+            self._swap(g, HOST, DEV)
             assert bm.can_append_slots(g)  # what the scheduler does next must succeed
 
     @precondition(lambda self: any(_live(g, self.bm) for g in self.groups))

@@ -50,7 +50,7 @@ def test_n_sequences_share_the_prompt_and_copy_the_partial_block_on_write():
     assert bm.allocate(g) is True
     tables = [list(bm.get_block_table(s)) for s in g.seqs]
     assert tables[0] == tables[1] == tables[2] and len(tables[0]) == 2
-    assert [bm.refcount(Device.GPU, b) for b in tables[0]] == [3, 3]
+    assert [bm.refcount(Device.DEVICE, b) for b in tables[0]] == [3, 3]
     check_identity(bm)
 
     generate(g)  # each sequence writes its first token into the shared partial block
@@ -65,8 +65,8 @@ def test_n_sequences_share_the_prompt_and_copy_the_partial_block_on_write():
     new_tables = [bm.get_block_table(s) for s in g.seqs]
     assert [t[0] for t in new_tables] == [full] * 3
     assert len({t[1] for t in new_tables}) == 3 and new_tables[2][1] == partial
-    assert bm.refcount(Device.GPU, full) == 3
-    assert all(bm.refcount(Device.GPU, t[1]) == 1 for t in new_tables)
+    assert bm.refcount(Device.DEVICE, full) == 3
+    assert all(bm.refcount(Device.DEVICE, t[1]) == 1 for t in new_tables)
     check_identity(bm)
 
     generate(g)  # nothing shared is written any more: no copies
@@ -113,11 +113,11 @@ def test_fork_shares_every_block_and_copies_on_write():
     g.seqs.append(child)
     bm.fork(parent, child)
     assert bm.get_block_table(child) == bm.get_block_table(parent)
-    assert all(bm.refcount(Device.GPU, b) == 2 for b in bm.get_block_table(child))
+    assert all(bm.refcount(Device.DEVICE, b) == 2 for b in bm.get_block_table(child))
     with pytest.raises(RuntimeError):
         bm.fork(parent, child)
     check_identity(bm)
-    # Swapping keeps the sharing on the CPU pool, moving each block once.
+    # Swapping keeps the sharing on the host pool, moving each block once.
     held = bm.group_blocks(g)
     mapping = bm.swap_out(g)
     assert len(mapping) == held == 1 + 2
@@ -133,7 +133,7 @@ def test_fork_shares_every_block_and_copies_on_write():
     assert bm.get_block_table(parent)[0] == bm.get_block_table(child)[0]
     check_identity(bm)
     bm.free_group(g)
-    assert bm.num_free_blocks() == 16 and bm.num_free_blocks(Device.CPU) == 16
+    assert bm.num_free_blocks() == 16 and bm.num_free_blocks(Device.HOST) == 16
 
 
 def test_can_append_slots_counts_the_copies():
@@ -170,18 +170,18 @@ def test_identical_encoder_inputs_share_one_cross_table():
     assert bm.allocate(other) is True
     cross = bm.get_cross_block_table(a)
     assert bm.get_cross_block_table(b) == cross != bm.get_cross_block_table(other)
-    assert [bm.refcount(Device.GPU, x) for x in cross] == [2, 2, 2]
+    assert [bm.refcount(Device.DEVICE, x) for x in cross] == [2, 2, 2]
     check_identity(bm)
 
     # A swapped-out sharer leaves the cross blocks on the device: a still runs on them.
     mapping = bm.swap_out(b)
-    assert len(mapping) == 1 and bm.cross_device(b) is Device.GPU
-    assert bm.device_of(b) is Device.CPU
+    assert len(mapping) == 1 and bm.cross_device(b) is Device.DEVICE
+    assert bm.device_of(b) is Device.HOST
     check_identity(bm)
-    # The last device holder takes the table to the CPU, and out of the share index.
+    # The last device holder takes the table to the HOST, and out of the share index.
     mapping = bm.swap_out(a)
     assert len(mapping) == 3 + 1
-    assert bm.cross_device(a) is bm.cross_device(b) is Device.CPU
+    assert bm.cross_device(a) is bm.cross_device(b) is Device.HOST
     assert bm.get_cross_block_table(a) == bm.get_cross_block_table(b)
     assert not bm.cross_is_live(make_group(doc, [2, 0]))
     check_identity(bm)
@@ -189,7 +189,7 @@ def test_identical_encoder_inputs_share_one_cross_table():
     assert bm.allocate(c) is True  # a fresh table: the swapped one is not shared
     # b comes back with the table; c's stays the shared one for new groups.
     assert len(bm.swap_in(b)) == 3 + 1
-    assert bm.cross_device(a) is Device.GPU and bm.device_of(a) is Device.CPU
+    assert bm.cross_device(a) is Device.DEVICE and bm.device_of(a) is Device.HOST
     check_identity(bm)
     d = make_group(doc, [2, 0])
     assert bm.allocate(d) is False
@@ -200,8 +200,8 @@ def test_identical_encoder_inputs_share_one_cross_table():
     for g in (a, b, c, d, other):
         bm.free_group(g)
         check_identity(bm)
-    assert bm.num_free_blocks() == 32 and bm.num_free_blocks(Device.CPU) == 32
-    assert bm.tables(Device.GPU) == [] and bm.tables(Device.CPU) == []
+    assert bm.num_free_blocks() == 32 and bm.num_free_blocks(Device.HOST) == 32
+    assert bm.tables(Device.DEVICE) == [] and bm.tables(Device.HOST) == []
 
 
 def test_a_recomputed_creator_shares_the_table_its_sharer_kept_alive():

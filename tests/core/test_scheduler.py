@@ -35,7 +35,7 @@ _ids = itertools.count()
 _tokens = itertools.count(10_000)  # every generated token is distinct: stale slots never match
 EOS = 7  # sampled by the fake worker when a sequence reaches a target short of max_tokens
 
-GPU, CPU = Device.GPU, Device.CPU
+DEV, HOST = Device.DEVICE, Device.HOST  # the device pool and the host swap pool
 
 SETTINGS = dict(
     deadline=None,
@@ -126,7 +126,7 @@ class Sim:
         self.steps = 0
         self.swapped_out_blocks = 0
         self.copied_blocks = 0
-        self.cache: dict[Device, dict[int, dict[int, int]]] = {GPU: {}, CPU: {}}
+        self.cache: dict[Device, dict[int, dict[int, int]]] = {DEV: {}, HOST: {}}
         # The fake worker's block tables, kept from the updates it is sent.
         self.worker_tables: dict[int, list[int]] = {}
         self.worker_requests: set[str] = set()
@@ -151,7 +151,7 @@ class Sim:
     def _write(self, table: list[int], start: int, tokens: list[int]) -> None:
         bs = self.bm.block_size
         for p, tok in enumerate(tokens, start):
-            self.cache[GPU].setdefault(table[p // bs], {})[p % bs] = tok
+            self.cache[DEV].setdefault(table[p // bs], {})[p % bs] = tok
 
     def check_contents(self, g: SequenceGroup) -> None:
         bm = self.bm
@@ -178,16 +178,16 @@ class Sim:
             assert bm.group_blocks(g) == 0, f"waiting {g.request_id} holds blocks"
             assert bm.device_of(g) is None and bm.cross_device(g) is None
             assert not g.is_finished
-        for dev, q in ((GPU, sched.running), (CPU, sched.swapped)):
+        for dev, q in ((DEV, sched.running), (HOST, sched.swapped)):
             for g in q:
                 assert bm.device_of(g) is dev
                 # A swapped group's cross table stays on the device while a running group shares it.
-                assert bm.cross_device(g) in ((GPU,) if dev is GPU else (GPU, CPU))
+                assert bm.cross_device(g) in ((DEV,) if dev is DEV else (DEV, HOST))
                 assert len(bm.get_cross_block_table(g)) == blocks_for(g.encoder_len, bm.block_size)
                 assert {s.seq_id for s in g.seqs if bm.has_block_table(s)} == {s.seq_id for s in g.unfinished_seqs()}
                 self.check_contents(g)
         # refcount = tables holding the block; free + distinct held = total.
-        for dev, total in ((GPU, self.gpu), (CPU, self.cpu)):
+        for dev, total in ((DEV, self.gpu), (HOST, self.cpu)):
             counts = Counter(b for t in bm.tables(dev) for b in t)
             refs = [bm.refcount(dev, b) for b in range(total)]
             assert refs == [counts[b] for b in range(total)], dev
@@ -269,11 +269,11 @@ class Sim:
                 table = self.worker_tables[s.seq_id]
                 assert table == bm.get_block_table(s)
                 assert len(table) == blocks_for(len(s), bm.block_size), (s, table)
-                assert all(bm.refcount(GPU, b) >= 1 for b in table)
+                assert all(bm.refcount(DEV, b) >= 1 for b in table)
                 if not admitted_now:  # what the forward writes into is the writer's alone
-                    assert all(bm.refcount(GPU, b) == 1 for b in table[s.num_computed_tokens // bm.block_size :])
+                    assert all(bm.refcount(DEV, b) == 1 for b in table[s.num_computed_tokens // bm.block_size :])
             assert m.cross_block_table == bm.get_cross_block_table(g)
-            assert bm.cross_device(g) is GPU
+            assert bm.cross_device(g) is DEV
             assert len(m.cross_block_table) == blocks_for(g.encoder_len, bm.block_size)
 
         # Preemption: who left the running queue, and where their blocks went.
@@ -317,10 +317,10 @@ class Sim:
             assert sorted(mapping) == sorted(set(expected))  # a cross table shared by two victims moves once
             return len(pairs)
 
-        self.swapped_out_blocks += check_move(swapped_out, out.blocks_to_swap_out, GPU, before["running"], False)
+        self.swapped_out_blocks += check_move(swapped_out, out.blocks_to_swap_out, DEV, before["running"], False)
         swapped_in = [rid for rid in before["swapped"] if rid in now_running]
         assert set(before["swapped"]) <= set(now_swapped) | set(swapped_in)
-        check_move(swapped_in, out.blocks_to_swap_in, CPU, before["swapped"], True)
+        check_move(swapped_in, out.blocks_to_swap_in, HOST, before["swapped"], True)
 
         # Queue order. Victims are the most recently admitted running groups.
         run_order = list(before["running"])
@@ -365,9 +365,9 @@ class Sim:
         )
 
         # The engine's copies: swap out, swap in, then copy-on-write; then the forward.
-        self._copy(out.blocks_to_swap_out, GPU, CPU)
-        self._copy(out.blocks_to_swap_in, CPU, GPU)
-        self._copy(out.blocks_to_copy, GPU, GPU)
+        self._copy(out.blocks_to_swap_out, DEV, HOST)
+        self._copy(out.blocks_to_swap_in, HOST, DEV)
+        self._copy(out.blocks_to_copy, DEV, DEV)
         self.copied_blocks += len(out.blocks_to_copy)
         self.check_state()
         for m in out.scheduled:
@@ -411,16 +411,16 @@ class Sim:
             assert self.steps < max_steps, (
                 f"no progress: {self.steps} steps, waiting={list(self.sched.waiting)} "
                 f"running={list(self.sched.running)} swapped={list(self.sched.swapped)} "
-                f"free gpu={self.bm.num_free_blocks()} cpu={self.bm.num_free_blocks(CPU)}"
+                f"free gpu={self.bm.num_free_blocks()} cpu={self.bm.num_free_blocks(HOST)}"
             )
             self.step()
 
     def check_all_free(self) -> None:
         bm = self.bm
         assert not self.sched.has_unfinished()
-        assert bm.num_free_blocks(GPU) == self.gpu
-        assert bm.num_free_blocks(CPU) == self.cpu
-        assert bm.tables(GPU) == [] and bm.tables(CPU) == []
+        assert bm.num_free_blocks(DEV) == self.gpu
+        assert bm.num_free_blocks(HOST) == self.cpu
+        assert bm.tables(DEV) == [] and bm.tables(HOST) == []
         assert all(bm.device_of(g) is None for g in self.groups.values())
 
 
@@ -439,7 +439,7 @@ def scenarios(draw, tiny: bool = False, mode=None, max_groups: int = 8):
 
     ``tiny``: the pool is just big enough for the largest request, several
     requests arrive together and their decoder sequences grow a lot, so
-    preemption (and, with CPU space, swapping) is common.
+    preemption (and, with host swap space, swapping) is common.
     """
     block_size = draw(st.integers(1, 8))
     max_num_seqs = draw(st.integers(2 if tiny else 1, 8))
@@ -531,7 +531,7 @@ def _spec(enc, prompt, n, max_tokens, arrival=0, doc=0):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap", None])
 def test_small_pool_preempts(mode):
-    # block_size 2, 8 GPU blocks: each request needs 1 cross + blocks_for(1 + 10, 2) = 7
+    # block_size 2, 8 device blocks: each request needs 1 cross + blocks_for(1 + 10, 2) = 7
     # at most alone, but two fit at first (1 + 1 each), so they must evict later.
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, preemption_mode=mode)
     specs = [_spec(2, 1, 1, 10), _spec(2, 1, 1, 10), _spec(2, 1, 1, 10)]
@@ -562,7 +562,7 @@ def test_swap_out_pairs_reference_the_victims_blocks(shared_encoder):
             srcs = {src for src, _ in out.blocks_to_swap_out}
             cross, _ = held[b.request_id]
             assert srcs == set(_distinct_self(held[b.request_id])) | (set() if shared_encoder else set(cross))
-            assert sim.bm.cross_device(b) is (GPU if shared_encoder else CPU)
+            assert sim.bm.cross_device(b) is (DEV if shared_encoder else HOST)
         assert sim.steps < 200
     assert seen_swap
     assert a.is_finished and b.is_finished
@@ -597,7 +597,7 @@ def test_abort_frees_groups_in_every_queue():
     queues = [list(sim.sched.waiting), list(sim.sched.running), list(sim.sched.swapped)]
     for q in queues:
         g = q[0]
-        gpu, cpu = sim.bm.num_free_blocks(Device.GPU), sim.bm.num_free_blocks(Device.CPU)
+        gpu, cpu = sim.bm.num_free_blocks(Device.DEVICE), sim.bm.num_free_blocks(Device.HOST)
         sole = _sole(sim.bm, [g])
         was_finished = {s.seq_id: s.status for s in g.seqs if s.finished}
         assert sim.sched.abort({g.request_id, "no-such-request"}) == [g]
@@ -605,9 +605,9 @@ def test_abort_frees_groups_in_every_queue():
         for s in g.seqs:
             assert s.status is was_finished.get(s.seq_id, SequenceStatus.FINISHED_ABORTED)
         assert sim.bm.group_blocks(g) == 0 and sim.bm.device_of(g) is None
-        gained_gpu = sim.bm.num_free_blocks(Device.GPU) - gpu
-        gained_cpu = sim.bm.num_free_blocks(Device.CPU) - cpu
-        assert (gained_gpu, gained_cpu) == (sole[GPU], sole[CPU])
+        gained_gpu = sim.bm.num_free_blocks(Device.DEVICE) - gpu
+        gained_cpu = sim.bm.num_free_blocks(Device.HOST) - cpu
+        assert (gained_gpu, gained_cpu) == (sole[DEV], sole[HOST])
         sim.check_state()
     rest = {g.request_id for q in (sim.sched.waiting, sim.sched.running, sim.sched.swapped) for g in q}
     aborted = sim.sched.abort(rest)
@@ -630,13 +630,13 @@ def test_abort_midway_frees_everything(scenario, steps_before, data):
         sim.step()
     live = sorted(g.request_id for q in (sim.sched.waiting, sim.sched.running, sim.sched.swapped) for g in q)
     chosen = set(data.draw(st.lists(st.sampled_from(live), unique=True), label="abort")) if live else set()
-    gpu0, cpu0 = sim.bm.num_free_blocks(Device.GPU), sim.bm.num_free_blocks(Device.CPU)
+    gpu0, cpu0 = sim.bm.num_free_blocks(Device.DEVICE), sim.bm.num_free_blocks(Device.HOST)
     sole = _sole(sim.bm, [sim.groups[r] for r in chosen])
     aborted = sim.sched.abort(chosen)
     sim.aborted += aborted
     assert {g.request_id for g in aborted} == chosen
-    assert sim.bm.num_free_blocks(Device.GPU) - gpu0 == sole[GPU]
-    assert sim.bm.num_free_blocks(Device.CPU) - cpu0 == sole[CPU]
+    assert sim.bm.num_free_blocks(Device.DEVICE) - gpu0 == sole[DEV]
+    assert sim.bm.num_free_blocks(Device.HOST) - cpu0 == sole[HOST]
     sim.check_state()
     # The rest still finishes and every block comes back.
     sim.run([], sim.steps + step_bound(specs))

@@ -101,7 +101,7 @@ def test_an_exception_inside_schedule_frees_every_block(llm, expected, monkeypat
 def test_a_step_that_cannot_make_progress_is_an_error_not_a_spin(bart_dir):
     llm = LLM(model=str(bart_dir), device="cpu", block_size=4, num_kv_blocks=20)
     bm = llm.engine.block_manager
-    held = bm.pools[Device.GPU].allocate(17)  # blocks lost outside any request
+    held = bm.pools[Device.DEVICE].allocate(17)  # blocks lost outside any request
     with pytest.raises(RuntimeError, match=r"cannot admit request .* needs \d+ KV blocks.* 3 of 20 blocks are free"):
         llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     # With no request left, the engine takes the lost blocks back.
@@ -218,5 +218,5 @@ def test_engine_start_is_logged_once_with_what_was_chosen(bart_dir, caplog):
     assert "BartForConditionalGeneration" in line and "float32 on cpu" in line
     assert "attention backend torch_sdpa (the first of" in line
     assert "KV pool 50 blocks x 16 tokens" in line
-    cpu_blocks = llm.engine.block_manager.num_total_blocks(Device.CPU)
+    cpu_blocks = llm.engine.block_manager.num_total_blocks(Device.HOST)
     assert f"swap space {cpu_blocks} blocks = 0.50 GiB" in line

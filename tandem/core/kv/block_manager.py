@@ -43,13 +43,13 @@ class BlockManager:
     def __init__(
         self,
         block_size: int,
-        num_gpu_blocks: int,
-        num_cpu_blocks: int,
+        num_device_blocks: int,
+        num_host_blocks: int,
         watermark: float = 0.01,
     ) -> None:
         self.block_size = block_size
-        self.pools = {Device.GPU: BlockPool(num_gpu_blocks), Device.CPU: BlockPool(num_cpu_blocks)}
-        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.pools = {Device.DEVICE: BlockPool(num_device_blocks), Device.HOST: BlockPool(num_host_blocks)}
+        self.watermark_blocks = int(watermark * num_device_blocks)
         self._self: dict[int, list[int]] = {}  # seq_id -> self table
         self._owner: dict[int, str] = {}  # seq_id -> request id
         self._cross: dict[str, _CrossTable] = {}  # request id -> its (maybe shared) cross table
@@ -60,16 +60,16 @@ class BlockManager:
         self._location: dict[str, Device] = {}  # where each group's self tables live
 
     # -- queries -----------------------------------------------------------
-    def num_free_blocks(self, device: Device = Device.GPU) -> int:
+    def num_free_blocks(self, device: Device = Device.DEVICE) -> int:
         return self.pools[device].num_free
 
-    def num_total_blocks(self, device: Device = Device.GPU) -> int:
+    def num_total_blocks(self, device: Device = Device.DEVICE) -> int:
         return self.pools[device].num_blocks
 
     @property
     def usable_blocks(self) -> int:
         """Device blocks one group may ever hold: the pool less the watermark."""
-        return self.pools[Device.GPU].num_blocks - self.watermark_blocks
+        return self.pools[Device.DEVICE].num_blocks - self.watermark_blocks
 
     def refcount(self, device: Device, block: int) -> int:
         """Tables holding ``block`` of ``device``; 0 iff the block is free."""
@@ -140,7 +140,7 @@ class BlockManager:
         if self.blocks_needed(group) > self.usable_blocks:
             return AllocStatus.NEVER
         needed = self.blocks_needed(group, share_cross=True)
-        if self.pools[Device.GPU].num_free - needed >= self.watermark_blocks:
+        if self.pools[Device.DEVICE].num_free - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
@@ -152,7 +152,7 @@ class BlockManager:
         rid = group.request_id
         if rid in self._location or rid in self._cross:
             raise RuntimeError(f"request {rid!r} already holds blocks")
-        pool = self.pools[Device.GPU]
+        pool = self.pools[Device.DEVICE]
         if self.blocks_needed(group, share_cross=True) > pool.num_free:
             raise RuntimeError(f"not enough free blocks to allocate request {rid!r}")
         run_encoder = self._acquire_cross(group)
@@ -166,18 +166,18 @@ class BlockManager:
             own = pool.allocate(blocks_for(len(seq), self.block_size) - n_shared)
             self._self[seq.seq_id] = shared + own
             self._owner[seq.seq_id] = rid
-        self._location[rid] = Device.GPU
+        self._location[rid] = Device.DEVICE
         return run_encoder
 
     def _acquire_cross(self, group: SequenceGroup) -> bool:
         rid, key = group.request_id, group.encoder_key
         table = self._live_cross.get(key)
         if table is not None:
-            self.pools[Device.GPU].incref(table.blocks)
+            self.pools[Device.DEVICE].incref(table.blocks)
             created = False
         else:
-            blocks = self.pools[Device.GPU].allocate_run(blocks_for(group.encoder_len, self.block_size))
-            table = self._live_cross[key] = _CrossTable(key, blocks, Device.GPU)
+            blocks = self.pools[Device.DEVICE].allocate_run(blocks_for(group.encoder_len, self.block_size))
+            table = self._live_cross[key] = _CrossTable(key, blocks, Device.DEVICE)
             created = True
         table.holders.add(rid)
         self._cross[rid] = table
@@ -215,13 +215,13 @@ class BlockManager:
         return need + sum(w if pool.refcount(b) > w else w - 1 for b, w in writers.items())
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
-        return self._append_need(group, Device.GPU) <= self.pools[Device.GPU].num_free
+        return self._append_need(group, Device.DEVICE) <= self.pools[Device.DEVICE].num_free
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Make the sequence's self table hold all its tokens, copying each shared
         block its new tokens go into. Returns the ``(src, dst)`` device blocks the
         engine must copy before the forward pass."""
-        pool, table = self.pools[Device.GPU], self._self[seq.seq_id]
+        pool, table = self.pools[Device.DEVICE], self._self[seq.seq_id]
         copies: list[tuple[int, int]] = []
         for i in self._written(seq, table):
             old = table[i]
@@ -244,8 +244,8 @@ class BlockManager:
         table = self._cross.get(group.request_id)
         if table is None or table.device is not src:
             return False
-        return src is Device.CPU or all(
-            self._location[h] is not Device.GPU for h in table.holders if h != group.request_id
+        return src is Device.HOST or all(
+            self._location[h] is not Device.DEVICE for h in table.holders if h != group.request_id
         )
 
     def _blocks_to_move(self, group: SequenceGroup, src: Device) -> int:
@@ -256,17 +256,17 @@ class BlockManager:
         # The group's blocks plus what append_slots takes right after the move
         # (not a flat spare per sequence: that can exceed the whole pool for a
         # group the engine admitted, which would then never come back).
-        need = self._blocks_to_move(group, Device.CPU) + self._append_need(group, Device.CPU)
-        return self.pools[Device.GPU].num_free - need >= self.watermark_blocks
+        need = self._blocks_to_move(group, Device.HOST) + self._append_need(group, Device.HOST)
+        return self.pools[Device.DEVICE].num_free - need >= self.watermark_blocks
 
     def can_swap_out(self, group: SequenceGroup) -> bool:
-        return self._blocks_to_move(group, Device.GPU) <= self.pools[Device.CPU].num_free
+        return self._blocks_to_move(group, Device.DEVICE) <= self.pools[Device.HOST].num_free
 
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
-        return self._move(group, Device.CPU, Device.GPU)
+        return self._move(group, Device.HOST, Device.DEVICE)
 
     def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
-        return self._move(group, Device.GPU, Device.CPU)
+        return self._move(group, Device.DEVICE, Device.HOST)
 
     def _move(self, group: SequenceGroup, src: Device, dst: Device) -> list[tuple[int, int]]:
         """Move the group's blocks, each distinct block once (sharing is kept on
@@ -287,7 +287,7 @@ class BlockManager:
             mapping += zip(cross.blocks, new)
             self._unlist(cross)
             cross.blocks, cross.device = new, dst
-            if dst is Device.GPU:
+            if dst is Device.DEVICE:
                 self._live_cross.setdefault(cross.key, cross)
         sids = [s.seq_id for s in group.seqs if s.seq_id in self._self]
         counts = Counter(b for sid in sids for b in self._self[sid])
@@ -328,7 +328,7 @@ class BlockManager:
             return
         del self._live_cross[table.key]
         for other in self._cross.values():
-            if other is not table and other.device is Device.GPU and other.key == table.key:
+            if other is not table and other.device is Device.DEVICE and other.key == table.key:
                 self._live_cross[table.key] = other
                 break
 

@@ -14,8 +14,10 @@ import numpy as np
 
 
 class Device(enum.Enum):
-    GPU = "device"
-    CPU = "cpu"
+    """Where a block pool lives."""
+
+    DEVICE = "device"  # on the device the model runs on (a GPU, or the CPU itself)
+    HOST = "host"  # host memory: the swap space
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
