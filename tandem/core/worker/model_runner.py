@@ -95,6 +95,12 @@ class ModelRunner:
         torch.cumsum(q_lens, 0, out=query_start_loc[1:])
 
         encoders = [g for g in out.scheduled if g.encoder_inputs is not None]
+        for g in encoders:
+            if g.encoder_inputs.token_ids is None:
+                raise NotImplementedError(
+                    f"request {g.request_id!r}: the model made feature encoder inputs; this runner "
+                    "feeds token ids only (feature inputs come with audio models)"
+                )
         enc_lens = [g.encoder_inputs.num_positions for g in encoders]
         enc_tokens = list(itertools.chain.from_iterable(g.encoder_inputs.token_ids for g in encoders))
         e_lens = torch.tensor(enc_lens, dtype=torch.long)
