@@ -54,7 +54,7 @@ TINY_DIMS = dict(
 )
 
 
-def make_bart(path: Path, seed: int = 0, with_tokenizer: bool = True, **overrides) -> Path:
+def make_bart(path: Path, seed: int = 0, with_tokenizer: bool = True, weight_std: float = 1.0, **overrides) -> Path:
     from transformers import BartConfig, BartForConditionalGeneration
 
     kwargs = dict(TINY_DIMS, vocab_size=96)
@@ -63,11 +63,13 @@ def make_bart(path: Path, seed: int = 0, with_tokenizer: bool = True, **override
     config = BartConfig(**kwargs)
     model = BartForConditionalGeneration(config).eval()
     # The default init (std 0.02) makes every prompt decode to the same token;
-    # wide weights give varied outputs that depend on the input.
+    # wide weights give varied outputs that depend on the input. Wide weights also
+    # make activations of ~1e2, where bfloat16 keeps no fractional digits at all: a
+    # bfloat16 test wants ``weight_std`` near 1/sqrt(d_model), which keeps them O(1).
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
-                p.normal_(0.0, 1.0)
+                p.normal_(0.0, weight_std)
         model.final_logits_bias.normal_(0.0, 1.0)
     model.save_pretrained(path)
     if with_tokenizer:
