@@ -471,6 +471,7 @@ def environment(args, config, model_dir: str) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "cpu": platform.processor() or platform.machine(),
+        "cpu_flags": cpu_flags(),
         "cpu_count": os.cpu_count(),
         "load_avg_1min": round(os.getloadavg()[0], 2),
     }
@@ -480,6 +481,20 @@ def environment(args, config, model_dir: str) -> dict:
     except ImportError:
         pass
     return env
+
+
+def cpu_flags() -> str:
+    """The SIMD features that decide CPU kernel speed (comma list), or 'unknown'."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "neon", "asimd")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    have = set(line.split(":", 1)[1].split())
+                    return ",".join(x for x in wanted if x in have) or "none of " + "/".join(wanted)
+    except OSError:
+        pass
+    return "unknown"
 
 
 def parse_args(argv=None):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.backends.kv_cache import GatherWorkspace, gather_from_paged_cache
+from tandem.core.kv.cache_ops import GatherWorkspace, gather_from_paged_cache
 from tandem.core.attention import (
     AttentionBackend,
     AttentionImpl,
@@ -148,6 +148,7 @@ class TorchSDPAImpl(AttentionImpl):
         attn_type: AttentionType,
     ) -> torch.Tensor:
         md = attn_metadata
+        self.write_new_kv(key, value, kv_cache, md, attn_type)
         out = torch.empty_like(query)
         gqa = self.num_kv_heads != self.num_heads
         if attn_type is AttentionType.ENCODER:
@@ -228,6 +229,7 @@ class TorchSDPAImpl(AttentionImpl):
 
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
+    priority = 10  # runs everywhere; faster specialised backends rank above it
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
@@ -238,10 +240,17 @@ class TorchSDPABackend(AttentionBackend):
         return TorchSDPAMetadataBuilder
 
     @classmethod
-    def unsupported_reasons(cls, device, dtype, head_size, attn_types) -> list[str]:
+    def unsupported_reasons(cls, device, dtype, head_size, attn_types, block_size, kv_cache_dtype) -> list[str]:
         reasons = []
+        floats = (torch.float32, torch.float16, torch.bfloat16)
         if device.type not in ("cpu", "cuda"):
             reasons.append(f"device {device.type!r} is not cpu or cuda")
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if dtype not in floats:
             reasons.append(f"dtype {dtype} is not float32, float16 or bfloat16")
+        if kv_cache_dtype not in floats:
+            reasons.append(f"KV-cache dtype {kv_cache_dtype} is not float32, float16 or bfloat16")
+        elif kv_cache_dtype != dtype:
+            reasons.append(f"KV-cache dtype {kv_cache_dtype} differs from the model dtype {dtype}")
+        if block_size < 1:
+            reasons.append(f"block_size {block_size} is not >= 1")
         return reasons

@@ -16,6 +16,8 @@ from typing import ClassVar
 
 import torch
 
+from tandem.core.kv.cache_ops import write_to_paged_cache
+
 class AttentionType(str, enum.Enum):
     """Which of the three attention kinds a layer computes."""
 
@@ -87,14 +89,15 @@ class AttentionMetadataBuilder(ABC):
 
 
 class AttentionImpl(ABC):
-    """Computes attention for one layer.
+    """Computes attention for one layer, and owns writing that layer's new K/V.
 
-    ``forward`` receives queries ``[num_tokens, num_heads, head_size]`` and
-    the new keys/values (already written to ``kv_cache`` by the caller; for
-    ``ENCODER_DECODER`` they are ``None`` on steps where no encoder ran). It
-    returns ``[num_tokens, num_heads, head_size]``.
-    ``kv_cache`` is ``[2, num_blocks, block_size, num_kv_heads, head_size]``
-    (empty for encoder-only layers).
+    ``forward`` receives queries ``[num_tokens, num_heads, head_size]`` and the
+    new keys/values ``[num_kv_tokens, num_kv_heads, head_size]`` (for
+    ``ENCODER_DECODER``, ``None`` on steps where no encoder ran: the cache is
+    then the only source). It must write the new K/V into ``kv_cache`` (the
+    layer's cache, in the backend's own layout; empty for ``ENCODER``) before
+    it reads the cache, and return ``[num_tokens, num_heads, head_size]``.
+    :meth:`write_new_kv` does the write for the default layout in one line.
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
@@ -102,6 +105,29 @@ class AttentionImpl(ABC):
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+
+    def write_kv_cache(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Put ``key``/``value`` rows at flat slots ``block * block_size + offset``.
+        The default serves the default layout; a backend with its own overrides it."""
+        write_to_paged_cache(key, value, kv_cache, slot_mapping)
+
+    def write_new_kv(
+        self,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        attn_type: AttentionType,
+    ) -> None:
+        """The write every ``forward`` starts with: decoder K/V at ``slot_mapping``,
+        encoder K/V (when the encoder ran) at ``cross_slot_mapping``, nothing for
+        encoder self-attention."""
+        if attn_type is AttentionType.DECODER:
+            self.write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        elif attn_type is AttentionType.ENCODER_DECODER and key is not None:
+            self.write_kv_cache(key, value, kv_cache, attn_metadata.cross_slot_mapping)
 
     @abstractmethod
     def forward(
@@ -119,6 +145,10 @@ class AttentionBackend(ABC):
     """A named attention implementation the engine can select."""
 
     name: ClassVar[str]
+    # When nothing is asked for, the highest-priority backend that can serve the
+    # model is chosen (ties by name). torch_sdpa, which runs everywhere, is 10;
+    # faster specialised backends sit above it.
+    priority: ClassVar[int] = 0
 
     @staticmethod
     @abstractmethod
@@ -191,6 +221,9 @@ class AttentionBackend(ABC):
         dtype: torch.dtype,
         head_size: int,
         attn_types: frozenset[AttentionType],
+        block_size: int,
+        kv_cache_dtype: torch.dtype,
     ) -> list[str]:
-        """Why this backend cannot serve the configuration; empty means it can."""
+        """Why this backend cannot serve the configuration, each reason naming the
+        value; empty means it can."""
         ...

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -61,9 +60,11 @@ class LLMEngine:
         check_model_config(self.model_cls, self.hf_config, config.model, dtype, device)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model, trust_remote_code=trust)
         spec = self.model_cls.kv_cache_spec(self.hf_config)
-        self.attn_backend = backend_registry.select(
-            config.attention_backend, device, dtype, spec.head_size, frozenset(AttentionType)
+        selection = backend_registry.select(
+            config.attention_backend, device=device, dtype=dtype, head_size=spec.head_size,
+            attn_types=frozenset(AttentionType), block_size=config.block_size, kv_cache_dtype=dtype,
         )
+        self.attn_backend, self._backend_reason = selection.backend, selection.reason
         eos = self.hf_config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.worker = Worker(config, self.hf_config, self.model_cls, self.attn_backend, sorted(self.eos_token_ids))
@@ -85,7 +86,7 @@ class LLMEngine:
             "engine ready: %s for %s, %s on %s; attention backend %s (%s); KV pool %d blocks x %d "
             "tokens = %.1f MiB; swap space %d blocks = %.2f GiB, committed as used",
             self.model_cls.__name__, self.architecture, str(dtype).removeprefix("torch."), device,
-            self.attn_backend.name, self._backend_reason(), num_blocks, config.block_size,
+            self.attn_backend.name, self._backend_reason, num_blocks, config.block_size,
             num_blocks * block_bytes / (1 << 20), num_cpu_blocks, num_cpu_blocks * block_bytes / GiB,
         )
 
@@ -97,15 +98,6 @@ class LLMEngine:
     def kv_caches(self) -> list[torch.Tensor]:
         """The device KV pool, one tensor per decoder layer in the backend's layout."""
         return self.worker.kv_caches
-
-    def _backend_reason(self) -> str:
-        from tandem.registry.backends import _PREFERENCE, ENV_VAR
-
-        if self.config.attention_backend:
-            return "asked for by attention_backend"
-        if os.environ.get(ENV_VAR):
-            return f"asked for by ${ENV_VAR}"
-        return f"the first of {', '.join(_PREFERENCE)}, then others, that can serve this device and dtype"
 
     def _check_pool_memory(self, kv_bytes: int, swap_bytes: int, device: torch.device) -> None:
         c = self.config

@@ -1,10 +1,11 @@
 """Model and attention-backend registries."""
 
-from tandem.registry.backends import AttentionBackendRegistry, BackendUnavailableError
+from tandem.registry.backends import AttentionBackendRegistry, BackendSelection, BackendUnavailableError
 from tandem.registry.models import ModelRegistry, UnsupportedArchitectureError
 
 __all__ = [
     "AttentionBackendRegistry",
+    "BackendSelection",
     "BackendUnavailableError",
     "ModelRegistry",
     "UnsupportedArchitectureError",

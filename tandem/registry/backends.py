@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from tandem.core.attention import AttentionBackend, AttentionType
 from tandem.registry._lazy import LazyRegistry
 
-# Preference order when nothing is asked for explicitly.
-_PREFERENCE = ("flash_attn", "xformers", "triton", "torch_sdpa")
-
 ENV_VAR = "TANDEM_ATTENTION_BACKEND"
 
 
 class BackendUnavailableError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class BackendSelection:
+    """The chosen backend and why (the engine logs it)."""
+
+    backend: type[AttentionBackend]
+    reason: str
 
 
 class AttentionBackendRegistry(LazyRegistry[AttentionBackend]):
@@ -45,12 +51,21 @@ class AttentionBackendRegistry(LazyRegistry[AttentionBackend]):
     def select(
         self,
         requested: str | None,
+        *,
         device: torch.device,
         dtype: torch.dtype,
         head_size: int,
         attn_types: frozenset[AttentionType],
-    ) -> type[AttentionBackend]:
-        """Explicit name, then ``$TANDEM_ATTENTION_BACKEND``, then the best that can serve."""
+        block_size: int,
+        kv_cache_dtype: torch.dtype | None = None,
+    ) -> BackendSelection:
+        """Explicit name, then ``$TANDEM_ATTENTION_BACKEND``, then the highest-priority
+        backend that can serve (ties by name)."""
+        kv_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
+
+        def reasons_of(backend: type[AttentionBackend]) -> list[str]:
+            return backend.unsupported_reasons(device, dtype, head_size, attn_types, block_size, kv_dtype)
+
         name = requested or os.environ.get(ENV_VAR) or None
         if name is not None:
             source = "attention_backend" if requested else ENV_VAR
@@ -60,27 +75,30 @@ class AttentionBackendRegistry(LazyRegistry[AttentionBackend]):
                     f"registered: {', '.join(self.names())}"
                 )
             backend = self.load(name)
-            reasons = backend.unsupported_reasons(device, dtype, head_size, attn_types)
+            reasons = reasons_of(backend)
             if reasons:
                 raise BackendUnavailableError(
                     f"{source}={name!r} cannot serve this model: {'; '.join(reasons)}"
                 )
-            return backend
+            return BackendSelection(backend, f"asked for by {'$' + ENV_VAR if source == ENV_VAR else source}")
         if not self.names():
             raise BackendUnavailableError(
                 "no attention backend is registered. Is tandem installed (pip install -e .) so its "
                 "'tandem.plugins' entry points exist, and does $TANDEM_PLUGINS allow one?"
             )
-        tried = []
-        order = [n for n in _PREFERENCE if n in self] + [n for n in self.names() if n not in _PREFERENCE]
-        for candidate in order:
+        tried, candidates = [], []
+        for candidate in sorted(self.names()):
             try:
-                backend = self.load(candidate)
+                candidates.append(self.load(candidate))
             except ImportError as e:
                 tried.append(f"{candidate}: {e}")
-                continue
-            reasons = backend.unsupported_reasons(device, dtype, head_size, attn_types)
+        candidates.sort(key=lambda b: (-b.priority, b.name))
+        for backend in candidates:
+            reasons = reasons_of(backend)
             if not reasons:
-                return backend
-            tried.append(f"{candidate}: {'; '.join(reasons)}")
+                why = f"the highest priority ({backend.priority}) of those that can serve {device.type}/{str(dtype).removeprefix('torch.')}"
+                if tried:
+                    why += "; passed over: " + " | ".join(tried)
+                return BackendSelection(backend, why)
+            tried.append(f"{backend.name} (priority {backend.priority}): {'; '.join(reasons)}")
         raise BackendUnavailableError("no attention backend can serve this model: " + " | ".join(tried))

@@ -2,7 +2,7 @@
 
 import torch
 
-from tandem.backends.kv_cache import GatherWorkspace, gather_from_paged_cache, write_to_paged_cache
+from tandem.core.kv.cache_ops import GatherWorkspace, gather_from_paged_cache, write_to_paged_cache
 
 
 def test_write_then_gather_returns_each_sequence_in_order():

@@ -86,7 +86,9 @@ def test_num_parameters_matches_the_built_model(bart_dir):
     from tandem.plugins import default_backend_registry
 
     cpu = torch.device("cpu")
-    backend = default_backend_registry().select(None, cpu, torch.float32, 8, frozenset(AttentionType))
+    backend = default_backend_registry().select(
+        None, device=cpu, dtype=torch.float32, head_size=8, attn_types=frozenset(AttentionType), block_size=16
+    ).backend
     ctx = ModelContext(backend, torch.float32, torch.device("meta"))
     for tied in (True, False):
         cfg = load_hf_config(str(bart_dir))

@@ -69,6 +69,11 @@ def test_no_warning_without_a_collision(registry_log):
     assert _warnings(registry_log) == []
 
 
+_SERVE_CPU = dict(
+    device=torch.device("cpu"), dtype=torch.float32, head_size=8, attn_types=frozenset(AttentionType), block_size=16
+)
+
+
 def test_backend_name_must_match_its_registration():
     _, _, backends = run([ep("mine", "fake_plugins:misnamed_backend")])
     with pytest.raises(ValueError, match=r"attention backend 'my_backend' \(registered by plugin 'mine'\): "
@@ -78,7 +83,7 @@ def test_backend_name_must_match_its_registration():
     cpu = torch.device("cpu")
     for requested in ("my_backend", None):
         with pytest.raises(ValueError, match=r"MisnamedBackend.name is 'something_else'"):
-            backends.select(requested, cpu, torch.float32, 8, frozenset(AttentionType))
+            backends.select(requested, **_SERVE_CPU)
 
 
 def test_a_subclass_must_set_its_own_name():
@@ -119,3 +124,43 @@ def test_a_model_must_be_an_encoder_decoder_model():
     models.register_model("Pi", "math:pi")
     with pytest.raises(TypeError, match=r"model architecture 'Pi' \(registered by a direct call\) resolves to 3.14"):
         models.resolve(["Pi"])
+
+
+def _registry(*classes):
+    from tandem.registry import AttentionBackendRegistry
+
+    reg = AttentionBackendRegistry()
+    for cls in classes:
+        reg.register_backend(cls.name, cls)
+    return reg
+
+
+def test_the_highest_priority_backend_that_can_serve_is_chosen_and_says_why():
+    from fake_backends import CudaOnlyFast, MyBackend, Unprioritised
+
+    sel = _registry(Unprioritised, MyBackend, CudaOnlyFast).select(None, **_SERVE_CPU)
+    assert sel.backend is MyBackend  # priority 10, over 0; the priority-100 one cannot serve cpu
+    assert sel.reason.startswith("the highest priority (10) of those that can serve cpu/float32")
+    assert "passed over: cuda_only_fast (priority 100): device 'cpu' is not cuda" in sel.reason
+    assert _registry(Unprioritised).select(None, **_SERVE_CPU).backend is Unprioritised
+    sel = _registry(CudaOnlyFast, MyBackend).select("my_backend", **_SERVE_CPU)
+    assert (sel.backend, sel.reason) == (MyBackend, "asked for by attention_backend")
+
+
+def test_priority_ties_break_by_name():
+    from fake_backends import MyBackend, TiedWithMine
+
+    assert _registry(TiedWithMine, MyBackend).select(None, **_SERVE_CPU).backend is TiedWithMine  # "a..." < "my..."
+
+
+def test_block_size_and_kv_cache_dtype_reach_the_capability_check():
+    from fake_backends import CudaOnlyFast
+
+    reg = _registry(CudaOnlyFast)
+    cuda = dict(_SERVE_CPU, device=torch.device("cuda"))
+    assert reg.select(None, **cuda).backend is CudaOnlyFast
+    with pytest.raises(ValueError, match=r"cuda_only_fast \(priority 100\): block_size 8 is not a multiple of 16"):
+        reg.select(None, **dict(cuda, block_size=8))
+    with pytest.raises(ValueError, match=r"attention_backend='cuda_only_fast' cannot serve this model: "
+                       r"KV-cache dtype torch.float8_e4m3fn is not float16 or bfloat16"):
+        reg.select("cuda_only_fast", **dict(cuda, kv_cache_dtype=torch.float8_e4m3fn))

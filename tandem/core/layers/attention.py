@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.backends.kv_cache import write_to_paged_cache
 from tandem.core.attention import AttentionBackend, AttentionMetadata, AttentionType
 
 
 class Attention(nn.Module):
-    """Writes new K/V into the paged cache by slot mapping, then runs the backend.
+    """Shapes packed q/k/v into heads and hands them to the backend's impl, which
+    writes the new K/V into its cache and computes attention.
 
     Inputs are packed tokens: ``query`` ``[num_tokens, num_heads * head_size]``,
     ``key``/``value`` ``[num_kv_tokens, num_kv_heads * head_size]``. For
@@ -45,9 +45,5 @@ class Attention(nn.Module):
         q = query.view(-1, self.num_heads, self.head_size)
         k = key.view(-1, self.num_kv_heads, self.head_size) if key is not None else None
         v = value.view(-1, self.num_kv_heads, self.head_size) if value is not None else None
-        if self.attn_type is AttentionType.DECODER:
-            write_to_paged_cache(k, v, kv_cache, attn_metadata.slot_mapping)
-        elif self.attn_type is AttentionType.ENCODER_DECODER and k is not None:
-            write_to_paged_cache(k, v, kv_cache, attn_metadata.cross_slot_mapping)
         out = self.impl.forward(q, k, v, kv_cache, attn_metadata, self.attn_type)
         return out.reshape(-1, self.num_heads * self.head_size)

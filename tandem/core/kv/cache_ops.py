@@ -1,4 +1,6 @@
-"""The KV-cache write op every backend shares."""
+"""KV-cache ops for the default layout ``[2, num_blocks, block_size, H, D]``: scatter
+new keys and values by slot, gather by block table. Any backend using that layout
+may reuse them; tandem's torch_sdpa does."""
 
 from __future__ import annotations
 

@@ -1,0 +1,66 @@
+"""Every registered attention backend against float64 on the same random paged
+layouts, and its KV-cache ops (allocate, swap, copy) against exact expectations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layouts import D, check_backend
+from tandem.core.attention import AttentionType
+from tandem.plugins import default_backend_registry
+
+CPU = torch.device("cpu")
+
+
+def _backends():
+    reg = default_backend_registry()
+    return [pytest.param(name, id=name) for name in reg.names()]
+
+
+def _load(name):
+    backend = default_backend_registry().load(name)
+    reasons = backend.unsupported_reasons(CPU, torch.float32, D, frozenset(AttentionType), 16, torch.float32)
+    if reasons:
+        pytest.skip(f"{name} cannot run on cpu/float32: {'; '.join(reasons)}")
+    return backend
+
+
+def test_tandem_registers_at_least_its_own_backend():
+    assert "torch_sdpa" in default_backend_registry().names()
+
+
+@pytest.mark.parametrize("name", _backends())
+@pytest.mark.parametrize("num_kv_heads", [4, 2])  # MHA and GQA
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("seed", range(3))
+def test_three_attention_kinds_match_float64(name, num_kv_heads, block_size, seed):
+    check_backend(_load(name), seed, block_size, num_kv_heads)
+
+
+@pytest.mark.parametrize("name", _backends())
+def test_swap_and_copy_move_exactly_the_listed_blocks(name):
+    backend = _load(name)
+    g = torch.Generator().manual_seed(0)
+    dim = backend.kv_cache_block_dim
+    dev = [backend.allocate_kv_cache(10, 4, 2, D, torch.float32, CPU) for _ in range(2)]
+    for cache in dev:
+        cache.copy_(torch.randn(cache.shape, generator=g))
+    host = [backend.allocate_kv_cache(6, 4, 2, D, torch.float32, "cpu", zeroed=False) for _ in range(2)]
+    before = [c.clone() for c in dev]
+
+    def block(t, i):
+        return t.select(dim, i)
+
+    backend.swap_blocks(dev[0], host[0], torch.tensor([7, 2]), torch.tensor([0, 5]))
+    assert torch.equal(block(host[0], 0), block(before[0], 7)) and torch.equal(block(host[0], 5), block(before[0], 2))
+    backend.swap_blocks(host[0], dev[1], torch.tensor([5]), torch.tensor([9]))
+    assert torch.equal(block(dev[1], 9), block(before[0], 2))
+    untouched = [i for i in range(10) if i != 9]
+    assert all(torch.equal(block(dev[1], i), block(before[1], i)) for i in untouched)
+    # Copy-on-write in every layer; a destination that is another pair's source is read first.
+    snap = [c.clone() for c in dev]
+    backend.copy_blocks(dev, torch.tensor([1, 3]), torch.tensor([3, 4]))
+    for layer, s in zip(dev, snap):
+        assert torch.equal(block(layer, 3), block(s, 1)) and torch.equal(block(layer, 4), block(s, 3))
+        assert all(torch.equal(block(layer, i), block(s, i)) for i in range(10) if i not in (3, 4))
