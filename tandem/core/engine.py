@@ -256,7 +256,8 @@ class LLMEngine:
         outputs = []
         for group in advanced:
             out = self.output_processor.process(group, new_tokens)
-            self.scheduler.release_finished(group)  # sequences a stop string ended
+            if group.sampling_params.stop_strings:
+                self.scheduler.release_finished(group)  # sequences a stop string ended
             if group.is_finished:
                 self.stats.num_requests_finished += 1
             if out is not None:

@@ -278,16 +278,20 @@ class Scheduler:
                 continue
             # Sharers too: their cross table was filled by now, in this step or an earlier one.
             group.encoder_computed = True
-            by_id = {s.seq_id: s for s in group.seqs}
+            any_finished = False
+            by_id = {s.seq_id: s for s in group.seqs} if len(group.seqs) > 1 else None
             for ss in sg.seqs:
-                seq = by_id[ss.seq_id]
+                seq = by_id[ss.seq_id] if by_id is not None else group.seqs[0]
                 if seq.finished:
                     continue
                 i = row[ss.seq_id]
                 seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
                 seq.append_token(result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
                 self._check_stop(seq, group)
-            self.release_finished(group)
+                if seq.status.finished:
+                    any_finished = True
+            if any_finished:
+                self.release_finished(group)
             advanced.append(group)
         return advanced
 

@@ -204,14 +204,23 @@ class BlockManager:
         """Blocks ``append_slots`` takes for the group's sequences: new blocks,
         plus one copy per writer of a shared block (the last holder that writes
         keeps the original)."""
-        pool, need = self.pools[device], 0
-        writers: Counter[int] = Counter()
+        # Hot: runs for every running group every step, so plain loops, no Counter.
+        pool, need, bs = self.pools[device], 0, self.block_size
+        writers: dict[int, int] = {}
         for seq in group.seqs:
             table = self._self.get(seq.seq_id)
             if table is None:
                 continue
-            need += max(0, blocks_for(len(seq), self.block_size) - len(table))
-            writers.update(b for b in (table[i] for i in self._written(seq, table)) if pool.refcount(b) > 1)
+            n, computed = len(seq), seq.num_computed_tokens
+            full = -(-n // bs)
+            if full > len(table):
+                need += full - len(table)
+            if computed >= n:
+                continue
+            for i in range(computed // bs, min(len(table), full)):
+                b = table[i]
+                if pool.refcount(b) > 1:
+                    writers[b] = writers.get(b, 0) + 1
         return need + sum(w if pool.refcount(b) > w else w - 1 for b, w in writers.items())
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
