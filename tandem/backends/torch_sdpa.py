@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.core.kv.cache_ops import GatherWorkspace, gather_from_paged_cache
 from tandem.core.attention import (
     AttentionBackend,
     AttentionImpl,
@@ -20,6 +19,7 @@ from tandem.core.attention import (
     AttentionMetadataBuilder,
     AttentionType,
 )
+from tandem.core.kv.cache_ops import GatherWorkspace, gather_from_paged_cache
 
 
 @dataclass
@@ -143,7 +143,7 @@ class TorchSDPAImpl(AttentionImpl):
         query: torch.Tensor,  # [T, H, D]
         key: torch.Tensor | None,
         value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
+        kv_cache: torch.Tensor | None,  # None for ENCODER
         attn_metadata: TorchSDPAMetadata,
         attn_type: AttentionType,
     ) -> torch.Tensor:

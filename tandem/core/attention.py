@@ -18,6 +18,7 @@ import torch
 
 from tandem.core.kv.cache_ops import write_to_paged_cache
 
+
 class AttentionType(str, enum.Enum):
     """Which of the three attention kinds a layer computes."""
 
@@ -95,9 +96,11 @@ class AttentionImpl(ABC):
     new keys/values ``[num_kv_tokens, num_kv_heads, head_size]`` (for
     ``ENCODER_DECODER``, ``None`` on steps where no encoder ran: the cache is
     then the only source). It must write the new K/V into ``kv_cache`` (the
-    layer's cache, in the backend's own layout; empty for ``ENCODER``) before
-    it reads the cache, and return ``[num_tokens, num_heads, head_size]``.
-    :meth:`write_new_kv` does the write for the default layout in one line.
+    layer's cache, in the backend's own layout; ``None`` for ``ENCODER``, which
+    has no cache) before it reads the cache, and return
+    ``[num_tokens, num_heads, head_size]``. :meth:`write_new_kv` does the write
+    in one line; it stores through :meth:`write_kv_cache`, which serves the
+    default layout and is what a backend with its own layout overrides.
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
@@ -117,7 +120,7 @@ class AttentionImpl(ABC):
         self,
         key: torch.Tensor | None,
         value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
+        kv_cache: torch.Tensor | None,
         attn_metadata: AttentionMetadata,
         attn_type: AttentionType,
     ) -> None:
@@ -135,7 +138,7 @@ class AttentionImpl(ABC):
         query: torch.Tensor,
         key: torch.Tensor | None,
         value: torch.Tensor | None,
-        kv_cache: torch.Tensor,
+        kv_cache: torch.Tensor | None,
         attn_metadata: AttentionMetadata,
         attn_type: AttentionType,
     ) -> torch.Tensor: ...

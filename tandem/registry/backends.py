@@ -96,7 +96,8 @@ class AttentionBackendRegistry(LazyRegistry[AttentionBackend]):
         for backend in candidates:
             reasons = reasons_of(backend)
             if not reasons:
-                why = f"the highest priority ({backend.priority}) of those that can serve {device.type}/{str(dtype).removeprefix('torch.')}"
+                served = f"{device.type}/{str(dtype).removeprefix('torch.')}"
+                why = f"the highest priority ({backend.priority}) of those that can serve {served}"
                 if tried:
                     why += "; passed over: " + " | ".join(tried)
                 return BackendSelection(backend, why)

@@ -1,12 +1,13 @@
 """Every registered attention backend against float64 on the same random paged
-layouts, and its KV-cache ops (allocate, swap, copy) against exact expectations."""
+layouts, the cache it wrote against the new K/V, and its KV-cache ops (allocate,
+swap, copy) against exact expectations."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from layouts import D, check_backend
+from layouts import D, MIXES, check_backend
 from tandem.core.attention import AttentionType
 from tandem.plugins import default_backend_registry
 
@@ -18,9 +19,10 @@ def _backends():
     return [pytest.param(name, id=name) for name in reg.names()]
 
 
-def _load(name):
+def _load(name, head_size=D, block_size=16):
     backend = default_backend_registry().load(name)
-    reasons = backend.unsupported_reasons(CPU, torch.float32, D, frozenset(AttentionType), 16, torch.float32)
+    reasons = backend.unsupported_reasons(CPU, torch.float32, head_size, frozenset(AttentionType), block_size,
+                                          torch.float32)
     if reasons:
         pytest.skip(f"{name} cannot run on cpu/float32: {'; '.join(reasons)}")
     return backend
@@ -31,11 +33,13 @@ def test_tandem_registers_at_least_its_own_backend():
 
 
 @pytest.mark.parametrize("name", _backends())
-@pytest.mark.parametrize("num_kv_heads", [4, 2])  # MHA and GQA
+@pytest.mark.parametrize("heads", [(4, 8), (2, 8), (1, 64)], ids=["mha", "gqa", "mqa-d64"])  # (num_kv_heads, D)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("seed", range(3))
-def test_three_attention_kinds_match_float64(name, num_kv_heads, block_size, seed):
-    check_backend(_load(name), seed, block_size, num_kv_heads)
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("seed", range(2))
+def test_three_attention_kinds_match_float64_and_write_their_cache(name, heads, block_size, mix, seed):
+    num_kv_heads, head_size = heads
+    check_backend(_load(name, head_size, block_size), seed, block_size, num_kv_heads, head_size, mix)
 
 
 @pytest.mark.parametrize("name", _backends())

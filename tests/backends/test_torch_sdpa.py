@@ -18,10 +18,12 @@ def test_cross_attention_through_views_and_gathers_matches_float64(seed, block_s
     monkeypatch.setattr(sdpa, "VIEW_MIN_CROSS_ELEMENTS", 1 if cross_path == "views" else 10**12)
     built = []
     real_build = sdpa.TorchSDPAMetadataBuilder.build
-    monkeypatch.setattr(sdpa.TorchSDPAMetadataBuilder, "build", lambda self, i: built.append(real_build(self, i)) or built[-1])
+    monkeypatch.setattr(sdpa.TorchSDPAMetadataBuilder, "build",
+                        lambda self, i: built.append(real_build(self, i)) or built[-1])
     check_backend(TorchSDPABackend, seed, block_size, num_kv_heads=4 if seed % 2 else 2)
     md = built[0]
-    contiguous_decodes = [i for i, start in enumerate(md.cross_view_start) if start >= 0 and i in md.decode_seqs.tolist()]
+    decodes = md.decode_seqs.tolist()
+    contiguous_decodes = [i for i, start in enumerate(md.cross_view_start) if start >= 0 and i in decodes]
     assert len(md.decode_cross_views) == (len(contiguous_decodes) if cross_path == "views" else 0)
 
 

@@ -1,4 +1,5 @@
-"""Overrides are logged naming both sides; a backend's ``name`` must be its registered name."""
+"""Overrides are logged naming both sides; a backend's ``name`` must be its registered name;
+selection goes by argument, then ``$TANDEM_ATTENTION_BACKEND``, then priority."""
 
 import logging
 
@@ -74,13 +75,18 @@ _SERVE_CPU = dict(
 )
 
 
-def test_backend_name_must_match_its_registration():
+@pytest.fixture
+def no_env_choice(monkeypatch):
+    # A backend named in the developer's environment would take precedence over priority.
+    monkeypatch.delenv("TANDEM_ATTENTION_BACKEND", raising=False)
+
+
+def test_backend_name_must_match_its_registration(no_env_choice):
     _, _, backends = run([ep("mine", "fake_plugins:misnamed_backend")])
     with pytest.raises(ValueError, match=r"attention backend 'my_backend' \(registered by plugin 'mine'\): "
                        r"fake_backends.MisnamedBackend.name is 'something_else', not 'my_backend'"):
         backends.load("my_backend")
     # Selection reports it too, asked for by name or not, rather than skipping the backend.
-    cpu = torch.device("cpu")
     for requested in ("my_backend", None):
         with pytest.raises(ValueError, match=r"MisnamedBackend.name is 'something_else'"):
             backends.select(requested, **_SERVE_CPU)
@@ -94,7 +100,8 @@ def test_a_subclass_must_set_its_own_name():
 
 def test_a_backend_without_a_name_is_an_error():
     _, _, backends = run([ep("mine", "fake_plugins:nameless_backend")])
-    with pytest.raises(ValueError, match=r"'nameless' \(registered by plugin 'mine'\): .*NamelessBackend.name is not set"):
+    with pytest.raises(ValueError,
+                       match=r"'nameless' \(registered by plugin 'mine'\): .*NamelessBackend.name is not set"):
         backends.load("nameless")
 
 
@@ -127,15 +134,13 @@ def test_a_model_must_be_an_encoder_decoder_model():
 
 
 def _registry(*classes):
-    from tandem.registry import AttentionBackendRegistry
-
     reg = AttentionBackendRegistry()
     for cls in classes:
         reg.register_backend(cls.name, cls)
     return reg
 
 
-def test_the_highest_priority_backend_that_can_serve_is_chosen_and_says_why():
+def test_the_highest_priority_backend_that_can_serve_is_chosen_and_says_why(no_env_choice):
     from fake_backends import CudaOnlyFast, MyBackend, Unprioritised
 
     sel = _registry(Unprioritised, MyBackend, CudaOnlyFast).select(None, **_SERVE_CPU)
@@ -147,13 +152,13 @@ def test_the_highest_priority_backend_that_can_serve_is_chosen_and_says_why():
     assert (sel.backend, sel.reason) == (MyBackend, "asked for by attention_backend")
 
 
-def test_priority_ties_break_by_name():
+def test_priority_ties_break_by_name(no_env_choice):
     from fake_backends import MyBackend, TiedWithMine
 
     assert _registry(TiedWithMine, MyBackend).select(None, **_SERVE_CPU).backend is TiedWithMine  # "a..." < "my..."
 
 
-def test_block_size_and_kv_cache_dtype_reach_the_capability_check():
+def test_block_size_and_kv_cache_dtype_reach_the_capability_check(no_env_choice):
     from fake_backends import CudaOnlyFast
 
     reg = _registry(CudaOnlyFast)
@@ -164,3 +169,21 @@ def test_block_size_and_kv_cache_dtype_reach_the_capability_check():
     with pytest.raises(ValueError, match=r"attention_backend='cuda_only_fast' cannot serve this model: "
                        r"KV-cache dtype torch.float8_e4m3fn is not float16 or bfloat16"):
         reg.select("cuda_only_fast", **dict(cuda, kv_cache_dtype=torch.float8_e4m3fn))
+
+
+def test_the_environment_variable_chooses_over_priority_and_is_named(monkeypatch):
+    from fake_backends import CudaOnlyFast, MyBackend, Unprioritised
+
+    reg = _registry(Unprioritised, MyBackend, CudaOnlyFast)
+    monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "unprioritised")
+    sel = reg.select(None, **_SERVE_CPU)
+    assert (sel.backend, sel.reason) == (Unprioritised, "asked for by $TANDEM_ATTENTION_BACKEND")
+    assert reg.select("my_backend", **_SERVE_CPU).backend is MyBackend  # the argument comes first
+    monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "cuda_only_fast")  # no fallback to one that can serve
+    with pytest.raises(ValueError, match=r"TANDEM_ATTENTION_BACKEND='cuda_only_fast' cannot serve this model: "
+                       r"device 'cpu' is not cuda"):
+        reg.select(None, **_SERVE_CPU)
+    monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "nope")
+    with pytest.raises(ValueError, match=r"TANDEM_ATTENTION_BACKEND='nope' is not a registered attention backend; "
+                       r"registered: cuda_only_fast, my_backend, unprioritised"):
+        reg.select(None, **_SERVE_CPU)
