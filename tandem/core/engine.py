@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EngineStats:
-    preemptions: int = 0
     num_requests_finished: int = 0
 
 
@@ -230,7 +229,7 @@ class LLMEngine:
         return {
             "encoder_tokens_computed": sch.encoder_tokens_computed,
             "encoder_tokens_reused": sch.encoder_tokens_reused,
-            "num_preemptions": self.stats.preemptions,
+            "num_preemptions": sch.num_preemptions,
             "kv_blocks_total": bm.num_total_blocks(),
             "kv_blocks_free": bm.num_free_blocks(),
             "swapped_out_blocks": self.worker.swapped_out_blocks,
@@ -245,7 +244,6 @@ class LLMEngine:
         advanced, as its ``output_kind`` asks: everything so far, only what is new,
         or (``FINAL_ONLY``) nothing until it finishes."""
         sched = self.scheduler.schedule()
-        self.stats.preemptions += sched.preempted
         result = self.worker.execute_model(sched)
         if result is None:
             if not (sched.blocks_to_swap_out or sched.blocks_to_swap_in):

@@ -117,9 +117,9 @@ class Scheduler:
         return aborted
 
     def clear(self) -> None:
-        """Forget every queued group (their blocks are the caller's to free)."""
-        for group in [*self.waiting, *self.running, *self.swapped]:
-            self._finished_requests.append(group.request_id)
+        """Forget every queued group (their blocks are the caller's to free); the
+        worker is told to forget those it knows on the next step."""
+        self._finished_requests.extend(self._announced)
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()

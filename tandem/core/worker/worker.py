@@ -116,15 +116,6 @@ class Worker:
             gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
             self.requests[new.request_id] = _RequestState(p, gen)
 
-    def forget_seq_ids(self, seq_ids: list[int]) -> None:
-        self.runner.forget_seqs(seq_ids)
-
-    def reset(self) -> None:
-        """Forget every request (the engine's pools were reset)."""
-        for rid in list(self.requests):
-            self.runner.forget_request(rid)
-        self.requests.clear()
-
     @staticmethod
     def _ids(pairs: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
