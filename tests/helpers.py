@@ -112,3 +112,11 @@ def _hf_model(model_dir: Path, dtype: torch.dtype = torch.float32):
     if key not in _cache:
         _cache[key] = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=dtype).eval()
     return _cache[key]
+
+
+def assert_preempted(llm, mode: str) -> None:
+    """The run preempted; in swap mode blocks went out and every one came back."""
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0
+    if mode == "swap":
+        assert stats["swapped_out_blocks"] > 0 and stats["swapped_in_blocks"] == stats["swapped_out_blocks"]

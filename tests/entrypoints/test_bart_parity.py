@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from helpers import WORDS, hf_greedy
+from helpers import WORDS, assert_preempted, hf_greedy
 from tandem import LLM, SamplingParams
 
 
@@ -107,10 +107,7 @@ def test_preemption_keeps_outputs_identical(bart_dir, mode):
     llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=60,
               preemption_mode=mode)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    stats = llm.get_stats()
-    assert stats["num_preemptions"] > 0
-    if mode == "swap":
-        assert stats["swapped_out_blocks"] > 0 and stats["swapped_in_blocks"] == stats["swapped_out_blocks"]
+    assert_preempted(llm, mode)
     ample = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=4)
     ref = ample.generate(prompts, params, use_tqdm=False)
     assert ample.get_stats()["num_preemptions"] == 0

@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 
-from helpers import hf_greedy
+from helpers import assert_preempted, hf_greedy
 from tandem import LLM, SamplingParams
 from tandem.core.block_manager import Device
 
@@ -119,10 +119,7 @@ def test_shared_encoder_under_preemption_matches_hf(bart_dir, mode):
     llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=40,
               preemption_mode=mode)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    stats = llm.get_stats()
-    assert stats["num_preemptions"] > 0
-    if mode == "swap":
-        assert stats["swapped_out_blocks"] > 0 and stats["swapped_in_blocks"] == stats["swapped_out_blocks"]
+    assert_preempted(llm, mode)
     _check_against_hf(bart_dir, outs, 30, 30)
     _assert_all_free(llm)
 
