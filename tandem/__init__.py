@@ -11,6 +11,8 @@ from tandem.core.attention import (
     AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionType,
+    BackendCapabilities,
+    StepInputs,
 )
 from tandem.core.inputs import ExplicitEncoderDecoderPrompt, TextPrompt, TokensPrompt
 from tandem.core.layers import Attention
@@ -38,6 +40,7 @@ __all__ = [
     "AttentionMetadata",
     "AttentionMetadataBuilder",
     "AttentionType",
+    "BackendCapabilities",
     "CompletionOutput",
     "EncoderDecoderModel",
     "ExplicitEncoderDecoderPrompt",
@@ -46,6 +49,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StepInputs",
     "TextPrompt",
     "TokensPrompt",
     "hookimpl",

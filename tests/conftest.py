@@ -1,5 +1,13 @@
+import os
 import sys
 from pathlib import Path
+
+import torch
+
+# Without a GPU the triton backend's kernels run in Triton's interpreter, which
+# must be switched on before they are defined (on first use of the backend).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

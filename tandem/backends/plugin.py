@@ -18,3 +18,6 @@ class BackendPlugin:
 
 
 torch_sdpa = BackendPlugin("torch_sdpa", "tandem.backends.torch_sdpa:TorchSDPABackend")
+triton = BackendPlugin("triton", "tandem.backends.triton:TritonBackend")
+xformers = BackendPlugin("xformers", "tandem.backends.xformers:XFormersBackend")
+flash_attn = BackendPlugin("flash_attn", "tandem.backends.flash_attn:FlashAttnBackend")

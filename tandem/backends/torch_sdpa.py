@@ -18,6 +18,7 @@ from tandem.core.attention import (
     AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionType,
+    BackendCapabilities,
 )
 from tandem.core.kv.cache_ops import GatherWorkspace, gather_from_paged_cache
 
@@ -230,6 +231,11 @@ class TorchSDPAImpl(AttentionImpl):
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
     priority = 10  # runs everywhere; faster specialised backends rank above it
+    capabilities = BackendCapabilities(
+        devices=("cpu", "cuda"),
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        notes="prefills one SDPA call per sequence; decodes batched over gathered, padded K/V",
+    )
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

@@ -144,6 +144,34 @@ class AttentionImpl(ABC):
     ) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend serves, as ``tandem plugins`` and docs/backends.md show it.
+
+    Descriptive only: :meth:`AttentionBackend.unsupported_reasons` decides.
+    """
+
+    devices: tuple[str, ...]  # torch device types, e.g. ("cuda",)
+    dtypes: tuple[torch.dtype, ...]  # model (and KV-cache) dtypes
+    attn_types: frozenset[AttentionType] = frozenset(AttentionType)
+    block_sizes: str = "any >= 1"  # KV-cache block sizes, in words
+    head_sizes: str = "any"
+    requires: tuple[str, ...] = ()  # pip packages the kernels need
+    notes: str = ""
+
+    def describe(self) -> dict[str, str]:
+        """Each field as one line of text."""
+        return {
+            "devices": ", ".join(self.devices),
+            "dtypes": ", ".join(str(d).removeprefix("torch.") for d in self.dtypes),
+            "attention": ", ".join(t.value for t in AttentionType if t in self.attn_types),
+            "block sizes": self.block_sizes,
+            "head sizes": self.head_sizes,
+            "requires": ", ".join(self.requires) or "nothing beyond torch",
+            **({"notes": self.notes} if self.notes else {}),
+        }
+
+
 class AttentionBackend(ABC):
     """A named attention implementation the engine can select."""
 
@@ -152,6 +180,15 @@ class AttentionBackend(ABC):
     # model is chosen (ties by name). torch_sdpa, which runs everywhere, is 10;
     # faster specialised backends sit above it.
     priority: ClassVar[int] = 0
+    # What it serves, in words (``tandem plugins``); None: not described.
+    capabilities: ClassVar[BackendCapabilities | None] = None
+
+    @classmethod
+    def auto_priority(cls, device: torch.device, dtype: torch.dtype) -> int | None:
+        """Its priority in the automatic choice on ``device``/``dtype``; ``None`` keeps
+        it out of the automatic choice there (it still serves when asked for by
+        name, e.g. Triton's interpreter on CPU: right, but for testing only)."""
+        return cls.priority
 
     @staticmethod
     @abstractmethod

@@ -92,14 +92,22 @@ class AttentionBackendRegistry(LazyRegistry[AttentionBackend]):
                 candidates.append(self.load(candidate))
             except ImportError as e:
                 tried.append(f"{candidate}: {e}")
-        candidates.sort(key=lambda b: (-b.priority, b.name))
+        ranked = []
         for backend in candidates:
+            prio = backend.auto_priority(device, dtype)
+            if prio is None:
+                tried.append(f"{backend.name}: chosen only when asked for by name on {device.type}/"
+                             f"{str(dtype).removeprefix('torch.')}")
+            else:
+                ranked.append((prio, backend))
+        ranked.sort(key=lambda pb: (-pb[0], pb[1].name))
+        for prio, backend in ranked:
             reasons = reasons_of(backend)
             if not reasons:
                 served = f"{device.type}/{str(dtype).removeprefix('torch.')}"
-                why = f"the highest priority ({backend.priority}) of those that can serve {served}"
+                why = f"the highest priority ({prio}) of those that can serve {served}"
                 if tried:
                     why += "; passed over: " + " | ".join(tried)
                 return BackendSelection(backend, why)
-            tried.append(f"{backend.name} (priority {backend.priority}): {'; '.join(reasons)}")
+            tried.append(f"{backend.name} (priority {prio}): {'; '.join(reasons)}")
         raise BackendUnavailableError("no attention backend can serve this model: " + " | ".join(tried))

@@ -19,12 +19,11 @@ def _backends():
     return [pytest.param(name, id=name) for name in reg.names()]
 
 
-def _load(name, head_size=D, block_size=16):
+def _load(name, head_size=D, block_size=16, dtype=torch.float32):
     backend = default_backend_registry().load(name)
-    reasons = backend.unsupported_reasons(CPU, torch.float32, head_size, frozenset(AttentionType), block_size,
-                                          torch.float32)
+    reasons = backend.unsupported_reasons(CPU, dtype, head_size, frozenset(AttentionType), block_size, dtype)
     if reasons:
-        pytest.skip(f"{name} cannot run on cpu/float32: {'; '.join(reasons)}")
+        pytest.skip(f"{name} cannot run on cpu/{dtype}: {'; '.join(reasons)}")
     return backend
 
 
@@ -40,6 +39,13 @@ def test_tandem_registers_at_least_its_own_backend():
 def test_three_attention_kinds_match_float64_and_write_their_cache(name, heads, block_size, mix, seed):
     num_kv_heads, head_size = heads
     check_backend(_load(name, head_size, block_size), seed, block_size, num_kv_heads, head_size, mix)
+
+
+@pytest.mark.parametrize("name", _backends())
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("seed", range(2))
+def test_bfloat16_within_its_measured_tolerance(name, block_size, seed):
+    check_backend(_load(name, 64, block_size, torch.bfloat16), seed, block_size, 2, 64, "mixed", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("name", _backends())
