@@ -164,6 +164,10 @@ def cmd_plugins(args) -> int:
             print(f"    models:   {', '.join(info.models)}")
         if info.backends:
             print(f"    backends: {', '.join(info.backends)}")
+        for name, lines in info.backend_capabilities.items():
+            print(f"      {name}:")
+            for key, text in lines.items():
+                print(f"        {key + ':':13} {text}")
     if not plugins and not args.json:
         print("no plugins loaded")
     if broken:

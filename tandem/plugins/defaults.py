@@ -56,8 +56,38 @@ def plugin_report(entry_point_list=None) -> list:
     """
     manager = PluginManager(allow=allowed_plugins(), entry_point_list=entry_point_list)
     manager.load(strict=False)
-    manager.register_all(ModelRegistry(), AttentionBackendRegistry(), strict=False)
-    return list(manager.plugins.values())
+    backends = AttentionBackendRegistry()
+    manager.register_all(ModelRegistry(), backends, strict=False)
+    infos = list(manager.plugins.values())
+    for info in infos:
+        for name in info.backends:
+            info.backend_capabilities[name] = _capabilities(backends, name)
+    return infos
+
+
+def _capabilities(registry: AttentionBackendRegistry, name: str) -> dict[str, str]:
+    """What ``name`` serves, and whether it can serve here: on this machine's GPU
+    (bfloat16) or CPU (float32), head size 64, block size 16, all attention kinds."""
+    import torch
+
+    from tandem.core.attention import AttentionType
+
+    try:
+        backend = registry.load(name)
+    except Exception as e:  # a broken backend is reported, not raised: the listing goes on
+        return {"error": f"{type(e).__name__}: {e}"}
+    lines = backend.capabilities.describe() if backend.capabilities else {"capabilities": "not described"}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    reasons = backend.unsupported_reasons(device, dtype, 64, frozenset(AttentionType), 16, dtype)
+    where = f"{device.type}/{str(dtype).removeprefix('torch.')}, head size 64, block size 16"
+    auto = backend.auto_priority(device, dtype)
+    if reasons:
+        lines["here"] = f"cannot serve {where}: {'; '.join(reasons)}"
+    else:
+        chosen = f"auto priority {auto}" if auto is not None else "only when asked for by name"
+        lines["here"] = f"can serve {where} ({chosen})"
+    return lines
 
 
 def reset_registries() -> None:

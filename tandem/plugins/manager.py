@@ -27,6 +27,9 @@ class PluginInfo:
     distribution: str | None
     models: list[str] = field(default_factory=list)
     backends: list[str] = field(default_factory=list)
+    # Each backend's capabilities as lines of text (BackendCapabilities.describe()),
+    # plus "here": whether it can serve on this machine; filled by plugin_report.
+    backend_capabilities: dict[str, dict[str, str]] = field(default_factory=dict)
     # Why the plugin is broken ("failed to import: ModuleNotFoundError: ..."); None when healthy.
     error: str | None = None
 

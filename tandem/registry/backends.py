@@ -74,7 +74,10 @@ class AttentionBackendRegistry(LazyRegistry[AttentionBackend]):
                     f"{source}={name!r} is not a registered attention backend; "
                     f"registered: {', '.join(self.names())}"
                 )
-            backend = self.load(name)
+            try:
+                backend = self.load(name)
+            except ImportError as e:
+                raise BackendUnavailableError(f"{source}={name!r} cannot be loaded: {e}") from e
             reasons = reasons_of(backend)
             if reasons:
                 raise BackendUnavailableError(

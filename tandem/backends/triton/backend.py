@@ -1,0 +1,211 @@
+"""Triton backend: one varlen kernel for every mixed batch (paged self- and
+cross-attention, packed encoder attention) and a split-K decode kernel for
+batches of single-token queries. Uses the default KV layout
+``[2, num_blocks, block_size, H_kv, D]`` and core's write/swap/copy ops; the
+kernels read blocks in place through the block tables (no gathers)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core.attention import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    BackendCapabilities,
+)
+
+_KERNELS = "tandem.backends.triton.kernels"
+MAX_HEAD_SIZE = 256  # the head dimension lives in registers, padded to a power of two
+
+
+def _kernels():
+    return importlib.import_module(_KERNELS)
+
+
+def _interpreting() -> bool:
+    """Whether the kernels run (or, once imported, would run) in Triton's interpreter."""
+    loaded = sys.modules.get(_KERNELS)
+    if loaded is not None:
+        return loaded.INTERPRETED
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass
+class TritonMetadata(AttentionMetadata):
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    seq_lens: torch.Tensor  # [S] int32, cached + new tokens
+    cross_seq_lens: torch.Tensor  # [S] int32, encoder positions each sequence reads
+    block_tables: torch.Tensor  # [S, max_blocks]
+    cross_block_tables: torch.Tensor  # [S, max_cross_blocks]
+    # Varlen launch: (sequence, first query row within it) of each BLOCK_M-row tile.
+    tile_seq: torch.Tensor
+    tile_row: torch.Tensor
+    # Every sequence has exactly one new token: the decode kernel runs instead,
+    # its keys split over this many programs per sequence and KV head.
+    decode_only: bool
+    self_splits: int
+    cross_splits: int
+    # Encoder runs this step, packed: [G + 1] starts, [G] lengths, and their tiles.
+    encoder_start_loc: torch.Tensor
+    encoder_lens: torch.Tensor
+    encoder_tile_seq: torch.Tensor
+    encoder_tile_row: torch.Tensor
+
+
+def _tiles(lens: torch.Tensor, rows_per_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, first row) of each ``rows_per_tile``-row tile over sequences of ``lens``."""
+    per_seq = (lens + rows_per_tile - 1) // rows_per_tile
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), dtype=torch.int32), per_seq)
+    first = torch.cumsum(per_seq, 0) - per_seq
+    row = (torch.arange(int(per_seq.sum()), dtype=torch.int32) - torch.repeat_interleave(first, per_seq))
+    return seq, (row * rows_per_tile).to(torch.int32)
+
+
+class TritonMetadataBuilder(AttentionMetadataBuilder):
+    # Keys per decode program before a sequence's keys are split over more
+    # programs (split-K), and the most splits: a long cache otherwise leaves
+    # one program per (sequence, KV head) walking it alone while the GPU idles.
+    split_kv_tokens = 512
+    max_splits = 16
+    rows_per_tile = 16  # = kernels.BLOCK_M
+
+    def _splits(self, lens: list[int]) -> int:
+        longest = max(lens, default=0)
+        return max(1, min(self.max_splits, -(-longest // self.split_kv_tokens)))
+
+    def build(self, inputs) -> TritonMetadata:
+        dev = self.device
+        q_lens = torch.tensor(inputs.query_lens, dtype=torch.int32)
+        enc_lens = torch.tensor(inputs.encoder_seq_lens, dtype=torch.int32)
+        tile_seq, tile_row = _tiles(q_lens, self.rows_per_tile)
+        enc_tile_seq, enc_tile_row = _tiles(enc_lens, self.rows_per_tile)
+        enc_start = torch.zeros(len(inputs.encoder_seq_lens) + 1, dtype=torch.int32)
+        torch.cumsum(enc_lens, 0, out=enc_start[1:])
+        decode_only = bool(inputs.query_lens) and all(q == 1 for q in inputs.query_lens)
+
+        def on_dev(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dev, non_blocking=True)
+
+        return TritonMetadata(
+            num_decoder_tokens=int(inputs.input_ids.shape[0]),
+            slot_mapping=inputs.slot_mapping,
+            cross_slot_mapping=inputs.cross_slot_mapping,
+            num_encoder_tokens=int(inputs.encoder_input_ids.shape[0]),
+            query_start_loc=inputs.query_start_loc.to(dev, torch.int32),
+            seq_lens=on_dev(torch.tensor(inputs.seq_lens, dtype=torch.int32)),
+            cross_seq_lens=on_dev(torch.tensor(inputs.cross_seq_lens, dtype=torch.int32)),
+            block_tables=inputs.block_tables,
+            cross_block_tables=inputs.cross_block_tables,
+            tile_seq=on_dev(tile_seq),
+            tile_row=on_dev(tile_row),
+            decode_only=decode_only,
+            self_splits=self._splits(inputs.seq_lens) if decode_only else 1,
+            cross_splits=self._splits(inputs.cross_seq_lens) if decode_only else 1,
+            encoder_start_loc=on_dev(enc_start),
+            encoder_lens=on_dev(enc_lens),
+            encoder_tile_seq=on_dev(enc_tile_seq),
+            encoder_tile_row=on_dev(enc_tile_row),
+        )
+
+
+class TritonImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads)
+        self._k = _kernels()
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, H_kv, D]; None for ENCODER
+        attn_metadata: TritonMetadata,
+        attn_type: AttentionType,
+    ) -> torch.Tensor:
+        md = attn_metadata
+        self.write_new_kv(key, value, kv_cache, md, attn_type)
+        out = torch.empty_like(query)
+        if attn_type is AttentionType.ENCODER:
+            self._k.varlen_attention(
+                query, key, value, out, md.encoder_tile_seq, md.encoder_tile_row, md.encoder_start_loc,
+                md.encoder_lens, scale=self.scale, causal=False, kv_start=md.encoder_start_loc,
+            )
+            return out
+        cross = attn_type is AttentionType.ENCODER_DECODER
+        lens = md.cross_seq_lens if cross else md.seq_lens
+        tables = md.cross_block_tables if cross else md.block_tables
+        if md.decode_only:
+            self._k.decode_attention(
+                query, kv_cache, out, md.query_start_loc[:-1], lens, tables, scale=self.scale,
+                num_splits=md.cross_splits if cross else md.self_splits,
+            )
+        else:
+            self._k.varlen_attention(
+                query, kv_cache, None, out, md.tile_seq, md.tile_row, md.query_start_loc, lens,
+                scale=self.scale, causal=not cross, block_table=tables,
+            )
+        return out
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    priority = 20
+    capabilities = BackendCapabilities(
+        devices=("cuda", "cpu"),
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        block_sizes="any >= 1 (keys are addressed per token through the block table)",
+        head_sizes=f"any up to {MAX_HEAD_SIZE}",
+        requires=("triton",),
+        notes="cpu only in Triton's interpreter (TRITON_INTERPRET=1 before first use): "
+        "exact but slow, for tests; chosen automatically on cuda only",
+    )
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TritonImpl
+
+    @staticmethod
+    def get_metadata_builder_cls() -> type[AttentionMetadataBuilder]:
+        return TritonMetadataBuilder
+
+    @classmethod
+    def auto_priority(cls, device: torch.device, dtype: torch.dtype) -> int | None:
+        return cls.priority if device.type == "cuda" else None
+
+    @classmethod
+    def unsupported_reasons(cls, device, dtype, head_size, attn_types, block_size, kv_cache_dtype) -> list[str]:
+        reasons = []
+        if importlib.util.find_spec("triton") is None:
+            reasons.append("the triton package is not installed (pip install 'tandem-engine[triton]')")
+        if device.type == "cpu":
+            if not _interpreting():
+                reasons.append(
+                    "device cpu: tandem's Triton kernels compile for CUDA; on CPU they run only in "
+                    "Triton's interpreter (set TRITON_INTERPRET=1 before the backend is first used; "
+                    "slow, meant for tests)"
+                )
+        elif device.type == "cuda":
+            if _interpreting():
+                reasons.append("TRITON_INTERPRET=1 was set when the kernels loaded: they run interpreted, "
+                               "not compiled for cuda")
+        else:
+            reasons.append(f"device {device.type!r} is not cuda (or cpu under Triton's interpreter)")
+        floats = (torch.float32, torch.float16, torch.bfloat16)
+        if dtype not in floats:
+            reasons.append(f"dtype {dtype} is not float32, float16 or bfloat16")
+        if kv_cache_dtype != dtype:
+            reasons.append(f"KV-cache dtype {kv_cache_dtype} differs from the model dtype {dtype}")
+        if not 1 <= head_size <= MAX_HEAD_SIZE:
+            reasons.append(f"head size {head_size} is not in 1..{MAX_HEAD_SIZE}")
+        if block_size < 1:
+            reasons.append(f"block_size {block_size} is not >= 1")
+        return reasons

@@ -1,0 +1,317 @@
+"""Triton kernels for the three attention kinds, flash style (online softmax in
+base 2, ``tl.dot`` tiles, float32 accumulation).
+
+* :func:`_varlen_attn` serves every query layout: decoder self-attention over
+  the paged cache (bottom-right causal after the cached tokens, prefills,
+  chunks and decodes in one launch), cross-attention over the paged cross cache
+  (non-causal) and encoder self-attention over packed K/V (non-causal, no cache).
+  One program computes ``BLOCK_M`` query rows of one sequence for one head.
+* :func:`_decode_attn` + :func:`_combine_splits`: batches of single-token queries
+  (every decode step once prompts are in). One program takes all query heads
+  that share a KV head (GQA rows fill the ``tl.dot`` tile instead of padding) and
+  one slice of the keys; long caches are split over several programs (split-K)
+  whose partial results are merged by their log-sum-exp.
+
+Paged K/V are read in place: key ``n`` of a sequence lives in slot
+``table[n // PAGE] * PAGE + n % PAGE`` of the cache ``[2, num_blocks, PAGE, H_kv, D]``,
+so any block size works and nothing is gathered into a padded batch.
+
+Whether the kernels run compiled (CUDA) or in Triton's interpreter (CPU, for
+tests) is fixed when this module is imported, from ``TRITON_INTERPRET``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_kv_tile(
+    kv_ptr, offs_n, n_mask, offs_d, d_mask, seq, kv_start_ptr, table_ptr,
+    stride_tab, stride_slot, stride_kvh, kvh,
+    PAGE: tl.constexpr, PAGED: tl.constexpr,
+):
+    """``[BLOCK_N, BLOCK_D]`` rows of keys (or values) ``offs_n`` of sequence ``seq``."""
+    if PAGED:
+        block = tl.load(table_ptr + seq * stride_tab + offs_n // PAGE, mask=n_mask, other=0)
+        slot = block.to(tl.int64) * PAGE + offs_n % PAGE
+    else:
+        slot = (tl.load(kv_start_ptr + seq) + offs_n).to(tl.int64)
+    ptrs = kv_ptr + slot[:, None] * stride_slot + kvh * stride_kvh + offs_d[None, :]
+    return tl.load(ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _online_softmax_step(qk, valid, m_i, l_i, acc, v, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold one tile of scores (already in base-2 units) into the running max,
+    normalizer and output; masked scores count as -inf. Rows with nothing
+    valid yet keep m = -inf without producing NaNs."""
+    qk = tl.where(valid, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_F32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _varlen_attn(
+    q_ptr, k_ptr, v_ptr, o_ptr,
+    tile_seq_ptr, tile_row_ptr,  # [num_tiles] sequence and first query row (within it) of each tile
+    q_start_ptr,  # [S + 1] packed row where each sequence's queries start
+    kv_len_ptr,  # [S] keys each sequence attends over (cached + new, or encoder length)
+    kv_start_ptr,  # [S] packed row of each sequence's first key (unpaged only)
+    table_ptr,  # [S, max_blocks] block table (paged only)
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_slot, stride_kvh, stride_tab,
+    scale_log2,
+    QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kvh = head // QUERIES_PER_KV
+    seq = tl.load(tile_seq_ptr + tile)
+    row0 = tl.load(tile_row_ptr + tile)
+    q_start = tl.load(q_start_ptr + seq)
+    q_len = tl.load(q_start_ptr + seq + 1) - q_start
+    kv_len = tl.load(kv_len_ptr + seq)
+
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_SIZE
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    # Bottom-right causal: query row r sits at position kv_len - q_len + r.
+    q_pos = kv_len - q_len + offs_m
+    hi = kv_len
+    if CAUSAL:
+        hi = tl.minimum(kv_len, kv_len - q_len + row0 + BLOCK_M)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(0, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_len
+        k = _load_kv_tile(k_ptr, offs_n, n_mask, offs_d, d_mask, seq, kv_start_ptr, table_ptr,
+                          stride_tab, stride_slot, stride_kvh, kvh, PAGE, PAGED)
+        v = _load_kv_tile(v_ptr, offs_n, n_mask, offs_d, d_mask, seq, kv_start_ptr, table_ptr,
+                          stride_tab, stride_slot, stride_kvh, kvh, PAGE, PAGED)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        valid = n_mask[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = _online_softmax_step(qk, valid, m_i, l_i, acc, v, DOT_F32, PRECISION)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_attn(
+    q_ptr, kv_ptr, o_ptr, part_o_ptr, part_lse_ptr,
+    q_row_ptr,  # [B] packed row of each sequence's single query
+    kv_len_ptr,  # [B]
+    table_ptr,  # [B, max_blocks]
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kv, stride_slot, stride_kvh, stride_tab,
+    scale_log2, num_heads,
+    QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len = tl.load(kv_len_ptr + seq)
+    q_row = tl.load(q_row_ptr + seq).to(tl.int64)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < QUERIES_PER_KV
+    d_mask = offs_d < HEAD_SIZE
+    heads = kvh * QUERIES_PER_KV + offs_h
+    q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    # This program's slice of the keys, a whole number of tiles.
+    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(kv_len, lo + per_split)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        k = _load_kv_tile(kv_ptr, offs_n, n_mask, offs_d, d_mask, seq, kv_len_ptr, table_ptr,
+                          stride_tab, stride_slot, stride_kvh, kvh, PAGE, True)
+        v = _load_kv_tile(kv_ptr + stride_kv, offs_n, n_mask, offs_d, d_mask, seq, kv_len_ptr, table_ptr,
+                          stride_tab, stride_slot, stride_kvh, kvh, PAGE, True)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        m_i, l_i, acc = _online_softmax_step(qk, n_mask[None, :], m_i, l_i, acc, v, DOT_F32, PRECISION)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(o_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+    else:
+        # Partial results [B, num_heads, NUM_SPLITS, (D)]; an empty slice has lse -inf.
+        part = (seq * num_heads + heads) * NUM_SPLITS + split
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=h_mask)
+        tl.store(part_o_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :], out,
+                 mask=h_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _combine_splits(
+    part_o_ptr, part_lse_ptr, o_ptr, q_row_ptr,
+    stride_ot, stride_oh, num_heads,
+    HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_SIZE
+    base = (seq * num_heads + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)  # finite: the first slice always holds keys
+    w = tl.where(s_mask, tl.exp2(lse - m), 0.0)
+    parts = tl.load(part_o_ptr + (base + offs_s)[:, None] * HEAD_SIZE + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    q_row = tl.load(q_row_ptr + seq).to(tl.int64)
+    tl.store(o_ptr + q_row * stride_ot + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_mask)
+
+
+# -- launchers ---------------------------------------------------------------
+
+BLOCK_M = 16  # query rows per program (tl.dot's smallest tile on GPUs)
+BLOCK_N = 64  # keys per inner-loop tile
+
+
+def _dot_mode(dtype: torch.dtype) -> tuple[bool, str | None]:
+    """(compute the dots in float32, input precision). The interpreter's tl.dot on
+    16-bit inputs is wrong, so it gets float32 tiles; float32 on a GPU must not
+    fall to TF32 (10-bit mantissa) if float32 is to mean float32."""
+    if dtype == torch.float32:
+        return True, "ieee"
+    return INTERPRETED, "ieee" if INTERPRETED else None
+
+
+def _block_d(head_size: int) -> int:
+    return max(16, triton.next_power_of_2(head_size))
+
+
+def varlen_attention(
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [2, num_blocks, PAGE, H_kv, D] cache when paged; [E, H_kv, D] packed keys when not
+    value: torch.Tensor | None,  # None when paged (the cache holds both); [E, H_kv, D] when not
+    out: torch.Tensor,  # [T, H, D]
+    tile_seq: torch.Tensor,
+    tile_row: torch.Tensor,
+    q_start: torch.Tensor,
+    kv_lens: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    block_table: torch.Tensor | None = None,
+    kv_start: torch.Tensor | None = None,
+) -> None:
+    num_tiles = tile_seq.shape[0]
+    num_heads, head_size = query.shape[1], query.shape[2]
+    if num_tiles == 0:
+        return
+    dot_f32, precision = _dot_mode(query.dtype)
+    if block_table is not None:
+        k_src, v_src = key[0], key[1]  # [num_blocks, PAGE, H_kv, D]; a slot is (block, offset) flattened
+        stride_slot, stride_kvh = key.stride(2), key.stride(3)
+        num_kv_heads, page = key.shape[3], key.shape[2]
+        table, stride_tab, starts = block_table, block_table.stride(0), kv_lens
+    else:
+        k_src, v_src = key, value
+        assert key.stride() == value.stride()
+        stride_slot, stride_kvh = key.stride(0), key.stride(1)
+        num_kv_heads, page, table, stride_tab, starts = key.shape[1], 1, kv_lens, 0, kv_start
+    _varlen_attn[(num_tiles, num_heads)](
+        query, k_src, v_src, out, tile_seq, tile_row, q_start, kv_lens, starts, table,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        stride_slot, stride_kvh, stride_tab,
+        scale * LOG2E,
+        QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_SIZE=head_size,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=_block_d(head_size),
+        PAGE=page, PAGED=block_table is not None, CAUSAL=causal,
+        DOT_F32=dot_f32, PRECISION=precision,
+    )
+
+
+def decode_attention(
+    query: torch.Tensor,  # [T, H, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, PAGE, H_kv, D]
+    out: torch.Tensor,  # [T, H, D]
+    q_rows: torch.Tensor,  # [B] packed row of each sequence's single query
+    kv_lens: torch.Tensor,  # [B]
+    block_table: torch.Tensor,  # [B, max_blocks]
+    *,
+    scale: float,
+    num_splits: int,
+) -> None:
+    batch = q_rows.shape[0]
+    if batch == 0:
+        return
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
+    per_kv = num_heads // num_kv_heads
+    dot_f32, precision = _dot_mode(query.dtype)
+    if num_splits > 1:
+        part_o = torch.empty(batch, num_heads, num_splits, head_size, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    else:
+        part_o = part_lse = out  # unused
+    _decode_attn[(batch, num_kv_heads, num_splits)](
+        query, kv_cache, out, part_o, part_lse, q_rows, kv_lens, block_table,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+        scale * LOG2E, num_heads,
+        QUERIES_PER_KV=per_kv, HEAD_SIZE=head_size,
+        BLOCK_H=max(16, triton.next_power_of_2(per_kv)), BLOCK_N=BLOCK_N, BLOCK_D=_block_d(head_size),
+        PAGE=page, NUM_SPLITS=num_splits, DOT_F32=dot_f32, PRECISION=precision,
+    )
+    if num_splits > 1:
+        _combine_splits[(batch, num_heads)](
+            part_o, part_lse, out, q_rows, out.stride(0), out.stride(1), num_heads,
+            HEAD_SIZE=head_size, BLOCK_D=_block_d(head_size), NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+        )

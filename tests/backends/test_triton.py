@@ -1,0 +1,134 @@
+"""The triton backend's own paths (kernels interpreted on CPU; compiled on a GPU
+under ``-m gpu``): split-K decode, the query tiling, its capability rules, and
+BART end to end against torch_sdpa."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layouts import check_backend, random_layout, step_inputs
+from tandem import LLM, SamplingParams
+from tandem.core.attention import AttentionType, KVCacheSpec
+from tandem.plugins import default_backend_registry
+from tandem.registry import BackendUnavailableError
+
+pytest.importorskip("triton")
+from tandem.backends.triton import TritonBackend  # noqa: E402
+from tandem.backends.triton import backend as triton_backend  # noqa: E402
+
+CPU = torch.device("cpu")
+ALL_KINDS = frozenset(AttentionType)
+needs_interpreter = pytest.mark.skipif(
+    torch.cuda.is_available() or not triton_backend._interpreting(),
+    reason="runs the kernels in Triton's interpreter (CPU, TRITON_INTERPRET=1)",
+)
+
+
+def _built(monkeypatch) -> list:
+    built = []
+    real = triton_backend.TritonMetadataBuilder.build
+    monkeypatch.setattr(triton_backend.TritonMetadataBuilder, "build",
+                        lambda self, i: built.append(real(self, i)) or built[-1])
+    return built
+
+
+@needs_interpreter
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_split_k_decode_matches_float64(seed, block_size, monkeypatch):
+    # Caches of up to ~40 tokens split every 8 keys: up to 5 programs per
+    # sequence and KV head, merged by log-sum-exp; some splits of the shorter
+    # sequences are empty.
+    monkeypatch.setattr(triton_backend.TritonMetadataBuilder, "split_kv_tokens", 8)
+    built = _built(monkeypatch)
+    check_backend(TritonBackend, seed, block_size, num_kv_heads=2, mix="decodes")
+    md = built[0]
+    assert md.decode_only and max(md.self_splits, md.cross_splits) > 1
+
+
+@needs_interpreter
+def test_mixed_batches_take_the_varlen_kernel_and_decode_batches_the_decode_kernel(monkeypatch):
+    built = _built(monkeypatch)
+    check_backend(TritonBackend, 0, 4, num_kv_heads=2, mix="mixed")
+    check_backend(TritonBackend, 0, 4, num_kv_heads=2, mix="decodes")
+    assert not built[0].decode_only and built[2].decode_only  # [1], [3]: each later, encoder-free step
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_query_tiles_cover_every_row_once(seed):
+    import random
+
+    seqs, _ = random_layout(random.Random(seed), 4)
+    inputs = step_inputs(seqs, 4)
+    builder = triton_backend.TritonMetadataBuilder(4, CPU, KVCacheSpec(1, 2, 8))
+    md = builder.build(inputs)
+    rows = builder.rows_per_tile
+    covered = []
+    for s, r in zip(md.tile_seq.tolist(), md.tile_row.tolist()):
+        start = int(md.query_start_loc[s])
+        covered += [start + j for j in range(r, min(r + rows, inputs.query_lens[s]))]
+    assert sorted(covered) == list(range(sum(inputs.query_lens)))
+    enc = []
+    for s, r in zip(md.encoder_tile_seq.tolist(), md.encoder_tile_row.tolist()):
+        enc += [int(md.encoder_start_loc[s]) + j for j in range(r, min(r + rows, inputs.encoder_seq_lens[s]))]
+    assert sorted(enc) == list(range(sum(inputs.encoder_seq_lens)))
+
+
+def test_cpu_without_the_interpreter_is_refused_with_the_reason(monkeypatch):
+    monkeypatch.setattr(triton_backend, "_interpreting", lambda: False)
+    reasons = TritonBackend.unsupported_reasons(CPU, torch.float32, 64, ALL_KINDS, 16, torch.float32)
+    assert len(reasons) == 1 and "device cpu" in reasons[0] and "TRITON_INTERPRET=1" in reasons[0]
+    with pytest.raises(BackendUnavailableError, match=r"attention_backend='triton' cannot serve.*device cpu"):
+        default_backend_registry().select("triton", device=CPU, dtype=torch.float32, head_size=64,
+                                          attn_types=ALL_KINDS, block_size=16)
+
+
+def test_each_bad_value_is_named(monkeypatch):
+    monkeypatch.setattr(triton_backend.importlib.util, "find_spec", lambda name: None)
+    reasons = TritonBackend.unsupported_reasons(torch.device("mps"), torch.float64, 512, ALL_KINDS, 0, torch.float16)
+    text = " | ".join(reasons)
+    for needle in ("triton package is not installed", "'mps'", "torch.float64", "KV-cache dtype torch.float16",
+                   "head size 512", "block_size 0"):
+        assert needle in text
+    assert len(reasons) == 6
+
+
+def test_never_chosen_automatically_on_cpu():
+    selection = default_backend_registry().select(None, device=CPU, dtype=torch.float32, head_size=8,
+                                                  attn_types=ALL_KINDS, block_size=16)
+    assert selection.backend.name == "torch_sdpa"
+    assert "triton: chosen only when asked for by name on cpu/float32" in selection.reason
+    assert TritonBackend.auto_priority(torch.device("cuda"), torch.float16) == TritonBackend.priority
+
+
+def _generate(model, backend, device="cpu", dtype="float32"):
+    prompts = [{"prompt_token_ids": [0, *range(5, 5 + n), 2]} for n in (1, 9, 23, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
+    llm = LLM(model=str(model), attention_backend=backend, device=device, dtype=dtype, block_size=4)
+    assert llm.engine.attn_backend.name == backend
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@needs_interpreter
+def test_bart_through_triton_equals_torch_sdpa(bart_dir):
+    assert _generate(bart_dir, "triton") == _generate(bart_dir, "torch_sdpa")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("mix", ["mixed", "decodes"])
+@pytest.mark.parametrize("heads", [(4, 8), (2, 64), (1, 128)])
+@pytest.mark.parametrize("seed", range(2))
+def test_cuda_kernels_match_float64(dtype, block_size, mix, heads, seed, monkeypatch):
+    if mix == "decodes" and seed:
+        monkeypatch.setattr(triton_backend.TritonMetadataBuilder, "split_kv_tokens", 8)
+    check_backend(TritonBackend, seed, block_size, heads[0], heads[1], mix, device="cuda", dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bart_through_triton_equals_torch_sdpa(bart_dir):
+    assert _generate(bart_dir, "triton", "cuda") == _generate(bart_dir, "torch_sdpa", "cuda")
