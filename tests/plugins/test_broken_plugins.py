@@ -116,6 +116,10 @@ def broken_install(tmp_path):
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), HERE])}
 
 
+# tandem's own plugins, which load; the hint lists them sorted.
+HEALTHY = "tandem-flash-attn,tandem-models,tandem-torch-sdpa,tandem-triton,tandem-xformers"
+
+
 def test_cli_lists_healthy_plugins_marks_broken_ones_and_exits_1(broken_install):
     res = _tandem("plugins", env=broken_install)
     assert res.returncode == 1, res.stderr
@@ -127,7 +131,7 @@ def test_cli_lists_healthy_plugins_marks_broken_ones_and_exits_1(broken_install)
     assert ("quitter  (exiting_plugin, from quitterpkg)  BROKEN: failed to import: "
             "SystemExit: exiting_plugin: refusing to load") in out
     assert "Traceback" not in res.stderr
-    assert ("broken: broken-one, quitter; to run without them, set TANDEM_PLUGINS=tandem-models,tandem-torch-sdpa "
+    assert ("broken: broken-one, quitter; to run without them, set TANDEM_PLUGINS=" + HEALTHY + " "
             "(the plugins that load), or `pip uninstall brokenpkg quitterpkg`") in res.stderr
 
     res = _tandem("plugins", "--json", env=broken_install)
@@ -148,7 +152,7 @@ def test_engine_refuses_to_run_without_an_installed_plugin(broken_install, bart_
     assert res.returncode == 2 and "Traceback" not in res.stderr
     error = res.stderr.strip().splitlines()[-1]
     assert error.startswith("tandem generate: error: plugin 'broken-one' (not_a_real_module_anywhere) failed to import")
-    assert "TANDEM_PLUGINS=tandem-models,tandem-torch-sdpa" in error
+    assert "TANDEM_PLUGINS=" + HEALTHY in error
 
 
 def test_the_same_entry_point_seen_twice_loads_once():

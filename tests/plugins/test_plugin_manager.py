@@ -1,10 +1,13 @@
 """Plugin discovery, the allow-list, failures and duplicates."""
 
+import json
+import os
 import subprocess
 import sys
 from importlib.metadata import EntryPoint
 
 import pytest
+import torch
 
 from tandem.plugins import PluginError, PluginManager
 from tandem.registry import AttentionBackendRegistry, ModelRegistry
@@ -110,6 +113,25 @@ def test_cli_lists_plugins():
     assert "tandem-models  (tandem.model_zoo.plugin, from tandem-engine)" in out
     assert "BartForConditionalGeneration" in out
     assert "tandem-torch-sdpa" in out and "torch_sdpa" in out and "BROKEN" not in out
+    # Each backend's capabilities, and whether it can serve here.
+    sdpa = out[out.index("      torch_sdpa:"):]
+    assert "        devices:      cpu, cuda\n        dtypes:       float32, float16, bfloat16\n" in sdpa
+    assert "        attention:    decoder, encoder, encoder_decoder\n" in sdpa
+    assert "        here:         can serve" in sdpa and "(auto priority 10)" in sdpa
+    triton = out[out.index("      triton:"):]
+    assert "        requires:     triton\n" in triton
+
+
+def test_cli_plugins_json_carries_capabilities():
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.entrypoints.cli", "plugins", "--json"],
+        capture_output=True, text=True, check=True, env={**os.environ, "TRITON_INTERPRET": "0"},
+    ).stdout
+    records = {r["name"]: r for r in json.loads(out)}
+    caps = records["tandem-triton"]["backend_capabilities"]["triton"]
+    assert caps["block sizes"].startswith("any >= 1")
+    if not torch.cuda.is_available():
+        assert caps["here"].startswith("cannot serve cpu/float32") and "TRITON_INTERPRET=1" in caps["here"]
 
 
 def test_override_wins_whichever_plugin_runs_first():
