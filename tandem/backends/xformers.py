@@ -1,0 +1,179 @@
+"""xFormers backend: ``xformers.ops.memory_efficient_attention`` over block-diagonal
+masks, the whole step in one call per attention kind.
+
+- encoder: the packed encoder runs with ``BlockDiagonalMask`` (non-causal).
+- decoder self: each sequence's keys (cached + new) gathered from the paged
+  cache into one packed run per sequence, ``BlockDiagonalCausalFromBottomRightMask``
+  (query j of a sequence with q new tokens after c cached sees keys 0..c+j).
+- cross: each sequence's encoder keys gathered from the paged cross cache,
+  ``BlockDiagonalMask``.
+
+Why gathered K/V rather than xFormers' ``PagedBlockDiagonal*`` masks: those run
+only on xFormers' Triton split-K and flash operators, each with its own page
+size rules, while packed runs with these masks run on every forward operator
+xFormers dispatches to (CUTLASS, which also takes float32 and pre-Ampere GPUs,
+and flash); any block size works. The cost is one extra read and write of the
+step's K/V per layer. GQA goes through xFormers' 5-D ``[B, M, G, H, D]`` form
+with the KV heads broadcast, not copied.
+
+The layout is the default ``[2, num_blocks, block_size, H_kv, D]`` with core's
+write/swap/copy ops. xformers is imported only when the backend is first used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.core.attention import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    BackendCapabilities,
+)
+
+# The largest head size every forward operator xFormers may dispatch to takes
+# (flash: 256; CUTLASS more), and the alignment CUTLASS wants on sm80+ for 16-bit
+# tensor-core GEMMs (128 bits = 8 halves; float32 needs 4, so 8 serves all).
+MAX_HEAD_SIZE = 256
+HEAD_ALIGN = 8
+
+
+def _fmha(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any, scale: float) -> torch.Tensor:
+    """The kernel call: ``[1, M, G, H, D]`` queries over ``[1, N, G, H, D]`` keys and
+    values under ``attn_bias`` (tests replace this with a float64 reference)."""
+    from xformers.ops import memory_efficient_attention
+
+    return memory_efficient_attention(query, key, value, attn_bias=attn_bias, scale=scale)
+
+
+def _bias_classes():
+    from xformers.ops.fmha import attn_bias
+
+    return attn_bias
+
+
+@dataclass
+class XFormersMetadata(AttentionMetadata):
+    # Flat cache slots of every key of every sequence, packed sequence after
+    # sequence: [sum(seq_lens)] for self-attention, [sum(cross_seq_lens)] for cross.
+    self_slots: torch.Tensor
+    cross_slots: torch.Tensor
+    self_bias: Any  # BlockDiagonalCausalFromBottomRightMask, or None without decoder tokens
+    cross_bias: Any  # BlockDiagonalMask
+    encoder_bias: Any  # BlockDiagonalMask over the encoder runs, or None when none runs
+
+
+def packed_slots(tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slot of position ``p`` of sequence ``i`` for every ``p < lens[i]``, sequences
+    one after another: ``[sum(lens)]``, built with index ops (no per-token loop)."""
+    lens = lens.to(tables.device)
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=tables.device), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    pos = torch.arange(seq.numel(), device=tables.device) - starts.index_select(0, seq)
+    return tables[seq, pos // block_size] * block_size + pos % block_size
+
+
+class XFormersMetadataBuilder(AttentionMetadataBuilder):
+    def build(self, inputs) -> XFormersMetadata:
+        ab = _bias_classes()
+        dev = self.device
+        seq_lens = torch.tensor(inputs.seq_lens, dtype=torch.long)
+        cross_lens = torch.tensor(inputs.cross_seq_lens, dtype=torch.long)
+        have_decoder = bool(inputs.query_lens)
+        return XFormersMetadata(
+            num_decoder_tokens=int(inputs.input_ids.shape[0]),
+            slot_mapping=inputs.slot_mapping,
+            cross_slot_mapping=inputs.cross_slot_mapping,
+            num_encoder_tokens=int(inputs.encoder_input_ids.shape[0]),
+            self_slots=packed_slots(inputs.block_tables, seq_lens, self.block_size),
+            cross_slots=packed_slots(inputs.cross_block_tables, cross_lens, self.block_size),
+            self_bias=ab.BlockDiagonalCausalFromBottomRightMask.from_seqlens(
+                inputs.query_lens, inputs.seq_lens, device=dev) if have_decoder else None,
+            cross_bias=ab.BlockDiagonalMask.from_seqlens(
+                inputs.query_lens, inputs.cross_seq_lens, device=dev) if have_decoder else None,
+            encoder_bias=ab.BlockDiagonalMask.from_seqlens(
+                inputs.encoder_seq_lens, device=dev) if inputs.encoder_seq_lens else None,
+        )
+
+
+class XFormersImpl(AttentionImpl):
+    def _grouped(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """``[N, heads, D]`` -> ``[1, N, G, heads / G, D]``, G = KV heads; KV heads are
+        broadcast over their query heads (a stride-0 view, no copy)."""
+        g = self.num_kv_heads
+        if heads == g:
+            x = x.unsqueeze(2).expand(-1, -1, self.num_heads // g, -1)
+        else:
+            x = x.view(x.shape[0], g, heads // g, x.shape[-1])
+        return x.unsqueeze(0)
+
+    def _attend(self, query, key, value, bias) -> torch.Tensor:
+        out = _fmha(self._grouped(query, self.num_heads), self._grouped(key, self.num_kv_heads),
+                    self._grouped(value, self.num_kv_heads), bias, self.scale)
+        return out.reshape(query.shape)
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, H_kv, D]; None for ENCODER
+        attn_metadata: XFormersMetadata,
+        attn_type: AttentionType,
+    ) -> torch.Tensor:
+        md = attn_metadata
+        self.write_new_kv(key, value, kv_cache, md, attn_type)
+        if query.shape[0] == 0:
+            return torch.empty_like(query)
+        if attn_type is AttentionType.ENCODER:
+            return self._attend(query, key, value, md.encoder_bias)
+        cross = attn_type is AttentionType.ENCODER_DECODER
+        slots = md.cross_slots if cross else md.self_slots
+        flat = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, H_kv, D]
+        k, v = flat[0].index_select(0, slots), flat[1].index_select(0, slots)
+        return self._attend(query, k, v, md.cross_bias if cross else md.self_bias)
+
+
+class XFormersBackend(AttentionBackend):
+    name = "xformers"
+    priority = 30
+    capabilities = BackendCapabilities(
+        devices=("cuda",),
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        block_sizes="any >= 1 (K/V are gathered into packed runs per step)",
+        head_sizes=f"multiples of {HEAD_ALIGN} up to {MAX_HEAD_SIZE}",
+        requires=("xformers",),
+        notes="float32 runs on xFormers' CUTLASS kernel; float16/bfloat16 on flash where it applies",
+    )
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return XFormersImpl
+
+    @staticmethod
+    def get_metadata_builder_cls() -> type[AttentionMetadataBuilder]:
+        return XFormersMetadataBuilder
+
+    @classmethod
+    def unsupported_reasons(cls, device, dtype, head_size, attn_types, block_size, kv_cache_dtype) -> list[str]:
+        reasons = []
+        if importlib.util.find_spec("xformers") is None:
+            reasons.append("the xformers package is not installed (pip install 'tandem-engine[xformers]')")
+        if device.type != "cuda":
+            reasons.append(f"device {device.type!r}: xformers has no CPU kernels (cuda only)")
+        floats = (torch.float32, torch.float16, torch.bfloat16)
+        if dtype not in floats:
+            reasons.append(f"dtype {dtype} is not float32, float16 or bfloat16")
+        if kv_cache_dtype != dtype:
+            reasons.append(f"KV-cache dtype {kv_cache_dtype} differs from the model dtype {dtype}")
+        if head_size % HEAD_ALIGN or not 0 < head_size <= MAX_HEAD_SIZE:
+            reasons.append(f"head size {head_size} is not a multiple of {HEAD_ALIGN} in {HEAD_ALIGN}..{MAX_HEAD_SIZE}")
+        if block_size < 1:
+            reasons.append(f"block_size {block_size} is not >= 1")
+        return reasons
