@@ -36,6 +36,7 @@ from tandem.core.attention import (
     AttentionType,
     BackendCapabilities,
 )
+from tandem.core.kv.cache_ops import packed_slots
 
 # The largest head size every forward operator xFormers may dispatch to takes
 # (flash: 256; CUTLASS more), and the alignment CUTLASS wants on sm80+ for 16-bit
@@ -67,16 +68,6 @@ class XFormersMetadata(AttentionMetadata):
     self_bias: Any  # BlockDiagonalCausalFromBottomRightMask, or None without decoder tokens
     cross_bias: Any  # BlockDiagonalMask
     encoder_bias: Any  # BlockDiagonalMask over the encoder runs, or None when none runs
-
-
-def packed_slots(tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Slot of position ``p`` of sequence ``i`` for every ``p < lens[i]``, sequences
-    one after another: ``[sum(lens)]``, built with index ops (no per-token loop)."""
-    lens = lens.to(tables.device)
-    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=tables.device), lens)
-    starts = torch.cumsum(lens, 0) - lens
-    pos = torch.arange(seq.numel(), device=tables.device) - starts.index_select(0, seq)
-    return tables[seq, pos // block_size] * block_size + pos % block_size
 
 
 class XFormersMetadataBuilder(AttentionMetadataBuilder):

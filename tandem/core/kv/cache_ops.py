@@ -68,3 +68,14 @@ def gather_from_paged_cache(
     keys = torch.index_select(kv_cache[0], 0, index, out=workspace.get("k", rows, kv_cache))
     values = torch.index_select(kv_cache[1], 0, index, out=workspace.get("v", rows, kv_cache))
     return keys.view(shape), values.view(shape)
+
+
+def packed_slots(tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slot of position ``p`` of sequence ``i`` for every ``p < lens[i]``, sequences
+    one after another: ``[sum(lens)]``, for gathering each sequence's K/V into one
+    packed run (index ops only, no per-token loop)."""
+    lens = lens.to(tables.device)
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=tables.device), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    pos = torch.arange(seq.numel(), device=tables.device) - starts.index_select(0, seq)
+    return tables[seq, pos // block_size] * block_size + pos % block_size
