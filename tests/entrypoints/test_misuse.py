@@ -216,7 +216,11 @@ def test_engine_start_is_logged_once_with_what_was_chosen(bart_dir, caplog):
     assert len(lines) == 1
     line = lines[0]
     assert "BartForConditionalGeneration" in line and "float32 on cpu" in line
-    assert "attention backend torch_sdpa (the highest priority (10) of those that can serve cpu/float32)" in line
+    assert "attention backend torch_sdpa (the highest priority (10) of those that can serve cpu/float32; " \
+        "passed over: " in line
+    # Each backend passed over, with why: the operator sees why flash_attn did not run here.
+    assert "flash_attn (priority 40): device 'cpu': FlashAttention kernels run on cuda only" in line
+    assert "triton: chosen only when asked for by name on cpu/float32" in line
     assert "KV pool 50 blocks x 16 tokens" in line
     cpu_blocks = llm.engine.block_manager.num_total_blocks(Device.HOST)
     assert f"swap space {cpu_blocks} blocks = 0.50 GiB" in line
