@@ -30,6 +30,7 @@ The cache layout is the default ``[2, num_blocks, block_size, H_kv, D]``:
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -105,7 +106,20 @@ KERNELS = (
 )
 
 
+# Installed distributions stand for the kernel packages: asking importlib for
+# ``flash_attn.cute`` would import ``flash_attn`` (CUDA libraries and all) just
+# to answer a capability check.
+_DISTRIBUTIONS = {"flash_attn.cute": "flash-attn-4", "flash_attn": "flash-attn"}
+
+
 def _importable(module: str) -> bool:
+    dist = _DISTRIBUTIONS.get(module)
+    if dist is not None:
+        try:
+            importlib.metadata.distribution(dist)
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            return False
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a parent package that is missing or broken

@@ -74,3 +74,26 @@ def test_swap_and_copy_move_exactly_the_listed_blocks(name):
     for layer, s in zip(dev, snap):
         assert torch.equal(block(layer, 3), block(s, 1)) and torch.equal(block(layer, 4), block(s, 3))
         assert all(torch.equal(block(layer, i), block(s, i)) for i in range(10) if i not in (3, 4))
+
+
+def test_choosing_a_backend_imports_no_kernel_package():
+    """Every backend module loads for the automatic choice and `tandem plugins`; none
+    may import its kernel package (triton, xformers, flash_attn) to do so."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from tandem.plugins import default_backend_registry\n"
+        "from tandem.core.attention import AttentionType\n"
+        "reg = default_backend_registry()\n"
+        "sel = reg.select(None, device=torch.device('cpu'), dtype=torch.float32, head_size=64,\n"
+        "                 attn_types=frozenset(AttentionType), block_size=16)\n"
+        "for name in reg.names():\n"
+        "    b = reg.load(name)\n"
+        "    b.unsupported_reasons(torch.device('cuda'), torch.bfloat16, 64, frozenset(AttentionType), 16,\n"
+        "                          torch.bfloat16)\n"
+        "print(sel.backend.name, sorted(m for m in ('triton', 'xformers', 'flash_attn') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split()[0] == "torch_sdpa" and out.strip().endswith("[]"), out
