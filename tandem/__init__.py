@@ -19,7 +19,7 @@ from tandem.core.layers import Attention
 from tandem.core.model import EncoderDecoderModel, KVCacheSpec, ModelContext
 from tandem.core.outputs import CompletionOutput, RequestOutput
 from tandem.core.engine import LLMEngine
-from tandem.core.sampling_params import RequestOutputKind, SamplingParams
+from tandem.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from tandem.entrypoints.llm import LLM
 from tandem.logger import configure_library_logging
 from tandem.plugins.hookspecs import hookimpl
@@ -49,6 +49,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "BeamSearchParams",
     "StepInputs",
     "TextPrompt",
     "TokensPrompt",

@@ -47,6 +47,10 @@ class EngineConfig:
     seed: int = 0
     # Never run Python code shipped inside a checkpoint (transformers' auto_map) unless asked.
     trust_remote_code: bool = False
+    # Request defaults: "auto" (the checkpoint's generation_config.json, as HF
+    # generate uses it), "none" (SamplingParams' own defaults), or a directory
+    # holding a generation_config.json.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, Path)) or not Path(self.model).is_dir():
@@ -79,4 +83,11 @@ class EngineConfig:
             raise ValueError(f"trust_remote_code={self.trust_remote_code!r}: must be True or False")
         if not is_int(self.seed):
             raise ValueError(f"seed={self.seed!r}: must be an integer")
+        gc = self.generation_config
+        if not isinstance(gc, (str, Path)) or (str(gc) not in ("auto", "none") and not Path(gc).is_dir()):
+            raise ValueError(
+                f"generation_config={gc!r}: must be 'auto' (the checkpoint's), 'none', or a directory "
+                "holding a generation_config.json"
+            )
+        self.generation_config = str(gc)
         # max_num_seqs, max_num_batched_tokens and preemption_mode are checked by SchedulerConfig.

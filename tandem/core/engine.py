@@ -19,7 +19,9 @@ import torch
 
 from tandem.core.attention import AttentionType
 from tandem.core.block_manager import BlockManager, Device, blocks_for
+from tandem.core.beam_search import BeamSearchState
 from tandem.core.config import DEFAULT_KV_CACHE_GIB, EngineConfig
+from tandem.core.generation_config import load_generation_defaults, merge_params, resolve_lengths
 from tandem.core.inputs import EncoderDecoderInputs, InputProcessor, PromptType
 from tandem.core.loader import check_model_config, load_hf_config, load_tokenizer
 from tandem.core.memory import GiB, check_fits
@@ -64,7 +66,10 @@ class LLMEngine:
             attn_types=frozenset(AttentionType), block_size=config.block_size, kv_cache_dtype=dtype,
         )
         self.attn_backend, self._backend_reason = selection.backend, selection.reason
+        self.generation_defaults = load_generation_defaults(config.model, self.hf_config, config.generation_config)
         eos = self.hf_config.eos_token_id
+        if self.generation_defaults.eos_token_ids is not None:  # HF generate stops on the generation config's
+            eos = list(self.generation_defaults.eos_token_ids)
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.worker = Worker(config, self.hf_config, self.model_cls, self.attn_backend, sorted(self.eos_token_ids))
         block_bytes = self.worker.block_bytes
@@ -75,11 +80,11 @@ class LLMEngine:
         self.worker.initialize_cache(num_blocks, num_cpu_blocks)
 
         self.block_manager = BlockManager(config.block_size, num_blocks, num_cpu_blocks)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.eos_token_ids)
+        self._seq_ids = itertools.count()
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.eos_token_ids, self._seq_ids)
         self.input_processor = InputProcessor(self.hf_config, self.model_cls, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = self.model_cls.vocab_size(self.hf_config)
-        self._seq_ids = itertools.count()
         self.stats = EngineStats()
         logger.info(
             "engine ready: %s for %s, %s on %s; attention backend %s (%s); KV pool %d blocks x %d "
@@ -121,24 +126,49 @@ class LLMEngine:
         return max(1, min(wanted, int(DEFAULT_KV_CACHE_GIB * GiB // block_bytes)))
 
     # -- requests ------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
-        """Validate and queue a request; raises ``ValueError`` naming what is wrong."""
-        params = params or SamplingParams()
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request gets for every field it does not set: the checkpoint's
+        generation config read as HF ``generate`` reads it (``generation_config="none"``:
+        SamplingParams' own defaults)."""
+        return self.generation_defaults.params
+
+    def resolve_params(self, params: SamplingParams | None) -> SamplingParams:
+        """The request's explicit fields over the defaults; raises ``ValueError`` or
+        ``TypeError`` for a combination that cannot be served."""
+        if params is None:
+            return self.generation_defaults.params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        return merge_params(self.generation_defaults.params, params, self.generation_defaults.source)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+        """Validate and queue a request; raises ``ValueError`` naming what is wrong.
+        Fields of ``params`` the caller did not set come from the checkpoint's
+        generation config (:meth:`get_default_sampling_params`)."""
         if request_id in self.scheduler.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        params = self.resolve_params(params)
         inputs = self.input_processor.process(prompt)
+        prompt_len = len(inputs.prompt_token_ids)
+        params = resolve_lengths(params, prompt_len, self.model_cls.max_decoder_len(self.hf_config) - prompt_len)
         self._validate(inputs, params)
-        seqs = [Sequence(next(self._seq_ids), inputs.prompt_token_ids) for _ in range(params.n)]
+        beams = params.use_beam_search
+        # Beam search starts from one sequence; it becomes num_beams after the first step.
+        seqs = [Sequence(next(self._seq_ids), inputs.prompt_token_ids) for _ in range(1 if beams else params.n)]
         group = SequenceGroup(
             request_id, inputs.encoder_inputs, seqs, params, time.monotonic(),
             encoder_prompt=inputs.encoder_prompt, prompt=inputs.prompt,
             encoder_prompt_token_ids=inputs.encoder_prompt_token_ids,
         )
+        if beams:
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            group.beam_state = BeamSearchState(params, prompt_len, frozenset(stops))
         # Every sequence at full length must fit the pool, or it would preempt itself
         # forever (blocks its sequences share count once; the cross table always counts).
         need = self.block_manager.blocks_needed(group, extra_tokens=params.max_tokens)
+        if beams:  # every beam at full length, sharing nothing but the cross table
+            bs = self.config.block_size
+            need = blocks_for(group.encoder_len, bs) + params.num_beams * blocks_for(prompt_len + params.max_tokens, bs)
         usable = self.block_manager.usable_blocks
         if need > usable:
             raise ValueError(
@@ -173,11 +203,26 @@ class LLMEngine:
             raise ValueError(
                 f"encoder prompt has {enc_len} {what}; the model accepts at most {m.max_encoder_len(cfg)}"
             )
-        if dec_len + params.max_tokens > m.max_decoder_len(cfg):
+        if dec_len + params.max_tokens > m.max_decoder_len(cfg):  # resolve_lengths keeps this from happening
             raise ValueError(
                 f"decoder prompt ({dec_len} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's {m.max_decoder_len(cfg)} decoder positions"
             )
+        for name in ("bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "allowed_token_ids",
+                     "logit_bias", "forced_bos_token_id", "forced_eos_token_id"):
+            value = getattr(params, name)
+            if value is None:
+                continue
+            ids = [value] if isinstance(value, int) else value
+            if name == "bad_words_ids":
+                ids = [t for seq in value for t in seq]
+            elif name == "logit_bias":
+                ids = [t for t, _ in value]
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"SamplingParams.{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+                )
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(
                 f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary size ({self.vocab_size})"
@@ -187,15 +232,16 @@ class LLMEngine:
             raise ValueError(
                 f"SamplingParams.stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
-        if params.n > self.scheduler_config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler_config.max_num_seqs}")
+        width, what = (params.num_beams, "num_beams") if params.use_beam_search else (params.n, "n")
+        if width > self.scheduler_config.max_num_seqs:
+            raise ValueError(f"{what}={width} exceeds max_num_seqs={self.scheduler_config.max_num_seqs}")
         # A group preempted by recompute runs its encoder and every decoder token
         # again in one step, so the worst case must fit the step's token budget.
-        worst = enc_len + params.n * (dec_len + params.max_tokens - 1)
+        worst = enc_len + width * (dec_len + params.max_tokens - 1)
         budget = self.scheduler_config.max_num_batched_tokens
         if worst > budget:
             raise ValueError(
-                f"request may need {worst} tokens in one step (encoder {enc_len} + n={params.n} x "
+                f"request may need {worst} tokens in one step (encoder {enc_len} + {what}={width} x "
                 f"(decoder prompt {dec_len} + max_tokens {params.max_tokens} - 1), when recomputed "
                 f"after preemption); max_num_batched_tokens={budget}"
             )

@@ -73,7 +73,9 @@ class OutputProcessor:
     def add_request(self, group: SequenceGroup) -> None:
         p = group.sampling_params
         # Text is followed step by step only when someone reads it before the end.
-        follow = self.tokenizer is not None and (bool(p.stop_strings) or p.output_kind is not RequestOutputKind.FINAL_ONLY)
+        follow = self.tokenizer is not None and not p.use_beam_search and (
+            bool(p.stop_strings) or p.output_kind is not RequestOutputKind.FINAL_ONLY
+        )
         state = _RequestState(p)
         for seq in group.seqs:
             detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens) if follow else None
@@ -87,6 +89,8 @@ class OutputProcessor:
         request's kind asks for now, or None."""
         state = self._requests[group.request_id]
         p = state.params
+        if p.use_beam_search:  # beams change until the end: nothing to show before it
+            return self.make_output(group) if group.is_finished else None
         for seq in group.seqs:
             n = new_tokens.get(seq.seq_id, 0)
             s = state.seqs[seq.seq_id]
@@ -119,7 +123,7 @@ class OutputProcessor:
         delta = p.output_kind is RequestOutputKind.DELTA
         completions = []
         for i, seq in enumerate(group.seqs):
-            s = state.seqs[seq.seq_id]
+            s = state.seqs.get(seq.seq_id) or state.seqs.setdefault(seq.seq_id, _SeqState(None))
             text = s.text
             if seq.finished and not isinstance(seq.stop_reason, str) and self.tokenizer is not None:
                 # The final text is the tokenizer's own decode of the whole output.

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import functools
 import math
 import numbers
-from collections.abc import Callable, Sequence
-import enum
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -28,24 +30,48 @@ class RequestOutputKind(enum.IntEnum):
 class SamplingParams:
     """How to pick tokens for one request.
 
-    ``temperature == 0`` is greedy decoding. ``max_tokens`` counts generated
-    tokens (the decoder prompt is not counted); ``min_tokens`` suppresses EOS
-    and ``stop_token_ids`` until that many tokens exist. ``logprobs=k`` returns
-    the top-k log-probabilities (plus the chosen token's) for every step.
-    ``top_k`` of 0 or -1 means off (stored as -1). ``output_kind`` says what
-    ``LLMEngine.step()`` returns for the request as it advances (``LLM.generate``
-    always returns the final output).
+    **Decoding.** ``temperature == 0`` is greedy decoding; ``num_beams > 1`` is
+    beam search with HF ``generate``'s semantics (``length_penalty``,
+    ``early_stopping`` True / False / ``"never"``), and then ``n`` is HF's
+    ``num_return_sequences``: the ``n`` best finished beams, best first, each
+    with its beam score as ``cumulative_logprob``. ``max_tokens`` counts
+    generated tokens (None: as many as the decoder positions allow);
+    ``max_length`` and ``min_length`` count the whole decoder sequence, decoder
+    prompt included, as HF does. ``min_tokens`` (HF ``min_new_tokens``)
+    suppresses EOS and ``stop_token_ids`` until that many tokens exist.
+    ``logprobs=k`` returns the top-k log-probabilities (plus the chosen token's)
+    for every step, taken after the logits processors. ``top_k`` of 0 or -1
+    means off (stored as -1). ``output_kind`` says what ``LLMEngine.step()``
+    returns for the request as it advances (``LLM.generate`` always returns the
+    final output; beam search returns only when it finishes).
+
+    **Logits processors** (HF semantics, applied in this order, and only to the
+    requests that set them): ``allowed_token_ids``, ``logit_bias`` (OpenAI:
+    token id -> added bias), ``repetition_penalty`` (over the decoder prompt
+    and output), ``presence_penalty`` / ``frequency_penalty`` (OpenAI, over the
+    output), ``no_repeat_ngram_size``, ``bad_words_ids`` (token sequences, of
+    any length), ``min_length`` / ``min_tokens``, ``forced_bos_token_id``,
+    ``forced_eos_token_id``, ``suppress_tokens``, ``begin_suppress_tokens``,
+    then the user's ``logits_processors`` (vLLM's signature: ``fn(output_ids,
+    logits)`` or ``fn(prompt_ids, output_ids, logits)``, returning the logits).
+
+    **Defaults from the checkpoint.** The engine fills every field the caller
+    did not pass from the checkpoint's generation config, as HF ``generate``
+    does (``LLM.get_default_sampling_params()`` shows the result); fields
+    passed explicitly always win. ``explicit_fields`` lists them.
 
     Every field is checked here, type before range: a wrong type raises
     ``TypeError`` and a wrong value ``ValueError``, both worded
     ``SamplingParams.<field>=<value>: <why>``. Limits that depend on the model
-    (``logprobs`` and ``stop_token_ids`` against the vocabulary, ``max_tokens``
-    against the decoder positions) are checked by the engine per request.
+    (token ids against the vocabulary, lengths against the decoder positions)
+    are checked by the engine per request.
 
     The object is frozen, so one instance can be shared by many requests.
-    NumPy integers and floats are converted to ``int`` / ``float``; ``stop``
-    given as a list and ``stop_token_ids`` are stored as tuples, copies the
-    caller cannot mutate, which also keeps instances hashable.
+    NumPy integers and floats are converted to ``int`` / ``float``; lists are
+    stored as tuples (``logit_bias`` as sorted ``(token_id, bias)`` pairs),
+    copies the caller cannot mutate, which also keeps instances hashable. Use
+    :meth:`replace` (not ``dataclasses.replace``) to derive a changed copy that
+    keeps track of which fields were set.
     """
 
     n: int = 1
@@ -54,7 +80,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] | None = None
@@ -62,6 +88,26 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # HF-style lengths over the whole decoder sequence (prompt included).
+    max_length: int | None = None
+    min_length: int = 0
+    # Logits processors.
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    no_repeat_ngram_size: int = 0
+    bad_words_ids: Sequence[Sequence[int]] | None = None
+    forced_bos_token_id: int | None = None
+    forced_eos_token_id: int | Sequence[int] | None = None
+    suppress_tokens: Sequence[int] | None = None
+    begin_suppress_tokens: Sequence[int] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    logit_bias: Mapping[int, float] | None = None
+    logits_processors: Sequence[Callable] | None = None
+    # Beam search.
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     # Derived from ``stop``; left out of eq/hash because ``stop`` already decides it.
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -69,6 +115,8 @@ class SamplingParams:
         def put(name: str, value: object) -> None:
             object.__setattr__(self, name, value)
 
+        if not hasattr(self, "_explicit"):  # built by dataclasses machinery, not __init__
+            put("_explicit", frozenset())
         put("n", _int("n", self.n, 1))
         put("temperature", _real("temperature", self.temperature, "a real number >= 0", lambda x: x >= 0))
         top_k = _int("top_k", self.top_k, -1, "-1 or 0 (off), or an integer >= 1")
@@ -80,9 +128,10 @@ class SamplingParams:
             if not _SEED_MIN <= seed <= _SEED_MAX:
                 raise _value_error("seed", self.seed, "must be in [-2**63, 2**64 - 1], the range torch seeds take")
             put("seed", seed)
-        put("max_tokens", _int("max_tokens", self.max_tokens, 1))
+        if self.max_tokens is not None:
+            put("max_tokens", _int("max_tokens", self.max_tokens, 1, "None or an integer >= 1"))
         put("min_tokens", _int("min_tokens", self.min_tokens, 0))
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _value_error("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             put("logprobs", _int("logprobs", self.logprobs, 0, "None or an integer >= 0"))
@@ -98,9 +147,131 @@ class SamplingParams:
         put("stop_strings", stop_strings)
         put("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
 
+        if self.max_length is not None:
+            put("max_length", _int("max_length", self.max_length, 1, "None or an integer >= 1"))
+        put("min_length", _int("min_length", self.min_length, 0))
+        put(
+            "repetition_penalty",
+            _real("repetition_penalty", self.repetition_penalty, "a real number > 0 (1 is off)", lambda x: x > 0),
+        )
+        put("presence_penalty", _real("presence_penalty", self.presence_penalty, "a real number in [-2, 2]", lambda x: -2 <= x <= 2))
+        put(
+            "frequency_penalty",
+            _real("frequency_penalty", self.frequency_penalty, "a real number in [-2, 2]", lambda x: -2 <= x <= 2),
+        )
+        put("no_repeat_ngram_size", _int("no_repeat_ngram_size", self.no_repeat_ngram_size, 0))
+        put("bad_words_ids", _token_seqs("bad_words_ids", self.bad_words_ids))
+        if self.forced_bos_token_id is not None:
+            put("forced_bos_token_id", _int("forced_bos_token_id", self.forced_bos_token_id, 0, "None or a token id >= 0"))
+        forced_eos = self.forced_eos_token_id
+        if forced_eos is not None:
+            ids = _token_ids("forced_eos_token_id", [forced_eos] if _is_int(forced_eos) else forced_eos)
+            if not ids:
+                raise _value_error("forced_eos_token_id", forced_eos, "must name at least one token id")
+            put("forced_eos_token_id", ids)
+        put("suppress_tokens", _token_ids("suppress_tokens", self.suppress_tokens))
+        put("begin_suppress_tokens", _token_ids("begin_suppress_tokens", self.begin_suppress_tokens))
+        if self.allowed_token_ids is not None:
+            allowed = _token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not allowed:
+                raise _value_error("allowed_token_ids", self.allowed_token_ids, "must not be empty (None allows every token)")
+            put("allowed_token_ids", allowed)
+        put("logit_bias", _logit_bias(self.logit_bias))
+        put("logits_processors", _callables("logits_processors", self.logits_processors))
+
+        put("num_beams", _int("num_beams", self.num_beams, 1))
+        put("length_penalty", _real("length_penalty", self.length_penalty, "a finite real number", lambda x: True))
+        if self.early_stopping not in (True, False, "never") or isinstance(self.early_stopping, (int, float)) and not isinstance(self.early_stopping, bool):
+            raise _value_error("early_stopping", self.early_stopping, "must be True, False or 'never'")
+        if self.num_beams > 1:
+            # Here only against fields the caller set: the others may still come
+            # from the checkpoint's defaults (the engine checks the merged result).
+            self.check_beam_search(self.explicit_fields)
+
+    def check_beam_search(self, fields: frozenset[str] | None = None) -> None:
+        """Raise ``ValueError`` for settings beam search cannot serve, among ``fields``
+        (all when None), each conflict naming both values."""
+        if self.num_beams == 1:
+            return
+        beams = f"with num_beams={self.num_beams}"
+
+        def given(name: str) -> bool:
+            return fields is None or name in fields
+
+        if given("n") and self.n > self.num_beams:
+            raise _value_error("n", self.n, f"must be <= num_beams ({self.num_beams}): beam search returns the n best beams")
+        if given("temperature") and not self.greedy:
+            raise _value_error(
+                "temperature", self.temperature,
+                f"must be 0 {beams}: beam search keeps the most likely beams (beam sampling is not supported)",
+            )
+        if given("stop") and self.stop_strings:
+            raise _value_error(
+                "stop", self.stop, f"stop strings are not supported {beams}; beams end on tokens: use stop_token_ids"
+            )
+        for name, off in (("top_k", -1), ("top_p", 1.0), ("min_p", 0.0)):
+            if given(name) and getattr(self, name) != off:
+                raise _value_error(name, getattr(self, name), f"sampling filters do not apply {beams}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.num_beams > 1
+
+    @property
+    def explicit_fields(self) -> frozenset[str]:
+        """The fields the caller passed (positionally or by name)."""
+        return self._explicit  # type: ignore[attr-defined]
+
+    def replace(self, **changes) -> "SamplingParams":
+        """A copy with ``changes`` applied; the changed fields count as explicit too."""
+        unknown = set(changes) - set(_FIELD_NAMES)
+        if unknown:
+            raise TypeError(f"SamplingParams has no field(s) {sorted(unknown)}")
+        values = {name: getattr(self, name) for name in _FIELD_NAMES}
+        values.update(changes)
+        out = SamplingParams.__new__(SamplingParams)
+        object.__setattr__(out, "_explicit", self.explicit_fields | frozenset(changes))
+        _dataclass_init(out, **values)
+        return out
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+_dataclass_init = SamplingParams.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_recording_explicit(self, *args, **kwargs) -> None:
+    object.__setattr__(self, "_explicit", frozenset(_FIELD_NAMES[: len(args)]) | frozenset(kwargs))
+    _dataclass_init(self, *args, **kwargs)
+
+
+SamplingParams.__init__ = _init_recording_explicit  # type: ignore[method-assign]
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search settings for :meth:`tandem.LLM.beam_search` (vLLM's name):
+    ``beam_width`` beams, the best ``n`` returned (default: all of them)."""
+
+    beam_width: int
+    max_tokens: int | None = None
+    n: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    ignore_eos: bool = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        kwargs = dict(
+            num_beams=self.beam_width, n=self.n if self.n is not None else self.beam_width, temperature=0.0,
+            length_penalty=self.length_penalty, early_stopping=self.early_stopping, ignore_eos=self.ignore_eos,
+        )
+        if self.max_tokens is not None:
+            kwargs["max_tokens"] = self.max_tokens
+        return SamplingParams(**kwargs)
 
 
 def _show(value: object) -> str:
@@ -188,3 +359,51 @@ def _token_ids(name: str, ids: object) -> tuple[int, ...]:
             raise _value_error(name, ids, f"must be integers >= 0 (item {i} is {t})")
         out.append(int(t))
     return tuple(out)
+
+
+def _token_seqs(name: str, seqs: object) -> tuple[tuple[int, ...], ...]:
+    want = "None or a list of non-empty lists of token ids"
+    if seqs is None:
+        return ()
+    if not isinstance(seqs, (list, tuple)):
+        raise _type_error(name, seqs, want)
+    out = []
+    for i, seq in enumerate(seqs):
+        if not isinstance(seq, (list, tuple)):
+            raise _type_error(name, seqs, want, f"but item {i} is {type(seq).__name__}")
+        ids = _token_ids(f"{name}[{i}]", seq)
+        if not ids:
+            raise _value_error(name, seqs, f"item {i} is empty")
+        out.append(ids)
+    return tuple(out)
+
+
+def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    want = "None or a mapping of token id to a real bias"
+    if bias is None:
+        return ()
+    items = bias.items() if isinstance(bias, Mapping) else bias if isinstance(bias, (list, tuple)) else None
+    if items is None:
+        raise _type_error("logit_bias", bias, want)
+    out = {}
+    for item in items:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2):
+            raise _type_error("logit_bias", bias, want, f"but has an entry {item!r}")
+        token, value = item
+        if isinstance(token, str) and token.strip().lstrip("-").isdigit():  # JSON object keys are strings
+            token = int(token)
+        if not _is_int(token) or token < 0:
+            raise _value_error("logit_bias", bias, f"token id {token!r} must be an integer >= 0")
+        out[int(token)] = _real("logit_bias", value, "a finite real bias", lambda x: True)
+    return tuple(sorted(out.items()))
+
+
+def _callables(name: str, fns: object) -> tuple[Callable, ...]:
+    if fns is None:
+        return ()
+    if not isinstance(fns, (list, tuple)):
+        raise _type_error(name, fns, "None or a list of callables")
+    for i, fn in enumerate(fns):
+        if not callable(fn):
+            raise _type_error(name, fns, "None or a list of callables", f"but item {i} is {type(fn).__name__}")
+    return tuple(fns)

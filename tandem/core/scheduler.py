@@ -16,14 +16,16 @@ the same step. Sequences about to write into shared blocks get copies first
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
 from tandem.core.block_manager import AllocStatus, BlockManager
 from tandem.core.config import EngineConfig, is_int
 from tandem.core.scheduler_output import (
+    BeamCandidates,
     ModelRunnerOutput,
     NewRequestData,
     ScheduledGroup,
@@ -63,9 +65,15 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Iterable[int] = ()
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        eos_token_ids: Iterable[int] = (),
+        seq_ids: Iterator[int] | None = None,
     ) -> None:
         self.config = config
+        # Ids for sequences made here (beams forked from beams, finished hypotheses).
+        self.seq_ids = seq_ids if seq_ids is not None else itertools.count(1 << 40)
         self.block_manager = block_manager
         self.waiting: deque[SequenceGroup] = deque()
         self.running: deque[SequenceGroup] = deque()
@@ -136,7 +144,8 @@ class Scheduler:
         self.block_manager.free_group(group)
         self.groups.pop(group.request_id, None)
         for seq in group.seqs:
-            self._sent_tables.pop(seq.seq_id, None)
+            if self._sent_tables.pop(seq.seq_id, None) is not None:
+                self._finished_seqs.append(seq.seq_id)  # the worker forgets its table
         if group.request_id in self._announced:
             self._announced.discard(group.request_id)
             self._finished_requests.append(group.request_id)
@@ -196,7 +205,7 @@ class Scheduler:
             seqs = group.unfinished_seqs()
             run_encoder = not bm.cross_is_live(group)
             tokens = (group.encoder_len if run_encoder else 0) + sum(len(s) for s in seqs)
-            if num_seqs + len(seqs) > self.config.max_num_seqs or tokens > budget:
+            if num_seqs + group.max_num_seqs > self.config.max_num_seqs or tokens > budget:
                 break
             status = bm.can_allocate(group)
             if status is not AllocStatus.OK:
@@ -212,7 +221,7 @@ class Scheduler:
             else:
                 self.encoder_tokens_reused += group.encoder_len
             budget -= tokens
-            num_seqs += len(seqs)
+            num_seqs += group.max_num_seqs
             self.running.append(group)
             scheduled.append(self._metadata(group, run_encoder))
 
@@ -246,6 +255,8 @@ class Scheduler:
                 block_ids, replace = table[len(sent) :], False
             else:
                 block_ids, replace = list(table), True
+            # A sequence the worker has not seen but with computed tokens is a forked beam.
+            prefix = seq.token_ids[: seq.num_computed_tokens] if sent is None and seq.num_computed_tokens else None
             self._sent_tables[seq.seq_id] = list(table)
             seqs.append(
                 ScheduledSequence(
@@ -255,6 +266,7 @@ class Scheduler:
                     block_ids=block_ids,
                     replace_blocks=replace,
                     num_output_tokens=len(seq.output_token_ids),
+                    prefix_token_ids=prefix,
                 )
             )
         return ScheduledGroup(
@@ -263,6 +275,7 @@ class Scheduler:
             encoder_inputs=group.encoder_inputs if run_encoder else None,
             num_encoder_positions=group.encoder_len,
             cross_block_table=list(bm.get_cross_block_table(group)),
+            beam_scores=group.beam_state.running_scores() if group.beam_state is not None else None,
         )
 
     # -- after the forward pass ----------------------------------------------
@@ -278,6 +291,10 @@ class Scheduler:
                 continue
             # Sharers too: their cross table was filled by now, in this step or an earlier one.
             group.encoder_computed = True
+            if group.beam_state is not None:
+                self._update_beams(group, sg, result.beams[sg.request_id])
+                advanced.append(group)
+                continue
             any_finished = False
             by_id = {s.seq_id: s for s in group.seqs} if len(group.seqs) > 1 else None
             for ss in sg.seqs:
@@ -294,6 +311,66 @@ class Scheduler:
                 self.release_finished(group)
             advanced.append(group)
         return advanced
+
+    def _update_beams(self, group: SequenceGroup, sg: ScheduledGroup, cands: BeamCandidates) -> None:
+        """One beam step: the next running beams reuse, fork or drop this step's
+        (a beam continued more than once forks: its blocks are shared, copied on
+        write); a finished search leaves the best hypotheses as the group's sequences."""
+        bm, state = self.block_manager, group.beam_state
+        by_id = {s.seq_id: s for s in group.seqs}
+        running = [by_id[ss.seq_id] for ss in sg.seqs]
+        for ss, seq in zip(sg.seqs, running):
+            seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
+        num_out = len(running[0].output_token_ids)
+        next_beams = state.step(
+            cands, [s.output_token_ids for s in running], [s.output_logprobs for s in running], num_out
+        )
+        if state.done:
+            for seq in running:
+                self._drop_seq(seq, group)
+            p = group.sampling_params
+            finished = []
+            for hyp, score in state.best(p.n):
+                seq = Sequence(next(self.seq_ids), group.seqs[0].prompt_token_ids)
+                if hyp is not None:
+                    seq.output_token_ids = list(hyp.output_token_ids)
+                    seq.token_ids = seq.prompt_token_ids + seq.output_token_ids
+                    seq.output_logprobs = list(hyp.output_logprobs)
+                    stopped = hyp.finished_by_stop
+                    if stopped and hyp.output_token_ids[-1] not in self.eos_token_ids:
+                        seq.stop_reason = hyp.output_token_ids[-1]
+                else:
+                    stopped = False
+                seq.cumulative_logprob = score
+                seq.status = SequenceStatus.FINISHED_STOPPED if stopped else SequenceStatus.FINISHED_LENGTH
+                finished.append(seq)
+            group.seqs = finished
+            self.release_finished(group)
+            return
+        claimed: set[int] = set()
+        plan = []
+        for nb in next_beams:  # forks first, from the parents as they are
+            parent = running[nb.parent]
+            if nb.parent in claimed:
+                child = parent.fork(next(self.seq_ids))
+                bm.fork(parent, child)
+                plan.append((child, nb))
+            else:
+                claimed.add(nb.parent)
+                plan.append((parent, nb))
+        for j, seq in enumerate(running):
+            if j not in claimed:
+                self._drop_seq(seq, group)
+        for seq, nb in plan:
+            seq.append_token(nb.token_id, nb.token_logprob, nb.top_logprobs)
+            seq.cumulative_logprob = nb.score
+        group.seqs = [seq for seq, _ in plan]
+
+    def _drop_seq(self, seq: Sequence, group: SequenceGroup) -> None:
+        """Free a running beam the search left behind."""
+        self.block_manager.free(seq, group)
+        if self._sent_tables.pop(seq.seq_id, None) is not None:
+            self._finished_seqs.append(seq.seq_id)
 
     def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
         """Stops on token ids and length; stop strings are the output processor's."""

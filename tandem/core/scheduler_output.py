@@ -39,6 +39,10 @@ class ScheduledSequence:
     replace_blocks: bool
     # Output tokens so far, for processors that depend on it (min_tokens).
     num_output_tokens: int
+    # The tokens already computed, sent when the worker has not seen this
+    # sequence before although it has computed tokens (a beam forked from
+    # another), so processors that read the past have it.
+    prefix_token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,9 @@ class ScheduledGroup:
     encoder_inputs: EncoderInputs | None
     num_encoder_positions: int  # cross K/V length every sequence attends to
     cross_block_table: list[int]
+    # Beam search: the num_beams running beam scores (float32 values). On the
+    # first step the group runs one sequence standing for all its beams.
+    beam_scores: list[float] | None = None
 
     @property
     def run_encoder(self) -> bool:
@@ -81,11 +88,26 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class BeamCandidates:
+    """One beam-search group's best continuations this step, best first (HF's
+    ``beams_to_keep``): each is a parent beam (index into the group's scheduled
+    sequences), a token and the accumulated score (float32 values)."""
+
+    scores: list[float]
+    parents: list[int]
+    token_ids: list[int]
+    token_logprobs: list[float]  # the token's processed log-probability alone
+    top_logprobs: list[dict[int, float]] | None = None  # per parent row, when asked for
+
+
+@dataclass(frozen=True)
 class ModelRunnerOutput:
-    """The worker's answer: one sampled token per scheduled sequence, in the
-    order the scheduler output lists them."""
+    """The worker's answer: one sampled token per scheduled sequence of the groups
+    that do not search beams, in the order the scheduler output lists them, and
+    the beam candidates of those that do, by request id."""
 
     seq_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]  # the sampled token's log-probability
     top_logprobs: list[dict[int, float] | None]
+    beams: dict[str, BeamCandidates] = field(default_factory=dict)

@@ -66,6 +66,17 @@ class Sequence:
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
 
+    def fork(self, seq_id: int) -> "Sequence":
+        """A copy under a new id (its blocks are the block manager's to share)."""
+        child = Sequence(seq_id, self.prompt_token_ids)
+        child.output_token_ids = list(self.output_token_ids)
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.cumulative_logprob = self.cumulative_logprob
+        child.output_logprobs = list(self.output_logprobs)
+        return child
+
     @property
     def finished(self) -> bool:
         return self.status.finished
@@ -102,6 +113,14 @@ class SequenceGroup:
         # True once the cross-attention cache holds the encoder's K/V (its own
         # encoder run, or that of the group whose cross table it shares).
         self.encoder_computed = False
+        # Beam search: the request's finished hypotheses and running scores
+        # (its running beams are ``seqs``); set by the engine.
+        self.beam_state = None
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences the group may run at once: its beams, or its unfinished samples."""
+        return self.sampling_params.num_beams if self.beam_state is not None else len(self.unfinished_seqs())
 
     @property
     def encoder_key(self) -> Hashable:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 from collections.abc import Sequence as Seq
@@ -13,7 +12,7 @@ from tandem.core.config import EngineConfig
 from tandem.core.engine import LLMEngine
 from tandem.core.inputs import PromptType, preview
 from tandem.core.outputs import RequestOutput
-from tandem.core.sampling_params import RequestOutputKind, SamplingParams
+from tandem.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from tandem.plugins import default_backend_registry, default_model_registry
 
 
@@ -41,6 +40,7 @@ class LLM:
         attention_backend: str | None = None,
         seed: int = EngineConfig.seed,
         trust_remote_code: bool = False,
+        generation_config: str = EngineConfig.generation_config,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -57,6 +57,7 @@ class LLM:
             attention_backend=attention_backend,
             seed=seed,
             trust_remote_code=trust_remote_code,
+            generation_config=generation_config,
         )
         self.llm_engine = LLMEngine(config, default_model_registry(), default_backend_registry())
         self._ids = itertools.count()
@@ -70,6 +71,20 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The defaults every request starts from: the checkpoint's generation config
+        as HF ``generate`` reads it (fields a request sets explicitly override them)."""
+        return self.llm_engine.get_default_sampling_params()
+
+    def beam_search(
+        self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, *, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
+        """Beam search over each prompt (vLLM's entry point): ``params.beam_width``
+        beams in the engine, the best ``params.n`` returned per prompt, best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        return self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
 
     def get_stats(self) -> dict[str, int]:
         """Counters since construction: encoder tokens computed and reused, preemptions,
@@ -166,7 +181,7 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     # generate() returns each request once, finished: no per-step outputs to build.
     if params.output_kind is RequestOutputKind.FINAL_ONLY:
         return params
-    return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    return params.replace(output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _rejected(rid: str, prompt, error: Exception) -> RequestOutput:

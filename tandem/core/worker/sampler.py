@@ -1,12 +1,37 @@
-"""Turns last-position logits into next tokens, per each sequence's params."""
+"""Turns last-position logits into next tokens, per each sequence's params.
+
+Greedy and sampled rows: the logits processors on the raw logits, then argmax
+or temperature / top-k / top-p / min-p sampling. Beam-search groups: the
+processors on the log-probabilities, the group's running beam scores added,
+and the top ``beams_to_keep`` (beam, token) continuations over all its beams,
+exactly as HF ``generate`` picks them; the scheduler decides from those which
+beams live on (``tandem.core.beam_search``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tandem.core.sampling_params import SamplingParams
+from tandem.core.scheduler_output import BeamCandidates
+from tandem.core.worker.logits_processors import LogitsProcessors, ProcessorRows
+
+# HF's score for the beams that start as copies of the first (so only its tokens count).
+BEAM_PLACEHOLDER_SCORE = -1e9
+
+
+@dataclass
+class BeamRows:
+    """One beam-search group's rows in the step: ``rows`` (its running beams, or
+    the single prompt sequence on the first step) and their running scores."""
+
+    request_id: str
+    rows: list[int]
+    scores: list[float]  # num_beams running scores (float32 values)
+    num_beams: int
+    beams_to_keep: int
 
 
 @dataclass
@@ -14,11 +39,13 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float]  # chosen token's log-probability
     top_logprobs: list[dict[int, float] | None]
+    beams: dict[str, BeamCandidates] = field(default_factory=dict)
 
 
 class Sampler:
     def __init__(self, eos_token_ids: list[int], seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.eos_token_ids = list(eos_token_ids)
+        self.processors = LogitsProcessors(self.eos_token_ids)
         # Requests without a seed of their own draw from the engine's stream,
         # not torch's global one, so the engine never touches global state.
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -26,17 +53,35 @@ class Sampler:
     def __call__(
         self,
         logits: torch.Tensor,
-        params: list[SamplingParams],
+        rows: ProcessorRows,
         generators: list[torch.Generator | None],
-        num_output_tokens: list[int],
+        beams: list[BeamRows] | None = None,
     ) -> SamplerOutput:
-        """``logits`` is float32 ``[S, vocab]``; row ``i`` samples with ``params[i]`` from
-        ``generators[i]`` (None: the engine's stream) after ``num_output_tokens[i]`` tokens."""
-        self._suppress_stop_tokens(logits, num_output_tokens, params)
+        """``logits`` is float32 ``[S, vocab]``; row ``i`` samples with ``rows.params[i]``
+        from ``generators[i]`` (None: the engine's stream), except the rows of ``beams``.
+        The returned token lists hold the non-beam rows, in row order."""
+        params = rows.params
+        beam_rows = sorted(i for b in beams or () for i in b.rows)
+        if beam_rows:
+            r = torch.tensor(beam_rows, device=logits.device)
+            logits.index_copy_(0, r, torch.log_softmax(logits.index_select(0, r), dim=-1))
+        scores = self.processors(logits, rows)
+        out = SamplerOutput([], [], [])
+        plain = [i for i in range(len(params)) if not params[i].use_beam_search] if beam_rows else None
+        if plain is None or plain:
+            sub = scores if plain is None else scores.index_select(0, torch.tensor(plain, device=scores.device))
+            sub_params = params if plain is None else [params[i] for i in plain]
+            sub_gens = generators if plain is None else [generators[i] for i in plain]
+            out.token_ids, out.logprobs, out.top_logprobs = self._sample(sub, sub_params, sub_gens)
+        for b in beams or ():
+            out.beams[b.request_id] = self._beam_candidates(scores, b, params[b.rows[0]])
+        return out
+
+    # -- greedy and sampled rows -----------------------------------------------------
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators):
         # The chosen token's log-probability needs only the row's logsumexp;
         # the full log-softmax is built only when top-k logprobs are asked for.
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-
         greedy = [p.greedy for p in params]
         tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
         greedy_rows = [i for i, g in enumerate(greedy) if g]
@@ -61,20 +106,7 @@ class Sampler:
                 d = {} if not k else dict(zip(idx[i, :k].tolist(), vals[i, :k].tolist()))
                 d[int(tokens[i])] = float(chosen[i])
                 top[i] = d
-        return SamplerOutput(tokens.tolist(), chosen.tolist(), top)
-
-    def _suppress_stop_tokens(self, logits, num_output_tokens: list[int], params: list[SamplingParams]) -> None:
-        """Before ``min_tokens`` exist, EOS and the stop tokens cannot be picked."""
-        young = [i for i, (n, p) in enumerate(zip(num_output_tokens, params)) if n < p.min_tokens]
-        if not young:
-            return
-        eos_rows = [i for i in young if not params[i].ignore_eos]
-        if eos_rows and self.eos_token_ids:
-            rows = torch.tensor(eos_rows, device=logits.device)[:, None]
-            logits[rows, torch.tensor(self.eos_token_ids, device=logits.device)] = -float("inf")
-        for i in young:
-            if params[i].stop_token_ids:
-                logits[i, params[i].stop_token_ids] = -float("inf")
+        return tokens.tolist(), chosen.tolist(), top
 
     @staticmethod
     def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -117,3 +149,40 @@ class Sampler:
                 row = torch.empty(probs.shape[1]).exponential_(generator=g)
                 q[i] = row.to(probs.device)
         return (probs / q).argmax(dim=-1)
+
+    # -- beam search -------------------------------------------------------------------
+    @staticmethod
+    def _beam_candidates(scores: torch.Tensor, b: BeamRows, p: SamplingParams) -> BeamCandidates:
+        """HF's top-k continuations: processed log-probs plus each beam's running
+        score, flattened over (beam, token), the best ``beams_to_keep``."""
+        logp = scores.index_select(0, torch.tensor(b.rows, device=scores.device))
+        vocab = logp.shape[1]
+        if len(b.rows) == 1 and b.num_beams > 1:
+            # First step: HF runs num_beams copies of the prompt, all but the first
+            # scored -1e9; one row stands for all of them.
+            logp = logp.expand(b.num_beams, vocab)
+        running = torch.tensor(b.scores, dtype=torch.float32, device=scores.device)
+        accumulated = (logp + running[:, None]).reshape(1, -1)
+        values, idx = torch.topk(accumulated, k=b.beams_to_keep)
+        values, idx = values[0], idx[0]
+        beam = idx // vocab
+        token = idx % vocab
+        token_logprob = logp.reshape(-1).index_select(0, idx)
+        parent = beam if len(b.rows) > 1 else torch.zeros_like(beam)
+        top = None
+        if p.logprobs is not None:
+            rows_logp = logp[: len(b.rows)]
+            k = p.logprobs
+            top = []
+            if k:
+                vals, ids = rows_logp.topk(k, dim=-1)
+                top = [dict(zip(ids[r].tolist(), vals[r].tolist())) for r in range(len(b.rows))]
+            else:
+                top = [{} for _ in b.rows]
+        return BeamCandidates(
+            scores=values.tolist(),
+            parents=parent.tolist(),
+            token_ids=token.tolist(),
+            token_logprobs=token_logprob.tolist(),
+            top_logprobs=top,
+        )

@@ -20,14 +20,17 @@ from tandem.core.loader import load_model
 from tandem.core.model import EncoderDecoderModel
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tandem.core.worker.input_batch import BlockTableRows
+from tandem.core.worker.logits_processors import ProcessorRows, needs_history
 from tandem.core.worker.model_runner import ModelRunner
-from tandem.core.worker.sampler import Sampler
+from tandem.core.worker.sampler import BeamRows, Sampler
 
 
 @dataclass
 class _RequestState:
     params: SamplingParams
     generator: torch.Generator | None
+    keeps_history: bool  # its processors read past tokens
 
 
 class Worker:
@@ -48,6 +51,8 @@ class Worker:
         self.kv_spec: KVCacheSpec = model_cls.kv_cache_spec(hf_config)
         self.sampler = Sampler(eos_token_ids, config.seed, self.device)
         self.requests: dict[str, _RequestState] = {}
+        # Decoder tokens of the sequences whose processors read them, by seq id.
+        self.histories = BlockTableRows(config.max_num_seqs, 64)
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] | None = None  # made on the first swap-out
         self.num_cpu_blocks = 0
@@ -93,28 +98,68 @@ class Worker:
             self.backend.copy_blocks(self.kv_caches, src, dst)
         if not out.scheduled:
             return None
-        params, generators, num_out, seq_ids = [], [], [], []
+        params, generators, num_out, seq_lens, seq_ids = [], [], [], [], []
+        beams: list[BeamRows] = []
         for group in out.scheduled:
             state = self.requests[group.request_id]
+            p = state.params
+            start = len(params)
             for seq in group.seqs:
-                params.append(state.params)
+                params.append(p)
                 generators.append(state.generator)
                 num_out.append(seq.num_output_tokens)
+                seq_lens.append(seq.num_computed_tokens + len(seq.token_ids))
                 seq_ids.append(seq.seq_id)
+                if state.keeps_history:
+                    self._record_history(seq)
+            if group.beam_scores is not None:
+                # HF keeps (1 + number of EOS ids, at least 2) x num_beams candidates.
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.sampler.eos_token_ids))
+                n_eos = len(stops)
+                beams.append(
+                    BeamRows(
+                        group.request_id, list(range(start, len(params))), group.beam_scores,
+                        p.num_beams, max(2, 1 + n_eos) * p.num_beams,
+                    )
+                )
+        rows = ProcessorRows(params, num_out, seq_lens, lambda idx: self._histories([seq_ids[i] for i in idx]))
         with torch.inference_mode():
             logits = self.runner.execute(out, self.kv_caches)
-            sampled = self.sampler(logits, params, generators, num_out)
-        return ModelRunnerOutput(seq_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs)
+            sampled = self.sampler(logits, rows, generators, beams)
+        beam_ids = {seq_ids[i] for b in beams for i in b.rows}
+        plain_ids = [s for s in seq_ids if s not in beam_ids] if beam_ids else seq_ids
+        return ModelRunnerOutput(plain_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, sampled.beams)
+
+    def _record_history(self, seq) -> None:
+        h = self.histories
+        if seq.prefix_token_ids is not None:
+            h.set(seq.seq_id, list(seq.prefix_token_ids) + list(seq.token_ids))
+        elif seq.seq_id in h and h.num_blocks(seq.seq_id) == seq.num_computed_tokens:
+            h.extend(seq.seq_id, list(seq.token_ids))
+        elif seq.num_computed_tokens == 0:
+            h.set(seq.seq_id, list(seq.token_ids))
+        elif seq.seq_id in h:  # recomputed part of the way (kept tokens beyond)
+            h.set(seq.seq_id, h.get(seq.seq_id)[: seq.num_computed_tokens] + list(seq.token_ids))
+        else:
+            raise RuntimeError(f"sequence {seq.seq_id}: no token history and no prefix to start one")
+
+    def _histories(self, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.histories
+        rows = torch.tensor([h.row(s) for s in seq_ids], dtype=torch.long)
+        lengths = torch.tensor([h.num_blocks(s) for s in seq_ids], dtype=torch.long)
+        return h.gather(rows, int(lengths.max())), lengths
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for rid in out.finished_request_ids:
             self.requests.pop(rid, None)
             self.runner.forget_request(rid)
         self.runner.forget_seqs(out.finished_seq_ids)
+        for seq_id in out.finished_seq_ids:
+            self.histories.remove(seq_id)
         for new in out.new_requests:
             p = new.sampling_params
             gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-            self.requests[new.request_id] = _RequestState(p, gen)
+            self.requests[new.request_id] = _RequestState(p, gen, needs_history(p))
 
     @staticmethod
     def _ids(pairs: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,269 @@
+"""Logits processors with HF ``generate``'s semantics, batched over a step's rows.
+
+Each processor touches only the rows whose request set it, and a processor
+no row uses costs one check per distinct ``SamplingParams`` object in the
+step (requests usually share a handful). Work is tensor-wide: token masks
+are built with ``scatter``, n-gram matches with ``unfold``; Python loops go
+over distinct params, n-gram sizes or bad-word sequences, never over the
+vocabulary. The processors run on raw logits for greedy and sampled rows and
+on log-probabilities for beam rows, as HF does.
+
+Order (HF's where HF has the processor): allowed_token_ids, logit_bias,
+repetition_penalty, presence/frequency penalties, no_repeat_ngram_size,
+bad_words_ids, min_length / min_tokens, forced_bos_token_id,
+forced_eos_token_id, suppress_tokens, begin_suppress_tokens, user
+``logits_processors``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core.sampling_params import SamplingParams
+
+NEG_INF = -float("inf")
+
+
+def needs_history(p: SamplingParams) -> bool:
+    """Whether the request's processors read its past tokens (the worker then keeps them)."""
+    return bool(
+        p.repetition_penalty != 1.0
+        or p.presence_penalty
+        or p.frequency_penalty
+        or p.no_repeat_ngram_size
+        or any(len(seq) > 1 for seq in p.bad_words_ids)
+        or p.logits_processors
+    )
+
+
+@dataclass
+class ProcessorRows:
+    """What the processors know of each row of a step."""
+
+    params: list[SamplingParams]
+    num_output_tokens: list[int]
+    seq_lens: list[int]  # decoder tokens so far, decoder prompt included
+    # The rows' decoder tokens, padded: ``history(rows)`` -> ([len(rows), L] long, lengths);
+    # only asked for rows whose params ``needs_history``.
+    history: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def prompt_len(self, i: int) -> int:
+        return self.seq_lens[i] - self.num_output_tokens[i]
+
+
+class LogitsProcessors:
+    def __init__(self, eos_token_ids: list[int], vocab_size: int | None = None) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+
+    def __call__(self, scores: torch.Tensor, rows: ProcessorRows) -> torch.Tensor:
+        """Apply every processor the rows ask for to ``scores`` ``[S, vocab]`` in place."""
+        by_params: dict[int, tuple[SamplingParams, list[int]]] = {}
+        for i, p in enumerate(rows.params):
+            entry = by_params.get(id(p))
+            if entry is None:
+                by_params[id(p)] = (p, [i])
+            else:
+                entry[1].append(i)
+        groups = list(by_params.values())
+        self._static(scores, groups, "allowed")
+        self._logit_bias(scores, groups)
+        self._repetition(scores, groups, rows)
+        self._penalties(scores, groups, rows)
+        self._no_repeat_ngram(scores, groups, rows)
+        self._bad_words(scores, groups, rows)
+        self._min_length(scores, groups, rows)
+        self._forced(scores, groups, rows)
+        self._static(scores, groups, "suppress")
+        self._begin_suppress(scores, groups, rows)
+        self._user(scores, groups, rows)
+        return scores
+
+    # -- token masks ---------------------------------------------------------
+    @staticmethod
+    def _ban(scores: torch.Tensor, row_ids: list[int], token_ids: list[int] | tuple[int, ...]) -> None:
+        if not row_ids or not token_ids:
+            return
+        dev = scores.device
+        r = torch.tensor(row_ids, device=dev).repeat_interleave(len(token_ids))
+        t = torch.tensor(token_ids, device=dev).repeat(len(row_ids))
+        scores[r, t] = NEG_INF
+
+    def _static(self, scores, groups, kind: str) -> None:
+        for p, idx in groups:
+            if kind == "allowed" and p.allowed_token_ids is not None:
+                rows = torch.tensor(idx, device=scores.device)
+                keep = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)
+                keep[list(p.allowed_token_ids)] = True
+                scores[rows] = scores[rows].masked_fill(~keep, NEG_INF)
+            elif kind == "suppress" and p.suppress_tokens:
+                self._ban(scores, idx, p.suppress_tokens)
+
+    @staticmethod
+    def _logit_bias(scores, groups) -> None:
+        for p, idx in groups:
+            if p.logit_bias:
+                rows = torch.tensor(idx, device=scores.device)[:, None]
+                tokens = torch.tensor([t for t, _ in p.logit_bias], device=scores.device)
+                bias = torch.tensor([b for _, b in p.logit_bias], dtype=scores.dtype, device=scores.device)
+                scores[rows, tokens] += bias
+
+    # -- processors over the past tokens ------------------------------------------
+    @staticmethod
+    def _occurrence(history: torch.Tensor, lengths: torch.Tensor, vocab: int, start: torch.Tensor | None = None):
+        """``[R, vocab]`` counts of each token in each row's tokens ``[start, length)``."""
+        cols = torch.arange(history.shape[1], device=history.device)[None, :]
+        valid = cols < lengths[:, None]
+        if start is not None:
+            valid &= cols >= start[:, None]
+        ids = torch.where(valid, history, vocab)
+        counts = torch.zeros(history.shape[0], vocab + 1, dtype=torch.float32, device=history.device)
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+        return counts[:, :vocab]
+
+    def _repetition(self, scores, groups, rows: ProcessorRows) -> None:
+        idx = [i for p, g in groups if p.repetition_penalty != 1.0 for i in g]
+        if not idx:
+            return
+        history, lengths = rows.history(idx)
+        seen = self._occurrence(history, lengths, scores.shape[1]) > 0
+        penalty = torch.tensor([rows.params[i].repetition_penalty for i in idx], dtype=scores.dtype, device=scores.device)[:, None]
+        r = torch.tensor(idx, device=scores.device)
+        x = scores[r]
+        penalized = torch.where(x < 0, x * penalty, x / penalty)
+        scores[r] = torch.where(seen.to(scores.device), penalized, x)
+
+    def _penalties(self, scores, groups, rows: ProcessorRows) -> None:
+        idx = [i for p, g in groups if p.presence_penalty or p.frequency_penalty for i in g]
+        if not idx:
+            return
+        history, lengths = rows.history(idx)
+        start = torch.tensor([rows.prompt_len(i) for i in idx], device=history.device)
+        counts = self._occurrence(history, lengths, scores.shape[1], start).to(scores.device)
+        dev, dt = scores.device, scores.dtype
+        freq = torch.tensor([rows.params[i].frequency_penalty for i in idx], dtype=dt, device=dev)[:, None]
+        pres = torch.tensor([rows.params[i].presence_penalty for i in idx], dtype=dt, device=dev)[:, None]
+        r = torch.tensor(idx, device=dev)
+        scores[r] -= freq * counts + pres * (counts > 0).to(dt)
+
+    def _no_repeat_ngram(self, scores, groups, rows: ProcessorRows) -> None:
+        by_n: dict[int, list[int]] = {}
+        for p, g in groups:
+            if p.no_repeat_ngram_size:
+                by_n.setdefault(p.no_repeat_ngram_size, []).extend(i for i in g if rows.seq_lens[i] >= p.no_repeat_ngram_size)
+        for n, idx in by_n.items():
+            if not idx:
+                continue
+            history, lengths = rows.history(idx)
+            width = history.shape[1]
+            if width < n:
+                continue
+            cols = torch.arange(width, device=history.device)[None, :]
+            history = torch.where(cols < lengths[:, None], history, -1)
+            windows = history.unfold(1, n, 1)  # [R, W, n]
+            # The last n - 1 tokens of each row, against every window's first n - 1.
+            tail_pos = (lengths[:, None] - (n - 1) + torch.arange(n - 1, device=history.device)[None, :]).clamp(min=0)
+            tail = history.gather(1, tail_pos)
+            match = (windows[:, :, : n - 1] == tail[:, None, :]).all(dim=-1)
+            last = windows[:, :, n - 1]
+            match &= last >= 0  # windows reaching past the row's tokens
+            r, w = match.nonzero(as_tuple=True)
+            rows_t = torch.tensor(idx, device=scores.device)
+            scores[rows_t[r.to(scores.device)], last[r, w].to(scores.device)] = NEG_INF
+
+    def _bad_words(self, scores, groups, rows: ProcessorRows) -> None:
+        eos = set(self.eos_token_ids)
+        for p, idx in groups:
+            if not p.bad_words_ids:
+                continue
+            # HF drops single-token bad words that are an EOS id.
+            words = [w for w in p.bad_words_ids if not (len(w) == 1 and w[0] in eos)]
+            singles = [w[0] for w in words if len(w) == 1]
+            self._ban(scores, idx, singles)
+            multi = [w for w in words if len(w) > 1]
+            if not multi:
+                continue
+            history, lengths = rows.history(idx)
+            for w in multi:
+                k = len(w) - 1
+                ok = lengths >= k
+                pos = (lengths[:, None] - k + torch.arange(k, device=history.device)[None, :]).clamp(min=0)
+                prefix = torch.tensor(w[:-1], device=history.device)
+                hit = ok & (history.gather(1, pos) == prefix).all(dim=1)
+                hit_rows = [idx[j] for j in hit.nonzero().flatten().tolist()]
+                self._ban(scores, hit_rows, [w[-1]])
+
+    # -- processors over lengths -------------------------------------------------
+    def _min_length(self, scores, groups, rows: ProcessorRows) -> None:
+        eos_rows, stop_bans = [], []
+        for p, idx in groups:
+            if not (p.min_tokens or p.min_length):
+                continue
+            for i in idx:
+                n_out, n_all = rows.num_output_tokens[i], rows.seq_lens[i]
+                if n_out < p.min_tokens or n_all < p.min_length:
+                    if not p.ignore_eos:
+                        eos_rows.append(i)
+                if n_out < p.min_tokens and p.stop_token_ids:
+                    stop_bans.append((i, p.stop_token_ids))
+        self._ban(scores, eos_rows, self.eos_token_ids)
+        for i, ids in stop_bans:
+            self._ban(scores, [i], ids)
+
+    def _forced(self, scores, groups, rows: ProcessorRows) -> None:
+        for p, idx in groups:
+            if p.forced_bos_token_id is not None:
+                for i in idx:
+                    if rows.seq_lens[i] == 1:
+                        scores[i] = NEG_INF
+                        scores[i, p.forced_bos_token_id] = 0.0
+            if p.forced_eos_token_id:
+                for i in idx:
+                    # HF: at length max_length - 1, the last token the length allows.
+                    if rows.num_output_tokens[i] == p.max_tokens - 1:
+                        scores[i] = NEG_INF
+                        scores[i, list(p.forced_eos_token_id)] = 0.0
+
+    def _begin_suppress(self, scores, groups, rows: ProcessorRows) -> None:
+        for p, idx in groups:
+            if not p.begin_suppress_tokens:
+                continue
+            hit = []
+            for i in idx:
+                prompt = rows.prompt_len(i)
+                # HF: the first generated position, one later when a forced BOS takes it.
+                begin = prompt + 1 if (prompt == 1 and p.forced_bos_token_id is not None) else prompt
+                if rows.seq_lens[i] == begin:
+                    hit.append(i)
+            self._ban(scores, hit, p.begin_suppress_tokens)
+
+    def _user(self, scores, groups, rows: ProcessorRows) -> None:
+        for p, idx in groups:
+            if not p.logits_processors:
+                continue
+            history, lengths = rows.history(idx)
+            for j, i in enumerate(idx):
+                tokens = history[j, : int(lengths[j])].tolist()
+                prompt, output = tokens[: rows.prompt_len(i)], tokens[rows.prompt_len(i):]
+                row = scores[i]
+                for fn in p.logits_processors:
+                    out = fn(prompt, output, row) if _arity(fn) == 3 else fn(output, row)
+                    if not isinstance(out, torch.Tensor) or out.shape != row.shape:
+                        raise TypeError(
+                            f"logits processor {getattr(fn, '__name__', fn)!r} returned "
+                            f"{type(out).__name__}, not a tensor of shape {tuple(row.shape)}"
+                        )
+                    row = out
+                scores[i] = row
+
+
+def _arity(fn: Callable) -> int:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 2
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return 3 if len(positional) >= 3 else 2
