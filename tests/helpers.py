@@ -120,3 +120,30 @@ def assert_preempted(llm, mode: str) -> None:
     assert stats["num_preemptions"] > 0
     if mode == "swap":
         assert stats["swapped_out_blocks"] > 0 and stats["swapped_in_blocks"] == stats["swapped_out_blocks"]
+
+
+def hf_search(model_dir: Path, encoder_ids: list[int], decoder_ids: list[int] | None, **kwargs):
+    """HF ``generate`` on one prompt with ``kwargs`` (beam or greedy): per returned
+    sequence, its new tokens (after ``decoder_ids``, or after HF's own start token)
+    and its score (beam search) or None."""
+    model = _hf_model(model_dir)
+    extra = {} if decoder_ids is None else {"decoder_input_ids": torch.tensor([decoder_ids])}
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([encoder_ids]),
+            attention_mask=torch.ones(1, len(encoder_ids), dtype=torch.long),
+            output_scores=True,
+            return_dict_in_generate=True,
+            **extra,
+            **kwargs,
+        )
+    start = 1 if decoder_ids is None else len(decoder_ids)
+    seqs, results = out.sequences, []
+    for i in range(seqs.shape[0]):
+        if getattr(out, "beam_indices", None) is not None:
+            n = int((out.beam_indices[i] >= 0).sum())  # generated length (rows are padded)
+        else:
+            n = seqs.shape[1] - start
+        score = None if getattr(out, "sequences_scores", None) is None else float(out.sequences_scores[i])
+        results.append((seqs[i, start : start + n].tolist(), score))
+    return results

@@ -149,6 +149,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = self.resolve_params(params)
         inputs = self.input_processor.process(prompt)
+        if inputs.decoder_prompt_is_default and params.forced_bos_token_id is not None:
+            # HF starts from <DEC> alone and the forced BOS processor picks the next
+            # token: start there too, so lengths and beam scores count as HF's do.
+            inputs.prompt_token_ids = [self.model_cls.decoder_start_token_id(self.hf_config)]
         prompt_len = len(inputs.prompt_token_ids)
         params = resolve_lengths(params, prompt_len, self.model_cls.max_decoder_len(self.hf_config) - prompt_len)
         self._validate(inputs, params)

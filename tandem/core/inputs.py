@@ -87,6 +87,7 @@ class EncoderDecoderInputs:
     encoder_prompt: str | None = None
     prompt: str | None = None
     encoder_inputs: EncoderInputs | None = None  # what the encoder runs on
+    decoder_prompt_is_default: bool = False  # the request gave no decoder prompt
 
 
 class InputProcessor:
@@ -118,7 +119,7 @@ class InputProcessor:
             ids, dec_text = self._singleton(decoder, "decoder_prompt", False)
             dec_ids = self.model_cls.process_decoder_prompt(self.hf_config, ids)
         encoder_inputs = self.model_cls.get_encoder_inputs(self.hf_config, enc_ids)
-        return EncoderDecoderInputs(enc_ids, dec_ids, enc_text, dec_text, encoder_inputs)
+        return EncoderDecoderInputs(enc_ids, dec_ids, enc_text, dec_text, encoder_inputs, decoder is None)
 
     def _singleton(self, prompt: Any, where: str, is_encoder: bool) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

@@ -18,8 +18,6 @@ loading logic.
 
 from __future__ import annotations
 
-import torch
-
 from tandem.model_zoo.bart import BartForConditionalGeneration, BartVariant
 
 
@@ -40,12 +38,3 @@ class MarianForConditionalGeneration(BartForConditionalGeneration):
         # has no BOS of its own (OPUS-MT configs set bos_token_id to EOS's id, 0), so the
         # base class's <DEC><BOS> would feed </s> as the second decoder token.
         return [cls.decoder_start_token_id(config)]
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden_states)
-        # OPUS-MT checkpoints ban the pad token (also the decoder start) in their generation
-        # config, bad_words_ids=[[pad_token_id]], which HF generate applies to every step.
-        pad = self.config.pad_token_id
-        if pad is not None:
-            logits[:, pad] = -float("inf")
-        return logits

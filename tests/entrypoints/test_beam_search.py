@@ -1,0 +1,245 @@
+"""Beam search in the engine against HF ``generate``: the returned sequences token
+for token and their beam scores to 1e-4, many requests with different settings
+in one batch, under preemption, the checkpoint's generation config as the
+defaults, and the block accounting of forked beams."""
+
+import random
+
+import pytest
+
+from helpers import hf_search, make_bart
+from tandem import LLM, BeamSearchParams, SamplingParams
+from tandem.core.kv.block_pool import Device, blocks_for
+
+# Beam scores to 1e-4, relative for large ones: the tiny checkpoints' wide weights give
+# logits of O(100), whose float32 rounding (~1e-5 absolute per step, from kernels that
+# sum in a different order than HF's) adds up over <= 24 steps and is scaled by
+# length ** -length_penalty; observed worst 2.5e-5 relative.
+SCORE_REL, SCORE_ABS = 1e-4, 1e-4
+
+
+def _encoder_prompts(seed: int, n: int, vocab: int = 96) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[0] + [rng.randrange(4, vocab) for _ in range(rng.randint(2, 30))] + [2] for _ in range(n)]
+
+
+def _assert_same(out, ref, n, eos=2):
+    assert out.error is None, out.error
+    assert len(out.outputs) == n
+    for got, (tokens, score) in zip(out.outputs, ref[:n]):
+        assert got.token_ids == tokens
+        assert got.cumulative_logprob == pytest.approx(score, rel=SCORE_REL, abs=SCORE_ABS)
+        assert got.finish_reason == ("stop" if tokens and tokens[-1] == eos else "length")
+
+
+def _settings(rng: random.Random) -> dict:
+    beams = rng.choice([2, 3, 4, 5])
+    return dict(
+        num_beams=beams,
+        length_penalty=rng.choice([1.0, 2.0, 0.5, -0.5]),
+        early_stopping=rng.choice([True, False, "never"]),
+        max_new_tokens=rng.randint(2, 18),
+        num_return_sequences=rng.randint(1, beams),
+        no_repeat_ngram_size=rng.choice([0, 0, 2, 3]),
+    )
+
+
+def _params(kw: dict) -> SamplingParams:
+    return SamplingParams(
+        num_beams=kw["num_beams"], n=kw["num_return_sequences"], length_penalty=kw["length_penalty"],
+        early_stopping=kw["early_stopping"], max_tokens=kw["max_new_tokens"],
+        no_repeat_ngram_size=kw["no_repeat_ngram_size"],
+    )
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_batched_beam_requests_with_different_settings_equal_hf(bart_dir, block_size):
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=block_size)
+    rng = random.Random(block_size)
+    prompts = _encoder_prompts(block_size, 16)
+    settings = [_settings(rng) for _ in prompts]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [_params(kw) for kw in settings], use_tqdm=False)
+    for prompt, kw, out in zip(prompts, settings, outs):
+        ref = hf_search(bart_dir, prompt, [2, 0], do_sample=False, **kw)
+        _assert_same(out, ref, kw["num_return_sequences"])
+    # Outputs of different lengths and both finish reasons: the test is not degenerate.
+    assert len({len(o.outputs[0].token_ids) for o in outs}) > 3
+    assert {o.outputs[0].finish_reason for o in outs} == {"stop", "length"}
+    assert llm.get_stats()["kv_blocks_free"] == llm.get_stats()["kv_blocks_total"]
+
+
+def test_beams_mixed_with_greedy_and_sampled_requests(bart_dir):
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
+    prompts = _encoder_prompts(7, 6)
+    beam = SamplingParams(num_beams=4, n=2, max_tokens=12, length_penalty=1.5)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    sampled = SamplingParams(temperature=0.9, max_tokens=12, seed=3)
+    params = [beam, greedy, sampled, beam, greedy, sampled]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    alone = llm.generate([{"prompt_token_ids": p} for p in prompts[2::3]], sampled, use_tqdm=False)
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        if i % 3 == 0:
+            _assert_same(out, hf_search(bart_dir, prompt, [2, 0], do_sample=False, num_beams=4,
+                                        num_return_sequences=2, max_new_tokens=12, length_penalty=1.5), 2)
+        elif i % 3 == 1:
+            ref = hf_search(bart_dir, prompt, [2, 0], do_sample=False, max_new_tokens=12)
+            assert out.outputs[0].token_ids == ref[0][0]
+    # A seeded request samples the same tokens whatever else is in the batch.
+    assert [o.outputs[0].token_ids for o in outs[2::3]] == [o.outputs[0].token_ids for o in alone]
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_beams_under_preemption_equal_hf(bart_dir, mode):
+    # A pool far too small for 8 requests of 4 beams: groups are preempted and resumed.
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=70,
+              preemption_mode=mode)
+    prompts = _encoder_prompts(11, 8)
+    params = SamplingParams(num_beams=4, n=4, max_tokens=20, ignore_eos=True, length_penalty=0.8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ref = hf_search(bart_dir, prompt, [2, 0], do_sample=False, num_beams=4, num_return_sequences=4,
+                        max_new_tokens=20, length_penalty=0.8, eos_token_id=None)
+        _assert_same(out, ref, 4, eos=None)
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0
+    if mode == "swap":
+        assert stats["swapped_out_blocks"] > 0 and stats["swapped_in_blocks"] == stats["swapped_out_blocks"]
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_beams_hold_no_more_blocks_than_beams_times_their_length(bart_dir):
+    """After every step: the distinct self-attention blocks of a beam request are at
+    most the blocks of the beams' common prefix plus, per beam, those past it; and
+    every block's refcount equals the number of tables holding it."""
+    bs = 4
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=bs)
+    engine, bm = llm.llm_engine, llm.llm_engine.block_manager
+    prompts = _encoder_prompts(5, 3)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p},
+                           SamplingParams(num_beams=5, max_tokens=24, ignore_eos=True))
+    shared_seen = False
+    while engine.has_unfinished_requests():
+        engine.step()
+        for group in list(engine.scheduler.running):
+            seqs = [s for s in group.seqs if bm.has_block_table(s)]
+            if len(seqs) < 2:
+                continue
+            tables = [bm.get_block_table(s) for s in seqs]
+            distinct = {b for t in tables for b in t}
+            length = len(seqs[0])
+            common = 0
+            while all(len(s.token_ids) > common for s in seqs) and len({s.token_ids[common] for s in seqs}) == 1:
+                common += 1
+            # Tokens computed so far are in the tables; the last one is computed next step.
+            computed_common = min(common, min(s.num_computed_tokens for s in seqs))
+            shared = computed_common // bs
+            bound = shared + len(seqs) * (blocks_for(length, bs) - shared)
+            assert len(distinct) <= bound
+            assert len(distinct) <= len(seqs) * blocks_for(length, bs)
+            shared_seen |= len(distinct) < len(seqs) * len(tables[0])
+        counts: dict[int, int] = {}
+        for t in bm.tables(Device.DEVICE):
+            for b in t:
+                counts[b] = counts.get(b, 0) + 1
+        for b, c in counts.items():
+            assert bm.refcount(Device.DEVICE, b) == c
+    assert shared_seen  # forked beams really share blocks
+    assert bm.num_free_blocks() == bm.num_total_blocks()
+
+
+def test_beam_search_params_entry_point(bart_dir):
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
+    prompt = _encoder_prompts(3, 1)[0]
+    outs = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=3, max_tokens=10))
+    ref = hf_search(bart_dir, prompt, [2, 0], do_sample=False, num_beams=3, num_return_sequences=3, max_new_tokens=10)
+    _assert_same(outs[0], ref, 3)
+    assert [o.cumulative_logprob for o in outs[0].outputs] == sorted(
+        (o.cumulative_logprob for o in outs[0].outputs), reverse=True
+    )
+
+
+def test_beam_logprobs_sum_to_the_unnormalized_score(bart_dir):
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
+    prompt = _encoder_prompts(4, 1)[0]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(num_beams=3, n=3, max_tokens=8, logprobs=2,
+                                                                   length_penalty=1.0), use_tqdm=False)[0]
+    for c in out.outputs:
+        assert len(c.logprobs) == len(c.token_ids)
+        total = sum(step[t] for step, t in zip(c.logprobs, c.token_ids))
+        # length_penalty 1: the score is the summed log-probability over the length.
+        assert c.cumulative_logprob == pytest.approx(total / len(c.token_ids), abs=1e-5)
+        assert all(len(step) in (2, 3) for step in c.logprobs)
+
+
+@pytest.fixture(scope="module")
+def cnn_dir(tmp_path_factory):
+    """A tiny checkpoint with bart-large-cnn's generation settings, lengths scaled down."""
+    from transformers import GenerationConfig
+
+    path = make_bart(tmp_path_factory.mktemp("cnn") / "ckpt", seed=4)
+    GenerationConfig(
+        bos_token_id=0, eos_token_id=2, pad_token_id=1, decoder_start_token_id=2,
+        num_beams=4, length_penalty=2.0, early_stopping=True, no_repeat_ngram_size=3,
+        min_length=8, max_length=22, forced_bos_token_id=0, forced_eos_token_id=2,
+    ).save_pretrained(path)
+    return path
+
+
+def test_generate_without_params_uses_the_checkpoint_generation_config(cnn_dir):
+    llm = LLM(model=str(cnn_dir), dtype="float32", device="cpu")
+    d = llm.get_default_sampling_params()
+    assert (d.num_beams, d.length_penalty, d.early_stopping, d.no_repeat_ngram_size) == (4, 2.0, True, 3)
+    assert (d.min_length, d.max_length, d.max_tokens, d.temperature) == (8, 22, None, 0.0)
+    assert (d.forced_bos_token_id, d.forced_eos_token_id) == (0, (2,))
+    prompts = _encoder_prompts(21, 10)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ref = hf_search(cnn_dir, prompt, None)  # HF with nothing but the checkpoint's config
+        _assert_same(out, ref, 1)
+        assert out.prompt_token_ids == [2]
+        assert out.outputs[0].token_ids[0] == 0  # the forced BOS
+        assert len(out.outputs[0].token_ids) >= 8 - 1  # min_length counts the decoder start
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 5
+
+
+def test_explicit_fields_override_only_themselves(cnn_dir):
+    llm = LLM(model=str(cnn_dir), dtype="float32", device="cpu")
+    prompt = _encoder_prompts(22, 1)[0]
+    # max_tokens alone: still beam search with the config's other settings (HF: max_new_tokens).
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=9, n=2), use_tqdm=False)[0]
+    _assert_same(out, hf_search(cnn_dir, prompt, None, max_new_tokens=9, num_return_sequences=2), 2)
+    # An explicit temperature asks for sampling: the config's beams give way.
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.7, seed=1), use_tqdm=False)[0]
+    assert out.error is None and len(out.outputs) == 1
+    # Greedy by explicit num_beams=1 keeps the config's processors.
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(num_beams=1), use_tqdm=False)[0]
+    ref = hf_search(cnn_dir, prompt, None, num_beams=1)
+    assert out.outputs[0].token_ids == ref[0][0]
+    # A conflict with a default is a per-request error that says where the default came from.
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=6), use_tqdm=False)[0]
+    assert out.error is not None and "num_beams" in out.error and "generation_config" in out.error
+
+
+def test_generation_config_none_uses_sampling_params_defaults(cnn_dir):
+    llm = LLM(model=str(cnn_dir), dtype="float32", device="cpu", generation_config="none")
+    assert llm.get_default_sampling_params() == SamplingParams()
+    with pytest.raises(ValueError, match="generation_config="):
+        LLM(model=str(cnn_dir), device="cpu", generation_config="/no/such/dir")
+
+
+def test_beam_requests_that_cannot_be_served_are_rejected_alone(bart_dir):
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", max_num_seqs=4)
+    outs = llm.generate(
+        [{"prompt_token_ids": [0, 5, 2]}] * 3,
+        [SamplingParams(num_beams=8, max_tokens=4), SamplingParams(num_beams=2, max_tokens=4),
+         SamplingParams(num_beams=2, max_tokens=4, bad_words_ids=[[500]])],
+        use_tqdm=False,
+    )
+    assert "num_beams=8 exceeds max_num_seqs=4" in outs[0].error
+    assert outs[1].error is None and len(outs[1].outputs) == 1
+    assert "bad_words_ids" in outs[2].error and "500" in outs[2].error
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(num_beams=2, temperature=0.5)
+    with pytest.raises(ValueError, match="stop strings"):
+        SamplingParams(num_beams=2, stop=["x"])
