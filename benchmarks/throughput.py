@@ -78,11 +78,14 @@ class Workload:
     min_encoder_len: int  # including bos and eos
     max_encoder_len: int
     new_tokens: int
+    num_beams: int = 1  # > 1: beam search, the best beam returned
 
 
 WORKLOADS = {
     "summarization": Workload("summarization", 64, 64, 512, 64),
     "translation": Workload("translation", 256, 10, 60, 48),
+    # The summarization shape with beam search (bart-large-cnn decodes with 4 beams).
+    "summarization-beam4": Workload("summarization-beam4", 16, 64, 512, 64, num_beams=4),
 }
 
 # Random BART checkpoints built with --make-model.
@@ -187,7 +190,7 @@ def make_requests(workload: Workload, config, num_requests: int, seed: int) -> R
 def warmup_requests(requests: Requests) -> Requests:
     """Two short requests with the workload's shape, to warm kernels/caches."""
     w = requests.workload
-    small = Workload(w.name + "-warmup", 2, w.min_encoder_len, w.min_encoder_len, 4)
+    small = Workload(w.name + "-warmup", 2, w.min_encoder_len, w.min_encoder_len, 4, w.num_beams)
     eos = requests.encoder_ids[0][-1]
     ids = [r[: w.min_encoder_len - 1] + [eos] for r in requests.encoder_ids[:2]]
     return Requests(small, ids, requests.decoder_prompt)
@@ -216,8 +219,8 @@ class TandemRunner:
                        seed=args.seed, **extra)
 
     def run(self, requests: Requests) -> list[list[int]]:
-        n = requests.workload.new_tokens
-        params = self._sampling_params(temperature=0.0, max_tokens=n, min_tokens=n)
+        n, beams = requests.workload.new_tokens, requests.workload.num_beams
+        params = self._sampling_params(temperature=0.0, max_tokens=n, min_tokens=n, num_beams=beams)
         prompts = [{"prompt_token_ids": ids} for ids in requests.encoder_ids]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         return [list(out.outputs[0].token_ids) for out in outs]
@@ -236,7 +239,7 @@ class HFRunner:
         self.sort = not args.hf_no_sort
         self.pad_id = self.model.config.pad_token_id
 
-    def _generation_config(self, new_tokens: int):
+    def _generation_config(self, new_tokens: int, num_beams: int = 1):
         # Built explicitly so a real checkpoint's generation_config.json
         # (beams, no_repeat_ngram_size, forced bos/eos, min_length...) cannot
         # change what HF does relative to the other engines.
@@ -245,7 +248,7 @@ class HFRunner:
         c = self.model.config
         return GenerationConfig(
             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, num_beams=1,
+            do_sample=False, num_beams=num_beams,
             bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
             pad_token_id=c.pad_token_id,
             decoder_start_token_id=c.decoder_start_token_id,
@@ -253,7 +256,7 @@ class HFRunner:
         )
 
     def run(self, requests: Requests) -> list[list[int]]:
-        gen_config = self._generation_config(requests.workload.new_tokens)
+        gen_config = self._generation_config(requests.workload.new_tokens, requests.workload.num_beams)
         order = list(range(len(requests.encoder_ids)))
         if self.sort:
             order.sort(key=lambda i: len(requests.encoder_ids[i]), reverse=True)
@@ -326,7 +329,7 @@ class CT2Runner:
         length = n + len(prefix_ids)
         results = self.translator.translate_batch(
             source, target_prefix=prefix, max_batch_size=self.batch_size,
-            beam_size=1, max_decoding_length=length, min_decoding_length=length,
+            beam_size=requests.workload.num_beams, max_decoding_length=length, min_decoding_length=length,
             max_input_length=0, return_end_token=True)
         outputs = []
         for result in results:

@@ -150,7 +150,7 @@ def merge_params(defaults: SamplingParams, request: SamplingParams, source: str 
     values.update({name: getattr(request, name) for name in explicit})
     if "num_beams" not in explicit and values["num_beams"] > 1:
         wants_sampling = "temperature" in explicit and not request.greedy
-        wants_sampling |= any(name in explicit for name in _SAMPLING_FILTERS)
+        wants_sampling |= any(name in explicit and getattr(request, name) != off for name, off in _SAMPLING_FILTERS.items())
         if wants_sampling or ("stop" in explicit and request.stop_strings):
             values["num_beams"] = 1
     if values["num_beams"] > 1:

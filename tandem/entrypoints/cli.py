@@ -38,15 +38,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow Python code shipped inside the checkpoint (transformers' auto_map) to run")
+    p.add_argument("--generation-config", default="auto",
+                   help="request defaults: 'auto' (the checkpoint's generation_config.json, as HF generate "
+                        "reads it), 'none' (SamplingParams' own), or a directory holding one")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="new tokens per prompt (default: all the model's decoder positions after the "
-                        "decoder prompt; larger values are capped there)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--top-k", type=int, default=-1, help="sample from the k likeliest tokens; -1 is off")
+                   help="new tokens per prompt (default: the generation config's length; values beyond the "
+                        "model's decoder positions after the decoder prompt are capped there)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 is greedy (default: the generation config's decoding, greedy unless it samples)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens; -1 is off")
+    p.add_argument("--num-beams", type=int, default=None, help="beam search with this many beams")
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
 
 
@@ -81,6 +86,7 @@ def _llm(args, model: str):
         device=args.device,
         attention_backend=args.attention_backend,
         trust_remote_code=args.trust_remote_code,
+        generation_config=getattr(args, "generation_config", "auto"),
     )
 
 
@@ -95,7 +101,7 @@ def _read_prompts(items: list[str]) -> list[str]:
 
 
 def _params_per_prompt(args, llm, prompts: list[str]) -> list:
-    """``--max-tokens`` (default: all that is left) capped at what the model's decoder
+    """``--max-tokens`` (default: the generation config's) capped at what the model's decoder
     positions leave after each prompt's decoder prompt; a cap is reported once on stderr."""
     from tandem import SamplingParams
 
@@ -107,16 +113,13 @@ def _params_per_prompt(args, llm, prompts: list[str]) -> list:
         except (ValueError, TypeError):
             room = None  # generate() reports this prompt's error
         want = args.max_tokens
-        if room is not None and room >= 1 and (want is None or want > room):
-            if want is not None:
-                capped.append(room)
+        if room is not None and room >= 1 and want is not None and want > room:
+            capped.append(room)
             want = room
-        params.append(
-            SamplingParams(
-                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                max_tokens=want if want is not None else 16,
-            )
-        )
+        # Only what was given: the rest comes from the checkpoint's generation config.
+        given = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                     num_beams=args.num_beams, max_tokens=want)
+        params.append(SamplingParams(**{k: v for k, v in given.items() if v is not None}))
     if capped:
         positions = llm.engine.model_cls.max_decoder_len(llm.engine.hf_config)
         print(
