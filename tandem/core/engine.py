@@ -300,6 +300,13 @@ class LLMEngine:
                 self._no_progress()
             return []
         advanced = self.scheduler.update_from_output(sched, result)
+        failed = []
+        for rid, why in result.failed_requests.items():
+            logger.warning("request %r failed: %s", rid, why)
+            for out in self.abort_request(rid):
+                out.error = why
+                failed.append(out)
+                self.stats.num_requests_finished += 1
         new_tokens = {seq.seq_id: 1 for g in sched.scheduled for seq in g.seqs}
         outputs = []
         for group in advanced:
@@ -310,7 +317,7 @@ class LLMEngine:
                 self.stats.num_requests_finished += 1
             if out is not None:
                 outputs.append(out)
-        return outputs
+        return outputs + failed
 
     def _no_progress(self) -> None:
         """Requests wait, nothing runs and nothing was admitted: every later step would

@@ -287,8 +287,8 @@ class Scheduler:
         advanced = []
         for sg in output.scheduled:
             group = self.groups.get(sg.request_id)
-            if group is None:
-                continue
+            if group is None or sg.request_id in result.failed_requests:
+                continue  # gone, or failed in the worker (the engine aborts it)
             # Sharers too: their cross table was filled by now, in this step or an earlier one.
             group.encoder_computed = True
             if group.beam_state is not None:

@@ -111,3 +111,5 @@ class ModelRunnerOutput:
     logprobs: list[float]  # the sampled token's log-probability
     top_logprobs: list[dict[int, float] | None]
     beams: dict[str, BeamCandidates] = field(default_factory=dict)
+    # Requests that failed in the worker (a user logits processor raised), with why.
+    failed_requests: dict[str, str] = field(default_factory=dict)

@@ -212,3 +212,22 @@ def test_processor_token_ids_are_checked_against_the_vocabulary(llm):
         SamplingParams(logits_processors=[3])
     with pytest.raises(ValueError, match="bad_words_ids"):
         SamplingParams(bad_words_ids=[[]])
+
+
+def test_a_raising_user_processor_fails_only_its_request(llm, bart_dir):
+    def broken(output_ids, logits):
+        if len(output_ids) == 3:
+            raise ValueError("bad state")
+        return logits
+
+    prompts = _prompts(6, 3)
+    params = [SamplingParams(temperature=0.0, max_tokens=8),
+              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logits_processors=[broken]),
+              SamplingParams(temperature=0.0, max_tokens=8)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert "logits processor 'broken' raised ValueError: bad state" in outs[1].error
+    for i in (0, 2):
+        ref = hf_search(bart_dir, prompts[i], [2, 0], do_sample=False, num_beams=1, max_new_tokens=8)
+        assert outs[i].error is None and outs[i].outputs[0].token_ids == ref[0][0]
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]

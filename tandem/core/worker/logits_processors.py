@@ -58,9 +58,13 @@ class ProcessorRows:
 class LogitsProcessors:
     def __init__(self, eos_token_ids: list[int], vocab_size: int | None = None) -> None:
         self.eos_token_ids = list(eos_token_ids)
+        # Rows whose user logits processor raised in the last call, with why: their
+        # requests end with that error; the rest of the batch goes on.
+        self.failures: dict[int, str] = {}
 
     def __call__(self, scores: torch.Tensor, rows: ProcessorRows) -> torch.Tensor:
         """Apply every processor the rows ask for to ``scores`` ``[S, vocab]`` in place."""
+        self.failures = {}
         by_params: dict[int, tuple[SamplingParams, list[int]]] = {}
         for i, p in enumerate(rows.params):
             entry = by_params.get(id(p))
@@ -248,15 +252,17 @@ class LogitsProcessors:
             for j, i in enumerate(idx):
                 tokens = history[j, : int(lengths[j])].tolist()
                 prompt, output = tokens[: rows.prompt_len(i)], tokens[rows.prompt_len(i):]
-                row = scores[i]
-                for fn in p.logits_processors:
-                    out = fn(prompt, output, row) if _arity(fn) == 3 else fn(output, row)
-                    if not isinstance(out, torch.Tensor) or out.shape != row.shape:
-                        raise TypeError(
-                            f"logits processor {getattr(fn, '__name__', fn)!r} returned "
-                            f"{type(out).__name__}, not a tensor of shape {tuple(row.shape)}"
-                        )
-                    row = out
+                row = scores[i].clone()
+                try:
+                    for fn in p.logits_processors:
+                        name = getattr(fn, "__name__", repr(fn))
+                        out = fn(prompt, output, row) if _arity(fn) == 3 else fn(output, row)
+                        if not isinstance(out, torch.Tensor) or out.shape != row.shape:
+                            raise TypeError(f"returned {type(out).__name__}, not a tensor of shape {tuple(row.shape)}")
+                        row = out
+                except Exception as e:  # the user's code: fail this request, not the batch
+                    self.failures[i] = f"logits processor {name!r} raised {type(e).__name__}: {e}"
+                    continue
                 scores[i] = row
 
 

@@ -40,6 +40,7 @@ class SamplerOutput:
     logprobs: list[float]  # chosen token's log-probability
     top_logprobs: list[dict[int, float] | None]
     beams: dict[str, BeamCandidates] = field(default_factory=dict)
+    failed_rows: dict[int, str] = field(default_factory=dict)  # row -> why its request failed
 
 
 class Sampler:
@@ -75,6 +76,7 @@ class Sampler:
             out.token_ids, out.logprobs, out.top_logprobs = self._sample(sub, sub_params, sub_gens)
         for b in beams or ():
             out.beams[b.request_id] = self._beam_candidates(scores, b, params[b.rows[0]])
+        out.failed_rows = dict(self.processors.failures)
         return out
 
     # -- greedy and sampled rows -----------------------------------------------------

@@ -98,7 +98,7 @@ class Worker:
             self.backend.copy_blocks(self.kv_caches, src, dst)
         if not out.scheduled:
             return None
-        params, generators, num_out, seq_lens, seq_ids = [], [], [], [], []
+        params, generators, num_out, seq_lens, seq_ids, row_request = [], [], [], [], [], []
         beams: list[BeamRows] = []
         for group in out.scheduled:
             state = self.requests[group.request_id]
@@ -110,6 +110,7 @@ class Worker:
                 num_out.append(seq.num_output_tokens)
                 seq_lens.append(seq.num_computed_tokens + len(seq.token_ids))
                 seq_ids.append(seq.seq_id)
+                row_request.append(group.request_id)
                 if state.keeps_history:
                     self._record_history(seq)
             if group.beam_scores is not None:
@@ -128,7 +129,10 @@ class Worker:
             sampled = self.sampler(logits, rows, generators, beams)
         beam_ids = {seq_ids[i] for b in beams for i in b.rows}
         plain_ids = [s for s in seq_ids if s not in beam_ids] if beam_ids else seq_ids
-        return ModelRunnerOutput(plain_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, sampled.beams)
+        failed = {row_request[i]: why for i, why in sampled.failed_rows.items()}
+        return ModelRunnerOutput(
+            plain_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, sampled.beams, failed
+        )
 
     def _record_history(self, seq) -> None:
         h = self.histories
