@@ -147,3 +147,52 @@ def hf_search(model_dir: Path, encoder_ids: list[int], decoder_ids: list[int] | 
         score = None if getattr(out, "sequences_scores", None) is None else float(out.sequences_scores[i])
         results.append((seqs[i, start : start + n].tolist(), score))
     return results
+
+
+# Special ids of the tiny Whisper checkpoints (a real one has them past 50257).
+WHISPER_IDS = dict(eos=3, sot=90, en=91, de=92, fr=93, translate=94, transcribe=95, prev=96, notimestamps=97,
+                   timestamp_begin=98)
+
+
+def make_whisper(path: Path, num_mel_bins: int = 80, seed: int = 0, weight_std: float = 0.5) -> Path:
+    """A tiny random Whisper checkpoint with a multilingual generation config
+    (no tokenizer: prompts are audio plus token ids)."""
+    from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
+
+    ids = WHISPER_IDS
+    torch.manual_seed(seed)
+    config = WhisperConfig(
+        vocab_size=128, num_mel_bins=num_mel_bins, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_source_positions=1500, max_target_positions=64, pad_token_id=ids["eos"], bos_token_id=ids["eos"],
+        eos_token_id=ids["eos"], decoder_start_token_id=ids["sot"], dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, suppress_tokens=None, begin_suppress_tokens=None,
+    )
+    model = WhisperForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed_positions" not in name:
+                p.normal_(0.0, weight_std)
+    model.save_pretrained(path)
+    GenerationConfig(
+        decoder_start_token_id=ids["sot"], eos_token_id=ids["eos"], pad_token_id=ids["eos"],
+        bos_token_id=ids["eos"], max_length=64, is_multilingual=True,
+        lang_to_id={"<|en|>": ids["en"], "<|de|>": ids["de"], "<|fr|>": ids["fr"]},
+        task_to_id={"translate": ids["translate"], "transcribe": ids["transcribe"]},
+        no_timestamps_token_id=ids["notimestamps"], prev_sot_token_id=ids["prev"],
+        suppress_tokens=[5, 7, 11], begin_suppress_tokens=[ids["eos"], 20],
+        forced_decoder_ids=None,
+    ).save_pretrained(path)
+    return Path(path)
+
+
+def synth_audio(seconds: float, seed: int = 0, sr: int = 16000):
+    """Float32 speech-like test audio: a few sines with a slow envelope, plus noise."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * sr)) / sr
+    x = sum(rng.uniform(0.05, 0.3) * np.sin(2 * np.pi * rng.uniform(80, 3000) * t) for _ in range(4))
+    x *= 0.5 + 0.5 * np.sin(2 * np.pi * rng.uniform(0.2, 2) * t)
+    x += 0.01 * rng.standard_normal(t.shape)
+    return x.astype(np.float32)

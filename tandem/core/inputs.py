@@ -35,15 +35,23 @@ class TokensPrompt(TypedDict):
     prompt: NotRequired[str]
 
 
+class AudioPrompt(TypedDict):
+    """An encoder prompt for audio models: samples (array or tensor, 1-D or
+    channels x samples, with their ``sampling_rate``) or a file path."""
+
+    audio: Any
+    sampling_rate: NotRequired[int]
+
+
 SingletonPrompt = Union[str, TextPrompt, TokensPrompt]
 
 
 class ExplicitEncoderDecoderPrompt(TypedDict):
-    encoder_prompt: SingletonPrompt
+    encoder_prompt: SingletonPrompt | AudioPrompt
     decoder_prompt: NotRequired[SingletonPrompt | None]
 
 
-PromptType = Union[SingletonPrompt, ExplicitEncoderDecoderPrompt]
+PromptType = Union[SingletonPrompt, AudioPrompt, ExplicitEncoderDecoderPrompt]
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,20 +114,41 @@ class InputProcessor:
             unknown = set(prompt) - {"encoder_prompt", "decoder_prompt"}
             if unknown:
                 raise ValueError(f"unknown keys {sorted(unknown)} in encoder/decoder prompt")
-            enc_ids, enc_text = self._singleton(prompt["encoder_prompt"], "encoder_prompt", True)
-            decoder = prompt.get("decoder_prompt")
+            encoder, decoder = prompt["encoder_prompt"], prompt.get("decoder_prompt")
         else:
-            enc_ids, enc_text = self._singleton(prompt, "prompt", True)
-            decoder = None
-        if not enc_ids:
-            raise ValueError("the encoder prompt is empty: it must have at least one token")
+            encoder, decoder = prompt, None
+        audio = None
+        if isinstance(encoder, dict) and "audio" in encoder:
+            audio = self._audio(encoder)
+            enc_ids, enc_text = [], None
+        else:
+            where = "encoder_prompt" if encoder is not prompt else "prompt"
+            enc_ids, enc_text = self._singleton(encoder, where, True)
+            if not enc_ids:
+                raise ValueError("the encoder prompt is empty: it must have at least one token")
         if decoder is None:
             dec_ids, dec_text = self.model_cls.get_default_decoder_prompt(self.hf_config), None
         else:
             ids, dec_text = self._singleton(decoder, "decoder_prompt", False)
             dec_ids = self.model_cls.process_decoder_prompt(self.hf_config, ids)
-        encoder_inputs = self.model_cls.get_encoder_inputs(self.hf_config, enc_ids)
+        if audio is not None:
+            encoder_inputs = self.model_cls.get_audio_encoder_inputs(self.hf_config, audio)
+        else:
+            encoder_inputs = self.model_cls.get_encoder_inputs(self.hf_config, enc_ids)
         return EncoderDecoderInputs(enc_ids, dec_ids, enc_text, dec_text, encoder_inputs, decoder is None)
+
+    @staticmethod
+    def _audio(prompt: dict) -> "torch.Tensor":
+        """An audio prompt, ``{"audio": array | tensor | path, "sampling_rate": int}``, as a
+        16 kHz mono waveform; ``AudioError`` (a ``ValueError``) names what is wrong."""
+        unknown = set(prompt) - {"audio", "sampling_rate"}
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)} in audio prompt (has 'audio', 'sampling_rate')")
+        try:
+            from tandem.audio import load_audio
+        except ImportError as e:
+            raise ValueError(f"audio prompts need tandem's audio extra: pip install 'tandem-engine[audio]' ({e})") from e
+        return load_audio(prompt["audio"], prompt.get("sampling_rate"))
 
     def _singleton(self, prompt: Any, where: str, is_encoder: bool) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

@@ -90,6 +90,13 @@ class EncoderDecoderModel(nn.Module, ABC):
         return EncoderInputs.from_token_ids(token_ids)
 
     @classmethod
+    def get_audio_encoder_inputs(cls, config: "PretrainedConfig", waveform: torch.Tensor) -> EncoderInputs:
+        """Turn a 16 kHz mono float32 waveform (an audio encoder prompt, already read,
+        mixed down and resampled) into this model's encoder inputs (``features`` set).
+        Audio models override this; the default says the model takes no audio."""
+        raise ValueError(f"{cls.__name__} takes no audio encoder prompt")
+
+    @classmethod
     def max_encoder_len(cls, config: "PretrainedConfig") -> int:
         """Most encoder positions (``EncoderInputs.num_positions``) a request may have."""
         return int(config.max_position_embeddings)

@@ -5,4 +5,5 @@ model modules are imported only when a checkpoint names one of their architectur
 _CONDITIONAL_GENERATION_MODELS: dict[str, tuple[str, str]] = {
     "BartModel": ("bart", "BartForConditionalGeneration"),
     "BartForConditionalGeneration": ("bart", "BartForConditionalGeneration"),
+    "WhisperForConditionalGeneration": ("whisper", "WhisperForConditionalGeneration"),
 }

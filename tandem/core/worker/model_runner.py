@@ -95,14 +95,15 @@ class ModelRunner:
         torch.cumsum(q_lens, 0, out=query_start_loc[1:])
 
         encoders = [g for g in out.scheduled if g.encoder_inputs is not None]
-        for g in encoders:
-            if g.encoder_inputs.token_ids is None:
-                raise NotImplementedError(
-                    f"request {g.request_id!r}: the model made feature encoder inputs; this runner "
-                    "feeds token ids only (feature inputs come with audio models)"
-                )
         enc_lens = [g.encoder_inputs.num_positions for g in encoders]
-        enc_tokens = list(itertools.chain.from_iterable(g.encoder_inputs.token_ids for g in encoders))
+        features = [g.encoder_inputs.features for g in encoders if g.encoder_inputs.token_ids is None]
+        if features and len(features) != len(encoders):
+            raise RuntimeError("one step mixes token and feature encoder inputs; a model makes one kind")
+        if features:  # the model's encoder input: the groups' features, stacked
+            encoder_input = torch.stack([f.to(torch.float32) for f in features])
+        else:
+            enc_tokens = list(itertools.chain.from_iterable(g.encoder_inputs.token_ids for g in encoders))
+            encoder_input = torch.tensor(enc_tokens, dtype=torch.long)
         e_lens = torch.tensor(enc_lens, dtype=torch.long)
         e_run, enc_positions = _packed_positions(torch.zeros_like(e_lens), e_lens)
         if encoders:
@@ -122,7 +123,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             query_start_loc=query_start_loc.to(dev, non_blocking=True),
             block_tables=block_tables.to(dev, non_blocking=True),
-            encoder_input_ids=torch.tensor(enc_tokens, dtype=torch.long).to(dev, non_blocking=True),
+            encoder_input_ids=encoder_input.to(dev, non_blocking=True),
             encoder_positions=enc_positions.to(dev, non_blocking=True),
             encoder_seq_lens=enc_lens,
             cross_slot_mapping=cross_slots.to(dev, non_blocking=True),

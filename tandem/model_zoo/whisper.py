@@ -1,0 +1,200 @@
+"""Whisper: audio in, text out, on the same scheduler, block manager and backends as BART.
+
+The encoder input is audio: ``get_audio_encoder_inputs`` pads or trims a 16 kHz
+waveform to the 30 s window and the model computes its log-mel features on the
+engine's device, batched over the groups whose encoder runs this step
+(``tandem.audio.log_mel_spectrogram``, equal to HF's ``WhisperFeatureExtractor``).
+Then two convolutions (the second with stride 2: 3000 frames -> 1500
+positions), fixed sinusoidal positions and pre-LN transformer layers. The
+1500 encoder positions are the request's cross-attention length; the decoder
+(learned positions, pre-LN layers, output projection tied to the token
+embedding) reads them from the paged cross cache after the encoder's step.
+
+Layers are BART's (``BartEncoderLayer`` / ``BartDecoderLayer`` with pre-LN);
+Whisper's K projections have no bias, so the fused projections get a zero one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tandem.core.attention import AttentionMetadata
+from tandem.core.inputs import EncoderInputs
+from tandem.core.layers import VocabParallelEmbedding
+from tandem.core.model import EncoderDecoderModel, KVCacheSpec, ModelContext
+from tandem.core.weight_loading import load_checkpoint
+from tandem.model_zoo.bart import BartDecoderLayer, BartEncoderLayer, BartVariant
+
+PRE_LN = BartVariant(normalize_before=True, layernorm_embedding=False, final_layer_norm=True, position_offset=0)
+SAMPLE_RATE = 16000
+WINDOW_SAMPLES = 30 * SAMPLE_RATE
+
+
+class WhisperEncoder(nn.Module):
+    def __init__(self, config, ctx: ModelContext) -> None:
+        super().__init__()
+        d = config.d_model
+        self.num_mel_bins = config.num_mel_bins
+        self.conv1 = nn.Conv1d(config.num_mel_bins, d, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
+        self.embed_positions = nn.Embedding(config.max_source_positions, d)
+        self.layers = nn.ModuleList(BartEncoderLayer(config, PRE_LN, ctx) for _ in range(config.encoder_layers))
+        self.layer_norm = nn.LayerNorm(d)
+
+    def forward(self, waveforms: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """``[G, 480000]`` float32 waveforms -> packed ``[G * 1500, d]`` hidden states."""
+        from tandem.audio import log_mel_spectrogram
+
+        features = log_mel_spectrogram(waveforms.float(), self.num_mel_bins).to(self.conv1.weight.dtype)
+        h = nn.functional.gelu(self.conv1(features))
+        h = nn.functional.gelu(self.conv2(h)).transpose(1, 2)  # [G, 1500, d]
+        h = h + self.embed_positions.weight[: h.shape[1]]
+        h = h.reshape(-1, h.shape[-1])
+        for layer in self.layers:
+            h = layer(h, attn_metadata)
+        return self.layer_norm(h)
+
+
+class WhisperDecoder(nn.Module):
+    def __init__(self, config, ctx: ModelContext) -> None:
+        super().__init__()
+        d = config.d_model
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, d)
+        self.embed_positions = nn.Embedding(config.max_target_positions, d)
+        self.layers = nn.ModuleList(BartDecoderLayer(config, PRE_LN, ctx) for _ in range(config.decoder_layers))
+        self.layer_norm = nn.LayerNorm(d)
+
+    def forward(self, input_ids, positions, encoder_hidden, kv_caches, attn_metadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids) + self.embed_positions(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(h, encoder_hidden, kv_cache, attn_metadata)
+        return self.layer_norm(h)
+
+
+class WhisperModel(nn.Module):
+    def __init__(self, config, ctx: ModelContext) -> None:
+        super().__init__()
+        self.encoder = WhisperEncoder(config, ctx)
+        self.decoder = WhisperDecoder(config, ctx)
+
+
+class WhisperForConditionalGeneration(EncoderDecoderModel):
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "kv_proj": ["k_proj", "v_proj"]}
+    config_size_fields = (
+        "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads", "decoder_attention_heads",
+        "encoder_ffn_dim", "decoder_ffn_dim", "vocab_size", "num_mel_bins", "max_source_positions",
+        "max_target_positions",
+    )
+
+    def __init__(self, config, ctx: ModelContext) -> None:
+        super().__init__(config, ctx)
+        self.model = WhisperModel(config, ctx)
+
+    # -- what requests are checked against ---------------------------------------
+    @classmethod
+    def kv_cache_spec(cls, config) -> KVCacheSpec:
+        heads = config.decoder_attention_heads
+        return KVCacheSpec(config.decoder_layers, heads, config.d_model // heads)
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        for field in cls.config_size_fields:
+            value = getattr(config, field, None)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"config.json: {field}={value!r} must be a positive integer")
+        for field in ("encoder_attention_heads", "decoder_attention_heads"):
+            if config.d_model % getattr(config, field):
+                raise ValueError(
+                    f"config.json: d_model={config.d_model} is not divisible by {field}={getattr(config, field)}"
+                )
+        if config.num_mel_bins not in (80, 128):
+            raise ValueError(f"config.json: num_mel_bins={config.num_mel_bins} (Whisper uses 80 or 128)")
+        if config.max_source_positions * 2 != WINDOW_SAMPLES // 160:
+            raise ValueError(
+                f"config.json: max_source_positions={config.max_source_positions}; the 30 s window gives "
+                f"{WINDOW_SAMPLES // 160} frames, so it must be {WINDOW_SAMPLES // 320}"
+            )
+
+    @classmethod
+    def num_parameters(cls, config) -> int:
+        d, v = config.d_model, config.vocab_size
+        attn = 4 * d * d + 3 * d  # q, v, out with bias; k without
+        norm = 2 * d
+
+        def ffn(f: int) -> int:
+            return d * f + f + f * d + d
+
+        encoder = 3 * config.num_mel_bins * d + d + 3 * d * d + d + config.max_source_positions * d
+        encoder += config.encoder_layers * (attn + ffn(config.encoder_ffn_dim) + 2 * norm) + norm
+        decoder = v * d + config.max_target_positions * d
+        decoder += config.decoder_layers * (2 * attn + ffn(config.decoder_ffn_dim) + 3 * norm) + norm
+        return encoder + decoder
+
+    @classmethod
+    def max_encoder_len(cls, config) -> int:
+        return int(config.max_source_positions)
+
+    @classmethod
+    def max_decoder_len(cls, config) -> int:
+        return int(config.max_target_positions)
+
+    @classmethod
+    def get_encoder_inputs(cls, config, token_ids: list[int]) -> EncoderInputs:
+        raise ValueError(
+            "Whisper's encoder prompt is audio: {'audio': array | tensor | path, 'sampling_rate': int} "
+            "(text or token ids go in the decoder prompt)"
+        )
+
+    @classmethod
+    def get_audio_encoder_inputs(cls, config, waveform: torch.Tensor) -> EncoderInputs:
+        """A 16 kHz mono waveform of at most 30 s, padded to the window."""
+        if waveform.numel() > WINDOW_SAMPLES:
+            raise ValueError(
+                f"audio of {waveform.numel() / SAMPLE_RATE:.2f} s is longer than Whisper's 30 s window; "
+                "use LLM.transcribe for long-form audio"
+            )
+        padded = torch.zeros(WINDOW_SAMPLES, dtype=torch.float32)
+        padded[: waveform.numel()] = waveform.float()
+        return EncoderInputs(num_positions=int(config.max_source_positions), features=padded)
+
+    @classmethod
+    def get_default_decoder_prompt(cls, config) -> list[int]:
+        """``<|startoftranscript|>``; ``LLM.transcribe`` builds the language / task prompt."""
+        return [cls.decoder_start_token_id(config)]
+
+    # -- the forward pass -----------------------------------------------------------
+    def forward(self, input_ids, positions, encoder_input_ids, encoder_positions, kv_caches, attn_metadata):
+        """``encoder_input_ids`` holds the waveforms ``[G, 480000]`` of the groups whose
+        encoder runs (float), or is empty."""
+        encoder_hidden = None
+        if encoder_input_ids.numel():
+            encoder_hidden = self.model.encoder(encoder_input_ids, attn_metadata)
+        return self.model.decoder(input_ids, positions, encoder_hidden, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.model.decoder.embed_tokens.logits(hidden_states)
+
+    # -- weights --------------------------------------------------------------------
+    def hf_to_tandem_name(self, name: str) -> str | None:
+        if name == "proj_out.weight":
+            return None  # tied to the token embedding
+        if name.startswith(("encoder.", "decoder.")):
+            return "model." + name
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_checkpoint(self, itertools.chain(weights, self._zero_k_biases()))
+
+    def _zero_k_biases(self):
+        """Whisper's K projections have no bias; the fused projections' K shard gets zeros."""
+        c = self.config
+        zeros = torch.zeros(c.d_model)
+        for i in range(c.encoder_layers):
+            yield f"model.encoder.layers.{i}.self_attn.k_proj.bias", zeros
+        for i in range(c.decoder_layers):
+            yield f"model.decoder.layers.{i}.self_attn.k_proj.bias", zeros
+            yield f"model.decoder.layers.{i}.encoder_attn.k_proj.bias", zeros
