@@ -149,9 +149,9 @@ def hf_search(model_dir: Path, encoder_ids: list[int], decoder_ids: list[int] | 
     return results
 
 
-# Special ids of the tiny Whisper checkpoints (a real one has them past 50257).
-WHISPER_IDS = dict(eos=3, sot=90, en=91, de=92, fr=93, translate=94, transcribe=95, prev=96, notimestamps=97,
-                   timestamp_begin=98)
+# Special ids of the tiny Whisper checkpoints, at the top of the vocabulary as in a real
+# one; <|notimestamps|> is the last id, so no id is a timestamp token.
+WHISPER_IDS = dict(eos=3, sot=120, en=121, de=122, fr=123, translate=124, transcribe=125, prev=126, notimestamps=127)
 
 
 def make_whisper(path: Path, num_mel_bins: int = 80, seed: int = 0, weight_std: float = 0.5) -> Path:

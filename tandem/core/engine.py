@@ -29,7 +29,7 @@ from tandem.core.output_processor import OutputProcessor
 from tandem.core.outputs import RequestOutput
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler, SchedulerConfig
-from tandem.core.sequence import Sequence, SequenceGroup
+from tandem.core.sequence import PromptSlot, Sequence, SequenceGroup
 from tandem.core.worker import Worker
 
 if TYPE_CHECKING:
@@ -141,10 +141,18 @@ class LLMEngine:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         return merge_params(self.generation_defaults.params, params, self.generation_defaults.source)
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        prompt_slot: PromptSlot | None = None,
+    ) -> None:
         """Validate and queue a request; raises ``ValueError`` naming what is wrong.
         Fields of ``params`` the caller did not set come from the checkpoint's
-        generation config (:meth:`get_default_sampling_params`)."""
+        generation config (:meth:`get_default_sampling_params`). ``prompt_slot``:
+        the model completes the decoder prompt first (Whisper's language detection)."""
         if request_id in self.scheduler.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = self.resolve_params(params)
@@ -154,8 +162,13 @@ class LLMEngine:
             # token: start there too, so lengths and beam scores count as HF's do.
             inputs.prompt_token_ids = [self.model_cls.decoder_start_token_id(self.hf_config)]
         prompt_len = len(inputs.prompt_token_ids)
+        if prompt_slot is not None:
+            bad = [t for t in (*prompt_slot.choices, *prompt_slot.then) if not 0 <= t < self.vocab_size]
+            if not prompt_slot.choices or bad:
+                raise ValueError(f"prompt slot {prompt_slot}: needs choices, all in the vocabulary [0, {self.vocab_size})")
+            prompt_len += 1 + len(prompt_slot.then)  # the prompt as it will be once completed
         params = resolve_lengths(params, prompt_len, self.model_cls.max_decoder_len(self.hf_config) - prompt_len)
-        self._validate(inputs, params)
+        self._validate(inputs, params, prompt_len)
         beams = params.use_beam_search
         # Beam search starts from one sequence; it becomes num_beams after the first step.
         seqs = [Sequence(next(self._seq_ids), inputs.prompt_token_ids) for _ in range(1 if beams else params.n)]
@@ -167,9 +180,11 @@ class LLMEngine:
         if beams:
             stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
             group.beam_state = BeamSearchState(params, prompt_len, frozenset(stops))
+        group.prompt_slot = prompt_slot
         # Every sequence at full length must fit the pool, or it would preempt itself
         # forever (blocks its sequences share count once; the cross table always counts).
-        need = self.block_manager.blocks_needed(group, extra_tokens=params.max_tokens)
+        slot_tokens = prompt_len - len(inputs.prompt_token_ids)
+        need = self.block_manager.blocks_needed(group, extra_tokens=params.max_tokens + slot_tokens)
         if beams:  # every beam at full length, sharing nothing but the cross table
             bs = self.config.block_size
             need = blocks_for(group.encoder_len, bs) + params.num_beams * blocks_for(prompt_len + params.max_tokens, bs)
@@ -188,7 +203,7 @@ class LLMEngine:
         inputs = self.input_processor.process(prompt)
         return self.model_cls.max_decoder_len(self.hf_config) - len(inputs.prompt_token_ids)
 
-    def _validate(self, inputs: EncoderDecoderInputs, params: SamplingParams) -> None:
+    def _validate(self, inputs: EncoderDecoderInputs, params: SamplingParams, dec_len: int | None = None) -> None:
         cfg, m = self.hf_config, self.model_cls
         enc = inputs.encoder_inputs
         checks = [("decoder prompt", inputs.prompt_token_ids)]
@@ -201,7 +216,8 @@ class LLMEngine:
                 raise ValueError(
                     f"{where} token id {t} at position {i} is outside the vocabulary [0, {self.vocab_size})"
                 )
-        enc_len, dec_len = enc.num_positions, len(inputs.prompt_token_ids)
+        enc_len = enc.num_positions
+        dec_len = len(inputs.prompt_token_ids) if dec_len is None else dec_len
         if enc_len > m.max_encoder_len(cfg):
             what = "tokens" if enc.token_ids is not None else "encoder positions"
             raise ValueError(

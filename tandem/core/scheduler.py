@@ -275,7 +275,12 @@ class Scheduler:
             encoder_inputs=group.encoder_inputs if run_encoder else None,
             num_encoder_positions=group.encoder_len,
             cross_block_table=list(bm.get_cross_block_table(group)),
-            beam_scores=group.beam_state.running_scores() if group.beam_state is not None else None,
+            beam_scores=(
+                group.beam_state.running_scores()
+                if group.beam_state is not None and group.prompt_slot is None
+                else None
+            ),
+            slot_choices=group.prompt_slot.choices if group.prompt_slot is not None else None,
         )
 
     # -- after the forward pass ----------------------------------------------
@@ -291,6 +296,9 @@ class Scheduler:
                 continue  # gone, or failed in the worker (the engine aborts it)
             # Sharers too: their cross table was filled by now, in this step or an earlier one.
             group.encoder_computed = True
+            if group.prompt_slot is not None:
+                self._fill_prompt_slot(group, sg, result.token_ids[row[sg.seqs[0].seq_id]])
+                continue
             if group.beam_state is not None:
                 self._update_beams(group, sg, result.beams[sg.request_id])
                 advanced.append(group)
@@ -365,6 +373,18 @@ class Scheduler:
             seq.append_token(nb.token_id, nb.token_logprob, nb.top_logprobs)
             seq.cumulative_logprob = nb.score
         group.seqs = [seq for seq, _ in plan]
+
+    def _fill_prompt_slot(self, group: SequenceGroup, sg: ScheduledGroup, token: int) -> None:
+        """The model chose the slot's token: it and the slot's ``then`` tokens extend
+        every sequence's decoder prompt (computed next step, with the first token)."""
+        slot, group.prompt_slot = group.prompt_slot, None
+        extra = [token, *slot.then]
+        by_id = {s.seq_id: s for s in group.seqs}
+        for ss in sg.seqs:
+            seq = by_id[ss.seq_id]
+            seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
+            seq.prompt_token_ids = seq.prompt_token_ids + extra
+            seq.token_ids = seq.token_ids + extra
 
     def _drop_seq(self, seq: Sequence, group: SequenceGroup) -> None:
         """Free a running beam the search left behind."""

@@ -59,6 +59,9 @@ class ScheduledGroup:
     # Beam search: the num_beams running beam scores (float32 values). On the
     # first step the group runs one sequence standing for all its beams.
     beam_scores: list[float] | None = None
+    # A decoder-prompt slot: this step's token is the argmax over these ids
+    # (no processors), and it completes the prompt rather than starting the output.
+    slot_choices: tuple[int, ...] | None = None
 
     @property
     def run_encoder(self) -> bool:

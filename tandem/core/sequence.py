@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable
+from dataclasses import dataclass
 
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
@@ -27,6 +28,18 @@ _FINISHED = {
     SequenceStatus.FINISHED_LENGTH,
     SequenceStatus.FINISHED_ABORTED,
 }
+
+
+@dataclass(frozen=True)
+class PromptSlot:
+    """A decoder prompt completed by the model: after the prompt's first step, the
+    token among ``choices`` the model scores highest (argmax over just those, as
+    HF's Whisper language detection) joins the prompt, followed by ``then``;
+    generation proper starts after them. The whole prompt is known before the
+    first token is generated, so processors and lengths count it as prompt."""
+
+    choices: tuple[int, ...]
+    then: tuple[int, ...] = ()
 
 
 class Sequence:
@@ -116,6 +129,8 @@ class SequenceGroup:
         # Beam search: the request's finished hypotheses and running scores
         # (its running beams are ``seqs``); set by the engine.
         self.beam_state = None
+        # A decoder-prompt slot still to be filled by the model (set by the engine).
+        self.prompt_slot: PromptSlot | None = None
 
     @property
     def max_num_seqs(self) -> int:

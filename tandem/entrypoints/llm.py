@@ -86,6 +86,31 @@ class LLM:
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         return self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
 
+    def transcribe(
+        self,
+        audio,
+        *,
+        language: str | None = None,
+        task: str = "transcribe",
+        timestamps: bool = False,
+        sampling_rate: int | None = None,
+        use_tqdm: bool = True,
+        **sampling,
+    ) -> list:
+        """Transcribe (or, ``task="translate"``, translate to English) audio with a Whisper
+        checkpoint. ``audio``: one input or a list; each a file path, samples (array or
+        tensor, with ``sampling_rate``) or ``{"audio": ..., "sampling_rate": ...}``.
+        ``language=None`` detects each input's language as HF does. ``**sampling``:
+        SamplingParams fields (the rest come from the checkpoint's generation config).
+        Returns one :class:`tandem.entrypoints.transcribe.Transcription` per input, in
+        order; an input that cannot be served has ``error`` set and the others go on."""
+        from tandem.entrypoints.transcribe import transcribe
+
+        return transcribe(
+            self, audio, language=language, task=task, timestamps=timestamps, sampling_rate=sampling_rate,
+            use_tqdm=use_tqdm, **sampling,
+        )
+
     def get_stats(self) -> dict[str, int]:
         """Counters since construction: encoder tokens computed and reused, preemptions,
         KV blocks in total and free, requests finished."""

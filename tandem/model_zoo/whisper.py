@@ -166,6 +166,12 @@ class WhisperForConditionalGeneration(EncoderDecoderModel):
         """``<|startoftranscript|>``; ``LLM.transcribe`` builds the language / task prompt."""
         return [cls.decoder_start_token_id(config)]
 
+    @classmethod
+    def process_decoder_prompt(cls, config, token_ids: list[int]) -> list[int]:
+        """An explicit decoder prompt is used as given (it may open with
+        ``<|startofprev|>`` and previous text before ``<|startoftranscript|>``)."""
+        return list(token_ids) if token_ids else cls.get_default_decoder_prompt(config)
+
     # -- the forward pass -----------------------------------------------------------
     def forward(self, input_ids, positions, encoder_input_ids, encoder_positions, kv_caches, attn_metadata):
         """``encoder_input_ids`` holds the waveforms ``[G, 480000]`` of the groups whose

@@ -68,7 +68,8 @@ class Sampler:
             logits.index_copy_(0, r, torch.log_softmax(logits.index_select(0, r), dim=-1))
         scores = self.processors(logits, rows)
         out = SamplerOutput([], [], [])
-        plain = [i for i in range(len(params)) if not params[i].use_beam_search] if beam_rows else None
+        beam_set = set(beam_rows)
+        plain = [i for i in range(len(params)) if i not in beam_set] if beam_rows else None
         if plain is None or plain:
             sub = scores if plain is None else scores.index_select(0, torch.tensor(plain, device=scores.device))
             sub_params = params if plain is None else [params[i] for i in plain]

@@ -100,6 +100,7 @@ class Worker:
             return None
         params, generators, num_out, seq_lens, seq_ids, row_request = [], [], [], [], [], []
         beams: list[BeamRows] = []
+        slots: dict[int, tuple[int, ...]] = {}
         for group in out.scheduled:
             state = self.requests[group.request_id]
             p = state.params
@@ -113,6 +114,9 @@ class Worker:
                 row_request.append(group.request_id)
                 if state.keeps_history:
                     self._record_history(seq)
+            if group.slot_choices is not None:
+                for i in range(start, len(params)):
+                    slots[i] = group.slot_choices
             if group.beam_scores is not None:
                 # HF keeps (1 + number of EOS ids, at least 2) x num_beams candidates.
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.sampler.eos_token_ids))
@@ -126,9 +130,14 @@ class Worker:
         rows = ProcessorRows(params, num_out, seq_lens, lambda idx: self._histories([seq_ids[i] for i in idx]))
         with torch.inference_mode():
             logits = self.runner.execute(out, self.kv_caches)
+            slot_tokens = {i: choices[int(logits[i, list(choices)].argmax())] for i, choices in slots.items()}
             sampled = self.sampler(logits, rows, generators, beams)
         beam_ids = {seq_ids[i] for b in beams for i in b.rows}
         plain_ids = [s for s in seq_ids if s not in beam_ids] if beam_ids else seq_ids
+        if slot_tokens:  # slot rows are never beam rows
+            plain_index = {s: k for k, s in enumerate(plain_ids)}
+            for i, token in slot_tokens.items():
+                sampled.token_ids[plain_index[seq_ids[i]]] = token
         failed = {row_request[i]: why for i, why in sampled.failed_rows.items()}
         return ModelRunnerOutput(
             plain_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, sampled.beams, failed

@@ -1,0 +1,130 @@
+"""Whisper on the shared engine against HF: tiny random checkpoints (80 and 128 mel
+bins), clips of different lengths batched, explicit decoder prompts, language
+detection, and bad audio failing alone."""
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import WHISPER_IDS as I
+from helpers import make_whisper, synth_audio
+from tandem import LLM, SamplingParams
+
+LENGTHS = [1.5, 7.0, 29.5, 12.3, 0.4]
+
+
+@pytest.fixture(scope="module", params=[80, 128])
+def whisper(request, tmp_path_factory):
+    path = make_whisper(tmp_path_factory.mktemp(f"whisper{request.param}") / "ckpt", num_mel_bins=request.param,
+                        seed=request.param)
+    return path, LLM(model=str(path), dtype="float32", device="cpu")
+
+
+def _hf(path):
+    from transformers import WhisperForConditionalGeneration
+
+    return WhisperForConditionalGeneration.from_pretrained(path).eval()
+
+
+def _features(path, clip):
+    from transformers import WhisperFeatureExtractor
+
+    n = _hf(path).config.num_mel_bins
+    return WhisperFeatureExtractor(feature_size=n)(clip, sampling_rate=16000, return_tensors="pt").input_features
+
+
+def _hf_greedy(path, clip, decoder, **kwargs):
+    """HF's generate from explicit decoder ids with the checkpoint's suppress settings
+    (what HF's Whisper generate runs for short-form audio once its prompt is built)."""
+    from transformers.generation.utils import GenerationMixin
+
+    model = _hf(path)
+    with torch.no_grad():
+        out = GenerationMixin.generate(
+            model, input_features=_features(path, clip), decoder_input_ids=torch.tensor([decoder]),
+            do_sample=False, num_beams=1, **kwargs,
+        )
+    return out[0, len(decoder):].tolist()
+
+
+def test_clips_of_different_lengths_batched_equal_hf(whisper):
+    path, llm = whisper
+    clips = [synth_audio(s, seed=i) for i, s in enumerate(LENGTHS)]
+    decoder = [I["sot"], I["en"], I["transcribe"], I["notimestamps"]]
+    res = llm.transcribe([{"audio": c, "sampling_rate": 16000} for c in clips], language="en", use_tqdm=False)
+    for clip, r in zip(clips, res):
+        assert r.error is None and r.language == "en"
+        ref = _hf_greedy(path, clip, decoder)
+        assert r.token_ids == ref[: len(r.token_ids)] and len(r.token_ids) == len(ref)
+        # The checkpoint's suppress_tokens, and begin_suppress_tokens at the first position.
+        assert not {5, 7, 11} & set(r.token_ids) and r.token_ids[0] not in (I["eos"], 20)
+    assert len({tuple(r.token_ids) for r in res}) > 1
+
+
+def test_language_is_detected_as_hf_does(whisper):
+    path, llm = whisper
+    model = _hf(path)
+    clips = [synth_audio(s, seed=10 + i) for i, s in enumerate(LENGTHS)]
+    res = llm.transcribe(clips, sampling_rate=16000, use_tqdm=False)
+    codes = {I["en"]: "en", I["de"]: "de", I["fr"]: "fr"}
+    for clip, r in zip(clips, res):
+        with torch.no_grad():
+            lang = int(model.detect_language(_features(path, clip)))
+        assert r.language == codes[lang]
+        ref = _hf_greedy(path, clip, [I["sot"], lang, I["transcribe"], I["notimestamps"]])
+        assert r.token_ids == ref
+    stats = llm.get_stats()
+    # One encoder run per clip: detection and transcription are one request.
+    assert stats["encoder_tokens_computed"] % 1500 == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_explicit_decoder_prompt_with_previous_text_is_honoured(whisper):
+    path, llm = whisper
+    clip = synth_audio(5.0, seed=3)
+    decoder = [I["prev"], 40, 41, 42, I["sot"], I["de"], I["translate"], I["notimestamps"]]
+    out = llm.generate({"encoder_prompt": {"audio": clip, "sampling_rate": 16000},
+                        "decoder_prompt": {"prompt_token_ids": decoder}},
+                       SamplingParams(temperature=0.0, max_tokens=20, suppress_tokens=[], begin_suppress_tokens=[]),
+                       use_tqdm=False)[0]
+    assert out.error is None and out.prompt_token_ids == decoder
+    assert out.outputs[0].token_ids == _hf_greedy(path, clip, decoder, max_new_tokens=20)
+
+
+def test_resampled_stereo_file_input(whisper, tmp_path):
+    import soundfile as sf
+
+    path, llm = whisper
+    mono = synth_audio(4.0, seed=5, sr=44100)
+    wav = tmp_path / "clip.wav"
+    sf.write(wav, np.stack([mono, mono], axis=1), 44100)
+    from_file = llm.transcribe(str(wav), language="en", use_tqdm=False)[0]
+    from_array = llm.transcribe({"audio": mono, "sampling_rate": 44100}, language="en", use_tqdm=False)[0]
+    assert from_file.error is None and from_file.token_ids == from_array.token_ids
+
+
+def test_bad_audio_fails_alone(whisper, tmp_path):
+    path, llm = whisper
+    good = synth_audio(3.0, seed=7)
+    nan = good.copy()
+    nan[100] = np.nan
+    res = llm.transcribe(
+        [str(tmp_path / "missing.wav"), {"audio": good, "sampling_rate": 16000}, {"audio": np.zeros(0), "sampling_rate": 16000},
+         {"audio": nan, "sampling_rate": 16000}, {"audio": good, "sampling_rate": 0}, {"audio": good},
+         {"audio": synth_audio(31.0), "sampling_rate": 16000}],
+        language="en", use_tqdm=False,
+    )
+    assert "missing.wav" in res[0].error
+    assert res[1].error is None and res[1].token_ids
+    assert "empty" in res[2].error or "0 samples" in res[2].error
+    assert "NaN" in res[3].error or "nan" in res[3].error.lower()
+    assert "sampling_rate" in res[4].error
+    assert "sampling_rate" in res[5].error
+    assert "30 s" in res[6].error
+    with pytest.raises(ValueError, match="language='xx'"):
+        llm.transcribe(good, sampling_rate=16000, language="xx")
+    with pytest.raises(ValueError, match="task="):
+        llm.transcribe(good, sampling_rate=16000, task="summarize")
+    # Text is not an encoder prompt for Whisper; the error says what is.
+    out = llm.generate({"prompt_token_ids": [5, 6]}, use_tqdm=False)[0]
+    assert "encoder prompt is audio" in out.error
