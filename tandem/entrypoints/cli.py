@@ -58,7 +58,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog="tandem", description="Encoder/decoder inference engine")
     parser.add_argument("--version", action="version", version=f"tandem-engine {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,plugins,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,transcribe,plugins,demo}")
     fmt = _HelpFormatter
 
     gen = sub.add_parser("generate", help="generate for each prompt and print the outputs", formatter_class=fmt)
@@ -68,13 +68,25 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     gen.add_argument("--json", action="store_true", help="one JSON object per line")
     gen.add_argument("prompts", nargs="+", help="encoder prompts; '-' reads one per line from stdin")
 
+    tr = sub.add_parser("transcribe", help="transcribe audio files with a Whisper checkpoint", formatter_class=fmt)
+    tr.add_argument("model", help="local Whisper checkpoint directory")
+    tr.add_argument("files", nargs="+", help="audio files (WAV, FLAC, OGG, MP3; other containers with PyAV)")
+    _engine_args(tr)
+    tr.add_argument("--language", default=None, help="language code or name (default: detected per file)")
+    tr.add_argument("--task", default="transcribe", choices=["transcribe", "translate"])
+    tr.add_argument("--format", default="text", choices=["text", "json"],
+                    help="text: 'FILE<TAB>transcript' per line; json: one object per line")
+    tr.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: the generation config's)")
+    tr.add_argument("--num-beams", type=int, default=None, help="beam search with this many beams")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
     plugins = sub.add_parser("plugins", help="list loaded plugins and what each registered", formatter_class=fmt)
     plugins.add_argument("--json", action="store_true", help="print a JSON list")
 
     demo = sub.add_parser("demo", help="run the shipped word-reversal model on a few sentences", formatter_class=fmt)
     _engine_args(demo)
     demo.add_argument("sentences", nargs="*", help="sentences to reverse (default: built-in examples)")
-    return parser, {"generate": gen, "plugins": plugins, "demo": demo}
+    return parser, {"generate": gen, "transcribe": tr, "plugins": plugins, "demo": demo}
 
 
 def _llm(args, model: str):
@@ -151,6 +163,27 @@ def cmd_generate(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_transcribe(args) -> int:
+    llm = _llm(args, args.model)
+    sampling = {k: v for k, v in (("temperature", args.temperature), ("num_beams", args.num_beams)) if v is not None}
+    results = llm.transcribe(
+        list(args.files), language=args.language, task=args.task, use_tqdm=not args.no_progress, **sampling
+    )
+    failed = 0
+    for path, r in zip(args.files, results):
+        if args.format == "json":
+            record = {"file": path, "error": r.error}
+            if r.error is None:
+                record.update(text=r.text, language=r.language, token_ids=r.token_ids)
+            print(json.dumps(record))
+        elif r.error is not None:
+            print(f"{path}\t[error] {r.error}")
+        else:
+            print(f"{path}\t{r.text}")
+        failed += r.error is not None
+    return 1 if failed else 0
+
+
 def cmd_plugins(args) -> int:
     # Lists the healthy plugins even when one is broken, marking it; exit 1 then, so scripts notice.
     from tandem.plugins.manager import exclusion_hint
@@ -203,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # a bad flag: show the usage of the subcommand it was given to
         subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    handlers = {"generate": cmd_generate, "plugins": cmd_plugins, "demo": cmd_demo}
+    handlers = {"generate": cmd_generate, "transcribe": cmd_transcribe, "plugins": cmd_plugins, "demo": cmd_demo}
     try:
         from tandem.logger import configure_cli_logging
 

@@ -128,3 +128,28 @@ def test_bad_audio_fails_alone(whisper, tmp_path):
     # Text is not an encoder prompt for Whisper; the error says what is.
     out = llm.generate({"prompt_token_ids": [5, 6]}, use_tqdm=False)[0]
     assert "encoder prompt is audio" in out.error
+
+
+def test_transcribe_command(whisper, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    import soundfile as sf
+
+    path, llm = whisper
+    clip = synth_audio(6.0, seed=9)
+    wav, flac = tmp_path / "a.wav", tmp_path / "b.flac"
+    sf.write(wav, clip, 16000)
+    sf.write(flac, clip, 16000)
+    res = subprocess.run(
+        [sys.executable, "-m", "tandem.entrypoints.cli", "transcribe", str(path), str(wav), str(flac),
+         str(tmp_path / "gone.wav"), "--format", "json", "--language", "de", "--no-progress"],
+        capture_output=True, text=True,
+    )
+    assert res.returncode == 1, res.stderr  # one file failed
+    records = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["file"] for r in records] == [str(wav), str(flac), str(tmp_path / "gone.wav")]
+    expected = llm.transcribe({"audio": clip, "sampling_rate": 16000}, language="de", use_tqdm=False)[0]
+    assert records[0]["token_ids"] == records[1]["token_ids"] == expected.token_ids
+    assert records[0]["language"] == "de" and "gone.wav" in records[2]["error"]
