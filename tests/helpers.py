@@ -154,15 +154,23 @@ def hf_search(model_dir: Path, encoder_ids: list[int], decoder_ids: list[int] | 
 WHISPER_IDS = dict(eos=3, sot=120, en=121, de=122, fr=123, translate=124, transcribe=125, prev=126, notimestamps=127)
 
 
-def make_whisper(path: Path, num_mel_bins: int = 80, seed: int = 0, weight_std: float = 0.5) -> Path:
+# A layout with Whisper's 1501 timestamp tokens after <|notimestamps|>, as in a real vocabulary.
+WHISPER_TS_IDS = dict(eos=3, sot=150, en=151, de=152, fr=153, translate=154, transcribe=155, prev=156,
+                      notimestamps=157)
+WHISPER_TS_VOCAB = 157 + 1 + 1501
+
+
+def make_whisper(path: Path, num_mel_bins: int = 80, seed: int = 0, weight_std: float = 0.5,
+                 timestamps: bool = False) -> Path:
     """A tiny random Whisper checkpoint with a multilingual generation config
-    (no tokenizer: prompts are audio plus token ids)."""
+    (no tokenizer: prompts are audio plus token ids). ``timestamps``: the vocabulary
+    holds timestamp tokens (``WHISPER_TS_IDS``); else none (``WHISPER_IDS``)."""
     from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
 
-    ids = WHISPER_IDS
+    ids = WHISPER_TS_IDS if timestamps else WHISPER_IDS
     torch.manual_seed(seed)
     config = WhisperConfig(
-        vocab_size=128, num_mel_bins=num_mel_bins, d_model=32, encoder_layers=2, decoder_layers=2,
+        vocab_size=WHISPER_TS_VOCAB if timestamps else 128, num_mel_bins=num_mel_bins, d_model=32, encoder_layers=2, decoder_layers=2,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
         max_source_positions=1500, max_target_positions=64, pad_token_id=ids["eos"], bos_token_id=ids["eos"],
         eos_token_id=ids["eos"], decoder_start_token_id=ids["sot"], dropout=0.0, attention_dropout=0.0,
@@ -181,7 +189,7 @@ def make_whisper(path: Path, num_mel_bins: int = 80, seed: int = 0, weight_std: 
         task_to_id={"translate": ids["translate"], "transcribe": ids["transcribe"]},
         no_timestamps_token_id=ids["notimestamps"], prev_sot_token_id=ids["prev"],
         suppress_tokens=[5, 7, 11], begin_suppress_tokens=[ids["eos"], 20],
-        forced_decoder_ids=None,
+        forced_decoder_ids=None, max_initial_timestamp_index=50,
     ).save_pretrained(path)
     return Path(path)
 

@@ -131,14 +131,16 @@ def pad_or_trim(waveform: torch.Tensor, length: int = N_SAMPLES) -> torch.Tensor
 
 
 def log_mel_spectrogram(
-    waveforms: torch.Tensor, n_mels: int, device: torch.device | str | None = None
+    waveforms: torch.Tensor, n_mels: int, device: torch.device | str | None = None, *, any_length: bool = False
 ) -> torch.Tensor:
     """Whisper's log-mel features of 30-second 16 kHz clips.
 
     ``waveforms`` is ``[B, N_SAMPLES]`` or ``[N_SAMPLES]`` (fit clips with
     :func:`pad_or_trim` first). The work runs on ``device`` (default: where the
     waveforms are). Returns ``[B, n_mels, N_FRAMES]`` float32 on that device
-    (``B = 1`` for a 1-D input).
+    (``B = 1`` for a 1-D input). ``any_length=True`` takes clips of any length
+    (long-form audio, as HF's extractor with ``truncation=False``): ``N // 160``
+    frames, floored at the whole clip's max - 8.
     """
     n_mels = _check_positive_int("n_mels", n_mels)
     if not isinstance(waveforms, torch.Tensor):
@@ -148,7 +150,7 @@ def log_mel_spectrogram(
             f"waveforms must be float samples in [-1, 1], got dtype {waveforms.dtype}; "
             "load_audio converts integer PCM"
         )
-    if waveforms.dim() not in (1, 2) or waveforms.shape[-1] != N_SAMPLES:
+    if waveforms.dim() not in (1, 2) or (waveforms.shape[-1] != N_SAMPLES and not any_length) or waveforms.shape[-1] < 2:
         raise AudioError(
             f"waveforms must be [B, {N_SAMPLES}] or [{N_SAMPLES}] (30 s at {SAMPLE_RATE} Hz), "
             f"got shape {tuple(waveforms.shape)}; fit clips with pad_or_trim first"

@@ -207,7 +207,7 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
             num_decoder_tokens=int(inputs.input_ids.shape[0]),
             slot_mapping=inputs.slot_mapping,
             cross_slot_mapping=inputs.cross_slot_mapping,
-            num_encoder_tokens=int(inputs.encoder_input_ids.shape[0]),
+            num_encoder_tokens=int(inputs.encoder_positions.shape[0]),
             kernel=self.kernel,
             paged=self.paged,
             cu_q=_cumulative(inputs.query_lens, dev),

@@ -112,7 +112,7 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
             num_decoder_tokens=int(inputs.input_ids.shape[0]),
             slot_mapping=inputs.slot_mapping,
             cross_slot_mapping=inputs.cross_slot_mapping,
-            num_encoder_tokens=int(inputs.encoder_input_ids.shape[0]),
+            num_encoder_tokens=int(inputs.encoder_positions.shape[0]),
             prefills=prefills,
             block_tables=inputs.block_tables,
             cross_block_tables=inputs.cross_block_tables,

@@ -81,7 +81,7 @@ class XFormersMetadataBuilder(AttentionMetadataBuilder):
             num_decoder_tokens=int(inputs.input_ids.shape[0]),
             slot_mapping=inputs.slot_mapping,
             cross_slot_mapping=inputs.cross_slot_mapping,
-            num_encoder_tokens=int(inputs.encoder_input_ids.shape[0]),
+            num_encoder_tokens=int(inputs.encoder_positions.shape[0]),
             self_slots=packed_slots(inputs.block_tables, seq_lens, self.block_size),
             cross_slots=packed_slots(inputs.cross_block_tables, cross_lens, self.block_size),
             self_bias=ab.BlockDiagonalCausalFromBottomRightMask.from_seqlens(

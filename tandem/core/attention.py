@@ -68,8 +68,10 @@ class StepInputs:
     seq_lens: list[int]  # [S] cached + new tokens per sequence
     query_start_loc: torch.Tensor  # [S + 1]
     block_tables: torch.Tensor  # [S, max_blocks], padded with block 0
-    encoder_input_ids: torch.Tensor  # [E]
-    encoder_positions: torch.Tensor  # [E]
+    # [E] token ids; for models whose encoder inputs are features, the G groups'
+    # features stacked ([G, ...], float), or a list of them when their shapes differ
+    encoder_input_ids: torch.Tensor | list[torch.Tensor]
+    encoder_positions: torch.Tensor  # [E]: E counts encoder positions (use this for sizes)
     encoder_seq_lens: list[int]  # [G]
     cross_slot_mapping: torch.Tensor  # [E]
     cross_seq_lens: list[int]  # [S] encoder length seen by each decoder sequence

@@ -117,8 +117,10 @@ class InputProcessor:
             encoder, decoder = prompt["encoder_prompt"], prompt.get("decoder_prompt")
         else:
             encoder, decoder = prompt, None
-        audio = None
-        if isinstance(encoder, dict) and "audio" in encoder:
+        audio = ready = None
+        if isinstance(encoder, EncoderInputs):  # made by the caller (long-form audio windows)
+            ready, enc_ids, enc_text = encoder, [], None
+        elif isinstance(encoder, dict) and "audio" in encoder:
             audio = self._audio(encoder)
             enc_ids, enc_text = [], None
         else:
@@ -131,7 +133,9 @@ class InputProcessor:
         else:
             ids, dec_text = self._singleton(decoder, "decoder_prompt", False)
             dec_ids = self.model_cls.process_decoder_prompt(self.hf_config, ids)
-        if audio is not None:
+        if ready is not None:
+            encoder_inputs = ready
+        elif audio is not None:
             encoder_inputs = self.model_cls.get_audio_encoder_inputs(self.hf_config, audio)
         else:
             encoder_inputs = self.model_cls.get_encoder_inputs(self.hf_config, enc_ids)

@@ -95,20 +95,31 @@ class LLM:
         timestamps: bool = False,
         sampling_rate: int | None = None,
         use_tqdm: bool = True,
+        condition_on_previous_text: bool = False,
+        compression_ratio_threshold: float | None = None,
+        logprob_threshold: float | None = None,
         **sampling,
     ) -> list:
         """Transcribe (or, ``task="translate"``, translate to English) audio with a Whisper
-        checkpoint. ``audio``: one input or a list; each a file path, samples (array or
-        tensor, with ``sampling_rate``) or ``{"audio": ..., "sampling_rate": ...}``.
-        ``language=None`` detects each input's language as HF does. ``**sampling``:
-        SamplingParams fields (the rest come from the checkpoint's generation config).
+        checkpoint, as HF's Whisper ``generate`` does. ``audio``: one input or a list;
+        each a file path, samples (array or tensor, with ``sampling_rate``) or
+        ``{"audio": ..., "sampling_rate": ...}``, of any length (over 30 s: HF's
+        sequential long-form decoding, window by window, inputs concurrently).
+        ``language=None`` detects each input's language as HF does.
+        ``timestamps=True`` adds segments (start, end, text). ``temperature`` may be a
+        sequence for HF's fallback, with ``compression_ratio_threshold`` /
+        ``logprob_threshold``; ``condition_on_previous_text`` prompts each window with
+        the previous text. ``**sampling``: other SamplingParams fields (the rest come
+        from the checkpoint's generation config).
         Returns one :class:`tandem.entrypoints.transcribe.Transcription` per input, in
         order; an input that cannot be served has ``error`` set and the others go on."""
         from tandem.entrypoints.transcribe import transcribe
 
         return transcribe(
             self, audio, language=language, task=task, timestamps=timestamps, sampling_rate=sampling_rate,
-            use_tqdm=use_tqdm, **sampling,
+            use_tqdm=use_tqdm, condition_on_previous_text=condition_on_previous_text,
+            compression_ratio_threshold=compression_ratio_threshold, logprob_threshold=logprob_threshold,
+            **sampling,
         )
 
     def get_stats(self) -> dict[str, int]:

@@ -1,20 +1,39 @@
-"""``LLM.transcribe``: audio in, transcripts out, for Whisper checkpoints.
+"""``LLM.transcribe``: audio in, transcripts out, for Whisper checkpoints, as HF's
+Whisper ``generate`` does it.
 
-Each input becomes one request: its audio as the encoder prompt, and the decoder
-prompt HF ``generate`` would build from the checkpoint's generation config:
-``<|startoftranscript|>``, the language, the task and ``<|notimestamps|>``. With
-``language=None`` on a multilingual checkpoint the language is a prompt slot
-(:class:`tandem.core.sequence.PromptSlot`): the request's first step picks the
+Each input is decoded window by window (HF's sequential algorithm). A window is
+one request: 30 s of log-mel features as the encoder prompt, and the decoder
+prompt HF builds from the checkpoint's generation config:
+``<|startoftranscript|>``, the language, the task and, without timestamps,
+``<|notimestamps|>`` (after ``<|startofprev|>`` and the previous windows' text
+with ``condition_on_previous_text``). With ``language=None`` on a multilingual
+checkpoint the first window's language is a prompt slot
+(:class:`tandem.core.sequence.PromptSlot`): that request's first step picks the
 language token the model scores highest among the languages (HF's
-``detect_language``), and the task and ``<|notimestamps|>`` follow, all in one
-request with one encoder run.
+``detect_language``), then the task token follows, all in one request with one
+encoder run; later windows reuse the language.
+
+Short audio (<= 30 s) without timestamps is one window, its waveform the encoder
+input (the log-mel runs batched on the device). With timestamps, or for longer
+audio, the log-mel of the whole input is computed once (floored at the whole
+input's max, as HF's extractor with ``truncation=False``), the windows are
+slices of it, and after each window the input seeks to its last complete
+timestamp segment (or past the window), as HF's ``_retrieve_segment``. Windows
+of different inputs run concurrently in the engine, one window per input in
+flight. With several ``temperature`` values, a window whose compression ratio or
+average log-probability crosses its threshold is decoded again at the next
+temperature (HF's fallback).
 """
 
 from __future__ import annotations
 
+import math
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from tandem.core.sampling_params import RequestOutputKind, SamplingParams
 from tandem.core.sequence import PromptSlot
@@ -23,7 +42,11 @@ if TYPE_CHECKING:
     from tandem.entrypoints.llm import LLM
 
 TASKS = ("transcribe", "translate")
-WINDOW = 30 * 16000
+WINDOW = 30 * 16000  # samples
+WINDOW_FRAMES = 3000  # log-mel frames
+TIME_PRECISION = 0.02  # seconds per timestamp token step
+FRAME_SECONDS = 0.01  # seconds per log-mel frame
+INPUT_STRIDE = 2  # log-mel frames per encoder position
 
 
 @dataclass
@@ -36,6 +59,7 @@ class Transcription:
     language: str | None = None
     segments: list[dict] | None = None
     error: str | None = None
+    windows: int = 0  # 30 s windows decoded, fallback re-decodes included
 
 
 @dataclass(frozen=True)
@@ -47,6 +71,9 @@ class WhisperPrompts:
     task_to_id: dict[str, int]
     no_timestamps: int | None
     multilingual: bool
+    eos: int
+    prev_sot: int | None
+    max_initial_timestamp_index: int | None
 
     @classmethod
     def from_model(cls, model_dir: str, hf_config) -> "WhisperPrompts":
@@ -58,11 +85,19 @@ class WhisperPrompts:
             raise ValueError(f"{model_dir}: transcribe needs the checkpoint's generation_config.json ({e})") from e
         start = gen.decoder_start_token_id if gen.decoder_start_token_id is not None else hf_config.decoder_start_token_id
         lang = dict(getattr(gen, "lang_to_id", None) or {})
+        eos = gen.eos_token_id if gen.eos_token_id is not None else hf_config.eos_token_id
         return cls(
             int(start), lang, dict(getattr(gen, "task_to_id", None) or {}),
             getattr(gen, "no_timestamps_token_id", None),
             bool(getattr(gen, "is_multilingual", bool(lang))) and bool(lang),
+            int(eos[0] if isinstance(eos, (list, tuple)) else eos),
+            getattr(gen, "prev_sot_token_id", None),
+            getattr(gen, "max_initial_timestamp_index", None),
         )
+
+    @property
+    def timestamp_begin(self) -> int:
+        return self.no_timestamps + 1
 
     def language_id(self, language: str) -> int:
         from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
@@ -101,6 +136,104 @@ class WhisperPrompts:
         return [self.start, self.language_id(language), *tail], None
 
 
+class TimestampRules:
+    """HF's ``WhisperTimeStampLogitsProcessor`` as a per-request logits processor
+    (tandem's three-argument signature; ``prompt_ids`` is the window's decoder
+    prompt, so HF's ``begin_index`` is its length): timestamps come in pairs except
+    before EOS, never decrease, the first token is a timestamp at most
+    ``max_initial_timestamp_index`` steps in, and a timestamp is forced when the
+    timestamps' total probability beats every text token's."""
+
+    def __init__(self, prompts: WhisperPrompts) -> None:
+        self.no_timestamps = prompts.no_timestamps
+        self.tb = prompts.timestamp_begin
+        self.eos = prompts.eos
+        self.max_initial = prompts.max_initial_timestamp_index
+
+    def __call__(self, prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        tb, inf = self.tb, -float("inf")
+        logits[self.no_timestamps] = inf
+        seq = output_ids
+        last_ts = len(seq) >= 1 and seq[-1] >= tb
+        penultimate_ts = len(seq) < 2 or seq[-2] >= tb
+        if last_ts:
+            if penultimate_ts:
+                logits[tb:] = inf
+            else:
+                logits[: self.eos] = inf
+        stamps = [t for t in seq if t >= tb]
+        if stamps:
+            last = stamps[-1] if (last_ts and not penultimate_ts) else stamps[-1] + 1
+            logits[tb:last] = inf
+        if not seq:
+            logits[:tb] = inf
+            if self.max_initial is not None:
+                logits[tb + self.max_initial + 1:] = inf
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        if logprobs[tb:].logsumexp(dim=-1) > logprobs[:tb].max():
+            logits[:tb] = inf
+        return logits
+
+
+def retrieve_segments(
+    tokens: list[int], tb: int, time_offset: float, seek_num_frames: int
+) -> tuple[list[dict], int]:
+    """HF's ``_retrieve_segment`` for one window's generated tokens (trailing EOS
+    removed): its timestamp segments and how many frames the input seeks forward."""
+    is_ts = [t >= tb for t in tokens]
+    single_ending = is_ts[-2:] == [False, True]
+    cuts = [i + 1 for i in range(len(is_ts) - 1) if is_ts[i] and is_ts[i + 1]]
+    if cuts:
+        segments = []
+        if single_ending:
+            cuts.append(len(tokens))
+        else:
+            cuts[-1] += 1
+        last = 0
+        for k, cut in enumerate(cuts):
+            piece = tokens[last:cut]
+            end_at = -1 if (k < len(cuts) - 1 or single_ending) else -2
+            segments.append({
+                "start": time_offset + (piece[0] - tb) * TIME_PRECISION,
+                "end": time_offset + (piece[end_at] - tb) * TIME_PRECISION,
+                "tokens": piece,
+            })
+            last = cut
+        if single_ending:
+            offset = seek_num_frames
+        else:
+            offset = (tokens[last - 2] - tb) * INPUT_STRIDE
+        return segments, offset
+    stamps = [i for i, t in enumerate(is_ts) if t]
+    end = seek_num_frames * FRAME_SECONDS
+    if stamps and tokens[stamps[-1]] != tb:
+        end = (tokens[stamps[-1]] - tb) * TIME_PRECISION
+    return [{"start": time_offset, "end": time_offset + end, "tokens": list(tokens)}], seek_num_frames
+
+
+def compression_ratio(tokens: list[int], vocab_size: int) -> float:
+    """HF's ``_retrieve_compression_ratio``: token bytes over their zlib size."""
+    width = int(math.log2(vocab_size) / 8) + 1
+    data = b"".join(t.to_bytes(width, "little") for t in tokens)
+    return len(data) / len(zlib.compress(data)) if data else 0.0
+
+
+@dataclass
+class _Input:
+    """One input's progress through its windows."""
+
+    index: int
+    waveform: torch.Tensor
+    features: torch.Tensor | None = None  # log-mel of the whole input (windowed decoding)
+    max_frames: int = WINDOW_FRAMES
+    seek: int = 0
+    language: int | None = None  # the language token, once known
+    segments: list[dict] = field(default_factory=list)
+    fallback: int = 0  # index into the temperatures of the window in flight
+    windows: int = 0
+    condition: bool = False  # the next window is conditioned on the previous text
+
+
 def transcribe(
     llm: "LLM",
     audio: Any,
@@ -110,55 +243,179 @@ def transcribe(
     timestamps: bool = False,
     sampling_rate: int | None = None,
     use_tqdm: bool = True,
+    condition_on_previous_text: bool = False,
+    compression_ratio_threshold: float | None = None,
+    logprob_threshold: float | None = None,
     **sampling: Any,
 ) -> list[Transcription]:
     """See :meth:`tandem.LLM.transcribe`."""
     from tandem.audio import AudioError, load_audio
+    from tandem.core.inputs import EncoderInputs
     from tandem.core.model import EncoderDecoderModel
 
     engine = llm.llm_engine
-    takes_audio = engine.model_cls.get_audio_encoder_inputs.__func__ is not EncoderDecoderModel.get_audio_encoder_inputs.__func__
-    if not takes_audio:
+    model_cls = engine.model_cls
+    if model_cls.get_audio_encoder_inputs.__func__ is EncoderDecoderModel.get_audio_encoder_inputs.__func__:
         raise ValueError(f"{engine.architecture} takes no audio: transcribe needs an audio model such as Whisper")
-    if timestamps:
-        raise NotImplementedError("timestamps=True is not supported yet (transcripts without timestamps are)")
-    prompts_info = WhisperPrompts.from_model(engine.config.model, engine.hf_config)
-    decoder, slot = prompts_info.decoder_prompt(language, task, timestamps)
-    items = audio if isinstance(audio, list) else [audio]
-    params = SamplingParams(**sampling).replace(output_kind=RequestOutputKind.FINAL_ONLY) if sampling else SamplingParams(
-        output_kind=RequestOutputKind.FINAL_ONLY
-    )
+    prompts = WhisperPrompts.from_model(engine.config.model, engine.hf_config)
+    if timestamps and prompts.no_timestamps is None:
+        raise ValueError("timestamps=True: the checkpoint's generation config has no no_timestamps_token_id")
+    prompts.decoder_prompt(language, task, timestamps)  # checks language and task up front
+    temperatures = sampling.pop("temperature", None)
+    temperatures = list(temperatures) if isinstance(temperatures, (list, tuple)) else [temperatures]
+    if not temperatures:
+        raise ValueError("temperature=(): give at least one temperature")
+    base = SamplingParams(**sampling) if sampling else SamplingParams()
+    n_mels = engine.hf_config.num_mel_bins
+    vocab = engine.vocab_size
+    rules = TimestampRules(prompts) if prompts.no_timestamps is not None else None
+    cut_off = engine.model_cls.max_decoder_len(engine.hf_config) // 2 - 1
 
+    items = audio if isinstance(audio, list) else [audio]
     results: list[Transcription | None] = [None] * len(items)
-    requests: dict[str, int] = {}
-    with llm._lock:
+    inputs: list[_Input] = []
+    for i, item in enumerate(items):
         try:
-            for i, item in enumerate(items):
-                rid = f"transcribe-{next(llm._ids)}"
+            inputs.append(_Input(i, load_audio(*_source(item, sampling_rate))))
+        except (AudioError, ValueError, TypeError) as e:
+            results[i] = Transcription(error=str(e))
+
+    def windowed(inp: _Input) -> bool:
+        return timestamps or inp.waveform.numel() > WINDOW
+
+    def params_for(inp: _Input, long: bool) -> SamplingParams:
+        t = temperatures[inp.fallback]
+        changes: dict = {"output_kind": RequestOutputKind.FINAL_ONLY}
+        if t is not None:
+            changes["temperature"] = t
+            if t > 0:
+                changes["num_beams"] = 1
+        if logprob_threshold is not None and base.logprobs is None:
+            changes["logprobs"] = 0
+        if long and rules is not None:
+            changes["logits_processors"] = (*base.logits_processors, rules)
+        return base.replace(**changes)
+
+    def submit(inp: _Input) -> str:
+        from tandem.audio import log_mel_spectrogram
+
+        long = windowed(inp)
+        init, slot = prompts.decoder_prompt(language, task, long)
+        if inp.language is not None and slot is not None:  # detected in an earlier window
+            init, slot = [init[0], inp.language, *slot.then], None
+        if long:
+            if inp.features is None:
+                wave = inp.waveform
+                if wave.numel() <= WINDOW:  # short audio: HF pads it to the 30 s window
+                    wave = torch.nn.functional.pad(wave, (0, WINDOW - wave.numel()))
+                    inp.max_frames = WINDOW_FRAMES
+                else:
+                    inp.max_frames = -(-wave.numel() // 160)  # HF's frame-rate attention mask
+                inp.features = log_mel_spectrogram(wave, n_mels, any_length=True)[0]
+            num = min(WINDOW_FRAMES, inp.max_frames - inp.seek)
+            window = inp.features[:, inp.seek : inp.seek + num]
+            window = torch.nn.functional.pad(window, (0, WINDOW_FRAMES - window.shape[1]))
+            encoder = EncoderInputs(num_positions=int(engine.hf_config.max_source_positions), features=window)
+        else:
+            encoder = {"audio": inp.waveform, "sampling_rate": 16000}
+        decoder = list(init)
+        if inp.condition and inp.segments:  # HF: <|startofprev|> + earlier windows' tokens
+            prev = []
+            for seg in inp.segments:
+                toks = seg["tokens"]
+                prev += toks[:-1] if len(toks) > 2 and toks[-2] >= prompts.timestamp_begin else toks
+            start = [prompts.prev_sot] if prompts.prev_sot is not None else []
+            decoder = start + prev[-cut_off:] + decoder
+        rid = f"transcribe-{next(llm._ids)}"
+        engine.add_request(rid, {"encoder_prompt": encoder, "decoder_prompt": {"prompt_token_ids": decoder}},
+                           params_for(inp, long), prompt_slot=slot)
+        inp.windows += 1
+        return rid
+
+    def finish_window(inp: _Input, out) -> bool:
+        """Take a finished window's output; returns whether the input is done."""
+        c = out.outputs[0]
+        tokens = list(c.token_ids)
+        if inp.language is None and prompts.multilingual and language is None:
+            lang_pos = _language_position(out.prompt_token_ids, prompts)
+            inp.language = out.prompt_token_ids[lang_pos] if lang_pos is not None else None
+        if _needs_fallback(tokens, c, prompts, vocab, compression_ratio_threshold, logprob_threshold) and (
+            inp.fallback < len(temperatures) - 1
+        ):
+            inp.fallback += 1
+            return False
+        # HF conditions the next window only after a low-temperature decode.
+        used = temperatures[inp.fallback]
+        inp.condition = condition_on_previous_text and (used is None or used < 0.5)
+        inp.fallback = 0
+        if tokens and tokens[-1] == prompts.eos:
+            tokens = tokens[:-1]
+        if not windowed(inp):
+            inp.segments = [{"start": 0.0, "end": inp.waveform.numel() / 16000, "tokens": tokens}]
+            return True
+        num = min(WINDOW_FRAMES, inp.max_frames - inp.seek)
+        offset_s = inp.seek * FRAME_SECONDS
+        if tokens:
+            segments, advance = retrieve_segments(tokens, prompts.timestamp_begin, offset_s, num)
+        else:
+            segments, advance = [], num
+        inp.segments += segments
+        inp.seek += advance
+        return inp.seek >= inp.max_frames
+
+    with llm._lock:
+        in_flight: dict[str, _Input] = {}
+        bar = _bar(len(inputs), use_tqdm)
+        try:
+            for inp in inputs:
                 try:
-                    waveform = load_audio(*_source(item, sampling_rate))
-                    if waveform.numel() > WINDOW:
-                        raise ValueError(
-                            f"audio of {waveform.numel() / 16000:.2f} s: long-form transcription (over 30 s) "
-                            "is not supported yet; split the audio into windows of at most 30 s"
-                        )
-                    prompt = {"encoder_prompt": {"audio": waveform, "sampling_rate": 16000},
-                              "decoder_prompt": {"prompt_token_ids": decoder}}
-                    engine.add_request(rid, prompt, params, prompt_slot=slot)
-                    requests[rid] = i
-                except (AudioError, ValueError, TypeError) as e:
-                    results[i] = Transcription(error=str(e))
-            bar = _bar(len(requests), use_tqdm)
+                    in_flight[submit(inp)] = inp
+                except (ValueError, TypeError) as e:
+                    results[inp.index] = Transcription(error=str(e))
             while engine.has_unfinished_requests():
                 for out in engine.step():
-                    if out.finished and out.request_id in requests:
-                        results[requests[out.request_id]] = _result(out, prompts_info, decoder, language)
+                    inp = in_flight.pop(out.request_id, None)
+                    if inp is None or not out.finished:
+                        continue
+                    if out.error is not None:
+                        results[inp.index] = Transcription(error=out.error)
                         bar.update(1)
-            bar.close()
+                        continue
+                    if finish_window(inp, out):
+                        results[inp.index] = _result(inp, prompts, language, llm.get_tokenizer(), timestamps)
+                        bar.update(1)
+                    else:
+                        try:
+                            in_flight[submit(inp)] = inp
+                        except (ValueError, TypeError) as e:
+                            results[inp.index] = Transcription(error=str(e))
+                            bar.update(1)
         except BaseException:
-            engine.abort_request([r for r, i in requests.items() if results[i] is None])
+            engine.abort_request(list(in_flight))
             raise
+        finally:
+            bar.close()
     return results  # type: ignore[return-value]
+
+
+def _language_position(prompt_ids: list[int], prompts: WhisperPrompts) -> int | None:
+    try:
+        start = prompt_ids.index(prompts.start)
+    except ValueError:
+        return None
+    return start + 1 if start + 1 < len(prompt_ids) and prompt_ids[start + 1] in prompts.lang_to_id.values() else None
+
+
+def _needs_fallback(tokens, completion, prompts, vocab, ratio_threshold, logprob_threshold) -> bool:
+    """HF's ``_need_fallback`` on compression ratio and average log-probability."""
+    if ratio_threshold is not None and compression_ratio(tokens, vocab) > ratio_threshold:
+        return True
+    if logprob_threshold is not None and completion.logprobs:
+        chosen = [step[t] for step, t in zip(completion.logprobs, tokens)]
+        text = [lp for lp, t in zip(chosen, tokens) if t != prompts.eos]
+        if sum(text) / (len(text) + 1) < logprob_threshold:
+            return True
+    return False
 
 
 def _source(item: Any, sampling_rate: int | None) -> tuple[Any, int | None]:
@@ -172,20 +429,29 @@ def _source(item: Any, sampling_rate: int | None) -> tuple[Any, int | None]:
     return item, sampling_rate
 
 
-def _result(out, prompts: WhisperPrompts, decoder: list[int], language: str | None) -> Transcription:
-    if out.error is not None:
-        return Transcription(error=out.error)
-    c = out.outputs[0]
-    if language is None and prompts.multilingual:
-        lang = prompts.language_code(out.prompt_token_ids[len(decoder)])
-    elif language is not None and prompts.multilingual:
-        lang = prompts.language_code(prompts.language_id(language))
+def _result(inp: _Input, prompts: WhisperPrompts, language: str | None, tokenizer, timestamps: bool) -> Transcription:
+    tokens = [t for seg in inp.segments for t in seg["tokens"]]
+    if prompts.multilingual:
+        lang = prompts.language_code(inp.language) if inp.language is not None else (
+            prompts.language_code(prompts.language_id(language)) if language is not None else None
+        )
     else:
         lang = "en"
-    return Transcription(text=c.text.strip(), token_ids=list(c.token_ids), language=lang)
+
+    def text_of(ids: list[int]) -> str:
+        if tokenizer is None:
+            return ""
+        return tokenizer.decode([t for t in ids if t < prompts.timestamp_begin] if prompts.no_timestamps is not None else ids,
+                                skip_special_tokens=True).strip()
+
+    segments = None
+    if timestamps:
+        segments = [{"start": round(s["start"], 3), "end": round(s["end"], 3), "text": text_of(s["tokens"]),
+                     "token_ids": list(s["tokens"])} for s in inp.segments]
+    return Transcription(text=text_of(tokens), token_ids=tokens, language=lang, segments=segments, windows=inp.windows)
 
 
 def _bar(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="Transcribing", disable=not enabled, unit="clip")
+    return tqdm(total=total, desc="Transcribing", disable=not enabled, unit="input")

@@ -45,11 +45,21 @@ class WhisperEncoder(nn.Module):
         self.layers = nn.ModuleList(BartEncoderLayer(config, PRE_LN, ctx) for _ in range(config.encoder_layers))
         self.layer_norm = nn.LayerNorm(d)
 
-    def forward(self, waveforms: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """``[G, 480000]`` float32 waveforms -> packed ``[G * 1500, d]`` hidden states."""
+    def features(self, inputs) -> torch.Tensor:
+        """Log-mel ``[G, n_mels, 3000]`` from the groups' inputs: padded waveforms
+        ``[G, 480000]`` (the log-mel computed here, batched on the device), ready
+        log-mel windows ``[G, n_mels, 3000]`` (long-form), or a list mixing both."""
         from tandem.audio import log_mel_spectrogram
 
-        features = log_mel_spectrogram(waveforms.float(), self.num_mel_bins).to(self.conv1.weight.dtype)
+        if isinstance(inputs, list):
+            return torch.cat([self.features(x.unsqueeze(0)) for x in inputs])
+        if inputs.dim() == 2:
+            return log_mel_spectrogram(inputs.float(), self.num_mel_bins)
+        return inputs.float()
+
+    def forward(self, inputs, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """The groups' inputs (see :meth:`features`) -> packed ``[G * 1500, d]`` hidden states."""
+        features = self.features(inputs).to(self.conv1.weight.dtype)
         h = nn.functional.gelu(self.conv1(features))
         h = nn.functional.gelu(self.conv2(h)).transpose(1, 2)  # [G, 1500, d]
         h = h + self.embed_positions.weight[: h.shape[1]]
@@ -174,10 +184,10 @@ class WhisperForConditionalGeneration(EncoderDecoderModel):
 
     # -- the forward pass -----------------------------------------------------------
     def forward(self, input_ids, positions, encoder_input_ids, encoder_positions, kv_caches, attn_metadata):
-        """``encoder_input_ids`` holds the waveforms ``[G, 480000]`` of the groups whose
-        encoder runs (float), or is empty."""
+        """``encoder_input_ids`` holds the audio inputs of the groups whose encoder runs
+        (padded waveforms or log-mel windows, see :meth:`WhisperEncoder.features`), or is empty."""
         encoder_hidden = None
-        if encoder_input_ids.numel():
+        if isinstance(encoder_input_ids, list) or encoder_input_ids.numel():
             encoder_hidden = self.model.encoder(encoder_input_ids, attn_metadata)
         return self.model.decoder(input_ids, positions, encoder_hidden, kv_caches, attn_metadata)
 

@@ -120,7 +120,9 @@ def test_bad_audio_fails_alone(whisper, tmp_path):
     assert "NaN" in res[3].error or "nan" in res[3].error.lower()
     assert "sampling_rate" in res[4].error
     assert "sampling_rate" in res[5].error
-    assert "30 s" in res[6].error
+    assert res[6].error is None and res[6].windows >= 2  # over 30 s: long-form, window by window
+    out = llm.generate({"encoder_prompt": {"audio": synth_audio(31.0), "sampling_rate": 16000}}, use_tqdm=False)[0]
+    assert "30 s" in out.error and "transcribe" in out.error
     with pytest.raises(ValueError, match="language='xx'"):
         llm.transcribe(good, sampling_rate=16000, language="xx")
     with pytest.raises(ValueError, match="task="):
@@ -153,3 +155,83 @@ def test_transcribe_command(whisper, tmp_path):
     expected = llm.transcribe({"audio": clip, "sampling_rate": 16000}, language="de", use_tqdm=False)[0]
     assert records[0]["token_ids"] == records[1]["token_ids"] == expected.token_ids
     assert records[0]["language"] == "de" and "gone.wav" in records[2]["error"]
+
+
+@pytest.fixture(scope="module")
+def whisper_ts(tmp_path_factory):
+    """A checkpoint whose vocabulary has Whisper's 1501 timestamp tokens."""
+    path = make_whisper(tmp_path_factory.mktemp("whisper_ts") / "ckpt", num_mel_bins=80, seed=3, timestamps=True)
+    return path, LLM(model=str(path), dtype="float32", device="cpu")
+
+
+def _hf_segments(path, clip, **kwargs):
+    """HF's Whisper generate with timestamps: short-form (<= 30 s, padded features) or
+    long-form (the whole input's features and attention mask), as its docs show."""
+    from transformers import WhisperFeatureExtractor
+
+    fe = WhisperFeatureExtractor(feature_size=80)
+    if len(clip) <= 480000:
+        f, extra = fe(clip, sampling_rate=16000, return_tensors="pt"), {}
+    else:
+        f = fe(clip, sampling_rate=16000, return_tensors="pt", truncation=False, padding="longest",
+               return_attention_mask=True)
+        extra = {"attention_mask": f.attention_mask}
+    with torch.no_grad():
+        out = _hf(path).generate(f.input_features, task="transcribe", return_timestamps=True, return_segments=True,
+                                 **extra, **kwargs)
+    return [(float(s["start"]), float(s["end"]), s["tokens"].tolist()) for s in out["segments"][0]]
+
+
+def _assert_segments(ours, theirs):
+    assert len(ours.segments) == len(theirs) > 0
+    for seg, (start, end, tokens) in zip(ours.segments, theirs):
+        assert seg["token_ids"] == tokens
+        assert seg["start"] == pytest.approx(start, abs=1e-3) and seg["end"] == pytest.approx(end, abs=1e-3)
+    assert ours.token_ids == [t for _, _, toks in theirs for t in toks]
+
+
+def test_timestamps_and_long_form_equal_hf(whisper_ts):
+    """A 2-minute input and shorter ones, together: each decodes window by window
+    (one window per input in flight) and equals HF's segments, times and tokens."""
+    path, llm = whisper_ts
+    clips = [synth_audio(120.0, seed=1), synth_audio(12.0, seed=2), synth_audio(47.5, seed=3)]
+    res = llm.transcribe([{"audio": c, "sampling_rate": 16000} for c in clips], language="en", timestamps=True,
+                         use_tqdm=False)
+    for clip, r in zip(clips, res):
+        assert r.error is None
+        _assert_segments(r, _hf_segments(path, clip, language="en"))
+    assert res[0].windows >= 4  # 120 s: at least four 30 s windows
+    # The seek rule: each window starts where the previous one's last complete segment ended.
+    starts = [s["start"] for s in res[0].segments]
+    assert starts == sorted(starts)
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_long_form_detects_the_language_once(whisper_ts):
+    path, llm = whisper_ts
+    clip = synth_audio(65.0, seed=4)
+    r = llm.transcribe({"audio": clip, "sampling_rate": 16000}, timestamps=True, use_tqdm=False)[0]
+    _assert_segments(r, _hf_segments(path, clip))
+    from transformers import WhisperFeatureExtractor
+
+    f = WhisperFeatureExtractor(feature_size=80)(clip, sampling_rate=16000, return_tensors="pt", truncation=False,
+                                                  padding="longest")
+    with torch.no_grad():
+        lang = int(_hf(path).detect_language(f.input_features[:, :, :3000]))
+    assert r.language == {v: k.strip("<|>") for k, v in {"<|en|>": 151, "<|de|>": 152, "<|fr|>": 153}.items()}[lang]
+
+
+def test_temperature_fallback_decodes_a_window_again(whisper_ts):
+    path, llm = whisper_ts
+    clip = synth_audio(10.0, seed=6)
+    plain = llm.transcribe({"audio": clip, "sampling_rate": 16000}, language="en", timestamps=True, use_tqdm=False)[0]
+    # A compression-ratio threshold nothing meets: every window falls back through all temperatures.
+    r = llm.transcribe({"audio": clip, "sampling_rate": 16000}, language="en", timestamps=True, use_tqdm=False,
+                       temperature=(0.0, 0.4, 0.8), compression_ratio_threshold=0.0, seed=3)[0]
+    assert r.error is None and r.windows >= 3 * plain.windows // max(plain.windows, 1)
+    assert r.windows > plain.windows
+    # Without a threshold crossed, the first temperature's (greedy) result stands.
+    same = llm.transcribe({"audio": clip, "sampling_rate": 16000}, language="en", timestamps=True, use_tqdm=False,
+                          temperature=(0.0, 0.4), compression_ratio_threshold=1e9)[0]
+    assert same.token_ids == plain.token_ids and same.windows == plain.windows

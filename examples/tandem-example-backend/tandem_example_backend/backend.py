@@ -60,7 +60,7 @@ class ExampleMetadataBuilder(AttentionMetadataBuilder):
             num_decoder_tokens=int(inputs.input_ids.shape[0]),
             slot_mapping=inputs.slot_mapping,
             cross_slot_mapping=inputs.cross_slot_mapping,
-            num_encoder_tokens=int(inputs.encoder_input_ids.shape[0]),
+            num_encoder_tokens=int(inputs.encoder_positions.shape[0]),
             token_seq=token_seq,
             token_pos=inputs.positions,
             seq_lens=seq_lens,

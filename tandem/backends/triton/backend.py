@@ -99,7 +99,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             num_decoder_tokens=int(inputs.input_ids.shape[0]),
             slot_mapping=inputs.slot_mapping,
             cross_slot_mapping=inputs.cross_slot_mapping,
-            num_encoder_tokens=int(inputs.encoder_input_ids.shape[0]),
+            num_encoder_tokens=int(inputs.encoder_positions.shape[0]),
             query_start_loc=inputs.query_start_loc.to(dev, torch.int32),
             seq_lens=on_dev(torch.tensor(inputs.seq_lens, dtype=torch.int32)),
             cross_seq_lens=on_dev(torch.tensor(inputs.cross_seq_lens, dtype=torch.int32)),

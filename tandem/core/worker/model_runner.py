@@ -99,8 +99,11 @@ class ModelRunner:
         features = [g.encoder_inputs.features for g in encoders if g.encoder_inputs.token_ids is None]
         if features and len(features) != len(encoders):
             raise RuntimeError("one step mixes token and feature encoder inputs; a model makes one kind")
-        if features:  # the model's encoder input: the groups' features, stacked
-            encoder_input = torch.stack([f.to(torch.float32) for f in features])
+        if features:  # the model's encoder input: the groups' features, stacked (a list if shapes differ)
+            if len({tuple(f.shape) for f in features}) == 1:
+                encoder_input = torch.stack([f.to(torch.float32) for f in features])
+            else:
+                encoder_input = [f.to(torch.float32) for f in features]
         else:
             enc_tokens = list(itertools.chain.from_iterable(g.encoder_inputs.token_ids for g in encoders))
             encoder_input = torch.tensor(enc_tokens, dtype=torch.long)
@@ -123,7 +126,11 @@ class ModelRunner:
             seq_lens=seq_lens,
             query_start_loc=query_start_loc.to(dev, non_blocking=True),
             block_tables=block_tables.to(dev, non_blocking=True),
-            encoder_input_ids=encoder_input.to(dev, non_blocking=True),
+            encoder_input_ids=(
+                [f.to(dev, non_blocking=True) for f in encoder_input]
+                if isinstance(encoder_input, list)
+                else encoder_input.to(dev, non_blocking=True)
+            ),
             encoder_positions=enc_positions.to(dev, non_blocking=True),
             encoder_seq_lens=enc_lens,
             cross_slot_mapping=cross_slots.to(dev, non_blocking=True),

@@ -1,0 +1,658 @@
+"""Whisper throughput: tandem against HuggingFace transformers (and CTranslate2).
+
+Every engine gets the same checkpoint and the same clips in one run, and the
+script prints audio seconds transcribed per wall-clock second for each, with
+the ratio to HF.
+
+Workload: ``--num-clips`` clips (default 16) of 30 s of synthetic, seeded
+speech-like audio at 16 kHz (voiced "syllables": a few harmonics of a gliding
+pitch under a syllable-rate envelope, plus a hum and noise; nothing is
+downloaded). Every clip decodes exactly ``--new-tokens`` tokens (default 64)
+after the prompt ``<|startoftranscript|> <|en|> <|transcribe|>
+<|notimestamps|>``, greedy:
+
+  tandem   ``llm.transcribe(clips, language="en", max_tokens=T, min_tokens=T,
+           temperature=0.0)``, one call for all clips (its log-mel runs inside
+           the engine, so it is on the clock).
+  hf       ``WhisperFeatureExtractor`` on each batch of ``--hf-batch-size``
+           clips (default 16) and ``WhisperForConditionalGeneration.generate(
+           input_features, language="en", task="transcribe",
+           max_new_tokens=T, min_new_tokens=T)``; feature extraction is on the
+           clock.
+  ct2      CTranslate2's ``ctranslate2.models.Whisper`` (the engine under
+           faster-whisper) on a conversion of the same checkpoint, fed the
+           same batches: features from faster-whisper's ``FeatureExtractor``
+           per clip (``WhisperFeatureExtractor`` when faster-whisper is not
+           installed), on the clock, then ``generate(features, prompts,
+           beam_size=1, max_length=T + 4)`` with EOS added to
+           ``suppress_tokens`` (CTranslate2's Whisper has no minimum length),
+           so it too decodes exactly T tokens. One row per compute type of
+           ``--ct2-compute-types`` (default: ``--dtype`` and int8); a type the
+           CPU build lacks (bfloat16 on CPU) is skipped with a note.
+
+All three apply the checkpoint's ``suppress_tokens`` and suppress
+``begin_suppress_tokens`` at the first position. Throughput is audio seconds
+(30 per clip) / wall seconds around the call(s) that serve all clips, after
+loading and a warm-up on two other clips. The "same as HF" column counts clips
+whose tokens equal HF's: a sanity check, not a parity test (int8 and bfloat16
+change argmaxes).
+
+tandem's encoder share: the same clips are run again with ``max_tokens=1``
+(the encoder, the decoder prompt and one token per clip), and
+``encoder share = t(1 token) / t(full)`` is printed: the part of tandem's time
+that is encoder work (plus log-mel and one decoder step), the rest being the
+``T - 1`` further decoder steps.
+
+Examples (from the repository root):
+
+  # quick check: random whisper-tiny-sized model, 4 clips
+  python benchmarks/whisper.py --size tiny --num-clips 4
+
+  # random whisper-base-sized model, bfloat16, all engines
+  python benchmarks/whisper.py --size base --num-clips 8 --new-tokens 32 \\
+      --dtype bfloat16 --engines tandem,hf,ct2
+
+Without ``--model`` a seeded random ``WhisperForConditionalGeneration`` is built
+(``--size tiny``: d_model 384, 4+4 layers, 6 heads, FFN 1536; ``base``: d_model
+512, 6+6 layers, 8 heads, FFN 2048; both vocab 51865 with multilingual
+Whisper's special-token layout, 80 mel bins, 448 decoder positions) and saved
+with ``save_pretrained`` (plus a generation_config.json with ``lang_to_id``,
+``task_to_id``, ``no_timestamps_token_id`` and ``suppress_tokens``) to a
+temporary directory (or ``--save-model DIR``). No tokenizer is needed: the
+CTranslate2 converter gets a stand-in one naming each id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import throughput  # noqa: E402  (cpu_flags, available-engine import logic)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ENGINES = ("tandem", "hf", "ct2")
+SAMPLING_RATE = 16000
+CLIP_SECONDS = 30.0
+
+# Random Whisper checkpoints (--size). Shared: vocab 51865, 80 mel bins,
+# 1500 encoder positions, 448 decoder positions.
+MODEL_SIZES = {
+    "tiny": dict(d_model=384, encoder_layers=4, decoder_layers=4,
+                 encoder_attention_heads=6, decoder_attention_heads=6,
+                 encoder_ffn_dim=1536, decoder_ffn_dim=1536),
+    "base": dict(d_model=512, encoder_layers=6, decoder_layers=6,
+                 encoder_attention_heads=8, decoder_attention_heads=8,
+                 encoder_ffn_dim=2048, decoder_ffn_dim=2048),
+}
+VOCAB_SIZE = 51865
+
+
+def special_ids() -> dict:
+    """Multilingual Whisper's (v1/v2) layout of a 51865-token vocabulary: text ids
+    below 50257, then <|endoftext|>, <|startoftranscript|>, 99 languages, the task
+    and control tokens, <|notimestamps|> = 50363 and 1501 timestamp tokens up to the
+    end of the vocabulary."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    eot = 50257
+    langs = list(LANGUAGES)[:99]
+    first_lang = eot + 2
+    after = first_lang + len(langs)
+    return dict(
+        eot=eot, sot=eot + 1,
+        lang_to_id={f"<|{code}|>": first_lang + i for i, code in enumerate(langs)},
+        translate=after, transcribe=after + 1, startoflm=after + 2,
+        startofprev=after + 3, nospeech=after + 4, notimestamps=after + 5,
+    )
+
+
+@dataclass
+class Result:
+    engine: str
+    clips: int
+    tokens_per_clip: int
+    seconds: float
+    load_seconds: float
+    audio_seconds: float
+    audio_s_per_s: float = 0.0
+    ratio_vs_hf: float | None = None
+    same_as_hf: int | None = None
+    note: str = ""
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+
+# --------------------------------------------------------------------------
+# Checkpoint and audio
+# --------------------------------------------------------------------------
+
+
+def make_model(size: str, out_dir: str, seed: int) -> str:
+    """Build a seeded random WhisperForConditionalGeneration and save it, with a
+    multilingual generation config and a feature-extractor config."""
+    from transformers import (GenerationConfig, WhisperConfig, WhisperFeatureExtractor,
+                              WhisperForConditionalGeneration)
+
+    ids = special_ids()
+    config = WhisperConfig(
+        **MODEL_SIZES[size], vocab_size=VOCAB_SIZE, num_mel_bins=80,
+        max_source_positions=1500, max_target_positions=448,
+        pad_token_id=ids["eot"], bos_token_id=ids["eot"], eos_token_id=ids["eot"],
+        decoder_start_token_id=ids["sot"], dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, suppress_tokens=None, begin_suppress_tokens=None,
+    )
+    torch.manual_seed(seed)
+    model = WhisperForConditionalGeneration(config).eval()
+    model.save_pretrained(out_dir)
+    # Like the real checkpoints: ~90 suppressed ids (punctuation-like text ids,
+    # here seeded random ones) plus the task/control tokens.
+    rng = random.Random(f"{seed}-suppress")
+    suppress = sorted(rng.sample(range(1, ids["eot"]), 83)) + [
+        ids["translate"], ids["transcribe"], ids["startoflm"], ids["startofprev"], ids["nospeech"]]
+    GenerationConfig(
+        decoder_start_token_id=ids["sot"], eos_token_id=ids["eot"], pad_token_id=ids["eot"],
+        bos_token_id=ids["eot"], max_length=448, is_multilingual=True,
+        lang_to_id=ids["lang_to_id"],
+        task_to_id={"translate": ids["translate"], "transcribe": ids["transcribe"]},
+        no_timestamps_token_id=ids["notimestamps"], prev_sot_token_id=ids["startofprev"],
+        suppress_tokens=suppress, begin_suppress_tokens=[220, ids["eot"]],
+        forced_decoder_ids=None,
+    ).save_pretrained(out_dir)
+    WhisperFeatureExtractor(feature_size=80).save_pretrained(out_dir)
+    return out_dir
+
+
+def synth_speech(seconds: float, seed: int, sr: int = SAMPLING_RATE) -> np.ndarray:
+    """Float32 speech-like audio: "syllables" of 3-5 harmonics of a gliding pitch
+    (80-260 Hz) under a raised-sine envelope at 2-6 syllables/s with short pauses,
+    a band of sines at formant-like frequencies, a faint hum and noise. Seeded."""
+    rng = np.random.default_rng(seed)
+    n = int(seconds * sr)
+    t = np.arange(n) / sr
+    x = np.zeros(n)
+    pos = 0
+    while pos < n:
+        length = int(sr * rng.uniform(0.15, 0.5))
+        seg = np.arange(min(length, n - pos)) / sr
+        f0 = rng.uniform(80, 260) * (1 + rng.uniform(-0.15, 0.15) * seg / max(seg[-1], 1e-3))
+        phase = 2 * np.pi * np.cumsum(f0) / sr
+        voiced = sum(rng.uniform(0.2, 1.0) / k * np.sin(k * phase) for k in range(1, rng.integers(3, 6) + 1))
+        formants = sum(rng.uniform(0.02, 0.1) * np.sin(2 * np.pi * rng.uniform(300, 3000) * seg + rng.uniform(0, 6.3))
+                       for _ in range(2))
+        env = np.sin(np.pi * np.arange(len(seg)) / max(len(seg), 1)) ** 2
+        x[pos:pos + len(seg)] = rng.uniform(0.05, 0.3) * env * (voiced + formants)
+        pos += len(seg) + int(sr * rng.choice([0.0, 0.05, 0.3], p=[0.5, 0.35, 0.15]))
+    x += 0.01 * np.sin(2 * np.pi * 50 * t) + 0.005 * rng.standard_normal(n)
+    return x.astype(np.float32)
+
+
+def make_clips(num: int, seed: int) -> list[np.ndarray]:
+    return [synth_speech(CLIP_SECONDS, seed=seed * 100_003 + i) for i in range(num)]
+
+
+def prompt_ids(model_dir: str) -> list[int]:
+    """<|startoftranscript|> <|en|> <|transcribe|> <|notimestamps|> from the
+    checkpoint's generation config."""
+    from transformers import GenerationConfig
+
+    g = GenerationConfig.from_pretrained(model_dir)
+    return [g.decoder_start_token_id, g.lang_to_id["<|en|>"], g.task_to_id["transcribe"],
+            g.no_timestamps_token_id]
+
+
+# --------------------------------------------------------------------------
+# Engines. Each runner: __init__ loads, run(clips, new_tokens) -> list of ids.
+# --------------------------------------------------------------------------
+
+
+class TandemRunner:
+    name = "tandem"
+
+    def __init__(self, model_dir: str, args):
+        from tandem import LLM
+
+        extra = {key: getattr(args, key) for key in ("max_num_seqs", "max_num_batched_tokens",
+                                                     "kv_cache_memory", "attention_backend")
+                 if getattr(args, key) is not None}
+        self.llm = LLM(model=model_dir, dtype=args.dtype, device=args.device, seed=args.seed, **extra)
+
+    def run(self, clips, new_tokens: int) -> list[list[int]]:
+        inputs = [{"audio": c, "sampling_rate": SAMPLING_RATE} for c in clips]
+        outs = self.llm.transcribe(inputs, language="en", use_tqdm=False, temperature=0.0,
+                                   max_tokens=new_tokens, min_tokens=new_tokens)
+        errors = [o.error for o in outs if o.error]
+        if errors:
+            raise RuntimeError(f"tandem: {len(errors)} clips failed, first: {errors[0]}")
+        return [list(o.token_ids) for o in outs]
+
+
+class HFRunner:
+    name = "hf"
+
+    def __init__(self, model_dir: str, args):
+        from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+        self.device = torch.device(args.device)
+        self.dtype = getattr(torch, args.dtype)
+        self.model = WhisperForConditionalGeneration.from_pretrained(
+            model_dir, dtype=self.dtype).to(self.device).eval()
+        self.features = WhisperFeatureExtractor(feature_size=self.model.config.num_mel_bins)
+        self.batch_size = args.hf_batch_size
+        self.prompt_len = len(prompt_ids(model_dir))
+
+    def run(self, clips, new_tokens: int) -> list[list[int]]:
+        outputs = []
+        with torch.inference_mode():
+            for start in range(0, len(clips), self.batch_size):
+                batch = clips[start:start + self.batch_size]
+                feats = self.features(batch, sampling_rate=SAMPLING_RATE, return_tensors="pt").input_features
+                seqs = self.model.generate(
+                    feats.to(self.device, self.dtype), language="en", task="transcribe",
+                    max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, num_beams=1)
+                for row in seqs.tolist():
+                    # generate returns the new tokens (older transformers: the
+                    # decoder prompt too): keep the last new_tokens.
+                    outputs.append(row[-new_tokens:] if len(row) >= new_tokens else row)
+        return outputs
+
+
+class CT2Runner:
+    """CTranslate2's Whisper, converted from the same checkpoint with a stand-in
+    tokenizer (one name per id, Whisper's names for the special ids)."""
+
+    name = "ct2"
+
+    def __init__(self, model_dir: str, args, compute_type: str, converted_dir: str):
+        import ctranslate2
+
+        self.model = ctranslate2.models.Whisper(
+            converted_dir, device=args.device, compute_type=compute_type,
+            inter_threads=1, intra_threads=torch.get_num_threads())
+        self.name = f"ct2 {compute_type}"
+        self.prompt = prompt_ids(model_dir)
+        self.batch_size = args.hf_batch_size
+        from transformers import GenerationConfig
+
+        g = GenerationConfig.from_pretrained(model_dir)
+        # CTranslate2's Whisper has no minimum length: suppress EOS to decode
+        # exactly max_length tokens, as min_tokens / min_new_tokens do.
+        self.suppress = sorted(set(g.suppress_tokens or []) | {g.eos_token_id})
+        n_mels = load_config(model_dir).num_mel_bins
+        try:
+            from faster_whisper.feature_extractor import FeatureExtractor
+
+            fe = FeatureExtractor(feature_size=n_mels)
+            self.features_from = "faster_whisper.FeatureExtractor"
+            self._features = lambda batch: np.stack([fe(c)[:, :3000] for c in batch])
+        except ImportError:
+            from transformers import WhisperFeatureExtractor
+
+            hf_fe = WhisperFeatureExtractor(feature_size=n_mels)
+            self.features_from = "transformers.WhisperFeatureExtractor"
+            self._features = lambda batch: hf_fe(batch, sampling_rate=SAMPLING_RATE,
+                                                 return_tensors="np").input_features
+
+    def run(self, clips, new_tokens: int) -> list[list[int]]:
+        import ctranslate2
+
+        outputs = []
+        for start in range(0, len(clips), self.batch_size):
+            batch = clips[start:start + self.batch_size]
+            feats = ctranslate2.StorageView.from_array(
+                np.ascontiguousarray(self._features(batch), dtype=np.float32))
+            results = self.model.generate(
+                feats, [self.prompt] * len(batch), beam_size=1,
+                max_length=2 * new_tokens, suppress_tokens=self.suppress,
+                suppress_blank=True)
+            outputs += [list(r.sequences_ids[0]) for r in results]
+        return outputs
+
+
+def ct2_vocabulary(model_dir: str) -> list[str]:
+    """A name per id: Whisper's names for the special ids of the generation config
+    (CTranslate2 finds <|startoftranscript|>, <|endoftext|>, <|notimestamps|>... by
+    name), <|t.tt|> for the timestamp ids after <|notimestamps|>, tok<i> otherwise."""
+    from transformers import GenerationConfig
+
+    config = load_config(model_dir)
+    g = GenerationConfig.from_pretrained(model_dir)
+    names = {g.eos_token_id: "<|endoftext|>", g.decoder_start_token_id: "<|startoftranscript|>"}
+    names.update({i: tok for tok, i in (g.lang_to_id or {}).items()})
+    names.update({i: f"<|{task}|>" for task, i in (g.task_to_id or {}).items()})
+    nts = g.no_timestamps_token_id
+    if nts is not None:
+        names[nts] = "<|notimestamps|>"
+        for offset, name in ((1, "<|nospeech|>"), (2, "<|startofprev|>"), (3, "<|startoflm|>")):
+            names.setdefault(nts - offset, name)
+        for i in range(nts + 1, config.vocab_size):
+            names.setdefault(i, "<|%.2f|>" % ((i - nts - 1) * 0.02))
+    return [names.get(i, f"tok{i}") for i in range(config.vocab_size)]
+
+
+def ct2_convert(model_dir: str, out_dir: str) -> None:
+    from ctranslate2.converters import TransformersConverter
+
+    tokens = ct2_vocabulary(model_dir)
+
+    class _Tokenizer:
+        def get_vocab(self):
+            return {t: i for i, t in enumerate(tokens)}
+
+        def convert_ids_to_tokens(self, i):
+            return tokens[i]
+
+    class Converter(TransformersConverter):
+        def load_tokenizer(self, tokenizer_class, model_name_or_path, **kwargs):
+            return _Tokenizer()
+
+    Converter(model_dir).convert(out_dir, force=True)
+
+
+def load_config(model_dir: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+# --------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------
+
+
+def timed(runner, clips, warmup, new_tokens: int, name: str, load_seconds: float) -> Result:
+    runner.run(warmup, min(4, new_tokens))
+    start = time.perf_counter()
+    outputs = runner.run(clips, new_tokens)
+    seconds = time.perf_counter() - start
+    short = [i for i, out in enumerate(outputs) if len(out) != new_tokens]
+    if short:
+        print(f"warning: {name}: {len(short)} clips did not decode exactly {new_tokens} tokens "
+              f"(first: clip {short[0]}, {len(outputs[short[0]])} tokens)", file=sys.stderr)
+    audio = CLIP_SECONDS * len(clips)
+    print(f"  {name:<12} {seconds:8.2f} s  {audio / seconds:8.2f} audio s/s", flush=True)
+    return Result(engine=name, clips=len(clips), tokens_per_clip=new_tokens, seconds=seconds,
+                  load_seconds=load_seconds, audio_seconds=audio, audio_s_per_s=audio / seconds,
+                  outputs=outputs)
+
+
+def run_tandem(model_dir, clips, warmup, args) -> tuple[list[Result], dict]:
+    start = time.perf_counter()
+    runner = TandemRunner(model_dir, args)
+    load = time.perf_counter() - start
+    full = timed(runner, clips, warmup, args.new_tokens, "tandem", load)
+    one = timed(runner, clips, warmup[:1], 1, "tandem 1-tok", load)
+    share = {"seconds_full": full.seconds, "seconds_1_token": one.seconds,
+             "encoder_share": one.seconds / full.seconds, "stats": runner.llm.get_stats()}
+    del runner
+    gc.collect()
+    return [full], share
+
+
+def run_simple(cls, model_dir, clips, warmup, args) -> list[Result]:
+    start = time.perf_counter()
+    runner = cls(model_dir, args)
+    load = time.perf_counter() - start
+    result = timed(runner, clips, warmup, args.new_tokens, runner.name, load)
+    del runner
+    gc.collect()
+    return [result]
+
+
+def run_ct2(model_dir, clips, warmup, args) -> list[Result]:
+    import ctranslate2
+
+    supported = ctranslate2.get_supported_compute_types(args.device)
+    wanted = [t for t in args.ct2_compute_types if t in supported]
+    for t in args.ct2_compute_types:
+        if t not in supported:
+            print(f"note: skipping ct2 {t}: CTranslate2 {ctranslate2.__version__} has no {t} "
+                  f"on {args.device} (supported: {', '.join(sorted(supported))})")
+    if not wanted:
+        return []
+    results = []
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-ct2-whisper-") as converted:
+        start = time.perf_counter()
+        ct2_convert(model_dir, converted)
+        convert_seconds = time.perf_counter() - start
+        for compute_type in wanted:
+            start = time.perf_counter()
+            runner = CT2Runner(model_dir, args, compute_type, converted)
+            load = time.perf_counter() - start + convert_seconds
+            r = timed(runner, clips, warmup, args.new_tokens, runner.name, load)
+            r.note = f"features: {runner.features_from}"
+            results.append(r)
+            del runner
+            gc.collect()
+    return results
+
+
+def compare_with_hf(results: list[Result]) -> None:
+    hf = next((r for r in results if r.engine == "hf"), None)
+    if hf is None:
+        return
+    for r in results:
+        r.ratio_vs_hf = r.audio_s_per_s / hf.audio_s_per_s
+        r.same_as_hf = sum(a == b for a, b in zip(r.outputs, hf.outputs))
+
+
+def format_table(results: list[Result]) -> str:
+    header = ("engine", "clips", "tokens/clip", "seconds", "audio s/s", "ratio vs HF", "same as HF")
+    rows = [header]
+    for r in results:
+        rows.append((
+            r.engine, str(r.clips), str(r.tokens_per_clip), f"{r.seconds:.2f}",
+            f"{r.audio_s_per_s:.2f}",
+            "-" if r.ratio_vs_hf is None else f"{r.ratio_vs_hf:.2f}x",
+            "-" if r.same_as_hf is None else f"{r.same_as_hf}/{r.clips}",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [c.ljust(w) if i < 1 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def environment(args, config, model_dir: str) -> dict:
+    import transformers
+
+    env = {
+        "model": model_dir if args.model else f"random whisper ({args.size})",
+        "d_model": config.d_model,
+        "layers": [config.encoder_layers, config.decoder_layers],
+        "heads": config.encoder_attention_heads,
+        "vocab_size": config.vocab_size,
+        "num_mel_bins": config.num_mel_bins,
+        "clips": args.num_clips,
+        "clip_seconds": CLIP_SECONDS,
+        "new_tokens": args.new_tokens,
+        "dtype": args.dtype,
+        "device": args.device,
+        "torch_threads": torch.get_num_threads(),
+        "hf_batch_size": args.hf_batch_size,
+        "seed": args.seed,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_flags": throughput.cpu_flags(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_count": os.cpu_count(),
+        "load_avg_1min": round(os.getloadavg()[0], 2),
+    }
+    for module in ("ctranslate2", "faster_whisper"):
+        try:
+            env[module] = __import__(module).__version__
+        except ImportError:
+            pass
+    return env
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("checkpoint")
+    src.add_argument("--model", help="local Whisper checkpoint directory (with generation_config.json)")
+    src.add_argument("--size", choices=sorted(MODEL_SIZES), default="tiny",
+                     help="size of the random checkpoint built when --model is not given (default: tiny)")
+    src.add_argument("--save-model", metavar="DIR",
+                     help="save the random checkpoint here instead of a temp dir")
+
+    run = p.add_argument_group("run")
+    run.add_argument("--num-clips", type=int, default=16, help="30 s clips (default: 16)")
+    run.add_argument("--new-tokens", type=int, default=64,
+                     help="tokens decoded per clip, exactly (default: 64)")
+    run.add_argument("--engines", default="tandem,hf,ct2",
+                     help=f"comma list from {','.join(ENGINES)} (default: all; ct2 is skipped "
+                          "with a note when ctranslate2 is not installed)")
+    run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    run.add_argument("--device", default="cpu")
+    run.add_argument("--threads", type=int, help="torch.set_num_threads (and CTranslate2 intra_threads)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--json", metavar="PATH", help="also write results as JSON")
+
+    hf = p.add_argument_group("HF / CTranslate2")
+    hf.add_argument("--hf-batch-size", type=int, default=16,
+                    help="clips per HF generate call and per CTranslate2 generate call (default: 16)")
+    hf.add_argument("--ct2-compute-types",
+                    help="comma list of CTranslate2 compute types (default: --dtype,int8); "
+                         "types the build lacks are skipped with a note")
+
+    td = p.add_argument_group("tandem (passed to LLM only when given)")
+    td.add_argument("--max-num-seqs", type=int)
+    td.add_argument("--max-num-batched-tokens", type=int)
+    td.add_argument("--kv-cache-memory", type=float, help="GiB")
+    td.add_argument("--attention-backend")
+
+    args = p.parse_args(argv)
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in args.engines if e not in ENGINES]
+    if unknown:
+        p.error(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
+    if args.num_clips < 1 or args.new_tokens < 1:
+        p.error("--num-clips and --new-tokens must be >= 1")
+    types = args.ct2_compute_types or f"{args.dtype},int8"
+    args.ct2_compute_types = list(dict.fromkeys(t.strip() for t in types.split(",") if t.strip()))
+    return args
+
+
+def available_engines(engines: list[str]) -> list[str]:
+    """Drop engines whose package cannot be imported, with a note."""
+    needs = {"tandem": ("tandem", "LLM"), "hf": ("transformers", "WhisperForConditionalGeneration"),
+             "ct2": ("ctranslate2", "models")}
+    if "tandem" in engines:
+        try:
+            import tandem  # noqa: F401
+        except ImportError:
+            sys.path.insert(0, str(REPO_ROOT))
+    kept = []
+    for engine in engines:
+        module, name = needs[engine]
+        try:
+            getattr(__import__(module), name)
+        except (ImportError, AttributeError) as exc:
+            print(f"note: skipping {engine}: cannot import {name} from {module} ({exc})")
+            continue
+        kept.append(engine)
+    return kept
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()  # generate's per-call notes about the prompt
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    tmp = None
+    if args.model:
+        model_dir = args.model
+    else:
+        if args.save_model:
+            model_dir = args.save_model
+        else:
+            tmp = tempfile.TemporaryDirectory(prefix="tandem-bench-whisper-")
+            model_dir = tmp.name
+        print(f"building random Whisper ({args.size}) in {model_dir}", flush=True)
+        make_model(args.size, model_dir, args.seed)
+
+    config = load_config(model_dir)
+    clips = make_clips(args.num_clips, args.seed)
+    warmup = make_clips(2, args.seed + 1_000)  # other clips: no encoder reuse
+
+    env = environment(args, config, model_dir)
+    print("  ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    if args.device == "cpu" and env["load_avg_1min"] > 0.5:
+        print(f"warning: 1-minute load average is {env['load_avg_1min']}: other processes are "
+              "using the CPU, so figures will be noisy", file=sys.stderr)
+
+    results: list[Result] = []
+    share = None
+    notes: list[str] = []
+    for engine in available_engines(args.engines):
+        try:
+            if engine == "tandem":
+                r, share = run_tandem(model_dir, clips, warmup, args)
+                results += r
+            elif engine == "hf":
+                results += run_simple(HFRunner, model_dir, clips, warmup, args)
+            else:
+                results += run_ct2(model_dir, clips, warmup, args)
+        except Exception as exc:  # CTranslate2 failing should not hide the others
+            if engine != "ct2":
+                raise
+            note = f"skipping ct2: {type(exc).__name__}: {exc}"
+            notes.append(note)
+            print(f"note: {note}")
+
+    compare_with_hf(results)
+    print()
+    print(f"cpu_flags={env['cpu_flags']}  cpu_capability={env['cpu_capability']}  "
+          f"threads={env['torch_threads']}  dtype={args.dtype}  clips={args.num_clips} x 30 s  "
+          f"tokens/clip={args.new_tokens}")
+    print(format_table(results))
+    for r in results:
+        if r.note:
+            print(f"{r.engine}: {r.note}")
+    if share is not None:
+        print(f"tandem encoder share: t(1 token) = {share['seconds_1_token']:.2f} s, "
+              f"t({args.new_tokens} tokens) = {share['seconds_full']:.2f} s, "
+              f"share = {100 * share['encoder_share']:.1f}%")
+        s = share["stats"]
+        print(f"tandem stats: encoder_tokens_computed={s.get('encoder_tokens_computed')} "
+              f"encoder_tokens_reused={s.get('encoder_tokens_reused')}")
+
+    if args.json:
+        payload = {
+            "environment": env,
+            "results": [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in results],
+            "tandem_encoder_share": share,
+            "notes": notes,
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
