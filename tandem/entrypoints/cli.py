@@ -74,8 +74,12 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     _engine_args(tr)
     tr.add_argument("--language", default=None, help="language code or name (default: detected per file)")
     tr.add_argument("--task", default="transcribe", choices=["transcribe", "translate"])
-    tr.add_argument("--format", default="text", choices=["text", "json"],
-                    help="text: 'FILE<TAB>transcript' per line; json: one object per line")
+    tr.add_argument("--format", default="text", choices=["text", "json", "srt", "vtt"],
+                    help="text: 'FILE<TAB>transcript' per line; json: one object per line (with segments when "
+                         "timestamped); srt / vtt: subtitles (timestamps on)")
+    tr.add_argument("--timestamps", action="store_true", help="decode timestamps (segments in json)")
+    tr.add_argument("--output-dir", default=None,
+                    help="write one FILE_STEM.<format> per input here (needed for srt/vtt with several files)")
     tr.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: the generation config's)")
     tr.add_argument("--num-beams", type=int, default=None, help="beam search with this many beams")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -164,24 +168,59 @@ def cmd_generate(args) -> int:
 
 
 def cmd_transcribe(args) -> int:
+    from pathlib import Path
+
+    subtitles = args.format in ("srt", "vtt")
+    if subtitles and len(args.files) > 1 and args.output_dir is None:
+        raise ValueError(f"--format {args.format} with {len(args.files)} files: give --output-dir")
     llm = _llm(args, args.model)
     sampling = {k: v for k, v in (("temperature", args.temperature), ("num_beams", args.num_beams)) if v is not None}
     results = llm.transcribe(
-        list(args.files), language=args.language, task=args.task, use_tqdm=not args.no_progress, **sampling
+        list(args.files), language=args.language, task=args.task, timestamps=args.timestamps or subtitles,
+        use_tqdm=not args.no_progress, **sampling,
     )
     failed = 0
     for path, r in zip(args.files, results):
-        if args.format == "json":
-            record = {"file": path, "error": r.error}
-            if r.error is None:
-                record.update(text=r.text, language=r.language, token_ids=r.token_ids)
-            print(json.dumps(record))
-        elif r.error is not None:
-            print(f"{path}\t[error] {r.error}")
-        else:
-            print(f"{path}\t{r.text}")
         failed += r.error is not None
+        if r.error is not None:
+            line = json.dumps({"file": path, "error": r.error}) if args.format == "json" else f"{path}\t[error] {r.error}"
+            print(line, file=sys.stderr if subtitles else sys.stdout)
+            continue
+        if args.format == "json":
+            record = {"file": path, "error": None, "text": r.text, "language": r.language, "token_ids": r.token_ids}
+            if r.segments is not None:
+                record["segments"] = r.segments
+            body = json.dumps(record)
+        elif subtitles:
+            body = _subtitles(r.segments, args.format)
+        else:
+            body = f"{path}\t{r.text}"
+        if args.output_dir is not None:
+            out = Path(args.output_dir) / f"{Path(path).stem}.{args.format}"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(body + "\n")
+            print(out)
+        else:
+            print(body)
     return 1 if failed else 0
+
+
+def _subtitles(segments: list[dict], fmt: str) -> str:
+    """SRT or WebVTT cues from transcript segments."""
+
+    def stamp(seconds: float) -> str:
+        ms = max(0, round(seconds * 1000))
+        h, ms = divmod(ms, 3_600_000)
+        m, ms = divmod(ms, 60_000)
+        s, ms = divmod(ms, 1000)
+        sep = "," if fmt == "srt" else "."
+        return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
+
+    cues = []
+    for i, seg in enumerate(segments, 1):
+        timing = f"{stamp(seg['start'])} --> {stamp(seg['end'])}"
+        cues.append(f"{i}\n{timing}\n{seg['text']}\n" if fmt == "srt" else f"{timing}\n{seg['text']}\n")
+    return ("WEBVTT\n\n" if fmt == "vtt" else "") + "\n".join(cues)
 
 
 def cmd_plugins(args) -> int:

@@ -235,3 +235,40 @@ def test_temperature_fallback_decodes_a_window_again(whisper_ts):
     same = llm.transcribe({"audio": clip, "sampling_rate": 16000}, language="en", timestamps=True, use_tqdm=False,
                           temperature=(0.0, 0.4), compression_ratio_threshold=1e9)[0]
     assert same.token_ids == plain.token_ids and same.windows == plain.windows
+
+
+def test_transcribe_command_writes_subtitles(whisper_ts, tmp_path):
+    import subprocess
+    import sys
+
+    import soundfile as sf
+
+    path, llm = whisper_ts
+    clip = synth_audio(8.0, seed=11)
+    wav = tmp_path / "talk.wav"
+    sf.write(wav, clip, 16000)
+    out_dir = tmp_path / "subs"
+    for fmt in ("srt", "vtt"):
+        res = subprocess.run(
+            [sys.executable, "-m", "tandem.entrypoints.cli", "transcribe", str(path), str(wav), "--format", fmt,
+             "--language", "en", "--output-dir", str(out_dir), "--no-progress"],
+            capture_output=True, text=True,
+        )
+        assert res.returncode == 0, res.stderr
+    segments = llm.transcribe(str(wav), language="en", timestamps=True, use_tqdm=False)[0].segments
+    srt = (out_dir / "talk.srt").read_text().split("\n\n")
+    vtt = (out_dir / "talk.vtt").read_text()
+    assert vtt.startswith("WEBVTT\n\n")
+    assert len([c for c in srt if c.strip()]) == len(segments)
+
+    def ms(stamp):
+        h, m, rest = stamp.replace(",", ".").split(":")
+        return round((int(h) * 3600 + int(m) * 60 + float(rest)) * 1000)
+
+    first = srt[0].splitlines()
+    assert first[0] == "1"
+    start, end = first[1].split(" --> ")
+    assert (ms(start), ms(end)) == (round(segments[0]["start"] * 1000), round(segments[0]["end"] * 1000))
+    res = subprocess.run([sys.executable, "-m", "tandem.entrypoints.cli", "transcribe", str(path), str(wav), str(wav),
+                          "--format", "srt"], capture_output=True, text=True)
+    assert res.returncode == 2 and "--output-dir" in res.stderr
