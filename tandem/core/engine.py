@@ -157,6 +157,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = self.resolve_params(params)
         inputs = self.input_processor.process(prompt)
+        if inputs.decoder_prompt_is_default and prompt_slot is None:
+            default, prompt_slot = self.model_cls.default_decoder_prompt(self.hf_config, self.generation_defaults.hf)
+            inputs.prompt_token_ids = list(default)
         if inputs.decoder_prompt_is_default and params.forced_bos_token_id is not None:
             # HF starts from <DEC> alone and the forced BOS processor picks the next
             # token: start there too, so lengths and beam scores count as HF's do.

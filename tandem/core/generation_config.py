@@ -54,6 +54,7 @@ class GenerationDefaults:
     eos_token_ids: tuple[int, ...] | None  # None: the config names none (use the model config's)
     source: str  # where the defaults came from
     ignored: tuple[str, ...] = ()  # settings in the config that tandem does not apply
+    hf: object | None = None  # the transformers GenerationConfig (model-specific entries: Whisper's lang_to_id...)
 
 
 def load_generation_defaults(model_dir: str, hf_config, mode: str = "auto") -> GenerationDefaults:
@@ -131,7 +132,7 @@ def _from_hf(gen, source: str) -> GenerationDefaults:
         params = SamplingParams(**kw)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: a generation setting tandem cannot use: {e}") from e
-    return GenerationDefaults(params, eos_ids, source, ignored)
+    return GenerationDefaults(params, eos_ids, source, ignored, gen)
 
 
 _SAMPLING_FILTERS = {"top_k": -1, "top_p": 1.0, "min_p": 0.0}

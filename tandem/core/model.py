@@ -16,6 +16,8 @@ from tandem.core.inputs import EncoderInputs
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from tandem.core.sequence import PromptSlot
+
 
 @dataclass(frozen=True)
 class ModelContext:
@@ -115,6 +117,14 @@ class EncoderDecoderModel(nn.Module, ABC):
         start = cls.decoder_start_token_id(config)
         bos = config.bos_token_id
         return [start] if bos is None else [start, bos]
+
+    @classmethod
+    def default_decoder_prompt(cls, config: "PretrainedConfig", generation_config) -> tuple[list[int], "PromptSlot | None"]:
+        """The decoder prompt of a request that gives none, and optionally a prompt slot
+        the model fills in the request's first step (Whisper: the detected language).
+        ``generation_config`` is the checkpoint's transformers ``GenerationConfig`` (or
+        None). The default: :meth:`get_default_decoder_prompt`, no slot."""
+        return cls.get_default_decoder_prompt(config), None
 
     @classmethod
     def process_decoder_prompt(cls, config: "PretrainedConfig", token_ids: list[int]) -> list[int]:

@@ -36,12 +36,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tandem.core.sampling_params import RequestOutputKind, SamplingParams
-from tandem.core.sequence import PromptSlot
+from tandem.model_zoo.whisper import TASKS, WhisperPrompts
 
 if TYPE_CHECKING:
     from tandem.entrypoints.llm import LLM
 
-TASKS = ("transcribe", "translate")
 WINDOW = 30 * 16000  # samples
 WINDOW_FRAMES = 3000  # log-mel frames
 TIME_PRECISION = 0.02  # seconds per timestamp token step
@@ -60,80 +59,6 @@ class Transcription:
     segments: list[dict] | None = None
     error: str | None = None
     windows: int = 0  # 30 s windows decoded, fallback re-decodes included
-
-
-@dataclass(frozen=True)
-class WhisperPrompts:
-    """The special tokens of a Whisper checkpoint's generation config."""
-
-    start: int
-    lang_to_id: dict[str, int]  # "<|en|>" -> id
-    task_to_id: dict[str, int]
-    no_timestamps: int | None
-    multilingual: bool
-    eos: int
-    prev_sot: int | None
-    max_initial_timestamp_index: int | None
-
-    @classmethod
-    def from_model(cls, model_dir: str, hf_config) -> "WhisperPrompts":
-        from transformers import GenerationConfig
-
-        try:
-            gen = GenerationConfig.from_pretrained(model_dir)
-        except OSError as e:
-            raise ValueError(f"{model_dir}: transcribe needs the checkpoint's generation_config.json ({e})") from e
-        start = gen.decoder_start_token_id if gen.decoder_start_token_id is not None else hf_config.decoder_start_token_id
-        lang = dict(getattr(gen, "lang_to_id", None) or {})
-        eos = gen.eos_token_id if gen.eos_token_id is not None else hf_config.eos_token_id
-        return cls(
-            int(start), lang, dict(getattr(gen, "task_to_id", None) or {}),
-            getattr(gen, "no_timestamps_token_id", None),
-            bool(getattr(gen, "is_multilingual", bool(lang))) and bool(lang),
-            int(eos[0] if isinstance(eos, (list, tuple)) else eos),
-            getattr(gen, "prev_sot_token_id", None),
-            getattr(gen, "max_initial_timestamp_index", None),
-        )
-
-    @property
-    def timestamp_begin(self) -> int:
-        return self.no_timestamps + 1
-
-    def language_id(self, language: str) -> int:
-        from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
-
-        key = language.lower()
-        if key in TO_LANGUAGE_CODE:
-            key = TO_LANGUAGE_CODE[key]
-        token = key if key.startswith("<|") else f"<|{key}|>"
-        if token not in self.lang_to_id:
-            known = ", ".join(sorted(t.strip("<|>") for t in self.lang_to_id)) or "none (English-only model)"
-            raise ValueError(f"language={language!r} is not one of this checkpoint's languages: {known}")
-        return self.lang_to_id[token]
-
-    def language_code(self, token_id: int) -> str | None:
-        for token, i in self.lang_to_id.items():
-            if i == token_id:
-                return token.strip("<|>")
-        return None
-
-    def decoder_prompt(self, language: str | None, task: str, timestamps: bool) -> tuple[list[int], PromptSlot | None]:
-        """The decoder prompt, and the slot the model fills when the language is to be detected."""
-        if task not in TASKS:
-            raise ValueError(f"task={task!r}: must be one of {', '.join(TASKS)}")
-        tail = [] if timestamps or self.no_timestamps is None else [self.no_timestamps]
-        if not self.multilingual:  # English-only: no language or task tokens
-            if task != "transcribe" or (language is not None and language.lower() not in ("en", "english")):
-                raise ValueError(
-                    f"language={language!r}, task={task!r}: this checkpoint is English-only (it transcribes English)"
-                )
-            return [self.start, *tail], None
-        if task not in self.task_to_id:
-            raise ValueError(f"task={task!r}: this checkpoint's generation config has no token for it")
-        tail = [self.task_to_id[task], *tail]
-        if language is None:
-            return [self.start], PromptSlot(tuple(self.lang_to_id.values()), tuple(tail))
-        return [self.start, self.language_id(language), *tail], None
 
 
 class TimestampRules:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,12 +27,93 @@ from tandem.core.attention import AttentionMetadata
 from tandem.core.inputs import EncoderInputs
 from tandem.core.layers import VocabParallelEmbedding
 from tandem.core.model import EncoderDecoderModel, KVCacheSpec, ModelContext
+from tandem.core.sequence import PromptSlot
 from tandem.core.weight_loading import load_checkpoint
 from tandem.model_zoo.bart import BartDecoderLayer, BartEncoderLayer, BartVariant
+
+TASKS = ("transcribe", "translate")
 
 PRE_LN = BartVariant(normalize_before=True, layernorm_embedding=False, final_layer_norm=True, position_offset=0)
 SAMPLE_RATE = 16000
 WINDOW_SAMPLES = 30 * SAMPLE_RATE
+
+
+@dataclass(frozen=True)
+class WhisperPrompts:
+    """The special tokens of a Whisper checkpoint's generation config."""
+
+    start: int
+    lang_to_id: dict[str, int]  # "<|en|>" -> id
+    task_to_id: dict[str, int]
+    no_timestamps: int | None
+    multilingual: bool
+    eos: int
+    prev_sot: int | None
+    max_initial_timestamp_index: int | None
+
+    @classmethod
+    def from_model(cls, model_dir: str, hf_config) -> "WhisperPrompts":
+        from transformers import GenerationConfig
+
+        try:
+            gen = GenerationConfig.from_pretrained(model_dir)
+        except OSError as e:
+            raise ValueError(f"{model_dir}: transcribe needs the checkpoint's generation_config.json ({e})") from e
+        return cls.from_generation_config(gen, hf_config)
+
+    @classmethod
+    def from_generation_config(cls, gen, hf_config) -> "WhisperPrompts":
+        start = gen.decoder_start_token_id if gen.decoder_start_token_id is not None else hf_config.decoder_start_token_id
+        lang = dict(getattr(gen, "lang_to_id", None) or {})
+        eos = gen.eos_token_id if gen.eos_token_id is not None else hf_config.eos_token_id
+        return cls(
+            int(start), lang, dict(getattr(gen, "task_to_id", None) or {}),
+            getattr(gen, "no_timestamps_token_id", None),
+            bool(getattr(gen, "is_multilingual", bool(lang))) and bool(lang),
+            int(eos[0] if isinstance(eos, (list, tuple)) else eos),
+            getattr(gen, "prev_sot_token_id", None),
+            getattr(gen, "max_initial_timestamp_index", None),
+        )
+
+    @property
+    def timestamp_begin(self) -> int:
+        return self.no_timestamps + 1
+
+    def language_id(self, language: str) -> int:
+        from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+        key = language.lower()
+        if key in TO_LANGUAGE_CODE:
+            key = TO_LANGUAGE_CODE[key]
+        token = key if key.startswith("<|") else f"<|{key}|>"
+        if token not in self.lang_to_id:
+            known = ", ".join(sorted(t.strip("<|>") for t in self.lang_to_id)) or "none (English-only model)"
+            raise ValueError(f"language={language!r} is not one of this checkpoint's languages: {known}")
+        return self.lang_to_id[token]
+
+    def language_code(self, token_id: int) -> str | None:
+        for token, i in self.lang_to_id.items():
+            if i == token_id:
+                return token.strip("<|>")
+        return None
+
+    def decoder_prompt(self, language: str | None, task: str, timestamps: bool) -> tuple[list[int], PromptSlot | None]:
+        """The decoder prompt, and the slot the model fills when the language is to be detected."""
+        if task not in TASKS:
+            raise ValueError(f"task={task!r}: must be one of {', '.join(TASKS)}")
+        tail = [] if timestamps or self.no_timestamps is None else [self.no_timestamps]
+        if not self.multilingual:  # English-only: no language or task tokens
+            if task != "transcribe" or (language is not None and language.lower() not in ("en", "english")):
+                raise ValueError(
+                    f"language={language!r}, task={task!r}: this checkpoint is English-only (it transcribes English)"
+                )
+            return [self.start, *tail], None
+        if task not in self.task_to_id:
+            raise ValueError(f"task={task!r}: this checkpoint's generation config has no token for it")
+        tail = [self.task_to_id[task], *tail]
+        if language is None:
+            return [self.start], PromptSlot(tuple(self.lang_to_id.values()), tuple(tail))
+        return [self.start, self.language_id(language), *tail], None
 
 
 class WhisperEncoder(nn.Module):
@@ -173,8 +255,21 @@ class WhisperForConditionalGeneration(EncoderDecoderModel):
 
     @classmethod
     def get_default_decoder_prompt(cls, config) -> list[int]:
-        """``<|startoftranscript|>``; ``LLM.transcribe`` builds the language / task prompt."""
+        """``<|startoftranscript|>``; see :meth:`default_decoder_prompt`."""
         return [cls.decoder_start_token_id(config)]
+
+    @classmethod
+    def default_decoder_prompt(cls, config, generation_config) -> tuple[list[int], PromptSlot | None]:
+        """The prompt HF ``generate`` builds for audio given no decoder prompt and no
+        language or task: ``<|startoftranscript|>``, the detected language (a prompt
+        slot) on multilingual checkpoints, ``<|notimestamps|>``."""
+        if generation_config is None:
+            return cls.get_default_decoder_prompt(config), None
+        p = WhisperPrompts.from_generation_config(generation_config, config)
+        tail = (p.no_timestamps,) if p.no_timestamps is not None else ()
+        if p.multilingual:
+            return [p.start], PromptSlot(tuple(p.lang_to_id.values()), tail)
+        return [p.start, *tail], None
 
     @classmethod
     def process_decoder_prompt(cls, config, token_ids: list[int]) -> list[int]:

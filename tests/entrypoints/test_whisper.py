@@ -272,3 +272,15 @@ def test_transcribe_command_writes_subtitles(whisper_ts, tmp_path):
     res = subprocess.run([sys.executable, "-m", "tandem.entrypoints.cli", "transcribe", str(path), str(wav), str(wav),
                           "--format", "srt"], capture_output=True, text=True)
     assert res.returncode == 2 and "--output-dir" in res.stderr
+
+
+def test_generate_without_a_decoder_prompt_builds_hf_s_default(whisper):
+    """HF's Whisper generate with no language or task: <|startoftranscript|>, the
+    detected language, <|notimestamps|> (no task token)."""
+    path, llm = whisper
+    clip = synth_audio(9.0, seed=21)
+    out = llm.generate({"audio": clip, "sampling_rate": 16000}, use_tqdm=False)[0]
+    with torch.no_grad():
+        lang = int(_hf(path).detect_language(_features(path, clip)))
+    assert out.prompt_token_ids == [I["sot"], lang, I["notimestamps"]]
+    assert out.outputs[0].token_ids == _hf_greedy(path, clip, out.prompt_token_ids)
