@@ -24,22 +24,27 @@ after the prompt ``<|startoftranscript|> <|en|> <|transcribe|>
            same batches: features from faster-whisper's ``FeatureExtractor``
            per clip (``WhisperFeatureExtractor`` when faster-whisper is not
            installed), on the clock, then ``generate(features, prompts,
-           beam_size=1, max_length=T + 4)`` with EOS added to
-           ``suppress_tokens`` (CTranslate2's Whisper has no minimum length),
-           so it too decodes exactly T tokens. One row per compute type of
+           beam_size=1, max_length=2 * T)`` (CTranslate2 decodes at most
+           ``max_length // 2`` tokens after the prompt, as openai-whisper's
+           ``sample_len = n_text_ctx // 2``) with EOS added to
+           ``suppress_tokens`` (it has no minimum length), so it too decodes
+           exactly T tokens (T <= 224). One row per compute type of
            ``--ct2-compute-types`` (default: ``--dtype`` and int8); a type the
            CPU build lacks (bfloat16 on CPU) is skipped with a note.
 
 All three apply the checkpoint's ``suppress_tokens`` and suppress
-``begin_suppress_tokens`` at the first position. Throughput is audio seconds
+``begin_suppress_tokens`` at the first position (CTranslate2 through
+``suppress_blank``, from the converted config). Throughput is audio seconds
 (30 per clip) / wall seconds around the call(s) that serve all clips, after
-loading and a warm-up on two other clips. The "same as HF" column counts clips
+loading and a warm-up on two other clips (``--repeats R``: R timed runs, the
+median reported, every run in the JSON). The "same as HF" column counts clips
 whose tokens equal HF's: a sanity check, not a parity test (int8 and bfloat16
 change argmaxes).
 
 tandem's encoder share: the same clips are run again with ``max_tokens=1``
-(the encoder, the decoder prompt and one token per clip), and
-``encoder share = t(1 token) / t(full)`` is printed: the part of tandem's time
+(the encoder, the decoder prompt and one token per clip), alternating with
+the full runs, and ``encoder share = t(1 token) / t(full)`` is printed (with
+``--repeats`` > 1 also from the fastest run of each): the part of tandem's time
 that is encoder work (plus log-mel and one decoder step), the rest being the
 ``T - 1`` further decoder steps.
 
@@ -70,6 +75,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -127,6 +133,7 @@ class Result:
     seconds: float
     load_seconds: float
     audio_seconds: float
+    all_seconds: list[float] = field(default_factory=list)  # every timed run; seconds = median
     audio_s_per_s: float = 0.0
     ratio_vs_hf: float | None = None
     same_as_hf: int | None = None
@@ -312,6 +319,8 @@ class CT2Runner:
             batch = clips[start:start + self.batch_size]
             feats = ctranslate2.StorageView.from_array(
                 np.ascontiguousarray(self._features(batch), dtype=np.float32))
+            # max_length: CTranslate2 decodes max_length // 2 new tokens at
+            # most (checked: 2 * T gives exactly T with EOS suppressed).
             results = self.model.generate(
                 feats, [self.prompt] * len(batch), beam_size=1,
                 max_length=2 * new_tokens, suppress_tokens=self.suppress,
@@ -371,30 +380,54 @@ def load_config(model_dir: str):
 # --------------------------------------------------------------------------
 
 
-def timed(runner, clips, warmup, new_tokens: int, name: str, load_seconds: float) -> Result:
+def timed(runner, clips, warmup, new_tokens: int, name: str, load_seconds: float, repeats: int) -> Result:
     runner.run(warmup, min(4, new_tokens))
-    start = time.perf_counter()
-    outputs = runner.run(clips, new_tokens)
-    seconds = time.perf_counter() - start
+    times, outputs = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outputs = runner.run(clips, new_tokens)
+        times.append(time.perf_counter() - start)
+    return make_result(name, clips, new_tokens, times, outputs, load_seconds)
+
+
+def make_result(name, clips, new_tokens, times, outputs, load_seconds) -> Result:
+    seconds = statistics.median(times)
     short = [i for i, out in enumerate(outputs) if len(out) != new_tokens]
     if short:
         print(f"warning: {name}: {len(short)} clips did not decode exactly {new_tokens} tokens "
               f"(first: clip {short[0]}, {len(outputs[short[0]])} tokens)", file=sys.stderr)
     audio = CLIP_SECONDS * len(clips)
-    print(f"  {name:<12} {seconds:8.2f} s  {audio / seconds:8.2f} audio s/s", flush=True)
+    each = f"  (runs: {', '.join(f'{t:.2f}' for t in times)} s)" if len(times) > 1 else ""
+    print(f"  {name:<12} {seconds:8.2f} s  {audio / seconds:8.2f} audio s/s{each}", flush=True)
     return Result(engine=name, clips=len(clips), tokens_per_clip=new_tokens, seconds=seconds,
                   load_seconds=load_seconds, audio_seconds=audio, audio_s_per_s=audio / seconds,
-                  outputs=outputs)
+                  all_seconds=times, outputs=outputs)
 
 
 def run_tandem(model_dir, clips, warmup, args) -> tuple[list[Result], dict]:
+    """The full run and the 1-token run, alternating (full, 1 token, full, ...) so
+    that a slow spell on a shared machine hits both; the encoder share is taken
+    from the medians and, less sensitive to such spells, from the fastest runs."""
     start = time.perf_counter()
     runner = TandemRunner(model_dir, args)
     load = time.perf_counter() - start
-    full = timed(runner, clips, warmup, args.new_tokens, "tandem", load)
-    one = timed(runner, clips, warmup[:1], 1, "tandem 1-tok", load)
+    n = args.new_tokens
+    runner.run(warmup, min(4, n))
+    full_times, one_times, full_out, one_out = [], [], [], []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        full_out = runner.run(clips, n)
+        full_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        one_out = runner.run(clips, 1)
+        one_times.append(time.perf_counter() - start)
+    full = make_result("tandem", clips, n, full_times, full_out, load)
+    one = make_result("tandem 1-tok", clips, 1, one_times, one_out, load)
     share = {"seconds_full": full.seconds, "seconds_1_token": one.seconds,
-             "encoder_share": one.seconds / full.seconds, "stats": runner.llm.get_stats()}
+             "encoder_share": one.seconds / full.seconds,
+             "seconds_full_all": full_times, "seconds_1_token_all": one_times,
+             "encoder_share_fastest": min(one_times) / min(full_times),
+             "stats": runner.llm.get_stats()}
     del runner
     gc.collect()
     return [full], share
@@ -404,7 +437,7 @@ def run_simple(cls, model_dir, clips, warmup, args) -> list[Result]:
     start = time.perf_counter()
     runner = cls(model_dir, args)
     load = time.perf_counter() - start
-    result = timed(runner, clips, warmup, args.new_tokens, runner.name, load)
+    result = timed(runner, clips, warmup, args.new_tokens, runner.name, load, args.repeats)
     del runner
     gc.collect()
     return [result]
@@ -430,7 +463,7 @@ def run_ct2(model_dir, clips, warmup, args) -> list[Result]:
             start = time.perf_counter()
             runner = CT2Runner(model_dir, args, compute_type, converted)
             load = time.perf_counter() - start + convert_seconds
-            r = timed(runner, clips, warmup, args.new_tokens, runner.name, load)
+            r = timed(runner, clips, warmup, args.new_tokens, runner.name, load, args.repeats)
             r.note = f"features: {runner.features_from}"
             results.append(r)
             del runner
@@ -484,6 +517,7 @@ def environment(args, config, model_dir: str) -> dict:
         "device": args.device,
         "torch_threads": torch.get_num_threads(),
         "hf_batch_size": args.hf_batch_size,
+        "repeats": args.repeats,
         "seed": args.seed,
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -523,6 +557,9 @@ def parse_args(argv=None):
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     run.add_argument("--device", default="cpu")
     run.add_argument("--threads", type=int, help="torch.set_num_threads (and CTranslate2 intra_threads)")
+    run.add_argument("--repeats", type=int, default=1,
+                     help="timed runs per engine after the warm-up; the median is reported "
+                          "(default: 1)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--json", metavar="PATH", help="also write results as JSON")
 
@@ -544,8 +581,10 @@ def parse_args(argv=None):
     unknown = [e for e in args.engines if e not in ENGINES]
     if unknown:
         p.error(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
-    if args.num_clips < 1 or args.new_tokens < 1:
-        p.error("--num-clips and --new-tokens must be >= 1")
+    if args.num_clips < 1 or args.new_tokens < 1 or args.repeats < 1:
+        p.error("--num-clips, --new-tokens and --repeats must be >= 1")
+    if args.new_tokens > 224:
+        p.error("--new-tokens: at most 224 (CTranslate2 decodes max_length // 2 <= 448 // 2 tokens)")
     types = args.ct2_compute_types or f"{args.dtype},int8"
     args.ct2_compute_types = list(dict.fromkeys(t.strip() for t in types.split(",") if t.strip()))
     return args
@@ -634,7 +673,10 @@ def main(argv=None) -> int:
     if share is not None:
         print(f"tandem encoder share: t(1 token) = {share['seconds_1_token']:.2f} s, "
               f"t({args.new_tokens} tokens) = {share['seconds_full']:.2f} s, "
-              f"share = {100 * share['encoder_share']:.1f}%")
+              f"share = {100 * share['encoder_share']:.1f}%"
+              + (f" (fastest runs: {min(share['seconds_1_token_all']):.2f} / "
+                 f"{min(share['seconds_full_all']):.2f} s = {100 * share['encoder_share_fastest']:.1f}%)"
+                 if args.repeats > 1 else ""))
         s = share["stats"]
         print(f"tandem stats: encoder_tokens_computed={s.get('encoder_tokens_computed')} "
               f"encoder_tokens_reused={s.get('encoder_tokens_reused')}")
