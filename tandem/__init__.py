@@ -20,6 +20,7 @@ from tandem.core.model import EncoderDecoderModel, KVCacheSpec, ModelContext
 from tandem.core.outputs import CompletionOutput, RequestOutput
 from tandem.core.engine import LLMEngine
 from tandem.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from tandem.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from tandem.entrypoints.llm import LLM
 from tandem.logger import configure_library_logging
 from tandem.plugins.hookspecs import hookimpl
@@ -33,6 +34,8 @@ except PackageNotFoundError:  # a source tree on sys.path without an install
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
+    "EngineDeadError",
     "LLMEngine",
     "Attention",
     "AttentionBackend",

@@ -1,0 +1,226 @@
+"""``AsyncLLM``: the engine for asyncio services.
+
+The engine loop runs in a background thread that owns the ``LLMEngine``
+(which is single-threaded): requests and aborts reach it through a command
+queue, and each step's outputs go back to the waiting coroutines through
+their own ``asyncio.Queue`` (``loop.call_soon_threadsafe``). The event loop
+only enqueues and awaits, so it stays responsive while the engine computes
+(torch releases the GIL in its kernels).
+
+>>> engine = AsyncLLM(model="path/to/bart")
+>>> async for out in engine.generate("the rain in spain", SamplingParams(max_tokens=8), "req-1"):
+...     print(out.outputs[0].text)
+
+Cancelling the consumer (or ``await engine.abort(request_id)``) frees the
+request's blocks on the engine's next pass. If the engine loop dies, every
+waiting request raises ``EngineDeadError`` and later calls refuse at once; a
+request the engine rejects (bad prompt or sampling value) raises that
+``ValueError`` / ``TypeError`` in its own consumer only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.core.config import EngineConfig
+from tandem.core.engine import LLMEngine
+from tandem.core.inputs import PromptType
+from tandem.core.outputs import RequestOutput
+from tandem.core.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; no request can be served any more."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: Any
+    params: SamplingParams | None
+    stream: "_Stream"
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stream:
+    """One request's outputs, from the engine thread to its consumer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:  # called from the engine thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is waiting
+            pass
+
+
+class AsyncLLM:
+    def __init__(self, model: str, *, start: bool = True, **engine_args: Any) -> None:
+        """``engine_args``: the same options as :class:`tandem.LLM` (dtype, device,
+        block_size, max_num_seqs, attention_backend, generation_config, ...)."""
+        from tandem.plugins import default_backend_registry, default_model_registry
+
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), default_model_registry(), default_backend_registry())
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        if start:
+            self.start()
+
+    # -- state -------------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.get_default_sampling_params()
+
+    def get_stats(self) -> dict[str, int]:
+        """Engine counters (read from the engine thread's last state; ints, so safe to read)."""
+        return self.engine.get_stats()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine loop (unfinished requests are aborted) and wait for it."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+
+    # -- requests ----------------------------------------------------------------------
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as the engine produces them (per its
+        ``output_kind``: cumulative, delta, or only the final one); the last has
+        ``finished`` set. Leaving the loop early aborts the request."""
+        self._check_alive()
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop())
+        self._commands.put(_Add(rid, prompt, sampling_params, stream))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # the consumer left early (cancelled, disconnected, broke out)
+                self._commands.put(_Abort(rid))
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks are freed on the engine's next pass and its
+        consumer receives the aborted output."""
+        self._commands.put(_Abort(request_id))
+        self._wake.set()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop stopped: {type(self._dead).__name__}: {self._dead}") from self._dead
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running (call start())")
+
+    # -- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                self._apply_commands()
+                if not engine.has_unfinished_requests():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                for out in engine.step():
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        if out.finished:
+                            del self._streams[out.request_id]
+                        stream.put(out)
+        except BaseException as e:  # the loop is dead: every waiting request learns why
+            logger.exception("engine loop died")
+            self._dead = e
+            dead = EngineDeadError(f"the engine loop stopped: {type(e).__name__}: {e}")
+            for stream in self._streams.values():
+                stream.put(dead)
+            self._streams.clear()
+            self._drain_commands(dead)
+            return
+        # Shutting down: abort what is left.
+        left = list(self._streams)
+        if left:
+            for out in engine.abort_request(left):
+                stream = self._streams.pop(out.request_id, None)
+                if stream is not None:
+                    stream.put(out)
+        self._drain_commands(EngineDeadError("the engine is shutting down"))
+
+    def _apply_commands(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                if cmd.request_id in self._streams:
+                    cmd.stream.put(ValueError(f"request id {cmd.request_id!r} is already in use"))
+                    continue
+                try:
+                    engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+                except (ValueError, TypeError) as e:
+                    cmd.stream.put(e)
+                    continue
+                self._streams[cmd.request_id] = cmd.stream
+            else:
+                stream = self._streams.pop(cmd.request_id, None)
+                for out in engine.abort_request(cmd.request_id):
+                    if stream is not None:
+                        stream.put(out)
+
+    def _drain_commands(self, error: BaseException) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                cmd.stream.put(error)
