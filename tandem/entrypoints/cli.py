@@ -58,7 +58,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog="tandem", description="Encoder/decoder inference engine")
     parser.add_argument("--version", action="version", version=f"tandem-engine {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,transcribe,plugins,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,transcribe,serve,plugins,demo}")
     fmt = _HelpFormatter
 
     gen = sub.add_parser("generate", help="generate for each prompt and print the outputs", formatter_class=fmt)
@@ -84,13 +84,29 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     tr.add_argument("--num-beams", type=int, default=None, help="beam search with this many beams")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
+    sv = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API", formatter_class=fmt)
+    sv.add_argument("model", help="local HF checkpoint directory")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
+    sv.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    sv.add_argument("--max-queued-requests", type=int, default=None,
+                    help="answer 503 with Retry-After while this many requests wait")
+    sv.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    sv.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="seconds running requests may take to finish after SIGTERM")
+    _engine_args(sv)
+    for flag, kind in (("--max-num-seqs", int), ("--max-num-batched-tokens", int), ("--block-size", int),
+                       ("--num-kv-blocks", int), ("--kv-cache-memory", float), ("--seed", int)):
+        sv.add_argument(flag, type=kind, default=None)
+
     plugins = sub.add_parser("plugins", help="list loaded plugins and what each registered", formatter_class=fmt)
     plugins.add_argument("--json", action="store_true", help="print a JSON list")
 
     demo = sub.add_parser("demo", help="run the shipped word-reversal model on a few sentences", formatter_class=fmt)
     _engine_args(demo)
     demo.add_argument("sentences", nargs="*", help="sentences to reverse (default: built-in examples)")
-    return parser, {"generate": gen, "transcribe": tr, "plugins": plugins, "demo": demo}
+    return parser, {"generate": gen, "transcribe": tr, "serve": sv, "plugins": plugins, "demo": demo}
 
 
 def _llm(args, model: str):
@@ -223,6 +239,15 @@ def _subtitles(segments: list[dict], fmt: str) -> str:
     return ("WEBVTT\n\n" if fmt == "vtt" else "") + "\n".join(cues)
 
 
+def cmd_serve(args) -> int:
+    try:
+        from tandem.entrypoints.openai.api_server import serve
+    except ImportError as e:
+        raise ImportError(f"tandem serve needs the serve extra: pip install 'tandem-engine[serve]' ({e})") from e
+
+    return serve(args)
+
+
 def cmd_plugins(args) -> int:
     # Lists the healthy plugins even when one is broken, marking it; exit 1 then, so scripts notice.
     from tandem.plugins.manager import exclusion_hint
@@ -275,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # a bad flag: show the usage of the subcommand it was given to
         subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    handlers = {"generate": cmd_generate, "transcribe": cmd_transcribe, "plugins": cmd_plugins, "demo": cmd_demo}
+    handlers = {"generate": cmd_generate, "transcribe": cmd_transcribe, "serve": cmd_serve, "plugins": cmd_plugins,
+                "demo": cmd_demo}
     try:
         from tandem.logger import configure_cli_logging
 

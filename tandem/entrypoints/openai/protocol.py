@@ -1,0 +1,116 @@
+"""Request bodies of the OpenAI-compatible API (with vLLM's extra fields), and
+their translation into tandem prompts and ``SamplingParams``."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.core.sampling_params import RequestOutputKind, SamplingParams
+
+PromptItem = Union[str, list[int], dict[str, Any]]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    """``POST /v1/completions``. Only the fields a client sets reach
+    ``SamplingParams``; the rest come from the checkpoint's generation config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: Union[str, list[int], list[str], list[list[int]], dict[str, Any], list[dict[str, Any]]]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    no_repeat_ngram_size: int | None = None
+    num_beams: int | None = None
+    length_penalty: float | None = None
+    bad_words_ids: list[list[int]] | None = None
+    allowed_token_ids: list[int] | None = None
+    request_id: str | None = Field(default=None, description="optional id for logs and aborts")
+
+    _SAMPLING = (
+        "max_tokens", "temperature", "top_p", "n", "seed", "logprobs", "presence_penalty", "frequency_penalty",
+        "logit_bias", "top_k", "min_p", "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids",
+        "skip_special_tokens", "no_repeat_ngram_size", "num_beams", "length_penalty", "bad_words_ids",
+        "allowed_token_ids", "stop",
+    )
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo=true is not supported (encoder/decoder models do not continue their prompt)"
+        if self.best_of not in (None, 1) and self.best_of != self.n:
+            return f"best_of={self.best_of} is not supported; use n, or num_beams for beam search"
+        if self.suffix:
+            return "suffix is not supported"
+        return None
+
+    def prompts(self) -> list[Any]:
+        """Each prompt as tandem takes it: text, ``{"prompt_token_ids": [...]}``, or an
+        encoder/decoder dict (vLLM's form)."""
+        p = self.prompt
+        if isinstance(p, str) or isinstance(p, dict):
+            items = [p]
+        elif p and all(isinstance(t, int) for t in p):
+            items = [p]
+        else:
+            items = list(p)
+        if not items:
+            raise ValueError("prompt is empty: give a string, token ids, or a list of them")
+        return [{"prompt_token_ids": x} if isinstance(x, list) else x for x in items]
+
+    def sampling_params(self) -> SamplingParams:
+        given = {name: getattr(self, name) for name in self._SAMPLING if name in self.model_fields_set}
+        given = {k: v for k, v in given.items() if v is not None}
+        if "logit_bias" in given:
+            try:
+                given["logit_bias"] = {int(k): float(v) for k, v in given["logit_bias"].items()}
+            except ValueError as e:
+                raise ValueError(f"logit_bias keys must be token ids: {e}") from e
+        kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
+        return SamplingParams(**given, output_kind=kind)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    kind: Literal["invalid_request_error", "authentication_error", "server_error", "overloaded_error"]
+    kind = {401: "authentication_error", 503: "overloaded_error"}.get(status, "invalid_request_error")
+    if status >= 500 and status != 503:
+        kind = "server_error"
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status)).model_dump()

@@ -1,0 +1,197 @@
+"""``tandem serve`` as a real process on 127.0.0.1, driven by the official openai
+client and plain HTTP: completions (plain, streamed, n > 1, logprobs), errors,
+auth, metrics, a bounded load test with disconnecting streams, and SIGTERM
+draining. Every wait is bounded in count and time."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tandem import LLM, SamplingParams
+
+KEY = "test-key"
+TIMEOUT = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(model_dir, *extra):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.entrypoints.cli", "serve", str(model_dir), "--port", str(port),
+         "--dtype", "float32", "--device", "cpu", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):  # up to 60 s
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("server did not become healthy in 60 s")
+
+
+def _stop(proc):
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
+@pytest.fixture(scope="module")
+def server(bart_dir):
+    proc, url = _start(bart_dir, "--api-key", KEY, "--served-model-name", "tiny-bart")
+    yield url
+    assert _stop(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server}/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+
+
+def test_completion_equals_the_offline_engine(client, bart_dir):
+    prompts = ["the rain in spain falls", "a cat sat on the mat"]
+    res = client.completions.create(model="tiny-bart", prompt=prompts, max_tokens=10, temperature=0.0)
+    ref = LLM(model=str(bart_dir), dtype="float32", device="cpu").generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
+    assert [c.text for c in res.choices] == [r.outputs[0].text for r in ref]
+    assert res.usage.completion_tokens == sum(len(r.outputs[0].token_ids) for r in ref)
+    assert res.usage.prompt_tokens == sum(len(r.encoder_prompt_token_ids) + len(r.prompt_token_ids) for r in ref)
+    assert res.model == "tiny-bart" and res.object == "text_completion"
+
+
+def test_streaming_equals_non_streaming(client):
+    kwargs = dict(model="tiny-bart", prompt="red sun over the old river", max_tokens=12, temperature=0.0)
+    plain = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == plain.choices[0].text
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+
+
+def test_n_seed_token_prompts_and_logprobs(client):
+    res = client.completions.create(model="tiny-bart", prompt=[0, 17, 5, 2], max_tokens=6, temperature=0.9, n=3,
+                                    seed=7, logprobs=2)
+    assert len(res.choices) == 3 and [c.index for c in res.choices] == [0, 1, 2]
+    again = client.completions.create(model="tiny-bart", prompt=[0, 17, 5, 2], max_tokens=6, temperature=0.9, n=3,
+                                      seed=7, logprobs=2)
+    assert [c.text for c in again.choices] == [c.text for c in res.choices]  # seeded
+    lp = res.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) > 0
+    assert all(v <= 0 for v in lp.token_logprobs)
+
+
+def test_bad_requests_are_400s_naming_the_value(client):
+    import openai
+
+    cases = [
+        (dict(prompt="the rain", temperature=-1.0), "temperature"),
+        (dict(prompt=[0, 5000, 2]), "5000"),
+        (dict(prompt="the rain", max_tokens=100000), "max_tokens"),
+        (dict(prompt="the rain", top_p=0.0), "top_p"),
+        (dict(prompt="the rain", extra_body={"not_a_field": 1}), "not_a_field"),
+    ]
+    for kwargs, needle in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny-bart", **kwargs)
+        assert needle in str(info.value)
+    with pytest.raises(openai.BadRequestError, match="serves 'tiny-bart'"):
+        client.completions.create(model="other", prompt="x")
+
+
+def test_auth_body_limit_and_info_endpoints(server):
+    from openai import AuthenticationError, OpenAI
+
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).completions.create(model="tiny-bart", prompt="x")
+    big = httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     content=json.dumps({"prompt": "a " * 3_000_000}), timeout=TIMEOUT)
+    assert big.status_code == 413 and big.json()["error"]["code"] == 413
+    models = httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert models["data"][0]["id"] == "tiny-bart"
+    assert httpx.get(f"{server}/version").json()["version"]
+    metrics = httpx.get(f"{server}/metrics").text
+    for name in ("tandem:num_requests_running", "tandem:num_requests_waiting", "tandem:kv_cache_usage_perc",
+                 "tandem:prompt_tokens_total", "tandem:generation_tokens_total", "tandem:request_success_total",
+                 "tandem:time_to_first_token_seconds", "tandem:inter_token_latency_seconds",
+                 "tandem:e2e_request_latency_seconds", "tandem:num_preemptions_total"):
+        assert name in metrics
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in metrics")
+
+
+def test_load_with_disconnecting_streams_loses_nothing(server):
+    """50 concurrent requests; every third streams and hangs up after two chunks."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    def one(i):
+        body = {"model": "tiny-bart", "prompt": f"the rain {i} in spain", "max_tokens": 24, "temperature": 0.0,
+                "ignore_eos": True}
+        if i % 3 == 0:
+            with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, headers=headers,
+                              timeout=TIMEOUT) as r:
+                assert r.status_code == 200
+                for n, _ in enumerate(r.iter_lines()):
+                    if n >= 2:
+                        return "disconnected"  # leaving the block closes the connection
+            return "stream ended early"
+        r = httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        return len(r.json()["choices"][0]["text"].split())
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(50)))
+    assert results.count("disconnected") == 17
+    assert all(isinstance(r, int) and r > 0 for i, r in enumerate(results) if i % 3)
+    for _ in range(100):  # the aborted streams' blocks come back
+        metrics = httpx.get(f"{server}/metrics").text
+        if _metric(metrics, "tandem:kv_cache_usage_perc") == 0 and _metric(metrics, "tandem:num_requests_running") == 0:
+            break
+        time.sleep(0.1)
+    assert _metric(metrics, "tandem:kv_cache_usage_perc") == 0
+    assert _metric(metrics, "tandem:num_requests_running") == 0
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_sigterm_drains_running_requests_and_exits_zero(bart_dir):
+    proc, url = _start(bart_dir)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(httpx.post, f"{url}/v1/completions",
+                          json={"prompt": "the rain", "max_tokens": 120, "ignore_eos": True, "temperature": 0.0},
+                          timeout=TIMEOUT)
+        for _ in range(100):  # wait until the request is running
+            if _metric(httpx.get(f"{url}/metrics").text, "tandem:num_requests_running") >= 1:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        res = fut.result(timeout=TIMEOUT)
+    assert res.status_code == 200 and len(res.json()["choices"][0]["text"].split()) > 0
+    assert proc.wait(timeout=TIMEOUT) == 0
