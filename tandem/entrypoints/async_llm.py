@@ -48,6 +48,7 @@ class _Add:
     prompt: Any
     params: SamplingParams | None
     stream: "_Stream"
+    prompt_slot: Any = None
 
 
 @dataclass
@@ -119,7 +120,12 @@ class AsyncLLM:
 
     # -- requests ----------------------------------------------------------------------
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        prompt_slot=None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as the engine produces them (per its
         ``output_kind``: cumulative, delta, or only the final one); the last has
@@ -127,7 +133,7 @@ class AsyncLLM:
         self._check_alive()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop())
-        self._commands.put(_Add(rid, prompt, sampling_params, stream))
+        self._commands.put(_Add(rid, prompt, sampling_params, stream, prompt_slot))
         self._wake.set()
         finished = False
         try:
@@ -205,7 +211,7 @@ class AsyncLLM:
                     cmd.stream.put(ValueError(f"request id {cmd.request_id!r} is already in use"))
                     continue
                 try:
-                    engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+                    engine.add_request(cmd.request_id, cmd.prompt, cmd.params, prompt_slot=cmd.prompt_slot)
                 except (ValueError, TypeError) as e:
                     cmd.stream.put(e)
                     continue

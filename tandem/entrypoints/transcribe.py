@@ -159,73 +159,73 @@ class _Input:
     condition: bool = False  # the next window is conditioned on the previous text
 
 
-def transcribe(
-    llm: "LLM",
-    audio: Any,
-    *,
-    language: str | None = None,
-    task: str = "transcribe",
-    timestamps: bool = False,
-    sampling_rate: int | None = None,
-    use_tqdm: bool = True,
-    condition_on_previous_text: bool = False,
-    compression_ratio_threshold: float | None = None,
-    logprob_threshold: float | None = None,
-    **sampling: Any,
-) -> list[Transcription]:
-    """See :meth:`tandem.LLM.transcribe`."""
-    from tandem.audio import AudioError, load_audio
-    from tandem.core.inputs import EncoderInputs
-    from tandem.core.model import EncoderDecoderModel
+class Transcriber:
+    """The window-by-window state machine of one ``transcribe`` call, independent
+    of how requests reach the engine (``LLM``'s step loop or ``AsyncLLM``):
+    :meth:`request` says what to run for an input's next window,
+    :meth:`take` digests its output, :meth:`result` builds the transcript."""
 
-    engine = llm.llm_engine
-    model_cls = engine.model_cls
-    if model_cls.get_audio_encoder_inputs.__func__ is EncoderDecoderModel.get_audio_encoder_inputs.__func__:
-        raise ValueError(f"{engine.architecture} takes no audio: transcribe needs an audio model such as Whisper")
-    prompts = WhisperPrompts.from_model(engine.config.model, engine.hf_config)
-    if timestamps and prompts.no_timestamps is None:
-        raise ValueError("timestamps=True: the checkpoint's generation config has no no_timestamps_token_id")
-    prompts.decoder_prompt(language, task, timestamps)  # checks language and task up front
-    temperatures = sampling.pop("temperature", None)
-    temperatures = list(temperatures) if isinstance(temperatures, (list, tuple)) else [temperatures]
-    if not temperatures:
-        raise ValueError("temperature=(): give at least one temperature")
-    base = SamplingParams(**sampling) if sampling else SamplingParams()
-    n_mels = engine.hf_config.num_mel_bins
-    vocab = engine.vocab_size
-    rules = TimestampRules(prompts) if prompts.no_timestamps is not None else None
-    cut_off = engine.model_cls.max_decoder_len(engine.hf_config) // 2 - 1
+    def __init__(
+        self,
+        engine,
+        *,
+        language: str | None = None,
+        task: str = "transcribe",
+        timestamps: bool = False,
+        condition_on_previous_text: bool = False,
+        compression_ratio_threshold: float | None = None,
+        logprob_threshold: float | None = None,
+        prompt_ids: list[int] | None = None,
+        **sampling: Any,
+    ) -> None:
+        """``engine``: the ``LLMEngine``. ``prompt_ids``: text tokens to prompt the
+        first window with (after ``<|startofprev|>``), as HF's ``prompt_ids``."""
+        from tandem.core.model import EncoderDecoderModel
 
-    items = audio if isinstance(audio, list) else [audio]
-    results: list[Transcription | None] = [None] * len(items)
-    inputs: list[_Input] = []
-    for i, item in enumerate(items):
-        try:
-            inputs.append(_Input(i, load_audio(*_source(item, sampling_rate))))
-        except (AudioError, ValueError, TypeError) as e:
-            results[i] = Transcription(error=str(e))
+        model_cls = engine.model_cls
+        if model_cls.get_audio_encoder_inputs.__func__ is EncoderDecoderModel.get_audio_encoder_inputs.__func__:
+            raise ValueError(f"{engine.architecture} takes no audio: transcribe needs an audio model such as Whisper")
+        self.engine = engine
+        self.prompts = prompts = WhisperPrompts.from_model(engine.config.model, engine.hf_config)
+        if timestamps and prompts.no_timestamps is None:
+            raise ValueError("timestamps=True: the checkpoint's generation config has no no_timestamps_token_id")
+        prompts.decoder_prompt(language, task, timestamps)  # checks language and task up front
+        temperatures = sampling.pop("temperature", None)
+        self.temperatures = list(temperatures) if isinstance(temperatures, (list, tuple)) else [temperatures]
+        if not self.temperatures:
+            raise ValueError("temperature=(): give at least one temperature")
+        self.base = SamplingParams(**sampling) if sampling else SamplingParams()
+        self.language, self.task, self.timestamps = language, task, timestamps
+        self.condition_on_previous_text = condition_on_previous_text
+        self.ratio_threshold, self.logprob_threshold = compression_ratio_threshold, logprob_threshold
+        self.prompt_ids = list(prompt_ids or [])
+        self.rules = TimestampRules(prompts) if prompts.no_timestamps is not None else None
+        self.cut_off = model_cls.max_decoder_len(engine.hf_config) // 2 - 1
 
-    def windowed(inp: _Input) -> bool:
-        return timestamps or inp.waveform.numel() > WINDOW
+    def windowed(self, inp: _Input) -> bool:
+        return self.timestamps or inp.waveform.numel() > WINDOW
 
-    def params_for(inp: _Input, long: bool) -> SamplingParams:
-        t = temperatures[inp.fallback]
+    def _params(self, inp: _Input, long: bool) -> SamplingParams:
+        t = self.temperatures[inp.fallback]
         changes: dict = {"output_kind": RequestOutputKind.FINAL_ONLY}
         if t is not None:
             changes["temperature"] = t
             if t > 0:
                 changes["num_beams"] = 1
-        if logprob_threshold is not None and base.logprobs is None:
+        if self.logprob_threshold is not None and self.base.logprobs is None:
             changes["logprobs"] = 0
-        if long and rules is not None:
-            changes["logits_processors"] = (*base.logits_processors, rules)
-        return base.replace(**changes)
+        if long and self.rules is not None:
+            changes["logits_processors"] = (*self.base.logits_processors, self.rules)
+        return self.base.replace(**changes)
 
-    def submit(inp: _Input) -> str:
+    def request(self, inp: _Input) -> tuple[dict, SamplingParams, Any]:
+        """The next window's prompt, params and prompt slot."""
         from tandem.audio import log_mel_spectrogram
+        from tandem.core.inputs import EncoderInputs
 
-        long = windowed(inp)
-        init, slot = prompts.decoder_prompt(language, task, long)
+        prompts, cfg = self.prompts, self.engine.hf_config
+        long = self.windowed(inp)
+        init, slot = prompts.decoder_prompt(self.language, self.task, long)
         if inp.language is not None and slot is not None:  # detected in an earlier window
             init, slot = [init[0], inp.language, *slot.then], None
         if long:
@@ -236,57 +236,90 @@ def transcribe(
                     inp.max_frames = WINDOW_FRAMES
                 else:
                     inp.max_frames = -(-wave.numel() // 160)  # HF's frame-rate attention mask
-                inp.features = log_mel_spectrogram(wave, n_mels, any_length=True)[0]
+                inp.features = log_mel_spectrogram(wave, cfg.num_mel_bins, any_length=True)[0]
             num = min(WINDOW_FRAMES, inp.max_frames - inp.seek)
             window = inp.features[:, inp.seek : inp.seek + num]
             window = torch.nn.functional.pad(window, (0, WINDOW_FRAMES - window.shape[1]))
-            encoder = EncoderInputs(num_positions=int(engine.hf_config.max_source_positions), features=window)
+            encoder = EncoderInputs(num_positions=int(cfg.max_source_positions), features=window)
         else:
             encoder = {"audio": inp.waveform, "sampling_rate": 16000}
-        decoder = list(init)
+        prev = None
         if inp.condition and inp.segments:  # HF: <|startofprev|> + earlier windows' tokens
             prev = []
             for seg in inp.segments:
                 toks = seg["tokens"]
                 prev += toks[:-1] if len(toks) > 2 and toks[-2] >= prompts.timestamp_begin else toks
+        elif self.prompt_ids and not inp.segments:
+            prev = self.prompt_ids
+        decoder = list(init)
+        if prev is not None:
             start = [prompts.prev_sot] if prompts.prev_sot is not None else []
-            decoder = start + prev[-cut_off:] + decoder
-        rid = f"transcribe-{next(llm._ids)}"
-        engine.add_request(rid, {"encoder_prompt": encoder, "decoder_prompt": {"prompt_token_ids": decoder}},
-                           params_for(inp, long), prompt_slot=slot)
+            decoder = start + prev[-self.cut_off:] + decoder
         inp.windows += 1
-        return rid
+        prompt = {"encoder_prompt": encoder, "decoder_prompt": {"prompt_token_ids": decoder}}
+        return prompt, self._params(inp, long), slot
 
-    def finish_window(inp: _Input, out) -> bool:
-        """Take a finished window's output; returns whether the input is done."""
+    def take(self, inp: _Input, out) -> bool:
+        """Digest a finished window's output; returns whether the input is done."""
+        prompts = self.prompts
         c = out.outputs[0]
         tokens = list(c.token_ids)
-        if inp.language is None and prompts.multilingual and language is None:
+        if inp.language is None and prompts.multilingual and self.language is None:
             lang_pos = _language_position(out.prompt_token_ids, prompts)
             inp.language = out.prompt_token_ids[lang_pos] if lang_pos is not None else None
-        if _needs_fallback(tokens, c, prompts, vocab, compression_ratio_threshold, logprob_threshold) and (
-            inp.fallback < len(temperatures) - 1
-        ):
+        needs = _needs_fallback(tokens, c, prompts, self.engine.vocab_size, self.ratio_threshold, self.logprob_threshold)
+        if needs and inp.fallback < len(self.temperatures) - 1:
             inp.fallback += 1
             return False
         # HF conditions the next window only after a low-temperature decode.
-        used = temperatures[inp.fallback]
-        inp.condition = condition_on_previous_text and (used is None or used < 0.5)
+        used = self.temperatures[inp.fallback]
+        inp.condition = self.condition_on_previous_text and (used is None or used < 0.5)
         inp.fallback = 0
         if tokens and tokens[-1] == prompts.eos:
             tokens = tokens[:-1]
-        if not windowed(inp):
+        if not self.windowed(inp):
             inp.segments = [{"start": 0.0, "end": inp.waveform.numel() / 16000, "tokens": tokens}]
             return True
         num = min(WINDOW_FRAMES, inp.max_frames - inp.seek)
-        offset_s = inp.seek * FRAME_SECONDS
         if tokens:
-            segments, advance = retrieve_segments(tokens, prompts.timestamp_begin, offset_s, num)
+            segments, advance = retrieve_segments(tokens, prompts.timestamp_begin, inp.seek * FRAME_SECONDS, num)
         else:
             segments, advance = [], num
         inp.segments += segments
         inp.seek += advance
         return inp.seek >= inp.max_frames
+
+    def result(self, inp: _Input, tokenizer) -> Transcription:
+        return _result(inp, self.prompts, self.language, tokenizer, self.timestamps)
+
+
+def transcribe(
+    llm: "LLM",
+    audio: Any,
+    *,
+    sampling_rate: int | None = None,
+    use_tqdm: bool = True,
+    **options: Any,
+) -> list[Transcription]:
+    """See :meth:`tandem.LLM.transcribe` (``options``: :class:`Transcriber`'s)."""
+    from tandem.audio import AudioError, load_audio
+
+    engine = llm.llm_engine
+    t = Transcriber(engine, **options)
+    items = audio if isinstance(audio, list) else [audio]
+    results: list[Transcription | None] = [None] * len(items)
+    inputs: list[_Input] = []
+    for i, item in enumerate(items):
+        try:
+            inputs.append(_Input(i, load_audio(*_source(item, sampling_rate))))
+        except (AudioError, ValueError, TypeError) as e:
+            results[i] = Transcription(error=str(e))
+
+    def submit(inp: _Input) -> str:
+        prompt, params, slot = t.request(inp)
+        rid = f"transcribe-{next(llm._ids)}"
+        engine.add_request(rid, prompt, params, prompt_slot=slot)
+        return rid
 
     with llm._lock:
         in_flight: dict[str, _Input] = {}
@@ -306,8 +339,8 @@ def transcribe(
                         results[inp.index] = Transcription(error=out.error)
                         bar.update(1)
                         continue
-                    if finish_window(inp, out):
-                        results[inp.index] = _result(inp, prompts, language, llm.get_tokenizer(), timestamps)
+                    if t.take(inp, out):
+                        results[inp.index] = t.result(inp, llm.get_tokenizer())
                         bar.update(1)
                     else:
                         try:
@@ -321,6 +354,32 @@ def transcribe(
         finally:
             bar.close()
     return results  # type: ignore[return-value]
+
+
+async def transcribe_async(engine, waveform: torch.Tensor, request_id: str, **options: Any):
+    """One input through an ``AsyncLLM``, window by window: yields each window's new
+    segments as it finishes, then the final :class:`Transcription`."""
+    t = Transcriber(engine.engine, **options)
+    inp = _Input(0, waveform)
+    n = 0
+    while True:
+        prompt, params, slot = t.request(inp)
+        last = None
+        async for out in engine.generate(prompt, params, f"{request_id}-w{n}", prompt_slot=slot):
+            last = out
+        n += 1
+        if last.error is not None:
+            raise ValueError(last.error)
+        before = len(inp.segments)
+        done = t.take(inp, last)
+        if len(inp.segments) > before and t.windowed(inp):
+            tok = engine.get_tokenizer()
+            yield [{"start": round(seg["start"], 3), "end": round(seg["end"], 3),
+                    "text": _text(seg["tokens"], t.prompts, tok), "token_ids": list(seg["tokens"])}
+                   for seg in inp.segments[before:]]
+        if done:
+            yield t.result(inp, engine.get_tokenizer())
+            return
 
 
 def _language_position(prompt_ids: list[int], prompts: WhisperPrompts) -> int | None:
@@ -364,16 +423,21 @@ def _result(inp: _Input, prompts: WhisperPrompts, language: str | None, tokenize
         lang = "en"
 
     def text_of(ids: list[int]) -> str:
-        if tokenizer is None:
-            return ""
-        return tokenizer.decode([t for t in ids if t < prompts.timestamp_begin] if prompts.no_timestamps is not None else ids,
-                                skip_special_tokens=True).strip()
+        return _text(ids, prompts, tokenizer)
 
     segments = None
     if timestamps:
         segments = [{"start": round(s["start"], 3), "end": round(s["end"], 3), "text": text_of(s["tokens"]),
                      "token_ids": list(s["tokens"])} for s in inp.segments]
     return Transcription(text=text_of(tokens), token_ids=tokens, language=lang, segments=segments, windows=inp.windows)
+
+
+def _text(ids: list[int], prompts: WhisperPrompts, tokenizer) -> str:
+    if tokenizer is None:
+        return ""
+    if prompts.no_timestamps is not None:
+        ids = [t for t in ids if t < prompts.timestamp_begin]
+    return tokenizer.decode(ids, skip_special_tokens=True).strip()
 
 
 def _bar(total: int, enabled: bool):

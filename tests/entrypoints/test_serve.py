@@ -195,3 +195,57 @@ def test_sigterm_drains_running_requests_and_exits_zero(bart_dir):
         res = fut.result(timeout=TIMEOUT)
     assert res.status_code == 200 and len(res.json()["choices"][0]["text"].split()) > 0
     assert proc.wait(timeout=TIMEOUT) == 0
+
+
+@pytest.fixture(scope="module")
+def whisper_server(tmp_path_factory):
+    from helpers import make_whisper
+
+    path = make_whisper(tmp_path_factory.mktemp("whisper_serve") / "ckpt", num_mel_bins=80, seed=3, timestamps=True)
+    proc, url = _start(path, "--served-model-name", "tiny-whisper")
+    yield path, url
+    assert _stop(proc) == 0
+
+
+def test_audio_transcriptions_equal_the_offline_engine(whisper_server, tmp_path):
+    import soundfile as sf
+
+    from helpers import synth_audio
+
+    path, url = whisper_server
+    clip = synth_audio(40.0, seed=5)  # long-form: two windows or more
+    wav = tmp_path / "talk.wav"
+    sf.write(wav, clip, 16000)
+    offline = LLM(model=str(path), dtype="float32", device="cpu").transcribe(
+        str(wav), language="de", timestamps=True, use_tqdm=False)[0]
+
+    def post(**fields):
+        with open(wav, "rb") as f:
+            return httpx.post(f"{url}/v1/audio/transcriptions", files={"file": ("talk.wav", f, "audio/wav")},
+                              data={"model": "tiny-whisper", "language": "de", **fields}, timeout=TIMEOUT)
+
+    verbose = post(response_format="verbose_json")
+    assert verbose.status_code == 200, verbose.text
+    body = verbose.json()
+    assert body["language"] == "de" and body["duration"] == pytest.approx(40.0)
+    assert [s["tokens"] for s in body["segments"]] == [s["token_ids"] for s in offline.segments]
+    assert [s["start"] for s in body["segments"]] == [s["start"] for s in offline.segments]
+    srt = post(response_format="srt")
+    assert srt.status_code == 200 and srt.text.startswith("1\n00:00:")
+    assert post().json() == {"text": offline.text}
+    streamed = post(stream="true")
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["type"] == "transcript.text.done"
+    deltas = [seg for e in events if e["type"] == "transcript.text.delta" for seg in e["segments"]]
+    assert [s["token_ids"] for s in deltas] == [s["token_ids"] for s in offline.segments]
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    # Translations use the translate task; bad input is a 400 naming it.
+    with open(wav, "rb") as f:
+        tr = httpx.post(f"{url}/v1/audio/translations", files={"file": ("talk.wav", f)}, timeout=TIMEOUT)
+    assert tr.status_code == 200
+    bad = httpx.post(f"{url}/v1/audio/transcriptions", files={"file": ("x.wav", b"not audio")}, timeout=TIMEOUT)
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    fmt = post(response_format="mp4")
+    assert fmt.status_code == 400 and "response_format" in fmt.json()["error"]["message"]
+    words = post(**{"timestamp_granularities[]": "word"})
+    assert words.status_code == 400 and "word" in words.json()["error"]["message"]

@@ -102,6 +102,84 @@ def build_app(
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0,
                                            "owned_by": "tandem", "root": engine.engine.config.model}]}
 
+    @app.post("/v1/audio/transcriptions")
+    async def transcriptions(request: Request):
+        return await _audio(request, "transcribe")
+
+    @app.post("/v1/audio/translations")
+    async def translations(request: Request):
+        return await _audio(request, "translate")
+
+    async def _audio(request: Request, task: str):
+        from tandem.model_zoo.whisper import WhisperForConditionalGeneration
+
+        if not issubclass(engine.engine.model_cls, WhisperForConditionalGeneration):
+            raise _HTTPError(400, f"{engine.engine.architecture} takes no audio: the audio endpoints need Whisper")
+        try:
+            form = await request.form(max_part_size=max_body_bytes)
+        except Exception as e:  # noqa: BLE001 - a malformed multipart body
+            raise _HTTPError(400, f"the body must be multipart/form-data with a 'file' part ({e})") from None
+        upload = form.get("file")
+        if upload is None or isinstance(upload, str):
+            raise _HTTPError(400, "file: the audio file part is missing")
+        model_name = form.get("model")
+        if model_name not in (None, "", served_model_name):
+            raise _HTTPError(400, f"model={model_name!r}: this server serves {served_model_name!r}")
+        fmt = form.get("response_format") or "json"
+        if fmt not in ("json", "text", "verbose_json", "srt", "vtt"):
+            raise _HTTPError(400, f"response_format={fmt!r}: must be json, text, verbose_json, srt or vtt")
+        grains = form.getlist("timestamp_granularities[]") or form.getlist("timestamp_granularities")
+        if any(g != "segment" for g in grains):
+            raise _HTTPError(400, f"timestamp_granularities={grains!r}: only 'segment' is supported")
+        stream = (form.get("stream") or "false").lower() == "true"
+        options: dict = {"task": task, "timestamps": fmt in ("verbose_json", "srt", "vtt") or bool(grains)}
+        language = form.get("language")
+        if language and task == "transcribe":
+            options["language"] = language
+        temperature = form.get("temperature")
+        try:
+            if temperature not in (None, ""):
+                options["temperature"] = float(temperature)
+            prompt = form.get("prompt")
+            if prompt:
+                tok = engine.get_tokenizer()
+                if tok is None:
+                    raise ValueError("prompt: the model has no tokenizer to encode it")
+                options["prompt_ids"] = tok(" " + prompt.strip(), add_special_tokens=False)["input_ids"]
+            from tandem.audio import load_audio
+
+            waveform = load_audio(await upload.read())
+        except (ValueError, TypeError) as e:
+            raise _HTTPError(400, str(e)) from None
+        rid = f"audio-{uuid.uuid4().hex}"
+        gen = _transcribe(engine, waveform, rid, options)
+        if stream:
+            return StreamingResponse(_audio_stream(gen, rid), media_type="text/event-stream")
+        try:
+            result = None
+            async for item in gen:
+                result = item
+        except (ValueError, TypeError) as e:
+            raise _HTTPError(400, str(e)) from None
+        except EngineDeadError as e:
+            raise _HTTPError(503, str(e)) from None
+        if result.error is not None:
+            raise _HTTPError(400, result.error)
+        duration = waveform.numel() / 16000
+        logger.info("request %s: %.2f s of audio, %d tokens out", rid, duration, len(result.token_ids))
+        if fmt == "text":
+            return PlainTextResponse(result.text)
+        if fmt in ("srt", "vtt"):
+            from tandem.entrypoints.cli import _subtitles
+
+            return PlainTextResponse(_subtitles(result.segments or [], fmt))
+        if fmt == "verbose_json":
+            segments = [{"id": i, "start": s["start"], "end": s["end"], "text": s["text"], "tokens": s["token_ids"]}
+                        for i, s in enumerate(result.segments or [])]
+            return {"task": "translate" if task == "translate" else "transcribe", "language": result.language,
+                    "duration": duration, "text": result.text, "segments": segments}
+        return {"text": result.text}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request.body()
@@ -360,3 +438,30 @@ def _server_cls():
 
 def _Server(config):
     return _server_cls()(config)
+
+
+async def _transcribe(engine, waveform, rid, options):
+    from tandem.entrypoints.transcribe import transcribe_async
+
+    async for item in transcribe_async(engine, waveform, rid, **options):
+        yield item
+
+
+async def _audio_stream(gen, rid):
+    """Server-sent events: a ``transcript.text.delta`` per finished window's text,
+    then ``transcript.text.done`` with the whole text, then ``[DONE]``."""
+    from tandem.entrypoints.transcribe import Transcription
+
+    try:
+        async for item in gen:
+            if isinstance(item, Transcription):
+                yield f"data: {json.dumps({'type': 'transcript.text.done', 'text': item.text})}\n\n"
+            else:
+                delta = {"type": "transcript.text.delta", "delta": " ".join(seg["text"] for seg in item),
+                         "segments": item}
+                yield f"data: {json.dumps(delta)}\n\n"
+        yield "data: [DONE]\n\n"
+    except (ValueError, TypeError, EngineDeadError) as e:
+        yield f"data: {json.dumps(error_body(400, str(e)))}\n\n"
+    finally:
+        await gen.aclose()
