@@ -46,6 +46,14 @@ def build_app(
     max_queued_requests: int | None = None,
     max_body_bytes: int = 4 << 20,
 ) -> FastAPI:
+    from tandem.model_zoo.whisper import WhisperForConditionalGeneration
+
+    if issubclass(engine.engine.model_cls, WhisperForConditionalGeneration):
+        import importlib.util
+
+        if importlib.util.find_spec("multipart") is None and importlib.util.find_spec("python_multipart") is None:
+            raise RuntimeError("the audio endpoints parse multipart uploads with python-multipart, which is not "
+                               "installed: pip install 'tandem-engine[serve]'")
     metrics = ServerMetrics(engine)
 
     @asynccontextmanager
