@@ -68,7 +68,7 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-ENGINES = ("tandem", "hf", "ct2")
+ENGINES = ("tandem", "tandem-int8", "hf", "ct2", "ct2-int8")
 
 
 @dataclass(frozen=True)
@@ -203,6 +203,7 @@ def warmup_requests(requests: Requests) -> Requests:
 
 class TandemRunner:
     name = "tandem"
+    quantization = None
 
     def __init__(self, model_dir: str, args):
         from tandem import LLM, SamplingParams
@@ -212,9 +213,11 @@ class TandemRunner:
             key: getattr(args, key)
             for key in ("block_size", "num_kv_blocks", "max_num_seqs",
                         "max_num_batched_tokens", "kv_cache_memory",
-                        "attention_backend")
+                        "attention_backend", "cpu_gemm")
             if getattr(args, key) is not None
         }
+        if self.quantization:
+            extra["quantization"] = self.quantization
         self.llm = LLM(model=model_dir, dtype=args.dtype, device=args.device,
                        seed=args.seed, **extra)
 
@@ -224,6 +227,13 @@ class TandemRunner:
         prompts = [{"prompt_token_ids": ids} for ids in requests.encoder_ids]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         return [list(out.outputs[0].token_ids) for out in outs]
+
+
+class TandemInt8Runner(TandemRunner):
+    """tandem with ``quantization="int8"`` (int8 weights, dynamic activations)."""
+
+    name = "tandem-int8"
+    quantization = "int8"
 
 
 class HFRunner:
@@ -295,11 +305,12 @@ class CT2Runner:
     """
 
     name = "ct2"
+    compute_type = None
 
     def __init__(self, model_dir: str, args):
         import ctranslate2
 
-        compute_type = args.ct2_compute_type or args.dtype
+        compute_type = self.compute_type or args.ct2_compute_type or args.dtype
         supported = ctranslate2.get_supported_compute_types(args.device)
         if compute_type not in supported:
             raise RuntimeError(
@@ -315,7 +326,7 @@ class CT2Runner:
         self.translator = ctranslate2.Translator(
             self._tmp.name, device=args.device, compute_type=compute_type,
             inter_threads=1, intra_threads=torch.get_num_threads())
-        self.batch_size = args.hf_batch_size
+        self.batch_size = args.ct2_batch_size if args.ct2_batch_size is not None else args.hf_batch_size
 
     def run(self, requests: Requests) -> list[list[int]]:
         n = requests.workload.new_tokens
@@ -383,7 +394,15 @@ def _ct2_converter_cls():
     return Converter
 
 
-RUNNERS = {"tandem": TandemRunner, "hf": HFRunner, "ct2": CT2Runner}
+class CT2Int8Runner(CT2Runner):
+    """CTranslate2 with ``compute_type="int8"``."""
+
+    name = "ct2-int8"
+    compute_type = "int8"
+
+
+RUNNERS = {"tandem": TandemRunner, "tandem-int8": TandemInt8Runner, "hf": HFRunner, "ct2": CT2Runner,
+           "ct2-int8": CT2Int8Runner}
 
 
 # --------------------------------------------------------------------------
@@ -417,10 +436,32 @@ def benchmark_engine(engine: str, model_dir: str, workloads: list[Requests], arg
             outputs=outputs))
         print(f"  {engine:<7} {requests.workload.name:<14} "
               f"{tokens / seconds:10.1f} tok/s", flush=True)
+        if args.profile and engine in args.profile:
+            profile_run(runner, requests, engine, args.profile_rows)
 
     del runner
     gc.collect()
     return results
+
+
+def profile_run(runner, requests: Requests, engine: str, rows: int) -> None:
+    """Run the workload again under torch.profiler (after the timed run, so the
+    timing above carries no profiler overhead) and print the op breakdown:
+    self CPU time per op, as a share of the whole run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+        runner.run(requests)
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events)
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    print(f"\nprofile: {engine} / {requests.workload.name}, self CPU time by op "
+          f"(total {total / 1e6:.2f} s, profiled run)")
+    print(f"  {'op':<44} {'share':>7} {'seconds':>8} {'calls':>8}")
+    for e in events[:rows]:
+        print(f"  {e.key[:44]:<44} {100 * e.self_cpu_time_total / total:6.1f}% "
+              f"{e.self_cpu_time_total / 1e6:8.2f} {e.count:8d}")
+    print(flush=True)
 
 
 def compare_with_hf(results: list[Result]) -> None:
@@ -527,6 +568,10 @@ def parse_args(argv=None):
     size.add_argument("--num-requests-scale", type=float, default=1.0,
                       help="multiply each workload's request count (default: 1)")
     run.add_argument("--json", metavar="PATH", help="also write results as JSON")
+    run.add_argument("--profile", type=lambda v: v.split(","), default=[], metavar="ENGINES",
+                     help="after each timed run of these engines (e.g. tandem or tandem,hf), run the "
+                          "workload again under torch.profiler and print the op breakdown")
+    run.add_argument("--profile-rows", type=int, default=20, help="ops listed by --profile")
 
     hf = p.add_argument_group("HF / CTranslate2")
     hf.add_argument("--hf-batch-size", type=int, default=16,
@@ -534,6 +579,8 @@ def parse_args(argv=None):
                          "max_batch_size) (default: 16)")
     hf.add_argument("--hf-no-sort", action="store_true",
                     help="batch HF requests in request order instead of by length")
+    hf.add_argument("--ct2-batch-size", type=int,
+                    help="CTranslate2's max_batch_size (default: the HF batch size; 0: all requests at once)")
     hf.add_argument("--ct2-compute-type",
                     help="CTranslate2 compute type (default: --dtype)")
 
@@ -544,6 +591,7 @@ def parse_args(argv=None):
     td.add_argument("--max-num-batched-tokens", type=int)
     td.add_argument("--kv-cache-memory", type=float, help="GiB")
     td.add_argument("--attention-backend")
+    td.add_argument("--cpu-gemm", choices=("auto", "packed", "dense"))
 
     args = p.parse_args(argv)
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -559,7 +607,7 @@ def available_engines(engines: list[str]) -> list[str]:
     """Drop engines whose package cannot be imported, with a note."""
     needs = {"tandem": ("tandem", "LLM"), "hf": ("transformers", "BartForConditionalGeneration"),
              "ct2": ("ctranslate2", "Translator")}
-    if "tandem" in engines and str(REPO_ROOT) not in sys.path:
+    if any(e.startswith("tandem") for e in engines) and str(REPO_ROOT) not in sys.path:
         # Run from a checkout without `pip install -e .`: import the tree's tandem.
         try:
             import tandem  # noqa: F401
@@ -567,7 +615,7 @@ def available_engines(engines: list[str]) -> list[str]:
             sys.path.insert(0, str(REPO_ROOT))
     kept = []
     for engine in engines:
-        module, name = needs[engine]
+        module, name = needs[engine.split("-")[0]]
         try:
             getattr(__import__(module), name)
         except (ImportError, AttributeError) as exc:
@@ -615,7 +663,7 @@ def main(argv=None) -> int:
         try:
             results += benchmark_engine(engine, model_dir, workloads, args)
         except Exception as exc:  # one engine failing should not hide the others
-            if engine != "ct2":
+            if not engine.startswith("ct2"):
                 raise
             print(f"note: skipping ct2: {type(exc).__name__}: {exc}")
 

@@ -32,7 +32,8 @@ def is_real(x) -> bool:
 class EngineConfig:
     model: str
     tokenizer: str | None = None
-    dtype: str | torch.dtype = "float32"
+    # "auto": the checkpoint's dtype on GPU; on CPU bfloat16 where native, else float32 (core/dtype.py).
+    dtype: str | torch.dtype = "auto"
     device: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
@@ -51,26 +52,40 @@ class EngineConfig:
     # generate uses it), "none" (SamplingParams' own defaults), or a directory
     # holding a generation_config.json.
     generation_config: str = "auto"
+    # How linear layers multiply on CPU: "auto" (oneDNN pre-packed weights where
+    # they run, else F.linear), "packed", "dense" (core/layers/linear_kernels.py).
+    cpu_gemm: str = "auto"
+    # None, or "int8": int8 weights, dynamically quantized activations (CPU).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, Path)) or not Path(self.model).is_dir():
             raise ValueError(f"model={self.model!r}: not a local checkpoint directory")
         self.model = str(self.model)
-        if isinstance(self.dtype, str):
-            if self.dtype not in _DTYPES:
-                raise ValueError(f"dtype={self.dtype!r}: must be one of {sorted(_DTYPES)}")
-            self.torch_dtype = _DTYPES[self.dtype]
-        elif self.dtype in _DTYPES.values():
-            self.torch_dtype = self.dtype
-        else:
-            raise ValueError(f"dtype={self.dtype!r}: must be float32, bfloat16 or float16")
-        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+        if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: must be 'auto' or one of {sorted(_DTYPES)}")
+        if not isinstance(self.dtype, str) and self.dtype not in _DTYPES.values():
+            raise ValueError(f"dtype={self.dtype!r}: must be 'auto', float32, bfloat16 or float16")
+        if not isinstance(self.device, str) or (
+            self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:")
+        ):
             raise ValueError(f"device={self.device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r}: CUDA is not available on this machine")
         self.torch_device = torch.device(self.device)
+        if self.dtype == "auto":
+            from tandem.core.dtype import resolve_auto_dtype
+
+            self.torch_dtype, self.dtype_reason = resolve_auto_dtype(self.model, self.torch_device)
+        else:
+            self.torch_dtype = _DTYPES[self.dtype] if isinstance(self.dtype, str) else self.dtype
+            self.dtype_reason = "asked for"
+        if self.cpu_gemm not in ("auto", "packed", "dense"):
+            raise ValueError(f"cpu_gemm={self.cpu_gemm!r}: must be 'auto', 'packed' or 'dense'")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization={self.quantization!r}: must be None or 'int8'")
         if not is_int(self.block_size) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size={self.block_size!r}: must be an integer in [1, 1024]")
         if self.num_kv_blocks is not None and (not is_int(self.num_kv_blocks) or self.num_kv_blocks < 1):

@@ -34,7 +34,13 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", dest="attention_backend", default=None,
                    help="attention backend name (default: $TANDEM_ATTENTION_BACKEND, else the first that can serve)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype; auto: the checkpoint's on GPU, on CPU bfloat16 where the CPU has it "
+                        "natively (avx512_bf16 / AMX), else float32")
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8: int8 weights with dynamically quantized activations (CPU)")
+    p.add_argument("--cpu-gemm", default="auto", choices=["auto", "packed", "dense"],
+                   help="CPU linear layers: oneDNN pre-packed weights (auto: where they run) or plain F.linear")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow Python code shipped inside the checkpoint (transformers' auto_map) to run")
@@ -119,6 +125,8 @@ def _llm(args, model: str):
         attention_backend=args.attention_backend,
         trust_remote_code=args.trust_remote_code,
         generation_config=getattr(args, "generation_config", "auto"),
+        cpu_gemm=args.cpu_gemm,
+        quantization=args.quantization,
     )
 
 

@@ -41,6 +41,8 @@ class LLM:
         seed: int = EngineConfig.seed,
         trust_remote_code: bool = False,
         generation_config: str = EngineConfig.generation_config,
+        cpu_gemm: str = EngineConfig.cpu_gemm,
+        quantization: str | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -58,6 +60,8 @@ class LLM:
             seed=seed,
             trust_remote_code=trust_remote_code,
             generation_config=generation_config,
+            cpu_gemm=cpu_gemm,
+            quantization=quantization,
         )
         self.llm_engine = LLMEngine(config, default_model_registry(), default_backend_registry())
         self._ids = itertools.count()

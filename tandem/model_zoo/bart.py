@@ -149,7 +149,24 @@ def _ffn(dim: int, ffn_dim: int) -> tuple[ColumnParallelLinear, RowParallelLinea
     return ColumnParallelLinear(dim, ffn_dim), RowParallelLinear(ffn_dim, dim)
 
 
-class BartEncoderLayer(nn.Module):
+# HF activation names whose function a linear layer can fuse into its GEMM ("gelu" is HF's exact erf GELU).
+FUSABLE_ACTIVATIONS = ("gelu", "relu")
+
+
+class _FFNMixin:
+    """``fc2(act(fc1(h)))`` with the activation fused into fc1 where its kernel can."""
+
+    def _set_activation(self, name: str) -> None:
+        self.act = ACT2FN[name]
+        self.act_name = name if name in FUSABLE_ACTIVATIONS else None
+
+    def ffn(self, h: torch.Tensor) -> torch.Tensor:
+        if self.act_name is not None:
+            return self.fc2(self.fc1(h, activation=self.act_name))
+        return self.fc2(self.act(self.fc1(h)))
+
+
+class BartEncoderLayer(_FFNMixin, nn.Module):
     def __init__(self, config, variant: BartVariant, ctx: ModelContext) -> None:
         super().__init__()
         dim = config.d_model
@@ -157,18 +174,18 @@ class BartEncoderLayer(nn.Module):
         self.self_attn = BartEncoderAttention(dim, config.encoder_attention_heads, ctx)
         self.self_attn_layer_norm = nn.LayerNorm(dim)
         self.fc1, self.fc2 = _ffn(dim, config.encoder_ffn_dim)
-        self.act = ACT2FN[config.activation_function]
+        self._set_activation(config.activation_function)
         self.final_layer_norm = nn.LayerNorm(dim)
 
     def forward(self, h: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         if self.pre_ln:
             h = h + self.self_attn(self.self_attn_layer_norm(h), None, attn_metadata)
-            return h + self.fc2(self.act(self.fc1(self.final_layer_norm(h))))
+            return h + self.ffn(self.final_layer_norm(h))
         h = self.self_attn_layer_norm(h + self.self_attn(h, None, attn_metadata))
-        return self.final_layer_norm(h + self.fc2(self.act(self.fc1(h))))
+        return self.final_layer_norm(h + self.ffn(h))
 
 
-class BartDecoderLayer(nn.Module):
+class BartDecoderLayer(_FFNMixin, nn.Module):
     def __init__(self, config, variant: BartVariant, ctx: ModelContext) -> None:
         super().__init__()
         dim = config.d_model
@@ -178,7 +195,7 @@ class BartDecoderLayer(nn.Module):
         self.encoder_attn = BartCrossAttention(dim, config.decoder_attention_heads, ctx)
         self.encoder_attn_layer_norm = nn.LayerNorm(dim)
         self.fc1, self.fc2 = _ffn(dim, config.decoder_ffn_dim)
-        self.act = ACT2FN[config.activation_function]
+        self._set_activation(config.activation_function)
         self.final_layer_norm = nn.LayerNorm(dim)
 
     def forward(self, h, encoder_hidden, kv_cache, attn_metadata) -> torch.Tensor:
@@ -187,10 +204,10 @@ class BartDecoderLayer(nn.Module):
             h = h + self.encoder_attn(
                 self.encoder_attn_layer_norm(h), encoder_hidden, kv_cache, attn_metadata
             )
-            return h + self.fc2(self.act(self.fc1(self.final_layer_norm(h))))
+            return h + self.ffn(self.final_layer_norm(h))
         h = self.self_attn_layer_norm(h + self.self_attn(h, kv_cache, attn_metadata))
         h = self.encoder_attn_layer_norm(h + self.encoder_attn(h, encoder_hidden, kv_cache, attn_metadata))
-        return self.final_layer_norm(h + self.fc2(self.act(self.fc1(h))))
+        return self.final_layer_norm(h + self.ffn(h))
 
 
 class _Stack(nn.Module):

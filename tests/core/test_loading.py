@@ -44,13 +44,13 @@ def edited(tmp_path: Path, bart_dir: Path, name: str = "m", **changes) -> Path:
 )
 def test_config_sizes_are_checked(tmp_path, bart_dir, changes, match):
     with pytest.raises(ValueError, match=match):
-        LLM(model=str(edited(tmp_path, bart_dir, **changes)), device="cpu")
+        LLM(model=str(edited(tmp_path, bart_dir, **changes)), dtype="float32", device="cpu")
 
 
 def test_layers_the_weights_cannot_hold_fail_before_building(tmp_path, bart_dir):
     d = edited(tmp_path, bart_dir, encoder_layers=100000)
     with pytest.raises(ValueError, match=r"encoder_layers=100000.*implies [\d,]+ parameters.*total [\d,]+ bytes"):
-        LLM(model=str(d), device="cpu")
+        LLM(model=str(d), dtype="float32", device="cpu")
 
 
 def test_absurd_width_is_rejected_before_allocation(tmp_path, bart_dir, monkeypatch):
@@ -67,7 +67,7 @@ def test_absurd_width_is_rejected_before_allocation(tmp_path, bart_dir, monkeypa
     with pytest.raises(ValueError, match=r"d_model=10000000.*implies [\d,]+ parameters"):
         check_model_config(Bart, cfg, str(d), torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"d_model=10000000"):
-        LLM(model=str(d), device="cpu")
+        LLM(model=str(d), dtype="float32", device="cpu")
 
 
 def test_weights_that_do_not_fit_in_memory_are_rejected(bart_dir, monkeypatch):
@@ -76,7 +76,7 @@ def test_weights_that_do_not_fit_in_memory_are_rejected(bart_dir, monkeypatch):
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1 << 10))
     match = r"model weights \([\d,]+ parameters x 4 bytes.*needs [\d.]+ GiB.*0.00 GiB available"
     with pytest.raises(ValueError, match=match):
-        LLM(model=str(bart_dir), device="cpu")
+        LLM(model=str(bart_dir), dtype="float32", device="cpu")
 
 
 def test_num_parameters_matches_the_built_model(bart_dir):
@@ -101,17 +101,17 @@ def test_num_parameters_matches_the_built_model(bart_dir):
 def test_architectures_must_be_a_list(tmp_path, bart_dir):
     d = edited(tmp_path, bart_dir, architectures="BartForConditionalGeneration")
     with pytest.raises(ValueError, match=r"architectures='BartForConditionalGeneration' must be a list"):
-        LLM(model=str(d), device="cpu")
+        LLM(model=str(d), dtype="float32", device="cpu")
     d = edited(tmp_path, bart_dir, "m2", architectures=[1])
     with pytest.raises(ValueError, match=r"architectures=\[1\] must be a list of class names"):
-        LLM(model=str(d), device="cpu")
+        LLM(model=str(d), dtype="float32", device="cpu")
 
 
 # -- legitimate checkpoints still load ------------------------------------------
 
 
 def test_fixture_checkpoint_loads(bart_dir):
-    out = LLM(model=str(bart_dir), device="cpu").generate(
+    out = LLM(model=str(bart_dir), dtype="float32", device="cpu").generate(
         {"prompt_token_ids": [0, 5, 6, 2]}, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False
     )
     assert out[0].error is None and len(out[0].outputs[0].token_ids) >= 1
@@ -165,7 +165,7 @@ def test_shard_outside_the_folder_is_rejected(tmp_path, sharded_dir):
     shutil.copy(d / first, tmp_path / "outside.safetensors")  # a real file: only its place is wrong
     match = rf"'\.\./outside\.safetensors'.*outside the checkpoint folder {re.escape(str(d))}"
     with pytest.raises(WeightLoadError, match=match):
-        LLM(model=str(d), device="cpu")
+        LLM(model=str(d), dtype="float32", device="cpu")
 
 
 def test_absolute_shard_path_is_rejected(tmp_path, sharded_dir):
@@ -197,7 +197,7 @@ def test_hub_cache_layout_with_blob_symlinks_loads(tmp_path, sharded_dir):
         shutil.copy(f, blobs / f"blob{i}")
         (snap / f.name).symlink_to(Path("../../blobs") / f"blob{i}")
     assert len(checkpoint_files(snap)) > 1
-    LLM(model=str(snap), device="cpu")
+    LLM(model=str(snap), dtype="float32", device="cpu")
 
 
 @pytest.mark.parametrize(
@@ -242,7 +242,7 @@ def run_llm(model_dir: Path, tmp_path: Path, trust: bool = False) -> subprocess.
     script = textwrap.dedent(
         f"""
         from tandem import LLM, SamplingParams
-        llm = LLM(model={str(model_dir)!r}, device="cpu", trust_remote_code={trust})
+        llm = LLM(model={str(model_dir)!r}, dtype="float32", device="cpu", trust_remote_code={trust})
         out = llm.generate({{"prompt_token_ids": [0, 5, 2]}}, SamplingParams(max_tokens=2), use_tqdm=False)
         assert out[0].error is None, out[0].error
         print("LOADED")

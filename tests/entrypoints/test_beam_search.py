@@ -225,7 +225,7 @@ def test_generation_config_none_uses_sampling_params_defaults(cnn_dir):
     llm = LLM(model=str(cnn_dir), dtype="float32", device="cpu", generation_config="none")
     assert llm.get_default_sampling_params() == SamplingParams()
     with pytest.raises(ValueError, match="generation_config="):
-        LLM(model=str(cnn_dir), device="cpu", generation_config="/no/such/dir")
+        LLM(model=str(cnn_dir), dtype="float32", device="cpu", generation_config="/no/such/dir")
 
 
 def test_beam_requests_that_cannot_be_served_are_rejected_alone(bart_dir):

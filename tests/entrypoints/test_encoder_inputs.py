@@ -24,7 +24,7 @@ def _first_half(cls, config, token_ids):
 
 def test_a_model_that_shortens_its_encoder_input_is_served_as_it_says(bart_dir, monkeypatch):
     monkeypatch.setattr(Bart, "get_encoder_inputs", classmethod(_first_half))
-    llm = LLM(model=str(bart_dir), device="cpu", block_size=4)
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=4)
     outs = llm.generate([{"prompt_token_ids": d} for d in DOCS], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     for doc, o in zip(DOCS, outs):
         assert o.encoder_prompt_token_ids == doc  # the request as given ...
@@ -60,11 +60,11 @@ def _features(cls, config, token_ids):
 
 
 def test_vocabulary_checks_apply_to_token_inputs_only(bart_dir, monkeypatch):
-    llm = LLM(model=str(bart_dir), device="cpu")
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="encoder prompt token id 500 at position 1 is outside the vocabulary"):
         llm.llm_engine.add_request("tok", {"prompt_token_ids": [0, 500, 2]})
     monkeypatch.setattr(Bart, "get_encoder_inputs", classmethod(_features))
-    eng = LLM(model=str(bart_dir), device="cpu").llm_engine
+    eng = LLM(model=str(bart_dir), dtype="float32", device="cpu").llm_engine
     eng.add_request("feat", {"prompt_token_ids": [0, 500, 2]})  # not token inputs: no vocabulary
     assert eng.scheduler.groups["feat"].encoder_len == 6
     eng.abort_request("feat")

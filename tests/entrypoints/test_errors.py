@@ -109,7 +109,7 @@ def test_missing_and_corrupt_weights(tmp_path, bart_dir):
 
 
 def test_pool_too_small_for_a_request_is_rejected(bart_dir):
-    llm = LLM(model=str(bart_dir), device="cpu", block_size=4, num_kv_blocks=8)
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=8)
     outs = llm.generate(
         [{"prompt_token_ids": [0] + [5] * 60 + [2]}, {"prompt_token_ids": [0, 5, 2]}],
         SamplingParams(temperature=0.0, max_tokens=4),
@@ -126,13 +126,13 @@ def test_pytorch_bin_and_sharded_checkpoints(tmp_path):
     model = BartForConditionalGeneration.from_pretrained(src)
     prompts = [{"prompt_token_ids": [0, 7, 8, 9, 2]}, {"prompt_token_ids": [0, 30, 2]}]
     params = SamplingParams(temperature=0.0, max_tokens=10)
-    ref = [o.outputs[0].token_ids for o in LLM(model=str(src), device="cpu").generate(prompts, params, use_tqdm=False)]
+    ref = [o.outputs[0].token_ids for o in LLM(model=str(src), dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)]
 
     sharded = tmp_path / "sharded"
     model.save_pretrained(sharded, max_shard_size="20KB")
     assert (sharded / "model.safetensors.index.json").exists()
     shutil.copy(src / "tokenizer.json", sharded)
-    out = LLM(model=str(sharded), device="cpu").generate(prompts, params, use_tqdm=False)
+    out = LLM(model=str(sharded), dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == ref
 
     import torch
@@ -141,12 +141,12 @@ def test_pytorch_bin_and_sharded_checkpoints(tmp_path):
     binary.mkdir()
     shutil.copy(src / "config.json", binary)
     torch.save(model.state_dict(), binary / "pytorch_model.bin")
-    out = LLM(model=str(binary), device="cpu").generate(prompts, params, use_tqdm=False)
+    out = LLM(model=str(binary), dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == ref
 
 
 def test_requests_whose_recompute_would_exceed_the_token_budget_are_rejected(bart_dir):
-    llm = LLM(model=str(bart_dir), device="cpu", max_num_seqs=4, max_num_batched_tokens=40)
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=40)
     outs = llm.generate(
         [{"prompt_token_ids": [0, 5, 6, 2]}, {"prompt_token_ids": [0, 5, 6, 2]}],
         [SamplingParams(max_tokens=40), SamplingParams(temperature=0.0, max_tokens=30)],
@@ -158,11 +158,11 @@ def test_requests_whose_recompute_would_exceed_the_token_budget_are_rejected(bar
 
 def test_pool_size_from_memory_blocks_or_the_default(bart_dir):
     # tiny model: 2 layers x K,V x 16 slots x 4 heads x 8 dims x 4 bytes = 8 KiB a block
-    sized = LLM(model=str(bart_dir), device="cpu", kv_cache_memory=0.5 / 1024)
+    sized = LLM(model=str(bart_dir), dtype="float32", device="cpu", kv_cache_memory=0.5 / 1024)
     assert sized.engine.block_manager.num_total_blocks() == 64
-    explicit = LLM(model=str(bart_dir), device="cpu", num_kv_blocks=123)
+    explicit = LLM(model=str(bart_dir), dtype="float32", device="cpu", num_kv_blocks=123)
     assert explicit.engine.block_manager.num_total_blocks() == 123
-    default = LLM(model=str(bart_dir), device="cpu", max_num_seqs=10)
+    default = LLM(model=str(bart_dir), dtype="float32", device="cpu", max_num_seqs=10)
     # 10 requests x (128 / 16 encoder + 128 / 16 decoder blocks), plus 2%
     assert default.engine.block_manager.num_total_blocks() == int(10 * 16 * 1.02) + 1
     assert default.engine.kv_caches[0].shape[1] == int(10 * 16 * 1.02) + 1

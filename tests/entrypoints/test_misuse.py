@@ -99,7 +99,7 @@ def test_an_exception_inside_schedule_frees_every_block(llm, expected, monkeypat
 
 
 def test_a_step_that_cannot_make_progress_is_an_error_not_a_spin(bart_dir):
-    llm = LLM(model=str(bart_dir), device="cpu", block_size=4, num_kv_blocks=20)
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=20)
     bm = llm.engine.block_manager
     held = bm.pools[Device.DEVICE].allocate(17)  # blocks lost outside any request
     with pytest.raises(RuntimeError, match=r"cannot admit request .* needs \d+ KV blocks.* 3 of 20 blocks are free"):
@@ -183,7 +183,7 @@ def test_sampling_params_of_the_wrong_type(llm, params, match):
 )
 def test_non_finite_and_mistyped_engine_arguments(bart_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        LLM(model=str(bart_dir), device="cpu", **kwargs)
+        LLM(model=str(bart_dir), dtype="float32", device="cpu", **kwargs)
 
 
 def test_pools_larger_than_memory_are_refused_before_allocating(bart_dir):
@@ -191,14 +191,14 @@ def test_pools_larger_than_memory_are_refused_before_allocating(bart_dir):
 
     too_much = 2 * available_bytes(torch.device("cpu")) / GiB
     with pytest.raises(ValueError, match=rf"kv_cache_memory={too_much}.*GiB available"):
-        LLM(model=str(bart_dir), device="cpu", kv_cache_memory=too_much)
+        LLM(model=str(bart_dir), dtype="float32", device="cpu", kv_cache_memory=too_much)
     with pytest.raises(ValueError, match=rf"swap_space={too_much}.*GiB available"):
-        LLM(model=str(bart_dir), device="cpu", swap_space=too_much)
+        LLM(model=str(bart_dir), dtype="float32", device="cpu", swap_space=too_much)
 
 
 def test_swap_space_is_committed_as_it_is_used(bart_dir):
     swap_gib = 4.0
-    llm = LLM(model=str(bart_dir), device="cpu", block_size=4, num_kv_blocks=60, swap_space=swap_gib,
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=60, swap_space=swap_gib,
               preemption_mode="swap")
     rss = psutil.Process().memory_info().rss
     p = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=40, min_tokens=40)
@@ -211,11 +211,13 @@ def test_swap_space_is_committed_as_it_is_used(bart_dir):
 
 def test_engine_start_is_logged_once_with_what_was_chosen(bart_dir, caplog):
     with caplog.at_level(logging.INFO, logger="tandem"):
-        llm = LLM(model=str(bart_dir), device="cpu", num_kv_blocks=50, swap_space=0.5)
+        llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", num_kv_blocks=50, swap_space=0.5)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
     assert len(lines) == 1
     line = lines[0]
-    assert "BartForConditionalGeneration" in line and "float32 on cpu" in line
+    assert "BartForConditionalGeneration" in line and "float32 (asked for) on cpu" in line
+    # How the linear layers multiply (packed oneDNN GEMMs where this build has them).
+    assert "linear layers: " in line and ("packed" in line or "dense F.linear" in line)
     assert "attention backend torch_sdpa (the highest priority (10) of those that can serve cpu/float32; " \
         "passed over: " in line
     # Each backend passed over, with why: the operator sees why flash_attn did not run here.

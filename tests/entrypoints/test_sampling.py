@@ -172,7 +172,7 @@ def test_unseeded_sampling_follows_the_engine_seed(bart_dir):
 
     def run(seed):
         torch.manual_seed(1234 + seed)  # the global RNG must not matter
-        llm = LLM(model=str(bart_dir), device="cpu", seed=seed)
+        llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", seed=seed)
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, p, use_tqdm=False)]
 
     first = run(0)

@@ -4,7 +4,7 @@ from tandem import LLM, SamplingParams
 
 
 def test_stats_count_encoder_work_requests_and_blocks(bart_dir):
-    llm = LLM(model=str(bart_dir), device="cpu", block_size=4, num_kv_blocks=40)
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=40)
     doc = [0, *range(10, 40), 2]
     prompts = [{"encoder_prompt": {"prompt_token_ids": doc}, "decoder_prompt": {"prompt_token_ids": [0, 5 + i]}}
                for i in range(4)]

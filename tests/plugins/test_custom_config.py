@@ -60,13 +60,13 @@ def test_llm_serves_a_checkpoint_of_the_new_type(bart_dir, tmp_path, monkeypatch
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tandem-test-bart\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text("[tandem.plugins]\ntest-bart = custom_config_plugin\n")
     with pytest.raises(ValueError, match=f"model type `{MODEL_TYPE}`"):
-        LLM(model=str(ckpt), device="cpu")  # not installed yet: transformers does not know the type
+        LLM(model=str(ckpt), dtype="float32", device="cpu")  # not installed yet: transformers does not know the type
 
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     reset_registries()
     params = SamplingParams(temperature=0.0, max_tokens=8)
     prompts = ["the rain in spain", "a cat sat"]
-    got = LLM(model=str(ckpt), device="cpu").generate(prompts, params, use_tqdm=False)
+    got = LLM(model=str(ckpt), dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)
     assert isinstance(AutoConfig.from_pretrained(ckpt), TandemTestBartConfig)
-    want = LLM(model=str(bart_dir), device="cpu").generate(prompts, params, use_tqdm=False)
+    want = LLM(model=str(bart_dir), dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

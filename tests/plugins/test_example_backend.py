@@ -95,7 +95,7 @@ def test_bart_through_it_equals_torch_sdpa(backend, bart_dir):
     params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
 
     def run(name):
-        llm = LLM(model=str(bart_dir), attention_backend=name, block_size=4)
+        llm = LLM(model=str(bart_dir), dtype="float32", attention_backend=name, block_size=4)
         assert llm.engine.attn_backend.name == name
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 

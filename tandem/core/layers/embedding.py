@@ -43,6 +43,7 @@ class VocabParallelEmbedding(WeightLoaderModule):
             torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False
         )
         self.bind_weight_loaders()
+        self.logits_kernel = None  # a packed copy of the table for the LM-head GEMM (linear_kernels)
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
@@ -65,7 +66,10 @@ class VocabParallelEmbedding(WeightLoaderModule):
         """``[num_seqs, embedding_dim] -> [num_seqs, num_embeddings]`` (this rank's
         ``[num_seqs, num_embeddings_per_partition]`` with ``gather_output=False``)."""
         bias = getattr(self, "bias", None)
-        logits = F.linear(hidden_states, self.weight, bias)
+        if self.logits_kernel is not None:
+            logits = self.logits_kernel(self, hidden_states, bias, None)
+        else:
+            logits = F.linear(hidden_states, self.weight, bias)
         if not gather_output or self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)[..., : self.num_embeddings]

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.core.layers.linear_kernels import DenseKernel
 from tandem.core.layers.parallel_state import TensorParallelGroup, divide, resolve_tp_group
 from tandem.core.weight_loading import WeightLoaderModule, check_shape
 
@@ -38,6 +39,15 @@ class LinearBase(WeightLoaderModule):
         else:
             self.register_parameter("bias", None)
         self.bind_weight_loaders()
+        self.kernel = DenseKernel()
+
+    def set_kernel(self, kernel) -> None:
+        """Multiply with ``kernel`` from now on (``tandem.core.layers.linear_kernels``);
+        a kernel other than dense holds its own copy of the weight, so the dense
+        one is released."""
+        self.kernel = kernel
+        if not isinstance(kernel, DenseKernel):
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
 
     @property
     def tp_size(self) -> int:
@@ -82,8 +92,10 @@ class ColumnParallelLinear(LinearBase):
         check_shape(loaded_weight, (rows * self.tp_size, *param.shape[1:]))
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * rows, rows))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [..., output_size / tp]
+    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        """``activation`` ("gelu" exact, "relu"): applied to the output, fused into the
+        GEMM where the layer's kernel can."""
+        y = self.kernel(self, x, self.bias, activation)  # [..., output_size / tp]
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -233,5 +245,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None  # added once, not tp_size times
-        y = F.linear(x, self.weight, bias)  # [..., output_size], this rank's partial sum
+        y = self.kernel(self, x, bias, None)  # [..., output_size], this rank's partial sum
         return self.tp.all_reduce(y) if self.reduce_results else y

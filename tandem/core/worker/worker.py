@@ -16,6 +16,7 @@ import torch
 
 from tandem.core.attention import AttentionBackend, KVCacheSpec
 from tandem.core.config import EngineConfig
+from tandem.core.layers.linear_kernels import prepare_linear_kernels
 from tandem.core.loader import load_model
 from tandem.core.model import EncoderDecoderModel
 from tandem.core.sampling_params import SamplingParams
@@ -69,6 +70,10 @@ class Worker:
 
     def load_model(self) -> None:
         self.model = load_model(self.model_cls, self.hf_config, self.config.model, self.backend, self.dtype, self.device)
+        self.linear_kernels = prepare_linear_kernels(
+            self.model, device=self.device, dtype=self.dtype, gemm=self.config.cpu_gemm,
+            quantization=self.config.quantization, batch_hint=min(self.config.max_num_seqs, 128),
+        )
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         """Allocate the device pool (one tensor per decoder layer) and build the runner."""

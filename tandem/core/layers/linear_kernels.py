@@ -1,0 +1,176 @@
+"""How a linear layer multiplies, chosen once after the weights are loaded.
+
+- :class:`DenseKernel` is ``F.linear`` on the layer's own ``weight`` (every
+  device and dtype; what a layer does before :func:`prepare_linear_kernels`).
+- :class:`PackedCPUKernel` multiplies by a copy of the weight that oneDNN has
+  reordered once into its blocked GEMM layout (``mkldnn._reorder_linear_weight``
+  / ``mkldnn._linear_pointwise``, the ops inductor's CPU freezing emits), with
+  GELU or ReLU fused into the GEMM's epilogue. ``F.linear`` re-packs the
+  ``[out, in]`` weight on every call; for decode-sized batches that is most of
+  the work (bart-base's LM head, 128 rows: 64 -> 113 GFLOP/s on a 2-core AVX2
+  EPYC, see docs/performance.md).
+- :class:`Int8DynamicKernel` is ``quantization="int8"``: weights quantized
+  once per output channel (symmetric int8), activations per tensor at run time
+  (``quantized::linear_dynamic`` from PyTorch's x86 / fbgemm engine), output in
+  float32.
+
+A kernel replaces the dense weight it was built from: after
+:func:`prepare_linear_kernels` the layer's ``weight`` parameter is an empty
+placeholder, so memory holds one copy of each weight.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+# Epilogues the packed kernel fuses; any other activation runs after the GEMM.
+_FUSED = {"gelu": ("gelu", [], "none"), "relu": ("relu", [], "")}
+
+
+class DenseKernel:
+    name = "dense"
+
+    def __call__(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
+        y = F.linear(x, layer.weight, bias)
+        return _activate(y, activation)
+
+
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return y
+    if activation == "gelu":
+        return F.gelu(y)
+    if activation == "relu":
+        return F.relu(y)
+    raise ValueError(f"activation={activation!r}: a linear layer fuses only 'gelu' or 'relu'")
+
+
+class PackedCPUKernel:
+    name = "packed"
+
+    def __init__(self, weight: torch.Tensor, batch_hint: int) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        self.out_features = weight.shape[0]
+
+    def __call__(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
+        attr, scalars, algorithm = _FUSED.get(activation, ("none", [], ""))
+        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, attr, scalars, algorithm)
+        return y if activation is None or activation in _FUSED else _activate(y, activation)
+
+
+class Int8DynamicKernel:
+    name = "int8"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        w = weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
+        zero_points = torch.zeros(w.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():
+            # PyTorch 2.13 marks quantized tensor creation as deprecated (torchao is the successor);
+            # int8_unsupported() reports it once the ops are gone.
+            warnings.filterwarnings("ignore", message=".*quantize_per_.*deprecated", category=UserWarning)
+            qweight = torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.detach().float())
+        self.has_bias = bias is not None
+
+    def __call__(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
+        shape = x.shape
+        # reduce_range: 7-bit activations, so AVX2's int16 pair sums (vpmaddubsw) never saturate.
+        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).float(), self.packed, True)
+        if self.has_bias and bias is None:  # the bias lives in the packed weight; a rank that must not add it
+            raise RuntimeError("Int8DynamicKernel: a packed bias cannot be dropped on this rank")
+        return _activate(y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype), activation)
+
+
+def packed_gemm_unsupported(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Why the oneDNN packed kernel can't run here (empty: it can)."""
+    reasons = []
+    if device.type != "cpu":
+        reasons.append(f"device {device.type} is not cpu")
+    if not torch.backends.mkldnn.is_available():
+        reasons.append("this PyTorch build has no oneDNN (mkldnn)")
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        reasons.append("oneDNN has no bfloat16 GEMM on this CPU (it needs avx512bw/vl/dq, avx_ne_convert or AMX)")
+    elif dtype not in (torch.float32, torch.bfloat16):
+        reasons.append(f"dtype {dtype} is not float32 or bfloat16")
+    return reasons
+
+
+def int8_unsupported(device: torch.device) -> list[str]:
+    reasons = []
+    if device.type != "cpu":
+        reasons.append(f"int8 dynamic quantization runs on CPU only, not {device.type}")
+    if not all(hasattr(torch.ops.quantized, op) for op in ("linear_prepack", "linear_dynamic")):
+        reasons.append("this PyTorch build has no quantized::linear_dynamic (removed after its deprecation)")
+    engines = torch.backends.quantized.supported_engines
+    if not any(e in engines for e in ("x86", "fbgemm", "onednn")):
+        reasons.append(f"this PyTorch build has no x86 quantized engine (it has {engines})")
+    return reasons
+
+
+def prepare_linear_kernels(
+    model: torch.nn.Module,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    gemm: str = "auto",
+    quantization: str | None = None,
+    batch_hint: int = 128,
+) -> str:
+    """Give every linear layer of ``model`` (and each tied or untied LM head) its
+    kernel; returns a one-line description for the engine's start line.
+
+    ``gemm``: "auto" (packed where :func:`packed_gemm_unsupported` is empty, else
+    dense), "packed" (an error if it can't run), "dense". ``quantization``: None
+    or "int8" (linear layers int8; the LM head stays in ``dtype``, packed where possible).
+    """
+    from tandem.core.layers.embedding import VocabParallelEmbedding
+    from tandem.core.layers.linear import LinearBase
+
+    if gemm not in ("auto", "packed", "dense"):
+        raise ValueError(f"cpu_gemm={gemm!r}: must be 'auto', 'packed' or 'dense'")
+    reasons = packed_gemm_unsupported(device, dtype)
+    if gemm == "packed" and reasons:
+        raise ValueError("cpu_gemm='packed' cannot run here: " + "; ".join(reasons))
+    packed = gemm != "dense" and not reasons
+    if quantization is not None:
+        if quantization != "int8":
+            raise ValueError(f"quantization={quantization!r}: must be None or 'int8'")
+        why = int8_unsupported(device)
+        if dtype != torch.float32:
+            why.append(f"int8 dynamic quantization computes in float32, not {dtype}")
+        if why:
+            raise ValueError("quantization='int8' cannot run here: " + "; ".join(why))
+
+    counts: dict[str, int] = {}
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LinearBase):
+                if quantization == "int8":
+                    if module.tp_size != 1:
+                        raise ValueError("quantization='int8' runs without tensor parallelism only")
+                    kernel = Int8DynamicKernel(module.weight, module.bias)
+                elif packed:
+                    kernel = PackedCPUKernel(module.weight, batch_hint)
+                else:
+                    continue
+                module.set_kernel(kernel)
+            elif isinstance(module, VocabParallelEmbedding):
+                if not packed:
+                    continue
+                # The table stays for lookups (a tied head); the LM-head GEMM gets its own packed copy.
+                module.logits_kernel = PackedCPUKernel(module.weight, batch_hint)
+                kernel = module.logits_kernel
+            else:
+                continue
+            counts[kernel.name] = counts.get(kernel.name, 0) + 1
+    if not counts:
+        why = "; ".join(reasons) if gemm != "dense" else "cpu_gemm='dense'"
+        return f"linear layers: dense F.linear ({why})"
+    return "linear layers: " + ", ".join(f"{n} x {name}" for name, n in sorted(counts.items()))

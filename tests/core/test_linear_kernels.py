@@ -1,0 +1,186 @@
+"""Linear-layer kernels (packed oneDNN, int8 dynamic) against a float64 reference,
+their selection, and dtype="auto"."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem import LLM, SamplingParams
+from tandem.core import dtype as dtype_mod
+from tandem.core.config import EngineConfig
+from tandem.core.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tandem.core.layers.linear_kernels import (
+    Int8DynamicKernel,
+    PackedCPUKernel,
+    packed_gemm_unsupported,
+    prepare_linear_kernels,
+)
+
+CPU = torch.device("cpu")
+needs_packed = pytest.mark.skipif(bool(packed_gemm_unsupported(CPU, torch.float32)),
+                                  reason="no oneDNN packed GEMM in this build")
+
+
+def _layer(cls, n_in, n_out, seed):
+    g = torch.Generator().manual_seed(seed)
+    layer = cls(n_in, n_out)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n_out, n_in, generator=g) / math.sqrt(n_in))
+        layer.bias.copy_(torch.randn(n_out, generator=g))
+    return layer, g
+
+
+def _reference(layer_weight, bias, x, activation):
+    y = F.linear(x.double(), layer_weight.double(), bias.double())
+    return {None: y, "gelu": F.gelu(y), "relu": F.relu(y)}[activation]
+
+
+@needs_packed
+@pytest.mark.parametrize("activation", [None, "gelu", "relu"])
+@pytest.mark.parametrize("shape", [(1, 96), (7, 96), (3, 5, 96), (130, 96)])
+def test_packed_kernel_matches_float64(activation, shape):
+    layer, g = _layer(ColumnParallelLinear, 96, 160, seed=len(shape) + shape[0])
+    w, b = layer.weight.clone(), layer.bias.clone()
+    x = torch.randn(*shape, generator=g)
+    layer.set_kernel(PackedCPUKernel(layer.weight, batch_hint=16))
+    assert layer.weight.numel() == 0  # the dense copy is released
+    y = layer(x, activation=activation)
+    ref = _reference(w, b, x, activation)
+    assert y.shape == (*shape[:-1], 160) and y.dtype == torch.float32
+    # float32 dot products of length 96 with O(1) terms: error ~ sqrt(96) * 2^-24 * |terms| ~ 1e-6;
+    # 1e-5 relative (norm-wise) leaves room for any blocking order.
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@needs_packed
+def test_packed_lm_head_keeps_the_table_for_lookups():
+    emb = VocabParallelEmbedding(300, 64)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(300, 64))
+    table = emb.weight.clone()
+    ids = torch.tensor([0, 5, 299])
+    h = torch.randn(4, 64)
+    emb.logits_kernel = PackedCPUKernel(emb.weight, 8)
+    assert torch.equal(emb(ids), table[ids])
+    ref = h.double() @ table.double().T
+    assert ((emb.logits(h).double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_int8_kernel_error_within_the_quantization_bound():
+    layer, g = _layer(RowParallelLinear, 256, 128, seed=3)
+    w, b = layer.weight.clone(), layer.bias.clone()
+    layer.set_kernel(Int8DynamicKernel(layer.weight, layer.bias))
+    x = torch.randn(64, 256, generator=g)
+    ref = _reference(w, b, x, None)
+    y = layer(x)
+    # Weights: symmetric int8 per output row, step max|w_row| / 127 (~3.2 sigma / 127 for
+    # Gaussian rows), relative RMS error ~ 0.025 / sqrt(12) = 0.7%. Activations: one
+    # 7-bit (reduce_range) asymmetric scale for the whole tensor, step ~8.6 sigma / 127,
+    # relative RMS error ~ 0.068 / sqrt(12) = 2.0%. Together ~2.1%; the bias (exact) only
+    # lowers it. Bar: 5%. A kernel that ignored the scales would be off by orders of magnitude.
+    rel = ((y.double() - ref).norm() / ref.norm()).item()
+    assert rel < 0.05
+    assert rel > 1e-4  # it really is quantized (not a float path in disguise)
+
+
+def test_prepare_refuses_what_cannot_run():
+    layer, _ = _layer(ColumnParallelLinear, 8, 8, seed=0)
+    with pytest.raises(ValueError, match="cpu_gemm='fast'"):
+        prepare_linear_kernels(layer, device=CPU, dtype=torch.float32, gemm="fast")
+    with pytest.raises(ValueError, match="quantization='int4'"):
+        prepare_linear_kernels(layer, device=CPU, dtype=torch.float32, quantization="int4")
+    with pytest.raises(ValueError, match="int8 dynamic quantization computes in float32"):
+        prepare_linear_kernels(layer, device=CPU, dtype=torch.bfloat16, quantization="int8")
+    with pytest.raises(ValueError, match="cpu_gemm='packed' cannot run here: device cuda is not cpu"):
+        prepare_linear_kernels(layer, device=torch.device("cuda"), dtype=torch.float32, gemm="packed")
+    assert "dense" in prepare_linear_kernels(layer, device=CPU, dtype=torch.float32, gemm="dense")
+
+
+def test_engine_arguments_are_checked_at_construction(bart_dir):
+    with pytest.raises(ValueError, match="quantization='int4'"):
+        EngineConfig(model=str(bart_dir), quantization="int4")
+    with pytest.raises(ValueError, match="cpu_gemm='turbo'"):
+        EngineConfig(model=str(bart_dir), cpu_gemm="turbo")
+    with pytest.raises(ValueError, match="dtype='fp8'"):
+        EngineConfig(model=str(bart_dir), dtype="fp8")
+
+
+@pytest.mark.parametrize("gemm", ["dense", "packed"])
+def test_bart_greedy_is_the_same_through_every_float_kernel(bart_dir, gemm):
+    if gemm == "packed" and packed_gemm_unsupported(CPU, torch.float32):
+        pytest.skip("no oneDNN packed GEMM in this build")
+    prompts = ["the rain in spain", "old king cole was a merry old soul", "a"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
+    ref = LLM(model=str(bart_dir), dtype="float32", device="cpu", cpu_gemm="dense").generate(
+        prompts, params, use_tqdm=False)
+    out = LLM(model=str(bart_dir), dtype="float32", device="cpu", cpu_gemm=gemm).generate(
+        prompts, params, use_tqdm=False)
+    for a, b in zip(out, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        # Same arithmetic up to GEMM blocking: float32 logprobs agree far below any token margin.
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-3)
+
+
+@pytest.fixture(scope="module")
+def calm_dir(tmp_path_factory):
+    from helpers import TINY_DIMS, make_bart
+
+    # Weights ~ 1/sqrt(d_model): activations and attention logits stay O(1), as in trained
+    # models. (The suite's wide-weight checkpoint saturates its softmaxes, so any 1% change
+    # flips attention; int8 there says nothing about int8 on a real model.)
+    return make_bart(tmp_path_factory.mktemp("calm8") / "ckpt", seed=1, weight_std=TINY_DIMS["d_model"] ** -0.5)
+
+
+def test_int8_engine_tracks_float32_teacher_forced(calm_dir):
+    """int8 scores the float32 model's greedy continuation almost as float32 does."""
+    prompts = ["the rain in spain", "old king cole was a merry old soul"]
+    fp32 = LLM(model=str(calm_dir), dtype="float32", device="cpu")
+    int8 = LLM(model=str(calm_dir), dtype="float32", device="cpu", quantization="int8")
+    assert "int8" in int8.llm_engine.worker.linear_kernels
+    start = fp32.llm_engine.model_cls.decoder_start_token_id(fp32.llm_engine.hf_config)
+    worst, prefix = 0.0, [start]
+    for p in prompts:
+        for _ in range(6):  # follow float32's greedy path, scoring each step with both engines
+            forced = {"encoder_prompt": p, "decoder_prompt": {"prompt_token_ids": prefix}}
+            params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
+            a = fp32.generate([forced], params, use_tqdm=False)[0].outputs[0]
+            b = int8.generate([forced], params, use_tqdm=False)[0].outputs[0]
+            tok = a.token_ids[0]
+            assert tok in b.logprobs[0], "the float32 token fell out of int8's top 20"
+            worst = max(worst, abs(_lp(b.logprobs[0][tok]) - _lp(a.logprobs[0][tok])))
+            prefix = prefix + [tok]
+        prefix = [start]
+    # Each int8 layer perturbs its output by ~1-2% (RMS, see the kernel test); through
+    # 2 + 2 layers and the head that moves a logprob by a few hundredths (observed worst
+    # over these 12 steps: 0.032 nats). Bar: 0.15, about 5x; a wrong scale or a dropped
+    # bias moves logprobs by whole nats.
+    assert worst < 0.15, worst
+
+
+def _lp(x):
+    return getattr(x, "logprob", x)
+
+
+def test_auto_dtype_on_cpu_follows_native_bf16(bart_dir, monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    cfg = EngineConfig(model=str(bart_dir), device="cpu")
+    assert cfg.torch_dtype == torch.float32 and "emulated" in cfg.dtype_reason
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    cfg = EngineConfig(model=str(bart_dir), device="cpu")
+    assert cfg.torch_dtype == torch.bfloat16 and "avx512_bf16" in cfg.dtype_reason
+    # An explicit dtype is never second-guessed.
+    assert EngineConfig(model=str(bart_dir), device="cpu", dtype="float32").torch_dtype == torch.float32
+
+
+@pytest.mark.parametrize("written, expected", [("bfloat16", torch.bfloat16), ("float16", torch.float16),
+                                               ("float32", torch.float32), (None, torch.float32)])
+def test_auto_dtype_on_gpu_is_the_checkpoints(tmp_path, written, expected):
+    import json
+
+    config = {"model_type": "bart"} | ({"torch_dtype": written} if written else {})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    got, why = dtype_mod.resolve_auto_dtype(str(tmp_path), torch.device("cuda"))
+    assert got == expected and ("checkpoint" in why)
