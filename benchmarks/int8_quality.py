@@ -55,7 +55,7 @@ def main() -> None:
 
     demo = str(ROOT / "tandem" / "demo_model")
     sentences = heldout_sentences(98765, args.num, exclude=set())
-    params = SamplingParams(temperature=0.0, max_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=40)  # the demo has 64 decoder positions
     outs = {}
     for q in (None, "int8"):
         llm = LLM(model=demo, dtype="float32", device="cpu", quantization=q)
