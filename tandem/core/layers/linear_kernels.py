@@ -5,7 +5,7 @@
 - :class:`PackedCPUKernel` multiplies by a copy of the weight that oneDNN has
   reordered once into its blocked GEMM layout (``mkldnn._reorder_linear_weight``
   / ``mkldnn._linear_pointwise``, the ops inductor's CPU freezing emits), with
-  GELU or ReLU fused into the GEMM's epilogue. ``F.linear`` re-packs the
+  ReLU fused into the GEMM's epilogue (GELU runs after it: see ``_FUSED``). ``F.linear`` re-packs the
   ``[out, in]`` weight on every call; for decode-sized batches that is most of
   the work (bart-base's LM head, 128 rows: 64 -> 113 GFLOP/s on a 2-core AVX2
   EPYC, see docs/performance.md).
@@ -30,7 +30,10 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 # Epilogues the packed kernel fuses; any other activation runs after the GEMM.
-_FUSED = {"gelu": ("gelu", [], "none"), "relu": ("relu", [], "")}
+# GELU is not fused: oneDNN's erf-GELU epilogue cost more than the GEMM saved on
+# a 2-core AVX2 EPYC (768 -> 3072 at M=128: 95 GFLOP/s-equivalent fused vs 121-124
+# with a separate F.gelu; at M=4480: 87-93 vs 106-112; tanh GELU no better).
+_FUSED = {"relu": ("relu", [], "")}
 
 
 class DenseKernel:
