@@ -21,3 +21,4 @@ torch_sdpa = BackendPlugin("torch_sdpa", "tandem.backends.torch_sdpa:TorchSDPABa
 triton = BackendPlugin("triton", "tandem.backends.triton:TritonBackend")
 xformers = BackendPlugin("xformers", "tandem.backends.xformers:XFormersBackend")
 flash_attn = BackendPlugin("flash_attn", "tandem.backends.flash_attn:FlashAttnBackend")
+cpu_paged = BackendPlugin("cpu_paged", "tandem.backends.cpu_paged:CPUPagedBackend")

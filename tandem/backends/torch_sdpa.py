@@ -7,6 +7,7 @@ their keys gathered from the paged cache and padded under a length mask.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -24,31 +25,40 @@ from tandem.core.kv.cache_ops import GatherWorkspace, gather_from_paged_cache
 
 
 @dataclass
-class TorchSDPAMetadata(AttentionMetadata):
+class SDPAMetadata(AttentionMetadata):
+    """What the SDPA paths for encoders and prefills read, and which sequences decode.
+    Backends that keep these paths and replace only the decode path extend it."""
+
     # Decoder sequences with more than one new token: (row start, q_len, seq_len, index).
     prefills: list[tuple[int, int, int, int]]
     block_tables: torch.Tensor  # [S, max_blocks]
     cross_block_tables: torch.Tensor  # [S, max_cross_blocks]
     cross_seq_lens: list[int]  # [S]
-    # Decoder sequences with exactly one new token, batched.
-    decode_rows: torch.Tensor  # [D] packed row of each decode token
-    decode_seqs: torch.Tensor  # [D] sequence index
-    decode_mask: torch.Tensor  # [D, 1, 1, decode_blocks * block_size] self keys to attend
-    decode_blocks: int  # block-table columns the decodes need (gathers stop there)
-    num_decodes: int
+    # Cross K/V of a sequence whose cross table is one contiguous run of blocks
+    # is read through a view of the cache instead of a gather: the first slot
+    # (or -1) of every sequence (filled only on steps with prefills).
+    cross_view_start: list[int]
     # Encoder runs this step: (row start, length).
     encoder_runs: list[tuple[int, int]]
-    # Cross K/V of a sequence whose cross table is one contiguous run of blocks
-    # is read through a view of the cache instead of a gather:
-    # (query row, first slot, encoder length) for such decode sequences, and
-    # the first slot (or -1) of every sequence for prefills.
+    # Decoder sequences with exactly one new token.
+    decode_rows: torch.Tensor  # [D] packed row of each decode token
+    decode_seqs: torch.Tensor  # [D] sequence index
+    num_decodes: int
+    workspace: GatherWorkspace  # the builder's, reused by every layer and step
+
+
+@dataclass
+class TorchSDPAMetadata(SDPAMetadata):
+    # Decodes run batched over gathered, padded K/V.
+    decode_mask: torch.Tensor  # [D, 1, 1, decode_blocks * block_size] self keys to attend
+    decode_blocks: int  # block-table columns the decodes need (gathers stop there)
+    # (query row, first slot, encoder length) of decodes whose cross K/V is read
+    # through a view of the cache; the rest gather.
     decode_cross_views: list[tuple[int, int, int]]
-    cross_view_start: list[int]
     decode_cross_gather: torch.Tensor  # [Dg] positions in the decode batch that gather
     decode_cross_gather_rows: torch.Tensor  # [Dg] their packed query rows
     decode_cross_mask: torch.Tensor  # [Dg, 1, 1, decode_cross_blocks * block_size]
     decode_cross_blocks: int
-    workspace: GatherWorkspace  # the builder's, reused by every layer and step
 
 
 def _length_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -71,12 +81,16 @@ def contiguous_starts(tables: torch.Tensor, lens: torch.Tensor, block_size: int)
     return torch.where(consecutive.all(dim=1), tables[:, 0] * block_size, -1)
 
 
-class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
+class SDPAMetadataBuilderBase(AttentionMetadataBuilder):
+    """Splits a step into encoder runs, prefills and decodes (:class:`SDPAMetadata`)."""
+
     def __init__(self, block_size, device, kv_spec) -> None:
         super().__init__(block_size, device, kv_spec)
         self.workspace = GatherWorkspace()
 
-    def build(self, inputs) -> TorchSDPAMetadata:
+    def common_fields(self, inputs, view_starts: bool) -> dict:
+        """The :class:`SDPAMetadata` fields; ``view_starts``: find contiguous cross
+        tables for every sequence (else only when a prefill needs them)."""
         starts = inputs.query_start_loc.tolist()
         prefills, decodes = [], []
         for i, (q, s) in enumerate(zip(inputs.query_lens, inputs.seq_lens)):
@@ -84,16 +98,42 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
                 decodes.append(i)
             else:
                 prefills.append((starts[i], q, s, i))
-        dev = self.device
-        decode_seqs = torch.tensor(decodes, dtype=torch.long, device=dev)
-        seq_lens = torch.tensor(inputs.seq_lens, dtype=torch.long, device=dev)
-        cross_lens = torch.tensor(inputs.cross_seq_lens, dtype=torch.long, device=dev)
-        bs = self.block_size
         enc_runs, row = [], 0
         for n in inputs.encoder_seq_lens:
             enc_runs.append((row, n))
             row += n
-        view_start = contiguous_starts(inputs.cross_block_tables.cpu(), cross_lens.cpu(), bs).tolist()
+        view_start = []
+        if view_starts or prefills:
+            cross_lens = torch.tensor(inputs.cross_seq_lens, dtype=torch.long)
+            view_start = contiguous_starts(inputs.cross_block_tables.cpu(), cross_lens, self.block_size).tolist()
+        decode_seqs = torch.tensor(decodes, dtype=torch.long, device=self.device)
+        return dict(
+            num_decoder_tokens=int(inputs.input_ids.shape[0]),
+            slot_mapping=inputs.slot_mapping,
+            cross_slot_mapping=inputs.cross_slot_mapping,
+            num_encoder_tokens=int(inputs.encoder_positions.shape[0]),
+            prefills=prefills,
+            block_tables=inputs.block_tables,
+            cross_block_tables=inputs.cross_block_tables,
+            cross_seq_lens=inputs.cross_seq_lens,
+            cross_view_start=view_start,
+            encoder_runs=enc_runs,
+            decode_rows=inputs.query_start_loc.index_select(0, decode_seqs),
+            decode_seqs=decode_seqs,
+            num_decodes=len(decodes),
+            workspace=self.workspace,
+        )
+
+
+class TorchSDPAMetadataBuilder(SDPAMetadataBuilderBase):
+    def build(self, inputs) -> TorchSDPAMetadata:
+        common = self.common_fields(inputs, view_starts=True)
+        starts = inputs.query_start_loc.tolist()
+        decodes = common["decode_seqs"].tolist()
+        view_start = common["cross_view_start"]
+        dev, bs = self.device, self.block_size
+        seq_lens = torch.tensor(inputs.seq_lens, dtype=torch.long, device=dev)
+        cross_lens = torch.tensor(inputs.cross_seq_lens, dtype=torch.long, device=dev)
         views, gather = [], []
         min_tokens = VIEW_MIN_CROSS_ELEMENTS / (self.kv_spec.num_kv_heads * self.kv_spec.head_size)
         for j, i in enumerate(decodes):
@@ -103,33 +143,21 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
             else:
                 gather.append(j)
         gather_t = torch.tensor(gather, dtype=torch.long, device=dev)
+        decode_seqs = common["decode_seqs"]
         # Gather only as many block columns as the longest sequence gathered needs.
         decode_blocks = -(-max((inputs.seq_lens[i] for i in decodes), default=0) // bs)
         cross_blocks = -(-max((inputs.cross_seq_lens[decodes[j]] for j in gather), default=0) // bs)
         decode_lens = seq_lens.index_select(0, decode_seqs)
         gather_cross_lens = cross_lens.index_select(0, decode_seqs).index_select(0, gather_t)
         return TorchSDPAMetadata(
-            num_decoder_tokens=int(inputs.input_ids.shape[0]),
-            slot_mapping=inputs.slot_mapping,
-            cross_slot_mapping=inputs.cross_slot_mapping,
-            num_encoder_tokens=int(inputs.encoder_positions.shape[0]),
-            prefills=prefills,
-            block_tables=inputs.block_tables,
-            cross_block_tables=inputs.cross_block_tables,
-            cross_seq_lens=inputs.cross_seq_lens,
-            decode_rows=inputs.query_start_loc.index_select(0, decode_seqs),
-            decode_seqs=decode_seqs,
+            **common,
             decode_mask=_length_mask(decode_lens, decode_blocks * bs),
             decode_blocks=decode_blocks,
-            num_decodes=len(decodes),
-            encoder_runs=enc_runs,
             decode_cross_views=views,
-            cross_view_start=view_start,
             decode_cross_gather=gather_t,
             decode_cross_gather_rows=inputs.query_start_loc.index_select(0, decode_seqs.index_select(0, gather_t)),
             decode_cross_mask=_length_mask(gather_cross_lens, cross_blocks * bs),
             decode_cross_blocks=cross_blocks,
-            workspace=self.workspace,
         )
 
 
@@ -138,14 +166,17 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
-class TorchSDPAImpl(AttentionImpl):
+class SDPAImplBase(AttentionImpl):
+    """Encoder runs and prefills through SDPA (one call per sequence); decodes are
+    left to :meth:`forward_decodes`, which each backend built on this provides."""
+
     def forward(
         self,
         query: torch.Tensor,  # [T, H, D]
         key: torch.Tensor | None,
         value: torch.Tensor | None,
         kv_cache: torch.Tensor | None,  # None for ENCODER
-        attn_metadata: TorchSDPAMetadata,
+        attn_metadata: SDPAMetadata,
         attn_type: AttentionType,
     ) -> torch.Tensor:
         md = attn_metadata
@@ -187,33 +218,16 @@ class TorchSDPAImpl(AttentionImpl):
             )
             out[start : start + q_len] = o[0].transpose(0, 1)
 
-        if not md.num_decodes:
-            return out
-        if is_cross:
-            for row, first, n in md.decode_cross_views:
-                k, v = self._view(kv_cache, first, n)
-                o = F.scaled_dot_product_attention(
-                    _heads_first(query[row : row + 1]), _heads_first(k), _heads_first(v),
-                    scale=self.scale, enable_gqa=gqa,
-                )
-                out[row] = o[0, :, 0]
-            if md.decode_cross_gather.numel():
-                seqs = md.decode_seqs.index_select(0, md.decode_cross_gather)
-                self._batched_decode(query, kv_cache, tables.index_select(0, seqs)[:, : md.decode_cross_blocks],
-                                     md.decode_cross_mask, md.decode_cross_gather_rows, out, gqa, md.workspace)
-            return out
-        self._batched_decode(query, kv_cache, tables.index_select(0, md.decode_seqs)[:, : md.decode_blocks],
-                             md.decode_mask, md.decode_rows, out, gqa, md.workspace)
+        if md.num_decodes:
+            self.forward_decodes(query, kv_cache, md, is_cross, out)
         return out
 
-    def _batched_decode(self, query, kv_cache, tables, mask, rows, out, gqa, workspace) -> None:
-        """One SDPA call for single-token queries over keys gathered and padded."""
-        k, v = gather_from_paged_cache(kv_cache, tables, workspace)  # [B, L, H, Dh]
-        q = query.index_select(0, rows).unsqueeze(2)  # [B, H, 1, Dh]
-        o = F.scaled_dot_product_attention(
-            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=self.scale, enable_gqa=gqa
-        )
-        out.index_copy_(0, rows, o.squeeze(2))
+    @abstractmethod
+    def forward_decodes(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, md: SDPAMetadata, is_cross: bool, out: torch.Tensor
+    ) -> None:
+        """Write ``out`` rows ``md.decode_rows``: single-token queries over the self
+        (or, ``is_cross``, the cross) cache, whose new K/V is already written."""
 
     @staticmethod
     def _view(kv_cache, first_slot, length):
@@ -226,6 +240,36 @@ class TorchSDPAImpl(AttentionImpl):
         n_blocks = -(-length // block_size)
         k, v = gather_from_paged_cache(kv_cache, table[:n_blocks].unsqueeze(0))
         return k[0, :length], v[0, :length]
+
+
+class TorchSDPAImpl(SDPAImplBase):
+    def forward_decodes(self, query, kv_cache, md: TorchSDPAMetadata, is_cross, out) -> None:
+        gqa = self.num_kv_heads != self.num_heads
+        if is_cross:
+            for row, first, n in md.decode_cross_views:
+                k, v = self._view(kv_cache, first, n)
+                o = F.scaled_dot_product_attention(
+                    _heads_first(query[row : row + 1]), _heads_first(k), _heads_first(v),
+                    scale=self.scale, enable_gqa=gqa,
+                )
+                out[row] = o[0, :, 0]
+            if md.decode_cross_gather.numel():
+                seqs = md.decode_seqs.index_select(0, md.decode_cross_gather)
+                tables = md.cross_block_tables.index_select(0, seqs)[:, : md.decode_cross_blocks]
+                self._batched_decode(query, kv_cache, tables, md.decode_cross_mask, md.decode_cross_gather_rows,
+                                     out, gqa, md.workspace)
+            return
+        tables = md.block_tables.index_select(0, md.decode_seqs)[:, : md.decode_blocks]
+        self._batched_decode(query, kv_cache, tables, md.decode_mask, md.decode_rows, out, gqa, md.workspace)
+
+    def _batched_decode(self, query, kv_cache, tables, mask, rows, out, gqa, workspace) -> None:
+        """One SDPA call for single-token queries over keys gathered and padded."""
+        k, v = gather_from_paged_cache(kv_cache, tables, workspace)  # [B, L, H, Dh]
+        q = query.index_select(0, rows).unsqueeze(2)  # [B, H, 1, Dh]
+        o = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=self.scale, enable_gqa=gqa
+        )
+        out.index_copy_(0, rows, o.squeeze(2))
 
 
 class TorchSDPABackend(AttentionBackend):

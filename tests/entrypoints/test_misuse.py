@@ -13,6 +13,7 @@ import pytest
 
 from helpers import hf_greedy
 from tandem import LLM, SamplingParams
+from tandem.backends.cpu_paged import ops
 from tandem.core.block_manager import Device
 from tandem.core.memory import GiB, available_bytes
 
@@ -218,8 +219,9 @@ def test_engine_start_is_logged_once_with_what_was_chosen(bart_dir, caplog):
     assert "BartForConditionalGeneration" in line and "float32 (asked for) on cpu" in line
     # How the linear layers multiply (packed oneDNN GEMMs where this build has them).
     assert "linear layers: " in line and ("packed" in line or "dense F.linear" in line)
-    assert "attention backend torch_sdpa (the highest priority (10) of those that can serve cpu/float32; " \
-        "passed over: " in line
+    # cpu_paged (15) where its C++ op builds, else torch_sdpa (10) with cpu_paged's reason.
+    chosen = "torch_sdpa (the highest priority (10)" if ops._missing_tools() else "cpu_paged (the highest priority (15)"
+    assert f"attention backend {chosen} of those that can serve cpu/float32; passed over: " in line
     # Each backend passed over, with why: the operator sees why flash_attn did not run here.
     assert "flash_attn (priority 40): device 'cpu': FlashAttention kernels run on cuda only" in line
     assert "triton: chosen only when asked for by name on cpu/float32" in line

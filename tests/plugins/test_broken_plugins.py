@@ -117,7 +117,7 @@ def broken_install(tmp_path):
 
 
 # tandem's own plugins, which load; the hint lists them sorted.
-HEALTHY = "tandem-flash-attn,tandem-models,tandem-torch-sdpa,tandem-triton,tandem-xformers"
+HEALTHY = "tandem-cpu-paged,tandem-flash-attn,tandem-models,tandem-torch-sdpa,tandem-triton,tandem-xformers"
 
 
 def test_cli_lists_healthy_plugins_marks_broken_ones_and_exits_1(broken_install):

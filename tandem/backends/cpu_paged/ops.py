@@ -1,0 +1,120 @@
+"""Builds and loads ``torch.ops.tandem_cpu.paged_decode_attention`` (paged_decode.cpp).
+
+The op is compiled on first use with torch's C++-extension builder (a C++
+compiler and ninja are needed) and cached under ``$TORCH_EXTENSIONS_DIR``
+(default ``~/.cache/torch_extensions``); later processes load the cached
+library in milliseconds. The build targets the CPU's vector ISA as torch
+reports it (``torch.backends.cpu.get_cpu_capability()``), and that ISA is part
+of the library's name, so a cache shared by different machines never hands an
+AVX-512 build to an AVX2 CPU.
+
+:func:`load` returns the op, or raises :class:`CPUOpUnavailable` with the
+reason; the outcome is remembered for the process, so a failed build is not
+retried on every backend selection.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("tandem.backends.cpu_paged")
+
+SOURCE = Path(__file__).with_name("paged_decode.cpp")
+
+# Vector-ISA flags per torch CPU capability. Only ISAs every CPU reporting that
+# capability has: torch reports AVX512 for AVX512F+BW+VL+DQ, AVX2 for AVX2+FMA.
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+
+class CPUOpUnavailable(RuntimeError):
+    """The C++ op cannot be built or loaded here; the message says why."""
+
+
+_lock = threading.Lock()
+_op = None
+_error: str | None = None
+
+
+def cpu_capability() -> str:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:  # older or unusual builds
+        return "DEFAULT"
+
+
+def _missing_tools() -> list[str]:
+    from torch.utils import cpp_extension
+
+    missing = []
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        missing.append(f"no C++ compiler ({cxx!r} is not on PATH; install g++ or set $CXX)")
+    if not cpp_extension.is_ninja_available():
+        missing.append("ninja is not installed (pip install ninja)")
+    return missing
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    capability = cpu_capability()
+    isa = capability if capability in _ISA_FLAGS else "generic"
+    cflags = ["-O3", *_ISA_FLAGS.get(isa, [])]
+    ldflags = []
+    if torch.backends.openmp.is_available():
+        # at::parallel_for is inlined here; with OpenMP it needs -fopenmp to run in
+        # parallel. libgomp resolves to the copy torch already loaded (same soname).
+        cflags.append("-fopenmp")
+        ldflags.append("-fopenmp")
+    name = f"tandem_cpu_paged_{isa.lower()}"
+    try:
+        cached = (Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+    except Exception:
+        cached = False
+    if not cached:
+        logger.info("cpu_paged: building the C++ paged-attention op for %s (once per machine, ~10-60 s)", isa)
+    started = time.perf_counter()
+    cpp_extension.load(
+        name=name, sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=ldflags,
+        is_python_module=False, verbose=False,
+    )
+    took = time.perf_counter() - started
+    logger.log(logging.DEBUG if cached else logging.INFO, "cpu_paged: loaded %s (CPU capability %s) in %.1f s",
+               name, capability, took)
+    return torch.ops.tandem_cpu.paged_decode_attention
+
+
+def load():
+    """The compiled op; builds it on first use. Raises :class:`CPUOpUnavailable`."""
+    global _op, _error
+    with _lock:
+        if _op is None and _error is None:
+            missing = _missing_tools()
+            if missing:
+                _error = "; ".join(missing)
+            else:
+                try:
+                    _op = _build()
+                except Exception as e:  # compiler errors arrive as RuntimeError/CalledProcessError
+                    text = str(e).strip().splitlines()
+                    _error = f"building the C++ op failed: {text[-1] if text else type(e).__name__}"
+        if _op is None:
+            raise CPUOpUnavailable(_error)
+        return _op
+
+
+def reset() -> None:
+    """Forget the outcome of :func:`load` (tests)."""
+    global _op, _error
+    with _lock:
+        _op = _error = None

@@ -1,0 +1,134 @@
+"""cpu_paged: its C++ decode op against a float64 reference on realistic shapes,
+its argument checks, and the fallback to torch_sdpa where the op cannot build.
+(The conformance suite runs it through every attention kind and step mix.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.backends.cpu_paged import ops
+from tandem.core.attention import AttentionType
+from tandem.plugins import default_backend_registry
+
+try:
+    OP = ops.load()
+except ops.CPUOpUnavailable as e:  # no compiler here: only the fallback tests run
+    OP, WHY = None, str(e)
+needs_op = pytest.mark.skipif(OP is None, reason="cpu_paged's C++ op is unavailable here")
+
+
+def _layout(lens, num_kv_heads, head_size, block_size, dtype, seed):
+    """A cache holding each sequence's keys in shuffled blocks, and its block table."""
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = [-(-n // block_size) for n in lens]
+    total = sum(n_blocks) + 3  # spare blocks hold garbage the op must not read
+    cache = (torch.randn(2, total, block_size, num_kv_heads, head_size, generator=g) * 2).to(dtype)
+    perm = torch.randperm(total, generator=g).tolist()
+    tables = torch.full((len(lens), max(n_blocks) + 2), perm[-1], dtype=torch.long)  # padded with a live id
+    for i, n in enumerate(n_blocks):
+        tables[i, :n] = torch.tensor(perm[:n])
+        del perm[:n]
+    return cache, tables
+
+
+def _reference(q, cache, tables, lens, scale, group):
+    """float64 attention of each query row over its sequence's first ``lens`` keys."""
+    block_size = cache.shape[2]
+    out = []
+    for i, n in enumerate(lens):
+        blocks = tables[i, : -(-n // block_size)]
+        k, v = (cache[j, blocks].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1) for j in (0, 1))
+        w = torch.einsum("hd,lhd->hl", q[i].double(), k) * scale
+        out.append(torch.einsum("hl,lhd->hd", w.softmax(-1), v))
+    return torch.stack(out)
+
+
+@needs_op
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(12, 12), (8, 2), (16, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_matches_float64_on_bart_sized_heads(num_heads, num_kv_heads, block_size):
+    lens = [1, 7, 16, 17, 63, 300, 512]
+    D, scale = 64, 64 ** -0.5
+    cache, tables = _layout(lens, num_kv_heads, D, block_size, torch.float32, seed=block_size)
+    q = torch.randn(len(lens), num_heads, D, generator=torch.Generator().manual_seed(1))
+    out = torch.empty_like(q)
+    rows = seqs = torch.arange(len(lens))
+    OP(q, cache, out, rows, seqs, torch.tensor(lens), tables, scale)
+    ref = _reference(q, cache, tables, lens, scale, num_heads // num_kv_heads)
+    # Softmax-weighted means of at most 512 values (|v| < ~10) after 64-term dot
+    # products: float32 rounding grows like sqrt(L) * u * max|v| ~ 1.4e-5 at L = 512.
+    torch.testing.assert_close(out.double(), ref, atol=5e-5, rtol=1e-4)
+
+
+@needs_op
+def test_reads_strided_queries_and_writes_only_the_decode_rows():
+    """Queries arrive as views of a fused projection; rows and sequences are picked
+    by index, so a batch can mix prefills (other rows) with decodes."""
+    lens = [5, 40, 19]
+    cache, tables = _layout(lens, 4, 32, 16, torch.float32, seed=3)
+    qkv = torch.randn(6, 3, 4, 32)  # [T, q/k/v, H, D]: query = qkv[:, 0] is strided
+    q = qkv[:, 0]
+    out = torch.full((6, 4, 32), 7.0)
+    rows, seqs = torch.tensor([4, 0, 2]), torch.tensor([2, 0, 1])  # decode rows in any order
+    OP(q, cache, out, rows, seqs, torch.tensor(lens), tables, 0.2)
+    ref = _reference(q[rows], cache, tables[seqs], [lens[i] for i in seqs], 0.2, 1)
+    torch.testing.assert_close(out[rows].double(), ref, atol=2e-5, rtol=1e-4)
+    untouched = [r for r in range(6) if r not in rows.tolist()]
+    assert torch.equal(out[untouched], torch.full((len(untouched), 4, 32), 7.0))
+
+
+@needs_op
+def test_bfloat16_storage_with_float32_arithmetic():
+    lens = [3, 90, 200]
+    cache, tables = _layout(lens, 2, 64, 16, torch.bfloat16, seed=5)
+    q = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    OP(q, cache, out, torch.arange(3), torch.arange(3), torch.tensor(lens), tables, 0.125)
+    ref = _reference(q, cache, tables, lens, 0.125, 2)
+    # Inputs are the same bf16 values on both sides; what differs is the output's
+    # rounding to bf16 (2^-9 relative) over float32 arithmetic.
+    torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=2 ** -8)
+
+
+@needs_op
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda a: a.update(query=a["query"].double(), out=a["out"].double()), "must share one dtype"),
+        (lambda a: a.update(kv_cache=a["kv_cache"][0]), "kv_cache must be"),
+        (lambda a: a.update(block_tables=a["block_tables"].int()), "int64"),
+        (lambda a: a.update(query=a["query"][:, :3], out=a["out"][:, :3]), "KV heads"),
+        (lambda a: a.update(seqs=a["seqs"][:1]), "differ in length"),
+    ],
+    ids=["dtype", "cache-shape", "index-dtype", "heads", "lengths"],
+)
+def test_bad_arguments_raise_naming_the_problem(change, message):
+    cache, tables = _layout([4, 9], 2, 16, 4, torch.float32, seed=0)
+    args = dict(query=torch.randn(2, 4, 16), kv_cache=cache, out=torch.empty(2, 4, 16), q_rows=torch.arange(2),
+                seqs=torch.arange(2), kv_lens=torch.tensor([4, 9]), block_tables=tables)
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        OP(*args.values(), 0.25)
+
+
+def test_without_a_compiler_it_steps_aside_for_torch_sdpa(monkeypatch):
+    monkeypatch.setattr(ops, "_op", None)
+    monkeypatch.setattr(ops, "_error", None)
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    reg = default_backend_registry()
+    selection = reg.select(None, device=torch.device("cpu"), dtype=torch.float32, head_size=64,
+                           attn_types=frozenset(AttentionType), block_size=16)
+    assert selection.backend.name == "torch_sdpa"
+    assert "cpu_paged (priority 15): its C++ op is unavailable: no C++ compiler ('/nonexistent/c++'" in selection.reason
+    with pytest.raises(Exception, match="attention_backend='cpu_paged' cannot serve this model: .*no C.. compiler"):
+        reg.select("cpu_paged", device=torch.device("cpu"), dtype=torch.float32, head_size=64,
+                   attn_types=frozenset(AttentionType), block_size=16)
+
+
+def test_not_chosen_off_cpu():
+    backend = default_backend_registry().load("cpu_paged")
+    assert backend.auto_priority(torch.device("cuda"), torch.bfloat16) is None
+    reasons = backend.unsupported_reasons(torch.device("cuda"), torch.bfloat16, 64, frozenset(AttentionType), 16,
+                                          torch.bfloat16)
+    assert reasons == ["device 'cuda' is not cpu"]
