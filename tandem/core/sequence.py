@@ -57,7 +57,7 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
-        self.cumulative_logprob = 0.0
+        self.cumulative_logprob: float | None = 0.0
         self.output_logprobs: list[dict[int, float]] = []
         self.stop_reason: int | str | None = None
 
@@ -68,10 +68,15 @@ class Sequence:
     def num_new_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    def append_token(self, token_id: int, logprob: float, top: dict[int, float] | None) -> None:
+    def append_token(self, token_id: int, logprob: float | None, top: dict[int, float] | None) -> None:
+        """``logprob`` is None when the request asked for no logprobs (the sampler
+        then skips them): the cumulative log-probability is None from then on."""
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
-        self.cumulative_logprob += logprob
+        if logprob is None or self.cumulative_logprob is None:
+            self.cumulative_logprob = None
+        else:
+            self.cumulative_logprob += logprob
         if top is not None:
             self.output_logprobs.append(top)
 

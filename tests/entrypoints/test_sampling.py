@@ -77,6 +77,27 @@ def test_logprobs_match_hf_log_softmax(llm, bart_dir):
         assert math.isclose(c.cumulative_logprob, total, abs_tol=LOGPROB_TOL * len(c.token_ids))
 
 
+def test_logprobs_only_for_requests_that_ask(llm, bart_dir):
+    """Requests without ``logprobs`` skip the vocabulary logsumexp: no per-token
+    logprobs and no cumulative log-probability; in the same batch, requests that
+    ask get both, equal to the oracle's, and every request's tokens are unchanged."""
+    asked = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
+    silent = SamplingParams(temperature=0.0, max_tokens=6)
+    mixed = llm.generate(PROMPTS[:4], [asked, silent, asked, silent], use_tqdm=False)
+    alone = llm.generate(PROMPTS[:4], asked, use_tqdm=False)
+    for j, (m, a) in enumerate(zip(mixed, alone)):
+        c = m.outputs[0]
+        assert c.token_ids == a.outputs[0].token_ids
+        if j % 2:
+            assert c.logprobs is None and c.cumulative_logprob is None
+        else:
+            ref = _hf_logprobs(bart_dir, m.encoder_prompt_token_ids, m.prompt_token_ids + c.token_ids)
+            start = len(m.prompt_token_ids) - 1
+            total = sum(float(ref[start + i][t]) for i, t in enumerate(c.token_ids))
+            assert [list(lp) for lp in c.logprobs] == [[t] for t in c.token_ids]
+            assert math.isclose(c.cumulative_logprob, total, abs_tol=LOGPROB_TOL * len(c.token_ids))
+
+
 def test_n_sequences_and_stop_token_ids(llm):
     p = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=10)
     o = llm.generate([PROMPTS[1]], p, use_tqdm=False)[0]
