@@ -2,9 +2,10 @@
 // values read in place from the paged cache [2, num_blocks, block_size, H_kv, D]
 // through each sequence's block table; nothing is gathered into a padded batch.
 //
-// One task per (sequence, KV head): the query heads sharing that KV head (GQA)
-// take scores for every key in one pass over the keys, a softmax in float32,
-// then one pass over the values. Storage may be float32, float16 or bfloat16;
+// One task per sequence (or per sequence and run of KV heads when the batch is
+// small): scores for every key in one pass over the keys (the query heads that
+// share a KV head, GQA, read it once), a softmax in float32, then one pass over
+// the values. Storage may be float32, float16 or bfloat16;
 // all arithmetic is float32. Tasks are spread over torch's intra-op threads.
 
 #include <ATen/Parallel.h>
@@ -15,6 +16,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -32,6 +35,28 @@ template <typename T>
 inline void axpy(float a, const T* __restrict v, float* __restrict acc, int64_t d) {
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) acc[i] += a * static_cast<float>(v[i]);
+}
+
+// exp(x) for x <= 0 (scores minus their max), in a form the compiler vectorizes:
+// x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial
+// (truncation < 5e-9 relative, below float32's 6e-8 unit roundoff), times 2^n
+// built in the exponent bits. Below -87 the result is 0 as in float32's expf.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.0f) * 1.44269504088896341f;
+  const float n = std::floor(t + 0.5f);
+  const float r = (t - n) * 0.693147180559945309f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.f : p * scale;
 }
 
 template <typename T>
@@ -59,50 +84,62 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
   const int64_t tab_st = block_tables.stride(0);
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_size), acc(group * head_size), scores;
+  // A task is one sequence and a run of its KV heads: all heads while the batch
+  // alone gives every thread several tasks (each key slot's heads then stream
+  // as one contiguous read), fewer when it does not (a small batch of long
+  // sequences still spreads over the threads).
+  const int64_t want_tasks = 4 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t chunks = std::min<int64_t>(num_kv_heads, std::max<int64_t>(1, (want_tasks + batch - 1) / batch));
+  const int64_t heads_per_task = (num_kv_heads + chunks - 1) / chunks;
+
+  at::parallel_for(0, batch * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(heads_per_task * group * head_size), acc(heads_per_task * group * head_size), scores;
+    std::vector<float> inv(heads_per_task * group);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
+      const int64_t b = task / chunks;
+      const int64_t h0 = (task % chunks) * heads_per_task;
+      const int64_t nh = std::min(heads_per_task, num_kv_heads - h0);
+      const int64_t nq = nh * group;  // query heads of this task, [h0 * group, h0 * group + nq)
       const int64_t seq = seq_of[b], row = rows[b], len = lens[seq];
       const int64_t* table = tables + seq * tab_st;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qh = q_ptr + row * q_st + (kvh * group + g) * q_sh;
-        for (int64_t i = 0; i < head_size; ++i) qf[g * head_size + i] = static_cast<float>(qh[i]) * fscale;
+      for (int64_t h = 0; h < nq; ++h) {
+        const T* qh = q_ptr + row * q_st + (h0 * group + h) * q_sh;
+        for (int64_t i = 0; i < head_size; ++i) qf[h * head_size + i] = static_cast<float>(qh[i]) * fscale;
       }
-      scores.resize(group * std::max<int64_t>(len, 1));
-      // Scores, one pass over the keys.
+      scores.resize(nq * std::max<int64_t>(len, 1));
+      // Scores: one pass over the keys, slot by slot.
       for (int64_t n0 = 0, blk = 0; n0 < len; n0 += block_size, ++blk) {
-        const T* kb = k_ptr + table[blk] * c_sb + kvh * c_sh;
+        const T* kb = k_ptr + table[blk] * c_sb + h0 * c_sh;
         const int64_t m = std::min(block_size, len - n0);
         for (int64_t j = 0; j < m; ++j)
-          for (int64_t g = 0; g < group; ++g)
-            scores[g * len + n0 + j] = dot(&qf[g * head_size], kb + j * c_ss, head_size);
+          for (int64_t h = 0; h < nq; ++h)
+            scores[h * len + n0 + j] = dot(&qf[h * head_size], kb + j * c_ss + (h / group) * c_sh, head_size);
       }
       // Softmax per query head.
-      std::vector<float> inv(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
+      for (int64_t h = 0; h < nq; ++h) {
+        float* s = scores.data() + h * len;
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t n = 0; n < len; ++n) mx = std::max(mx, s[n]);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t n = 0; n < len; ++n) {
-          s[n] = std::exp(s[n] - mx);
+          s[n] = exp_nonpositive(s[n] - mx);
           sum += s[n];
         }
-        inv[g] = sum > 0.f ? 1.f / sum : 0.f;
+        inv[h] = sum > 0.f ? 1.f / sum : 0.f;
       }
-      // Weighted values, one pass.
-      std::fill(acc.begin(), acc.end(), 0.f);
+      // Weighted values: one pass, slot by slot.
+      std::fill(acc.begin(), acc.begin() + nq * head_size, 0.f);
       for (int64_t n0 = 0, blk = 0; n0 < len; n0 += block_size, ++blk) {
-        const T* vb = v_ptr + table[blk] * c_sb + kvh * c_sh;
+        const T* vb = v_ptr + table[blk] * c_sb + h0 * c_sh;
         const int64_t m = std::min(block_size, len - n0);
         for (int64_t j = 0; j < m; ++j)
-          for (int64_t g = 0; g < group; ++g)
-            axpy(scores[g * len + n0 + j], vb + j * c_ss, &acc[g * head_size], head_size);
+          for (int64_t h = 0; h < nq; ++h)
+            axpy(scores[h * len + n0 + j], vb + j * c_ss + (h / group) * c_sh, &acc[h * head_size], head_size);
       }
-      for (int64_t g = 0; g < group; ++g) {
-        T* oh = o_ptr + row * o_st + (kvh * group + g) * o_sh;
-        for (int64_t i = 0; i < head_size; ++i) oh[i] = static_cast<T>(acc[g * head_size + i] * inv[g]);
+      for (int64_t h = 0; h < nq; ++h) {
+        T* oh = o_ptr + row * o_st + (h0 * group + h) * o_sh;
+        for (int64_t i = 0; i < head_size; ++i) oh[i] = static_cast<T>(acc[h * head_size + i] * inv[h]);
       }
     }
   });
