@@ -340,7 +340,7 @@ class BartForConditionalGeneration(EncoderDecoderModel):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         head = self.model.shared if self.tie_word_embeddings else self.lm_head
-        return head.logits(hidden_states) + self.final_logits_bias
+        return head.logits(hidden_states, bias=self.final_logits_bias)
 
     def hf_to_tandem_name(self, name: str) -> str | None:
         """Map a HF name onto ours (before packing q/k/v)."""

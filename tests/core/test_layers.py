@@ -172,7 +172,8 @@ def test_qkv_with_one_rank_is_q_then_k_then_v():
 def test_vocab_parallel_embedding_and_logits(tp):
     vocab, dim = 11, 4  # 11 is divisible by none of 2, 3, 4: the last rank holds padding rows
     w, ids, hidden = rand(vocab, dim), torch.tensor([0, 10, 5, 6, 3, 10, 7]), rand(3, dim)
-    lookups, logits = [], []
+    bias = rand(1, vocab)  # BART's final_logits_bias shape, added inside the GEMM
+    lookups, logits, biased = [], [], []
     for rank in range(tp):
         emb = load(VocabParallelEmbedding(vocab, dim, reduce_results=False, tp_size=tp, tp_rank=rank), weight=w)
         per = -(-vocab // tp)
@@ -183,8 +184,11 @@ def test_vocab_parallel_embedding_and_logits(tp):
         assert torch.equal(emb.weight, expected)
         lookups.append(emb(ids))
         logits.append(emb.logits(hidden, gather_output=False))
+        biased.append(emb.logits(hidden, gather_output=False, bias=bias))
+        assert biased[-1].shape == (3, per)
     assert torch.equal(sum(lookups), F.embedding(ids, w))  # one rank contributes each row, others zero
     torch.testing.assert_close(torch.cat(logits, -1)[:, :vocab], hidden @ w.T, rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.cat(biased, -1)[:, :vocab], hidden @ w.T + bias, rtol=0, atol=1e-12)
 
 
 def test_one_rank_embedding_is_plain_embedding_and_linear():

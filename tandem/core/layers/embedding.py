@@ -62,10 +62,24 @@ class VocabParallelEmbedding(WeightLoaderModule):
         out = F.embedding(local_ids, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)  # ... and are zeroed
         return self.tp.all_reduce(out) if self.reduce_results else out
 
-    def logits(self, hidden_states: torch.Tensor, gather_output: bool = True) -> torch.Tensor:
+    def logits(
+        self, hidden_states: torch.Tensor, gather_output: bool = True, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``[num_seqs, embedding_dim] -> [num_seqs, num_embeddings]`` (this rank's
-        ``[num_seqs, num_embeddings_per_partition]`` with ``gather_output=False``)."""
-        bias = getattr(self, "bias", None)
+        ``[num_seqs, num_embeddings_per_partition]`` with ``gather_output=False``).
+
+        ``bias`` (``[num_embeddings]`` or ``[1, num_embeddings]``, e.g. BART's
+        ``final_logits_bias``) is added inside the GEMM: a separate add over the
+        full-vocabulary logits costs a fresh ``[num_seqs, vocab]`` tensor per step."""
+        own = getattr(self, "bias", None)
+        if bias is not None:
+            bias = bias.reshape(-1)
+            if self.tp.size > 1:  # this rank's columns, padded like its table
+                bias = F.pad(bias[self.vocab_start_index : self.vocab_end_index],
+                             (0, self.num_embeddings_per_partition - (self.vocab_end_index - self.vocab_start_index)))
+            bias = bias if own is None else own + bias
+        else:
+            bias = own
         if self.logits_kernel is not None:
             logits = self.logits_kernel(self, hidden_states, bias, None)
         else:
