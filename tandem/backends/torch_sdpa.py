@@ -88,9 +88,10 @@ class SDPAMetadataBuilderBase(AttentionMetadataBuilder):
         super().__init__(block_size, device, kv_spec)
         self.workspace = GatherWorkspace()
 
-    def common_fields(self, inputs, view_starts: bool) -> dict:
-        """The :class:`SDPAMetadata` fields; ``view_starts``: find contiguous cross
-        tables for every sequence (else only when a prefill needs them)."""
+    def common_fields(self, inputs, view_starts: bool) -> tuple[dict, list[int], list[int]]:
+        """The :class:`SDPAMetadata` fields, the decoding sequences' indices and every
+        sequence's first packed row; ``view_starts``: find contiguous cross tables for
+        every sequence (else only when a prefill needs them)."""
         starts = inputs.query_start_loc.tolist()
         prefills, decodes = [], []
         for i, (q, s) in enumerate(zip(inputs.query_lens, inputs.seq_lens)):
@@ -107,7 +108,7 @@ class SDPAMetadataBuilderBase(AttentionMetadataBuilder):
             cross_lens = torch.tensor(inputs.cross_seq_lens, dtype=torch.long)
             view_start = contiguous_starts(inputs.cross_block_tables.cpu(), cross_lens, self.block_size).tolist()
         decode_seqs = torch.tensor(decodes, dtype=torch.long, device=self.device)
-        return dict(
+        fields = dict(
             num_decoder_tokens=int(inputs.input_ids.shape[0]),
             slot_mapping=inputs.slot_mapping,
             cross_slot_mapping=inputs.cross_slot_mapping,
@@ -123,13 +124,12 @@ class SDPAMetadataBuilderBase(AttentionMetadataBuilder):
             num_decodes=len(decodes),
             workspace=self.workspace,
         )
+        return fields, decodes, starts
 
 
 class TorchSDPAMetadataBuilder(SDPAMetadataBuilderBase):
     def build(self, inputs) -> TorchSDPAMetadata:
-        common = self.common_fields(inputs, view_starts=True)
-        starts = inputs.query_start_loc.tolist()
-        decodes = common["decode_seqs"].tolist()
+        common, decodes, starts = self.common_fields(inputs, view_starts=True)
         view_start = common["cross_view_start"]
         dev, bs = self.device, self.block_size
         seq_lens = torch.tensor(inputs.seq_lens, dtype=torch.long, device=dev)
@@ -292,15 +292,21 @@ class TorchSDPABackend(AttentionBackend):
     @classmethod
     def unsupported_reasons(cls, device, dtype, head_size, attn_types, block_size, kv_cache_dtype) -> list[str]:
         reasons = []
-        floats = (torch.float32, torch.float16, torch.bfloat16)
         if device.type not in ("cpu", "cuda"):
             reasons.append(f"device {device.type!r} is not cpu or cuda")
-        if dtype not in floats:
-            reasons.append(f"dtype {dtype} is not float32, float16 or bfloat16")
-        if kv_cache_dtype not in floats:
-            reasons.append(f"KV-cache dtype {kv_cache_dtype} is not float32, float16 or bfloat16")
-        elif kv_cache_dtype != dtype:
-            reasons.append(f"KV-cache dtype {kv_cache_dtype} differs from the model dtype {dtype}")
-        if block_size < 1:
-            reasons.append(f"block_size {block_size} is not >= 1")
-        return reasons
+        return reasons + sdpa_dtype_reasons(dtype, kv_cache_dtype, block_size)
+
+
+def sdpa_dtype_reasons(dtype: torch.dtype, kv_cache_dtype: torch.dtype, block_size: int) -> list[str]:
+    """Why the SDPA paths cannot serve these dtypes and block size (empty: they can)."""
+    reasons = []
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    if dtype not in floats:
+        reasons.append(f"dtype {dtype} is not float32, float16 or bfloat16")
+    if kv_cache_dtype not in floats:
+        reasons.append(f"KV-cache dtype {kv_cache_dtype} is not float32, float16 or bfloat16")
+    elif kv_cache_dtype != dtype:
+        reasons.append(f"KV-cache dtype {kv_cache_dtype} differs from the model dtype {dtype}")
+    if block_size < 1:
+        reasons.append(f"block_size {block_size} is not >= 1")
+    return reasons

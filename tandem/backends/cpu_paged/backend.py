@@ -5,8 +5,9 @@ from the paged cache through the block tables.
 torch_sdpa gathers each decoding sequence's blocks into a padded batch every
 layer of every step, then runs masked SDPA over the padding; on CPU those
 gathers and the padded work were ~20% of a translation run's time. The op
-instead walks each sequence's blocks where they lie, one task per (sequence,
-KV head) over torch's intra-op threads, in float32 arithmetic.
+instead walks each sequence's blocks where they lie, one task per sequence
+(split into runs of KV heads only for small batches) over torch's intra-op
+threads, in float32 arithmetic.
 
 Uses the default KV layout ``[2, num_blocks, block_size, H_kv, D]`` and core's
 write/swap/copy ops. Chosen automatically on CPU (priority 15, above
@@ -25,6 +26,7 @@ from tandem.backends.torch_sdpa import (
     SDPAImplBase,
     SDPAMetadata,
     SDPAMetadataBuilderBase,
+    sdpa_dtype_reasons,
 )
 from tandem.core.attention import (
     AttentionBackend,
@@ -42,8 +44,9 @@ class CPUPagedMetadata(SDPAMetadata):
 
 class CPUPagedMetadataBuilder(SDPAMetadataBuilderBase):
     def build(self, inputs) -> CPUPagedMetadata:
+        common, _, _ = self.common_fields(inputs, view_starts=False)
         return CPUPagedMetadata(
-            **self.common_fields(inputs, view_starts=False),
+            **common,
             seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.long),
             cross_seq_lens_t=torch.tensor(inputs.cross_seq_lens, dtype=torch.long),
         )
@@ -90,15 +93,9 @@ class CPUPagedBackend(AttentionBackend):
     @classmethod
     def unsupported_reasons(cls, device, dtype, head_size, attn_types, block_size, kv_cache_dtype) -> list[str]:
         reasons = []
-        floats = (torch.float32, torch.float16, torch.bfloat16)
         if device.type != "cpu":
             reasons.append(f"device {device.type!r} is not cpu")
-        if dtype not in floats:
-            reasons.append(f"dtype {dtype} is not float32, float16 or bfloat16")
-        if kv_cache_dtype != dtype:
-            reasons.append(f"KV-cache dtype {kv_cache_dtype} differs from the model dtype {dtype}")
-        if block_size < 1:
-            reasons.append(f"block_size {block_size} is not >= 1")
+        reasons += sdpa_dtype_reasons(dtype, kv_cache_dtype, block_size)
         if not reasons:  # build (or load) the op only where it would serve
             try:
                 ops.load()

@@ -111,10 +111,3 @@ def load():
         if _op is None:
             raise CPUOpUnavailable(_error)
         return _op
-
-
-def reset() -> None:
-    """Forget the outcome of :func:`load` (tests)."""
-    global _op, _error
-    with _lock:
-        _op = _error = None
