@@ -62,6 +62,30 @@ def test_matches_float64_on_bart_sized_heads(num_heads, num_kv_heads, block_size
 
 
 @needs_op
+@pytest.mark.parametrize("num_kv_heads", [12, 6, 5, 3])
+def test_every_head_is_computed_for_any_batch_and_thread_count(num_kv_heads):
+    # The op splits a small batch's heads into runs to feed the threads; the split
+    # depends on batch size and thread count, so sweep both (12 KV heads over 8 wanted
+    # tasks once made runs of 2 starting past the last head).
+    D, scale, threads = 16, 0.25, torch.get_num_threads()
+    try:
+        for n_threads in (1, 2, 3, 5, 8):
+            torch.set_num_threads(n_threads)
+            for batch in range(1, 10):
+                lens = [1 + (7 * i) % 23 for i in range(batch)]
+                cache, tables = _layout(lens, num_kv_heads, D, 4, torch.float32, seed=batch)
+                q = torch.randn(batch, num_kv_heads, D, generator=torch.Generator().manual_seed(batch))
+                out = torch.full_like(q, float("nan"))  # a head left unwritten stays NaN
+                rows = seqs = torch.arange(batch)
+                OP(q, cache, out, rows, seqs, torch.tensor(lens), tables, scale)
+                ref = _reference(q, cache, tables, lens, scale, 1)
+                torch.testing.assert_close(out.double(), ref, atol=5e-5, rtol=1e-4,
+                                           msg=lambda m: f"threads={n_threads} batch={batch}: {m}")
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_op
 def test_reads_strided_queries_and_writes_only_the_decode_rows():
     """Queries arrive as views of a fused projection; rows and sequences are picked
     by index, so a batch can mix prefills (other rows) with decodes."""

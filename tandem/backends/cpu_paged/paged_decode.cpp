@@ -89,8 +89,11 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
   // as one contiguous read), fewer when it does not (a small batch of long
   // sequences still spreads over the threads).
   const int64_t want_tasks = 4 * static_cast<int64_t>(at::get_num_threads());
-  const int64_t chunks = std::min<int64_t>(num_kv_heads, std::max<int64_t>(1, (want_tasks + batch - 1) / batch));
-  const int64_t heads_per_task = (num_kv_heads + chunks - 1) / chunks;
+  const int64_t want_chunks = std::min<int64_t>(num_kv_heads, std::max<int64_t>(1, (want_tasks + batch - 1) / batch));
+  const int64_t heads_per_task = (num_kv_heads + want_chunks - 1) / want_chunks;
+  // Recounted from the rounded-up run length, so no chunk starts past the last head
+  // (12 heads in 8 wanted chunks: runs of 2, 6 chunks).
+  const int64_t chunks = (num_kv_heads + heads_per_task - 1) / heads_per_task;
 
   at::parallel_for(0, batch * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(heads_per_task * group * head_size), acc(heads_per_task * group * head_size), scores;
