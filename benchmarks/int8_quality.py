@@ -10,6 +10,14 @@ Two checkpoints, both local (nothing is downloaded):
               token-id prompts, fixed-length greedy outputs; reports requests
               whose tokens equal fp32's exactly and the first-divergence step
 
+Each row compares an int8 variant with float32 on the same requests: tandem's
+int8 (every linear layer and the LM head) and int8 with the LM head put back in
+float32, which isolates what quantizing the head costs. Besides exact greedy
+agreement it reports, over the steps before the first divergence, how often
+the top-k token set (logprobs=k) is the same and the mean |difference| of the
+chosen token's logprob: a random checkpoint tends to repeat one dominant token,
+so its equal sequences alone prove little.
+
   python benchmarks/int8_quality.py [--model /tmp/bench-base] [--num 200]
 """
 
@@ -38,50 +46,94 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, float, float
     return same, prefix / max(total, 1), sum(first) / len(first)
 
 
+def logprob_drift(ref, other, k: int) -> tuple[float, float]:
+    """Over the steps before each request's first divergence: the fraction whose
+    top-k token set is the same in both runs, and the mean |difference| of the
+    chosen token's logprob. A random checkpoint's greedy argmax can be one
+    dominant token (the tied embedding echoes the input), so equal sequences
+    alone say little; the top-k tail and the logprobs show how far int8 moved
+    the distribution."""
+    steps = same_topk = 0
+    drift = 0.0
+    for r, o in zip(ref, other):
+        a, b = r.outputs[0], o.outputs[0]
+        for tok_a, tok_b, lp_a, lp_b in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
+            if tok_a != tok_b:
+                break
+            top_a = sorted(lp_a, key=lp_a.get, reverse=True)[:k]
+            top_b = sorted(lp_b, key=lp_b.get, reverse=True)[:k]
+            steps += 1
+            same_topk += set(top_a) == set(top_b)
+            drift += abs(lp_a[tok_a] - lp_b[tok_b])
+    return same_topk / max(steps, 1), drift / max(steps, 1)
+
+
+VARIANTS = {"int8": "int8 (linear layers + LM head)", "int8-fp32-head": "int8, LM head kept fp32"}
+
+
+def build(model: str, variant: str | None):
+    """fp32 (None), tandem's int8, or int8 with the LM head swapped back to a
+    dense fp32 GEMM, to show what quantizing the head itself costs."""
+    from tandem import LLM
+    from tandem.core.layers.embedding import VocabParallelEmbedding
+    from tandem.core.layers.linear_kernels import DenseKernel
+
+    llm = LLM(model=model, dtype="float32", device="cpu", quantization=None if variant is None else "int8")
+    if variant == "int8-fp32-head":
+        for module in llm.llm_engine.model.modules():
+            if isinstance(module, VocabParallelEmbedding) and module.logits_kernel is not None:
+                module.logits_kernel = DenseKernel()
+    return llm
+
+
 def main() -> None:
-    from tandem import LLM, SamplingParams
+    from tandem import SamplingParams
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a bart-base-sized checkpoint directory (optional)")
     p.add_argument("--num", type=int, default=200)
     p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--topk", type=int, default=5, help="logprobs asked for (the top-k agreement column)")
     args = p.parse_args()
+    k = args.topk
     print(f"# torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"quantized engine {torch.backends.quantized.engine}")
+          f"quantized engine {torch.backends.quantized.engine}; int8 = every linear layer and the LM head")
     print(f"{'checkpoint':<11} {'requests':>8} {'int8 == fp32':>13} {'tokens before divergence':>25} "
-          f"{'task exact (fp32 / int8)':>25}")
+          f"{f'same top-{k}':>10} {'mean |dlogprob|':>16} {'task exact (fp32 / int8)':>25} variant")
 
     from train_demo import heldout_sentences, reverse_words
 
     demo = str(ROOT / "tandem" / "demo_model")
     sentences = heldout_sentences(98765, args.num, exclude=set())
-    params = SamplingParams(temperature=0.0, max_tokens=40)  # the demo has 64 decoder positions
-    outs = {}
-    for q in (None, "int8"):
-        llm = LLM(model=demo, dtype="float32", device="cpu", quantization=q)
-        outs[q] = llm.generate(sentences, params, use_tqdm=False)
-    tok = {q: [list(o.outputs[0].token_ids) for o in v] for q, v in outs.items()}
+    params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=k)  # the demo has 64 decoder positions
+    outs = {q: build(demo, q).generate(sentences, params, use_tqdm=False) for q in (None, *VARIANTS)}
     exact = {q: sum(o.outputs[0].text.strip() == reverse_words(s) for o, s in zip(v, sentences))
              for q, v in outs.items()}
-    same, frac, _ = agreement(tok[None], tok["int8"])
-    print(f"{'demo':<11} {len(sentences):>8} {same:>8}/{len(sentences):<4} {100 * frac:>24.1f}% "
-          f"{exact[None]:>12} / {exact['int8']:<10}")
+    for q, label in VARIANTS.items():
+        same, frac, _ = agreement(*([list(o.outputs[0].token_ids) for o in outs[x]] for x in (None, q)))
+        topk, drift = logprob_drift(outs[None], outs[q], k)
+        print(f"{'demo':<11} {len(sentences):>8} {same:>8}/{len(sentences):<4} {100 * frac:>24.1f}% "
+              f"{100 * topk:>9.1f}% {drift:>16.4f} {exact[None]:>12} / {exact[q]:<10} {label}")
 
     if args.model:
         rng = random.Random(0)
         n = args.new_tokens
         prompts = [{"prompt_token_ids": [0, *[rng.randrange(4, 50000) for _ in range(rng.randint(8, 58))], 2]}
                    for _ in range(args.num)]
-        params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n)
-        tok = {}
-        for q in (None, "int8"):
-            llm = LLM(model=args.model, dtype="float32", device="cpu", quantization=q)
-            tok[q] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, logprobs=k)
+        outs = {}
+        for q in (None, *VARIANTS):
+            llm = build(args.model, q)
+            outs[q] = llm.generate(prompts, params, use_tqdm=False)
             del llm
-        same, frac, first = agreement(tok[None], tok["int8"])
-        print(f"{'bart-base':<11} {len(prompts):>8} {same:>8}/{len(prompts):<4} {100 * frac:>24.1f}% "
-              f"{'-':>12}   (mean first divergence at step {first:.1f} of {n})")
-
+        distinct = sum(len(set(o.outputs[0].token_ids)) for o in outs[None]) / len(outs[None])
+        for q, label in VARIANTS.items():
+            same, frac, first = agreement(*([list(o.outputs[0].token_ids) for o in outs[x]] for x in (None, q)))
+            topk, drift = logprob_drift(outs[None], outs[q], k)
+            print(f"{'bart-base':<11} {len(prompts):>8} {same:>8}/{len(prompts):<4} {100 * frac:>24.1f}% "
+                  f"{100 * topk:>9.1f}% {drift:>16.4f} {'-':>25} {label}")
+        print(f"# bart-base: fp32 outputs hold {distinct:.1f} distinct tokens per request of {n}; "
+              f"mean first divergence at step {first:.1f}")
 
 if __name__ == "__main__":
     main()

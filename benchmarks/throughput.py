@@ -18,10 +18,24 @@ decoding. Decoding is greedy. The decoder prompt is BART's default
 ``[decoder_start_token_id, bos_token_id]`` (tandem's default; given explicitly
 to the other engines). Only new tokens are counted.
 
-Timing: each engine is loaded, runs one small warm-up request batch, then
-``time.perf_counter`` is taken around the single call (or, for HF, the loop of
-batched ``generate`` calls) that serves all requests of a workload. Loading
-time is reported separately in the JSON output, not in tokens/s.
+Timing: every engine is loaded first, each runs one small warm-up request
+batch, then ``time.perf_counter`` is taken around the single call (or, for HF,
+the loop of batched ``generate`` calls) that serves all requests of a workload.
+With ``--repeat N`` the engines take turns, N rounds of one run each, and the
+table reports each engine's median run and the spread ((slowest - fastest) /
+median): on a shared machine one run can be 10-30% off, and interleaving keeps
+a slow minute from landing on one engine only. Loading time is reported
+separately in the JSON output, not in tokens/s.
+
+Roofline: the table's "model GFLOP/s" divides the FLOPs the model itself needs
+for the workload (the dense matmuls of encoder, decoder, cross-attention K/V
+and LM head plus the attention score and value products, counted from the
+config and the request lengths: no padding, no recomputation) by each engine's
+seconds, so every engine is charged the same work. "of mm peak" divides that by
+what ``torch.mm`` reaches on a large fp32 matmul on this machine in the same
+run (the ``mm_peak_gflops`` field of the header): an engine near 100% is
+bound by matmul throughput and can only get faster by doing less arithmetic
+or by faster arithmetic (int8, native bf16).
 
 HF is run the way one would serve it offline: requests sorted by encoder
 length (longest first), cut into batches of ``--hf-batch-size``, right-padded
@@ -59,6 +73,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -123,6 +138,9 @@ class Result:
     seconds: float
     load_seconds: float
     tokens_per_s: float = 0.0
+    runs: list[float] = field(default_factory=list)  # seconds of every timed run (--repeat)
+    spread: float = 0.0  # (slowest - fastest) / median run
+    model_gflops: float = 0.0  # the workload's model FLOPs / seconds (see model_flops)
     ratio_vs_hf: float | None = None
     same_as_hf: int | None = None
     # per-request generated ids, original request order; not written to JSON
@@ -213,7 +231,7 @@ class TandemRunner:
             key: getattr(args, key)
             for key in ("block_size", "num_kv_blocks", "max_num_seqs",
                         "max_num_batched_tokens", "kv_cache_memory",
-                        "attention_backend", "cpu_gemm")
+                        "attention_backend", "cpu_gemm", "cpu_malloc")
             if getattr(args, key) is not None
         }
         if self.quantization:
@@ -410,37 +428,105 @@ RUNNERS = {"tandem": TandemRunner, "tandem-int8": TandemInt8Runner, "hf": HFRunn
 # --------------------------------------------------------------------------
 
 
-def benchmark_engine(engine: str, model_dir: str, workloads: list[Requests], args) -> list[Result]:
-    start = time.perf_counter()
-    runner = RUNNERS[engine](model_dir, args)
-    load_seconds = time.perf_counter() - start
+def model_flops(config, requests: Requests) -> float:
+    """FLOPs a BART-shaped model needs for this workload, counted from the config
+    and the request lengths (2 per multiply-add): encoder layers over the encoder
+    tokens, cross-attention K/V once per request, and every decoder position
+    (the decoder prompt and each new token but the last) through the decoder
+    layers, the LM head once per new token, and attention's QK^T and PV products
+    at their true lengths (the matmul part equals torch.profiler's FLOP count
+    of HF ``generate`` on one unpadded request). Padding, recomputation and beams other than the first are not
+    counted: it is the work any engine must do, not what one does."""
+    d, v = config.d_model, config.vocab_size
+    enc_ffn, dec_ffn = config.encoder_ffn_dim, config.decoder_ffn_dim
+    le, ld = config.encoder_layers, config.decoder_layers
+    w = requests.workload
+    total = 0.0
+    for ids in requests.encoder_ids:
+        n = len(ids)
+        total += le * (n * 2 * d * (4 * d + 2 * enc_ffn) + 4 * n * n * d)  # projections, FFN, attention
+        total += ld * n * 2 * d * 2 * d  # cross-attention K and V of the encoder output
+        positions = len(requests.decoder_prompt) + w.new_tokens - 1
+        for t in range(1, positions + 1):
+            # self q/k/v/out + cross q/out + FFN, then attention over t self and n cross positions
+            total += ld * (2 * d * (6 * d + 2 * dec_ffn) + 4 * d * (t + n))
+        total += w.new_tokens * 2 * d * v  # LM head, once per token chosen
+    return total
 
+
+def mm_peak_gflops(dtype: torch.dtype, device: str, size: int = 2048, tries: int = 5) -> float:
+    """Best of ``tries`` ``torch.mm`` of two ``size x size`` matrices, in GFLOP/s."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(tries):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+def load_engines(engines: list[str], model_dir: str, args) -> dict:
+    """engine -> (runner, load seconds); an engine that fails to load is
+    skipped with a note when it is CTranslate2 (a missing compute type), else raised."""
+    runners = {}
+    for engine in engines:
+        start = time.perf_counter()
+        try:
+            runner = RUNNERS[engine](model_dir, args)
+        except Exception as exc:
+            if not engine.startswith("ct2"):
+                raise
+            print(f"note: skipping {engine}: {type(exc).__name__}: {exc}")
+            continue
+        runners[engine] = (runner, time.perf_counter() - start)
+    return runners
+
+
+def run_benchmarks(runners: dict, workloads: list[Requests], config, args) -> list[Result]:
+    """Per workload: warm every engine up, then ``args.repeat`` rounds in which
+    each engine serves all requests once; each engine's result is its median run."""
     results = []
     for requests in workloads:
-        runner.run(warmup_requests(requests))
-        start = time.perf_counter()
-        outputs = runner.run(requests)
-        seconds = time.perf_counter() - start
-        expected = requests.workload.new_tokens
-        short = [i for i, out in enumerate(outputs) if len(out) != expected]
-        if short:
-            print(f"warning: {engine}/{requests.workload.name}: {len(short)} "
-                  f"requests did not generate exactly {expected} tokens "
-                  f"(first: request {short[0]}, {len(outputs[short[0]])} tokens)",
-                  file=sys.stderr)
-        tokens = sum(len(out) for out in outputs)
-        results.append(Result(
-            workload=requests.workload.name, engine=engine,
-            requests=len(outputs), output_tokens=tokens, seconds=seconds,
-            load_seconds=load_seconds, tokens_per_s=tokens / seconds,
-            outputs=outputs))
-        print(f"  {engine:<7} {requests.workload.name:<14} "
-              f"{tokens / seconds:10.1f} tok/s", flush=True)
-        if args.profile and engine in args.profile:
-            profile_run(runner, requests, engine, args.profile_rows)
-
-    del runner
-    gc.collect()
+        flops = model_flops(config, requests)
+        for runner, _ in runners.values():
+            runner.run(warmup_requests(requests))
+        runs: dict[str, list[float]] = {engine: [] for engine in runners}
+        outputs: dict[str, list[list[int]]] = {}
+        for round_ in range(args.repeat):
+            for engine, (runner, _) in runners.items():
+                gc.collect()
+                start = time.perf_counter()
+                out = runner.run(requests)
+                runs[engine].append(time.perf_counter() - start)
+                outputs.setdefault(engine, out)
+                tag = f" (round {round_ + 1}/{args.repeat})" if args.repeat > 1 else ""
+                print(f"  {engine:<11} {requests.workload.name:<14} "
+                      f"{sum(map(len, out)) / runs[engine][-1]:10.1f} tok/s{tag}", flush=True)
+        for engine, (runner, load_seconds) in runners.items():
+            out = outputs[engine]
+            expected = requests.workload.new_tokens
+            short = [i for i, o in enumerate(out) if len(o) != expected]
+            if short:
+                print(f"warning: {engine}/{requests.workload.name}: {len(short)} "
+                      f"requests did not generate exactly {expected} tokens "
+                      f"(first: request {short[0]}, {len(out[short[0]])} tokens)",
+                      file=sys.stderr)
+            seconds = statistics.median(runs[engine])
+            tokens = sum(len(o) for o in out)
+            results.append(Result(
+                workload=requests.workload.name, engine=engine,
+                requests=len(out), output_tokens=tokens, seconds=seconds,
+                load_seconds=load_seconds, tokens_per_s=tokens / seconds,
+                runs=runs[engine], spread=(max(runs[engine]) - min(runs[engine])) / seconds,
+                model_gflops=flops / seconds / 1e9, outputs=out))
+            if args.profile and engine in args.profile:
+                profile_run(runner, requests, engine, args.profile_rows)
     return results
 
 
@@ -474,14 +560,15 @@ def compare_with_hf(results: list[Result]) -> None:
         r.same_as_hf = sum(a == b for a, b in zip(r.outputs, ref.outputs))
 
 
-def format_table(results: list[Result]) -> str:
-    header = ("workload", "engine", "requests", "output tokens", "seconds",
-              "tokens/s", "ratio vs HF", "same as HF")
+def format_table(results: list[Result], mm_peak: float) -> str:
+    header = ("workload", "engine", "requests", "output tokens", "seconds", "spread",
+              "tokens/s", "model GFLOP/s", "of mm peak", "ratio vs HF", "same as HF")
     rows = [header]
     for r in results:
         rows.append((
             r.workload, r.engine, str(r.requests), str(r.output_tokens),
-            f"{r.seconds:.2f}", f"{r.tokens_per_s:.1f}",
+            f"{r.seconds:.2f}", "-" if len(r.runs) < 2 else f"{100 * r.spread:.0f}%",
+            f"{r.tokens_per_s:.1f}", f"{r.model_gflops:.1f}", f"{100 * r.model_gflops / mm_peak:.0f}%",
             "-" if r.ratio_vs_hf is None else f"{r.ratio_vs_hf:.2f}x",
             "-" if r.same_as_hf is None else f"{r.same_as_hf}/{r.requests}",
         ))
@@ -518,6 +605,8 @@ def environment(args, config, model_dir: str) -> dict:
         "cpu_flags": cpu_flags(),
         "cpu_count": os.cpu_count(),
         "load_avg_1min": round(os.getloadavg()[0], 2),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mm_peak_gflops": round(mm_peak_gflops(getattr(torch, args.dtype), args.device), 1),
     }
     try:
         import ctranslate2
@@ -567,6 +656,9 @@ def parse_args(argv=None):
                       help="requests per workload, overriding the default counts")
     size.add_argument("--num-requests-scale", type=float, default=1.0,
                       help="multiply each workload's request count (default: 1)")
+    run.add_argument("--repeat", type=int, default=1,
+                     help="timed rounds per workload, engines taking turns; the table reports "
+                          "each engine's median run (default: 1)")
     run.add_argument("--json", metavar="PATH", help="also write results as JSON")
     run.add_argument("--profile", type=lambda v: v.split(","), default=[], metavar="ENGINES",
                      help="after each timed run of these engines (e.g. tandem or tandem,hf), run the "
@@ -592,12 +684,16 @@ def parse_args(argv=None):
     td.add_argument("--kv-cache-memory", type=float, help="GiB")
     td.add_argument("--attention-backend")
     td.add_argument("--cpu-gemm", choices=("auto", "packed", "dense"))
+    td.add_argument("--cpu-malloc", choices=("auto", "system"),
+                    help="process-wide: with auto, HF and CTranslate2 in this process run with it too")
 
     args = p.parse_args(argv)
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in args.engines if e not in ENGINES]
     if unknown:
         p.error(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
     if args.num_prompts is not None and args.num_prompts < 1:
         p.error("--num-prompts must be >= 1")
     return args
@@ -658,18 +754,14 @@ def main(argv=None) -> int:
               "many torch threads as busy cores, OpenMP waits can slow small "
               "models by 10x or more (try --threads 1 to check)", file=sys.stderr)
 
-    results: list[Result] = []
-    for engine in available_engines(args.engines):
-        try:
-            results += benchmark_engine(engine, model_dir, workloads, args)
-        except Exception as exc:  # one engine failing should not hide the others
-            if not engine.startswith("ct2"):
-                raise
-            print(f"note: skipping ct2: {type(exc).__name__}: {exc}")
+    runners = load_engines(available_engines(args.engines), model_dir, args)
+    results = run_benchmarks(runners, workloads, config, args)
+    del runners
+    gc.collect()
 
     compare_with_hf(results)
     print()
-    print(format_table(results))
+    print(format_table(results, env["mm_peak_gflops"]))
 
     if args.json:
         payload = {

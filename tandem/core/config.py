@@ -55,6 +55,10 @@ class EngineConfig:
     # How linear layers multiply on CPU: "auto" (oneDNN pre-packed weights where
     # they run, else F.linear), "packed", "dense" (core/layers/linear_kernels.py).
     cpu_gemm: str = "auto"
+    # Host allocator on CPU: "auto" (glibc keeps freed memory for reuse instead of
+    # re-mmapping every step's large tensors, unless another allocator or glibc
+    # environment settings were chosen), "system" (core/worker/host_malloc.py).
+    cpu_malloc: str = "auto"
     # None, or "int8": int8 weights, dynamically quantized activations (CPU).
     quantization: str | None = None
 
@@ -84,6 +88,8 @@ class EngineConfig:
             self.dtype_reason = "asked for"
         if self.cpu_gemm not in ("auto", "packed", "dense"):
             raise ValueError(f"cpu_gemm={self.cpu_gemm!r}: must be 'auto', 'packed' or 'dense'")
+        if self.cpu_malloc not in ("auto", "system"):
+            raise ValueError(f"cpu_malloc={self.cpu_malloc!r}: must be 'auto' or 'system'")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization={self.quantization!r}: must be None or 'int8'")
         if not is_int(self.block_size) or not 1 <= self.block_size <= 1024:

@@ -87,10 +87,10 @@ class LLMEngine:
         self.vocab_size = self.model_cls.vocab_size(self.hf_config)
         self.stats = EngineStats()
         logger.info(
-            "engine ready: %s for %s, %s (%s) on %s; %s; attention backend %s (%s); KV pool %d blocks x %d "
+            "engine ready: %s for %s, %s (%s) on %s; %s; %s; attention backend %s (%s); KV pool %d blocks x %d "
             "tokens = %.1f MiB; swap space %d blocks = %.2f GiB, committed as used",
             self.model_cls.__name__, self.architecture, str(dtype).removeprefix("torch."), config.dtype_reason,
-            device, self.worker.linear_kernels,
+            device, self.worker.linear_kernels, self.worker.host_malloc,
             self.attn_backend.name, self._backend_reason, num_blocks, config.block_size,
             num_blocks * block_bytes / (1 << 20), num_cpu_blocks, num_cpu_blocks * block_bytes / GiB,
         )

@@ -41,6 +41,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="int8: int8 weights with dynamically quantized activations (CPU)")
     p.add_argument("--cpu-gemm", default="auto", choices=["auto", "packed", "dense"],
                    help="CPU linear layers: oneDNN pre-packed weights (auto: where they run) or plain F.linear")
+    p.add_argument("--cpu-malloc", default="auto", choices=["auto", "system"],
+                   help="CPU host allocator: auto keeps glibc's freed memory for reuse (no per-step page faults "
+                        "on large tensors) unless LD_PRELOAD or MALLOC_* chose otherwise; system leaves it alone")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow Python code shipped inside the checkpoint (transformers' auto_map) to run")
@@ -126,6 +129,7 @@ def _llm(args, model: str):
         trust_remote_code=args.trust_remote_code,
         generation_config=getattr(args, "generation_config", "auto"),
         cpu_gemm=args.cpu_gemm,
+        cpu_malloc=args.cpu_malloc,
         quantization=args.quantization,
     )
 

@@ -42,6 +42,7 @@ class LLM:
         trust_remote_code: bool = False,
         generation_config: str = EngineConfig.generation_config,
         cpu_gemm: str = EngineConfig.cpu_gemm,
+        cpu_malloc: str = EngineConfig.cpu_malloc,
         quantization: str | None = None,
     ) -> None:
         config = EngineConfig(
@@ -61,6 +62,7 @@ class LLM:
             trust_remote_code=trust_remote_code,
             generation_config=generation_config,
             cpu_gemm=cpu_gemm,
+            cpu_malloc=cpu_malloc,
             quantization=quantization,
         )
         self.llm_engine = LLMEngine(config, default_model_registry(), default_backend_registry())

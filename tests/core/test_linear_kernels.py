@@ -85,6 +85,25 @@ def test_int8_kernel_error_within_the_quantization_bound():
     assert rel > 1e-4  # it really is quantized (not a float path in disguise)
 
 
+def test_int8_lm_head_adds_the_call_time_bias_and_keeps_the_table():
+    # BART's final_logits_bias reaches the LM head at call time, not inside the packed weight.
+    emb = VocabParallelEmbedding(300, 64)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(300, 64, generator=g) / 8)
+    table = emb.weight.clone()
+    prepare_linear_kernels(emb, device=CPU, dtype=torch.float32, quantization="int8")
+    assert isinstance(emb.logits_kernel, Int8DynamicKernel)
+    ids = torch.tensor([0, 7, 299])
+    assert torch.equal(emb(ids), table[ids])  # lookups still read the float32 table
+    h, bias = torch.randn(9, 64, generator=g), torch.randn(300, generator=g)
+    ref = h.double() @ table.double().T + bias.double()
+    # The logits' own error is the kernel test's ~2% of |h @ table^T|; the bias is added exactly,
+    # so a dropped bias (relative size ~1 here) would be far past the 5% bar.
+    rel = ((emb.logits(h, bias=bias).double() - ref).norm() / (ref - bias.double()).norm()).item()
+    assert 1e-4 < rel < 0.05
+
+
 def test_prepare_refuses_what_cannot_run():
     layer, _ = _layer(ColumnParallelLinear, 8, 8, seed=0)
     with pytest.raises(ValueError, match="cpu_gemm='fast'"):

@@ -17,6 +17,7 @@ import torch
 from tandem.core.attention import AttentionBackend, KVCacheSpec
 from tandem.core.config import EngineConfig
 from tandem.core.layers.linear_kernels import prepare_linear_kernels
+from tandem.core.worker.host_malloc import keep_freed_memory
 from tandem.core.loader import load_model
 from tandem.core.model import EncoderDecoderModel
 from tandem.core.sampling_params import SamplingParams
@@ -69,6 +70,9 @@ class Worker:
         return s.num_layers * self.backend.kv_cache_block_bytes(self.block_size, s.num_kv_heads, s.head_size, self.dtype)
 
     def load_model(self) -> None:
+        # Before the weights: loading allocates them, and every step's tensors follow.
+        self.host_malloc = (keep_freed_memory(self.config.cpu_malloc) if self.device.type == "cpu"
+                            else "host malloc: system settings (device is not cpu)")
         self.model = load_model(self.model_cls, self.hf_config, self.config.model, self.backend, self.dtype, self.device)
         self.linear_kernels = prepare_linear_kernels(
             self.model, device=self.device, dtype=self.dtype, gemm=self.config.cpu_gemm,

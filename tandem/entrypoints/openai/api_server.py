@@ -402,7 +402,7 @@ def serve(args) -> int:
 
     engine_args = dict(dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
                        trust_remote_code=args.trust_remote_code, generation_config=args.generation_config,
-                       cpu_gemm=args.cpu_gemm, quantization=args.quantization)
+                       cpu_gemm=args.cpu_gemm, cpu_malloc=args.cpu_malloc, quantization=args.quantization)
     for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "num_kv_blocks", "seed"):
         if getattr(args, key, None) is not None:
             engine_args[key] = getattr(args, key)
