@@ -7,9 +7,10 @@ heap back to the kernel. An engine step allocates the same large tensors every
 time (bart-base, 256 sequences: 51 MiB of full-vocabulary logits per decode
 step; a prefill's FFN activations run to hundreds of MiB), so each step the
 kernel zero-fills those pages again on first touch: on a 2-core AVX2 EPYC a
-fresh 51 MiB tensor took 29 ms to fill against 5 ms for a reused one, and the
-translation workload of ``benchmarks/throughput.py`` ran 1.19x (fp32) and
-1.32x (int8) faster once freed memory was kept (docs/performance.md).
+fresh 51 MiB tensor took 29 ms to fill against 4.3 ms once freed memory was
+kept, and on the translation workload of ``benchmarks/throughput.py`` tandem
+went from 0.94x to 1.10x CTranslate2 fp32 and from 0.87x to 1.03x CT2 int8,
+in the same runs (docs/performance.md).
 
 :func:`keep_freed_memory` asks glibc (``mallopt``) to serve large blocks from
 its heap and to keep freed memory mapped, as a caching allocator would:
