@@ -127,13 +127,14 @@ def main() -> None:
             outs[q] = llm.generate(prompts, params, use_tqdm=False)
             del llm
         distinct = sum(len(set(o.outputs[0].token_ids)) for o in outs[None]) / len(outs[None])
+        first = {}
         for q, label in VARIANTS.items():
-            same, frac, first = agreement(*([list(o.outputs[0].token_ids) for o in outs[x]] for x in (None, q)))
+            same, frac, first[q] = agreement(*([list(o.outputs[0].token_ids) for o in outs[x]] for x in (None, q)))
             topk, drift = logprob_drift(outs[None], outs[q], k)
             print(f"{'bart-base':<11} {len(prompts):>8} {same:>8}/{len(prompts):<4} {100 * frac:>24.1f}% "
                   f"{100 * topk:>9.1f}% {drift:>16.4f} {'-':>25} {label}")
-        print(f"# bart-base: fp32 outputs hold {distinct:.1f} distinct tokens per request of {n}; "
-              f"mean first divergence at step {first:.1f}")
+        print(f"# bart-base: fp32 outputs hold {distinct:.1f} distinct tokens per request of {n}; mean first "
+              "divergence at step " + ", ".join(f"{first[q]:.1f} ({q})" for q in VARIANTS))
 
 if __name__ == "__main__":
     main()
