@@ -267,6 +267,7 @@ class BartModel(nn.Module):
 
 class BartForConditionalGeneration(EncoderDecoderModel):
     variant = BartVariant()
+    logits_bias_nonzero = True  # load_weights finds out; until then the bias is added
     # HF checkpoints keep q/k/v (and cross-attention k/v) apart; we fuse them.
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "kv_proj": ["k_proj", "v_proj"]}
 
@@ -340,7 +341,7 @@ class BartForConditionalGeneration(EncoderDecoderModel):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         head = self.model.shared if self.tie_word_embeddings else self.lm_head
-        return head.logits(hidden_states, bias=self.final_logits_bias)
+        return head.logits(hidden_states, bias=self.final_logits_bias if self.logits_bias_nonzero else None)
 
     def hf_to_tandem_name(self, name: str) -> str | None:
         """Map a HF name onto ours (before packing q/k/v)."""
@@ -358,4 +359,8 @@ class BartForConditionalGeneration(EncoderDecoderModel):
         for module in self.modules():
             if isinstance(module, BartSinusoidalPositionalEmbedding):
                 module.reset_table()
-        return load_checkpoint(self, weights)
+        loaded = load_checkpoint(self, weights)
+        # BART checkpoints (bart-base, bart-large-cnn, ...) ship an all-zero
+        # final_logits_bias: adding it is a no-op over [seqs, vocab] every step.
+        self.logits_bias_nonzero = bool(self.final_logits_bias.any())
+        return loaded

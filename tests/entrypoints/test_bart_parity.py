@@ -3,6 +3,7 @@
 import random
 
 import pytest
+import torch
 
 from helpers import WORDS, assert_preempted, hf_greedy
 from tandem import LLM, SamplingParams
@@ -118,3 +119,27 @@ def test_preemption_keeps_outputs_identical(bart_dir, mode):
     _check_against_hf(bart_dir, ref[:4], 40, 40)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks() == bm.num_total_blocks()
+
+
+@pytest.mark.parametrize("zero_logits_bias", [True, False])
+def test_large_vocabulary_and_zero_logits_bias_match_hf(tmp_path, zero_logits_bias):
+    """A vocabulary large enough for the sampler's chunked argmax (many chunks and a
+    tail), and BART's usual all-zero final_logits_bias, which the LM head then skips."""
+    from safetensors.torch import load_file, save_file
+
+    from helpers import make_bart
+
+    model_dir = make_bart(tmp_path / "ckpt", seed=3, with_tokenizer=False, vocab_size=5000)
+    if zero_logits_bias:
+        weights_file = model_dir / "model.safetensors"
+        weights = load_file(weights_file)
+        weights["final_logits_bias"] = torch.zeros_like(weights["final_logits_bias"])
+        save_file(weights, weights_file, metadata={"format": "pt"})
+    llm = LLM(model=str(model_dir), dtype="float32", device="cpu")
+    assert llm.engine.worker.model.logits_bias_nonzero is (not zero_logits_bias)
+    rng = random.Random(3)
+    prompts = [{"prompt_token_ids": [0, *(rng.randrange(4, 5000) for _ in range(rng.randint(1, 30))), 2]}
+               for _ in range(12)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
+    _check_against_hf(model_dir, outs, 10)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 6

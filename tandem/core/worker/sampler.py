@@ -17,6 +17,7 @@ import torch
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler_output import BeamCandidates
 from tandem.core.worker.logits_processors import LogitsProcessors, ProcessorRows
+from tandem.core.worker.reductions import argmax_rows
 
 # HF's score for the beams that start as copies of the first (so only its tokens count).
 BEAM_PLACEHOLDER_SCORE = -1e9
@@ -90,10 +91,10 @@ class Sampler:
         tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
         greedy_rows = [i for i, g in enumerate(greedy) if g]
         if len(greedy_rows) == len(params):  # all greedy: no copy of the logits
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         elif greedy_rows:
             rows = torch.tensor(greedy_rows, device=logits.device)
-            tokens[rows] = logits.index_select(0, rows).argmax(dim=-1)
+            tokens[rows] = argmax_rows(logits.index_select(0, rows))
         sample_rows = [i for i, g in enumerate(greedy) if not g]
         if sample_rows:
             rows = torch.tensor(sample_rows, device=logits.device)
@@ -160,7 +161,7 @@ class Sampler:
             if g is not None:
                 row = torch.empty(probs.shape[1]).exponential_(generator=g)
                 q[i] = row.to(probs.device)
-        return (probs / q).argmax(dim=-1)
+        return argmax_rows(probs / q)
 
     # -- beam search -------------------------------------------------------------------
     @staticmethod

@@ -1,0 +1,42 @@
+"""Row reductions over the vocabulary that the sampler runs every step.
+
+:func:`argmax_rows` is ``x.argmax(dim=-1)`` for a ``[rows, vocab]`` tensor, with
+the same answer bit for bit: the first index of each row's maximum, and the
+first NaN where a row has one (torch's argmax counts NaN as the maximum).
+
+Why not ``torch.argmax``: on CPU its reduction keeps an (index, value) pair per
+lane and runs 4-5x slower than ``amax`` over the same data. Over bart-base's
+vocabulary at 256 rows that was 8-15 ms a decode step on a 2-core AVX2 EPYC,
+2-3% of a translation run. Here the row is cut into chunks; ``amax`` (which
+vectorizes) finds each chunk's maximum, a tiny argmax over the chunk maxima
+picks the first chunk that holds the row's maximum, and a plain argmax runs
+over that one chunk only. Ties and NaN follow: an earlier chunk holding the
+maximum (or a NaN) wins over a later one, and inside the chunk argmax's own
+first-index rule decides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Columns per chunk: small enough that the final per-chunk argmax is cheap, large
+# enough that the chunk-maxima tensor stays tiny (~100 chunks at vocab 50K).
+ARGMAX_CHUNK = 512
+
+
+def argmax_rows(x: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for 2-D ``x`` (int64 ``[rows]``), chunked on CPU."""
+    if x.dim() != 2:
+        raise ValueError(f"argmax_rows: x must be 2-D [rows, vocab], got shape {tuple(x.shape)}")
+    rows, vocab = x.shape
+    n = vocab // chunk
+    if x.device.type != "cpu" or n < 4 or rows == 0 or x.stride(1) != 1:
+        return x.argmax(dim=-1)
+    maxima = x[:, : n * chunk].view(rows, n, chunk).amax(dim=-1)
+    if n * chunk < vocab:  # the tail, shorter than a chunk, is one more chunk
+        maxima = torch.cat([maxima, x[:, n * chunk :].amax(dim=-1, keepdim=True)], dim=1)
+    start = maxima.argmax(dim=-1) * chunk
+    # Columns of the chosen chunk; past the row's end (tail chunk) they repeat the
+    # last column, which sits after every real column, so the first index still wins.
+    cols = (start[:, None] + torch.arange(chunk, device=x.device)).clamp_max_(vocab - 1)
+    return start + x.gather(1, cols).argmax(dim=-1)

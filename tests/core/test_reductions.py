@@ -1,0 +1,53 @@
+"""argmax_rows against torch.argmax: the same index in every case, ties and NaN included."""
+
+import pytest
+import torch
+
+from tandem.core.worker.reductions import ARGMAX_CHUNK, argmax_rows
+
+
+@pytest.mark.parametrize("vocab", [50265, 4 * ARGMAX_CHUNK, 4 * ARGMAX_CHUNK + 1, 10 * ARGMAX_CHUNK - 1, 97])
+@pytest.mark.parametrize("rows", [1, 3, 256])
+def test_equals_torch_argmax_on_random_rows(vocab, rows):
+    g = torch.Generator().manual_seed(vocab + rows)
+    x = torch.randn(rows, vocab, generator=g)
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_ties_nan_and_extremes_resolve_as_torch_does():
+    vocab = 50265
+    x = torch.randn(12, vocab, generator=torch.Generator().manual_seed(0))
+    last_full = (vocab // ARGMAX_CHUNK) * ARGMAX_CHUNK
+    x[0, [7, 9000, 40000]] = 50.0  # tie across chunks: the first index wins
+    x[1, [600, 601]] = 50.0  # tie inside one chunk
+    x[2, vocab - 1] = 50.0  # maximum at the very last column (the tail chunk)
+    x[3, last_full] = 50.0  # first column of the tail chunk
+    x[4, [last_full - 1, vocab - 1]] = 50.0  # tie between the last full chunk and the tail
+    x[5, 12345] = float("nan")  # NaN counts as the maximum
+    x[6, [30000, 20000]] = float("nan")  # first NaN wins
+    x[6, 5] = float("inf")
+    x[7, 0] = float("inf")
+    x[8] = -float("inf")  # every column equal: index 0
+    x[9] = 0.0
+    x[10, vocab - 1] = float("nan")
+    x[11, [ARGMAX_CHUNK - 1, ARGMAX_CHUNK]] = 50.0  # tie across a chunk boundary
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(x)[:5].tolist() == [7, 600, vocab - 1, last_full, last_full - 1]
+
+
+def test_strided_rows_and_other_dtypes():
+    x = torch.randn(64, 2 * 50265, generator=torch.Generator().manual_seed(1))
+    view = x[:, ::2]  # column stride 2: not chunkable, falls back
+    assert torch.equal(argmax_rows(view), view.argmax(dim=-1))
+    rows = x[:, :50265]  # row stride larger than the row: chunked
+    assert torch.equal(argmax_rows(rows), rows.argmax(dim=-1))
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        y = rows.to(dtype)
+        assert torch.equal(argmax_rows(y), y.argmax(dim=-1))
+    empty = torch.empty(0, 50265)
+    assert argmax_rows(empty).shape == (0,)
+
+
+def test_rejects_a_tensor_that_is_not_2d():
+    with pytest.raises(ValueError, match=r"2-D .*\(4,\)"):
+        argmax_rows(torch.zeros(4))
