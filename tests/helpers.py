@@ -54,7 +54,8 @@ TINY_DIMS = dict(
 )
 
 
-def make_bart(path: Path, seed: int = 0, with_tokenizer: bool = True, weight_std: float = 1.0, **overrides) -> Path:
+def make_bart(path: Path, seed: int = 0, with_tokenizer: bool = True, weight_std: float = 1.0,
+              logits_bias_std: float = 1.0, **overrides) -> Path:
     from transformers import BartConfig, BartForConditionalGeneration
 
     kwargs = dict(TINY_DIMS, vocab_size=96)
@@ -70,7 +71,10 @@ def make_bart(path: Path, seed: int = 0, with_tokenizer: bool = True, weight_std
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, weight_std)
-        model.final_logits_bias.normal_(0.0, 1.0)
+        if logits_bias_std:  # 0: the all-zero final_logits_bias BART checkpoints ship
+            model.final_logits_bias.normal_(0.0, logits_bias_std)
+        else:
+            model.final_logits_bias.zero_()
     model.save_pretrained(path)
     if with_tokenizer:
         make_tokenizer(config.vocab_size).save_pretrained(path)
