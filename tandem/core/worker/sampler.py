@@ -1,7 +1,8 @@
 """Turns last-position logits into next tokens, per each sequence's params.
 
 Greedy and sampled rows: the logits processors on the raw logits, then argmax
-or temperature / top-k / top-p / min-p sampling. Beam-search groups: the
+or a draw from HF's warped distribution (temperature, top-k, top-p, min-p in
+that order, ``tandem.core.worker.warpers``). Beam-search groups: the
 processors on the log-probabilities, the group's running beam scores added,
 and the top ``beams_to_keep`` (beam, token) continuations over all its beams,
 exactly as HF ``generate`` picks them; the scheduler decides from those which
@@ -18,6 +19,7 @@ from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler_output import BeamCandidates
 from tandem.core.worker.logits_processors import LogitsProcessors, ProcessorRows
 from tandem.core.worker.reductions import argmax_rows
+from tandem.core.worker.warpers import draw, sampling_probs
 
 # HF's score for the beams that start as copies of the first (so only its tokens count).
 BEAM_PLACEHOLDER_SCORE = -1e9
@@ -98,8 +100,8 @@ class Sampler:
         sample_rows = [i for i, g in enumerate(greedy) if not g]
         if sample_rows:
             rows = torch.tensor(sample_rows, device=logits.device)
-            probs = self._probs(logits.index_select(0, rows), [params[i] for i in sample_rows])
-            tokens[rows] = self._draw(probs, [generators[i] for i in sample_rows], self.generator)
+            probs = sampling_probs(logits.index_select(0, rows), [params[i] for i in sample_rows])
+            tokens[rows] = draw(probs, [generators[i] for i in sample_rows], self.generator)
 
         token_list = tokens.tolist()
         top: list[dict[int, float] | None] = [None] * len(params)
@@ -120,48 +122,6 @@ class Sampler:
                 top[i] = d
                 chosen[i] = sub_chosen[j]
         return token_list, chosen, top
-
-    @staticmethod
-    def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        dev = logits.device
-        temp = torch.tensor([p.temperature for p in params], device=dev)[:, None]
-        logits = logits / temp
-        vocab = logits.shape[-1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
-        min_p = torch.tensor([p.min_p for p in params], device=dev)
-        if (top_k < vocab).any() or (top_p < 1).any():
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(vocab, device=dev)[None, :]
-            drop = ranks >= top_k[:, None]
-            sorted_probs = sorted_logits.softmax(dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (always the first token).
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop |= mass_before >= top_p[:, None]
-            sorted_logits = sorted_logits.masked_fill(drop, -float("inf"))
-            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-        probs = logits.softmax(dim=-1)
-        if (min_p > 0).any():
-            floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < floor, 0.0)
-            probs = probs / probs.sum(dim=-1, keepdim=True)
-        return probs
-
-    @staticmethod
-    def _draw(
-        probs: torch.Tensor, generators: list[torch.Generator | None], default: torch.Generator
-    ) -> torch.Tensor:
-        # argmax(p / q) with q ~ Exp(1) draws from p; seeded rows use their own stream.
-        q = torch.empty_like(probs)
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        if unseeded:
-            shape = (len(unseeded), probs.shape[1])
-            q[unseeded] = torch.empty(shape, device=probs.device).exponential_(generator=default)
-        for i, g in enumerate(generators):
-            if g is not None:
-                row = torch.empty(probs.shape[1]).exponential_(generator=g)
-                q[i] = row.to(probs.device)
-        return argmax_rows(probs / q)
 
     # -- beam search -------------------------------------------------------------------
     @staticmethod
