@@ -186,3 +186,25 @@ def test_draw_never_picks_a_zero_probability_token_even_when_q_is_zero(monkeypat
     monkeypatch.setattr(torch.Tensor, "exponential_", zeros_exponential)
     tok = warpers.draw(probs, [None], torch.Generator())
     assert int(tok[0]) in (1, 2)
+
+
+@pytest.mark.parametrize("candidates", [1, 16, 256, 4096])
+def test_top_p_equals_hf_whether_the_nucleus_fits_the_candidates_or_not(monkeypatch, candidates):
+    """Rows whose nucleus fits in ``TOP_P_CANDIDATES`` are decided from those, the rest
+    by a whole sort; peaked and flat rows in one batch take both paths."""
+    from tandem.core.worker import warpers
+
+    monkeypatch.setattr(warpers, "TOP_P_CANDIDATES", candidates)
+    g = torch.Generator().manual_seed(3)
+    vocab = 2000
+    stds = [0.3, 1.0, 3.0, 8.0, 0.3, 8.0]
+    fields = [dict(top_p=0.9), dict(top_p=0.5, temperature=0.8), dict(top_p=0.95), dict(top_p=0.7),
+              dict(top_p=1.0), dict(top_p=0.3, top_k=40)]
+    scores = torch.stack([torch.randn(vocab, generator=g) * s for s in stds])
+    got = warpers.sampling_probs(scores.clone(), [SamplingParams(**f) for f in fields])
+    for i, f in enumerate(fields):
+        probs_fn = lambda s, f=f: hf_probs(s, **f)  # noqa: E731
+        assert_support_stable(probs_fn, scores[i], eta=1e-4)
+        expect = probs_fn(scores[i])
+        assert torch.equal(got[i] > 0, expect > 0), (i, f)
+        torch.testing.assert_close(got[i].double(), expect, atol=1e-6, rtol=1e-5)

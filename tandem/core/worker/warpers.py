@@ -28,6 +28,8 @@ from tandem.core.sampling_params import SamplingParams
 from tandem.core.worker.reductions import argmax_rows
 
 NEG_INF = -float("inf")
+# Candidates top-p looks at before it sorts a whole row (see _top_p).
+TOP_P_CANDIDATES = 256
 
 
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -50,14 +52,7 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
 
     ps = [p.top_p for p in params]
     if any(p < 1.0 for p in ps):
-        sorted_logits, order = logits.sort(dim=-1)  # ascending, as HF's warper
-        mass = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # ``1 - top_p`` in double, then float32 as HF's comparison with a Python float;
-        # rows without top-p compare with -1 and drop nothing.
-        cut = torch.tensor([1.0 - p if p < 1.0 else -1.0 for p in ps], dtype=dt, device=dev)[:, None]
-        drop = mass <= cut
-        drop[:, -1] = False  # the most probable token always stays
-        logits = logits.masked_fill(drop.scatter(1, order, drop), NEG_INF)
+        logits = _top_p(logits, ps)
 
     probs = logits.softmax(dim=-1)
     mins = [p.min_p for p in params]
@@ -66,6 +61,30 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
         # min_p <= 1, so the most probable token is never below its floor.
         probs = logits.masked_fill(probs < floor, NEG_INF).softmax(dim=-1)
     return probs
+
+
+def _top_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """HF's top-p: keep a token while the mass of the tokens more probable than it is
+    below ``top_p`` (HF's ``cumsum ascending > 1 - top_p``, summed from the other end).
+
+    A full sort of the vocabulary costs ~2 ms a row at 50K tokens on CPU (25x a
+    top-k of 256), and the nucleus is usually far smaller: the rows whose
+    ``TOP_P_CANDIDATES`` most probable tokens already hold ``top_p`` of the mass
+    are decided from those; only the others are sorted whole."""
+    top_p = torch.tensor(ps, dtype=logits.dtype, device=logits.device)[:, None]
+    probs = logits.softmax(dim=-1)
+    vals, idx = probs.topk(min(logits.shape[1], TOP_P_CANDIDATES), dim=-1)  # descending
+    cum = vals.cumsum(dim=-1)
+    # The most probable token has nothing before it (0 < top_p): it always stays.
+    drop = torch.ones_like(probs, dtype=torch.bool).scatter_(1, idx, (cum - vals) >= top_p)
+    wide = ((cum[:, -1:] < top_p) & (idx.shape[1] < logits.shape[1])).flatten().nonzero().flatten()
+    if wide.numel():  # the nucleus reaches past the candidates: sort those rows whole
+        sorted_probs, order = probs.index_select(0, wide).sort(dim=-1, descending=True)
+        sorted_cum = sorted_probs.cumsum(dim=-1)
+        wide_drop = (sorted_cum - sorted_probs) >= top_p.index_select(0, wide)
+        drop[wide] = wide_drop.scatter(1, order, wide_drop)
+    drop &= top_p < 1.0  # rows without top-p drop nothing
+    return logits.masked_fill(drop, NEG_INF)
 
 
 def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None], default: torch.Generator) -> torch.Tensor:
