@@ -61,6 +61,9 @@ class EngineConfig:
     cpu_malloc: str = "auto"
     # None, or "int8": int8 weights, dynamically quantized activations (CPU).
     quantization: str | None = None
+    # Failed steps in a row (no good step between) after which the engine declares
+    # itself dead; each failed step fails only its own requests (core/faults.py).
+    max_consecutive_step_failures: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, Path)) or not Path(self.model).is_dir():
@@ -102,6 +105,10 @@ class EngineConfig:
             raise ValueError(f"swap_space={self.swap_space!r}: must be a finite number of GiB >= 0")
         if not isinstance(self.trust_remote_code, bool):
             raise ValueError(f"trust_remote_code={self.trust_remote_code!r}: must be True or False")
+        if not is_int(self.max_consecutive_step_failures) or self.max_consecutive_step_failures < 1:
+            raise ValueError(
+                f"max_consecutive_step_failures={self.max_consecutive_step_failures!r}: must be an integer >= 1"
+            )
         if not is_int(self.seed):
             raise ValueError(f"seed={self.seed!r}: must be an integer")
         gc = self.generation_config

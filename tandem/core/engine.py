@@ -21,6 +21,7 @@ from tandem.core.attention import AttentionType
 from tandem.core.block_manager import BlockManager, Device, blocks_for
 from tandem.core.beam_search import BeamSearchState
 from tandem.core.config import DEFAULT_KV_CACHE_GIB, EngineConfig
+from tandem.core.faults import EngineHealth, KVTransferError, StepFaults, describe
 from tandem.core.generation_config import load_generation_defaults, merge_params, resolve_lengths
 from tandem.core.inputs import EncoderDecoderInputs, InputProcessor, PromptType
 from tandem.core.loader import check_model_config, load_hf_config, load_tokenizer
@@ -86,6 +87,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = self.model_cls.vocab_size(self.hf_config)
         self.stats = EngineStats()
+        self.faults = StepFaults(config.max_consecutive_step_failures)
         logger.info(
             "engine ready: %s for %s, %s (%s) on %s; %s; %s; attention backend %s (%s); KV pool %d blocks x %d "
             "tokens = %.1f MiB; swap space %d blocks = %.2f GiB, committed as used",
@@ -154,6 +156,7 @@ class LLMEngine:
         Fields of ``params`` the caller did not set come from the checkpoint's
         generation config (:meth:`get_default_sampling_params`). ``prompt_slot``:
         the model completes the decoder prompt first (Whisper's language detection)."""
+        self.faults.check_alive()
         if request_id in self.scheduler.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = self.resolve_params(params)
@@ -312,32 +315,74 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward pass. Returns an output for every request that
         advanced, as its ``output_kind`` asks: everything so far, only what is new,
-        or (``FINAL_ONLY``) nothing until it finishes."""
+        or (``FINAL_ONLY``) nothing until it finishes; and one with ``error`` set for
+        every request that failed in it (``tandem/core/faults.py``: a request's own
+        fault fails it alone, a fault of the step fails the step's requests, and
+        ``max_consecutive_step_failures`` failed steps in a row make the engine dead)."""
+        self.faults.check_alive()
         sched = self.scheduler.schedule()
-        result = self.worker.execute_model(sched)
+        try:
+            result = self.worker.execute_model(sched)
+        except Exception as e:  # noqa: BLE001 - the forward, a backend, a KV copy: the step's fault
+            return self._step_failed(sched, e)
         if result is None:
             if not (sched.blocks_to_swap_out or sched.blocks_to_swap_in):
                 self._no_progress()
             return []
+        self.faults.step_ok()
+        # Per-request faults in the update (a beam update, say) join the worker's.
         advanced = self.scheduler.update_from_output(sched, result)
-        failed = []
-        for rid, why in result.failed_requests.items():
-            logger.warning("request %r failed: %s", rid, why)
-            for out in self.abort_request(rid):
-                out.error = why
-                failed.append(out)
-                self.stats.num_requests_finished += 1
+        failed = self._fail_requests(result.failed_requests)
         new_tokens = {seq.seq_id: 1 for g in sched.scheduled for seq in g.seqs}
         outputs = []
         for group in advanced:
-            out = self.output_processor.process(group, new_tokens)
-            if group.sampling_params.stop_strings:
-                self.scheduler.release_finished(group)  # sequences a stop string ended
+            try:
+                out = self.output_processor.process(group, new_tokens)
+                if group.sampling_params.stop_strings:
+                    self.scheduler.release_finished(group)  # sequences a stop string ended
+            except Exception as e:  # noqa: BLE001 - detokenizing this request's output
+                failed += self._fail_requests({group.request_id: f"building its output failed: {describe(e)}"})
+                continue
             if group.is_finished:
                 self.stats.num_requests_finished += 1
             if out is not None:
                 outputs.append(out)
         return outputs + failed
+
+    def health(self) -> EngineHealth:
+        """The engine's health after its last step (a snapshot other threads may read)."""
+        return self.faults.health
+
+    def _step_failed(self, sched, e: Exception) -> list[RequestOutput]:
+        ids = {g.request_id for g in sched.scheduled}
+        if isinstance(e, KVTransferError):  # a swap-out torn part of the way
+            ids |= {g.request_id for g in self.scheduler.swapped}
+        dead = self.faults.step_failed(e)
+        logger.error("a step of %d requests failed (%d in a row%s): %s", len(ids),
+                     self.faults.health.consecutive_step_failures, "; the engine is dead" if dead else "",
+                     describe(e), exc_info=e)
+        failed = self._fail_requests(dict.fromkeys(sorted(ids), f"the step serving it failed: {describe(e)}"))
+        if dead:
+            self.faults.check_alive()  # raises EngineDeadError
+        return failed
+
+    def _fail_requests(self, why_by_id: dict[str, str]) -> list[RequestOutput]:
+        """End each request with its reason as ``error``, freeing its blocks."""
+        failed = []
+        for rid, why in why_by_id.items():
+            logger.warning("request %r failed: %s", rid, why)
+            group = self.scheduler.groups.get(rid)
+            try:
+                outs = self.abort_request(rid)
+            except Exception as e:  # noqa: BLE001 - its output cannot be built either
+                logger.warning("request %r: building its failed output raised %s", rid, describe(e))
+                self.output_processor.forget(rid)
+                outs = [RequestOutput(rid, None, [], None, [], [], True)] if group is not None else []
+            for out in outs:
+                out.error = why
+                failed.append(out)
+                self.stats.num_requests_finished += 1
+        return failed
 
     def _no_progress(self) -> None:
         """Requests wait, nothing runs and nothing was admitted: every later step would

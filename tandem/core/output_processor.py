@@ -82,6 +82,10 @@ class OutputProcessor:
             state.seqs[seq.seq_id] = _SeqState(detok)
         self._requests[group.request_id] = state
 
+    def forget(self, request_id: str) -> None:
+        """Drop a request's state without building its output (it failed)."""
+        self._requests.pop(request_id, None)
+
     def process(self, group: SequenceGroup, new_tokens: dict[int, int]) -> RequestOutput | None:
         """After a step: ``new_tokens[seq_id]`` tokens were appended to those sequences.
 

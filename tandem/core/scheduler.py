@@ -287,38 +287,46 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceGroup]:
         """Append each sequence's sampled token, stop it on EOS, a stop token id or
         its length, and free what finished. Returns the groups that advanced, in
-        schedule order (a group aborted since ``schedule()`` is skipped)."""
+        schedule order (a group aborted since ``schedule()`` is skipped). A group
+        whose update raises is added to ``result.failed_requests`` (the engine
+        fails it alone) and the others go on."""
         row = {seq_id: i for i, seq_id in enumerate(result.seq_ids)}
         advanced = []
         for sg in output.scheduled:
             group = self.groups.get(sg.request_id)
             if group is None or sg.request_id in result.failed_requests:
                 continue  # gone, or failed in the worker (the engine aborts it)
-            # Sharers too: their cross table was filled by now, in this step or an earlier one.
-            group.encoder_computed = True
-            if group.prompt_slot is not None:
-                self._fill_prompt_slot(group, sg, result.token_ids[row[sg.seqs[0].seq_id]])
-                continue
-            if group.beam_state is not None:
-                self._update_beams(group, sg, result.beams[sg.request_id])
-                advanced.append(group)
-                continue
-            any_finished = False
-            by_id = {s.seq_id: s for s in group.seqs} if len(group.seqs) > 1 else None
-            for ss in sg.seqs:
-                seq = by_id[ss.seq_id] if by_id is not None else group.seqs[0]
-                if seq.finished:
-                    continue
-                i = row[ss.seq_id]
-                seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
-                seq.append_token(result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
-                self._check_stop(seq, group)
-                if seq.status.finished:
-                    any_finished = True
-            if any_finished:
-                self.release_finished(group)
-            advanced.append(group)
+            try:
+                if self._update_group(group, sg, result, row):
+                    advanced.append(group)
+            except Exception as e:  # noqa: BLE001 - this request's own update (its beams, its lengths)
+                result.failed_requests[sg.request_id] = f"updating it after the step failed: {type(e).__name__}: {e}"
         return advanced
+
+    def _update_group(self, group: SequenceGroup, sg: ScheduledGroup, result: ModelRunnerOutput, row) -> bool:
+        # Sharers too: their cross table was filled by now, in this step or an earlier one.
+        group.encoder_computed = True
+        if group.prompt_slot is not None:
+            self._fill_prompt_slot(group, sg, result.token_ids[row[sg.seqs[0].seq_id]])
+            return False
+        if group.beam_state is not None:
+            self._update_beams(group, sg, result.beams[sg.request_id])
+            return True
+        any_finished = False
+        by_id = {s.seq_id: s for s in group.seqs} if len(group.seqs) > 1 else None
+        for ss in sg.seqs:
+            seq = by_id[ss.seq_id] if by_id is not None else group.seqs[0]
+            if seq.finished:
+                continue
+            i = row[ss.seq_id]
+            seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
+            seq.append_token(result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
+            self._check_stop(seq, group)
+            if seq.status.finished:
+                any_finished = True
+        if any_finished:
+            self.release_finished(group)
+        return True
 
     def _update_beams(self, group: SequenceGroup, sg: ScheduledGroup, cands: BeamCandidates) -> None:
         """One beam step: the next running beams reuse, fork or drop this step's

@@ -33,13 +33,10 @@ from tandem.core.config import EngineConfig
 from tandem.core.engine import LLMEngine
 from tandem.core.inputs import PromptType
 from tandem.core.outputs import RequestOutput
+from tandem.core.faults import EngineDeadError, EngineHealth, describe
 from tandem.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped on an error; no request can be served any more."""
 
 
 @dataclass
@@ -95,6 +92,16 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def health(self) -> EngineHealth:
+        """``ok``, ``degraded`` (recent steps failed; it serves on) or ``dead``: the
+        engine thread's published snapshot (``tandem/core/faults.py``)."""
+        h = self.engine.health()
+        if self._dead is not None and h.status != "dead":
+            return EngineHealth("dead", h.consecutive_step_failures, h.failed_steps, describe(self._dead))
+        if not self.is_running and h.status != "dead":
+            return EngineHealth("dead", h.consecutive_step_failures, h.failed_steps, "the engine loop is not running")
+        return h
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -212,8 +219,13 @@ class AsyncLLM:
                     continue
                 try:
                     engine.add_request(cmd.request_id, cmd.prompt, cmd.params, prompt_slot=cmd.prompt_slot)
+                except EngineDeadError:
+                    raise
                 except (ValueError, TypeError) as e:
                     cmd.stream.put(e)
+                    continue
+                except Exception as e:  # noqa: BLE001 - this request alone cannot be served
+                    cmd.stream.put(ValueError(f"the request cannot be served: {describe(e)}"))
                     continue
                 self._streams[cmd.request_id] = cmd.stream
             else:

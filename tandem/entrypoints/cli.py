@@ -108,6 +108,9 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     for flag, kind in (("--max-num-seqs", int), ("--max-num-batched-tokens", int), ("--block-size", int),
                        ("--num-kv-blocks", int), ("--kv-cache-memory", float), ("--seed", int)):
         sv.add_argument(flag, type=kind, default=None)
+    sv.add_argument("--max-consecutive-step-failures", type=int, default=None,
+                    help="failed steps in a row after which the engine declares itself dead (/health 503); "
+                         "each failed step fails only its own requests (default 3)")
 
     plugins = sub.add_parser("plugins", help="list loaded plugins and what each registered", formatter_class=fmt)
     plugins.add_argument("--json", action="store_true", help="print a JSON list")

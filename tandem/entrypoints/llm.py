@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from tandem.core.config import EngineConfig
 from tandem.core.engine import LLMEngine
+from tandem.core.faults import EngineDeadError, describe
 from tandem.core.inputs import PromptType, preview
 from tandem.core.outputs import RequestOutput
 from tandem.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -44,6 +45,7 @@ class LLM:
         cpu_gemm: str = EngineConfig.cpu_gemm,
         cpu_malloc: str = EngineConfig.cpu_malloc,
         quantization: str | None = None,
+        max_consecutive_step_failures: int = EngineConfig.max_consecutive_step_failures,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -64,6 +66,7 @@ class LLM:
             cpu_gemm=cpu_gemm,
             cpu_malloc=cpu_malloc,
             quantization=quantization,
+            max_consecutive_step_failures=max_consecutive_step_failures,
         )
         self.llm_engine = LLMEngine(config, default_model_registry(), default_backend_registry())
         self._ids = itertools.count()
@@ -162,7 +165,9 @@ class LLM:
                 order.append(rid)
                 try:
                     engine.add_request(rid, prompt, p)
-                except (ValueError, TypeError) as e:
+                except EngineDeadError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - this prompt alone cannot be served
                     results[rid] = _rejected(rid, prompt, e)
             bar.update(len(results))
             while engine.has_unfinished_requests():
@@ -236,5 +241,5 @@ def _rejected(rid: str, prompt, error: Exception) -> RequestOutput:
         prompt_token_ids=[],
         outputs=[],
         finished=True,
-        error=str(error),
+        error=str(error) if isinstance(error, (ValueError, TypeError)) else describe(error),
     )

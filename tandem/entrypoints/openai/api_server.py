@@ -91,8 +91,12 @@ def build_app(
 
     @app.get("/health")
     async def health():
-        if engine.errored or not engine.is_running:
-            return error(503, "the engine is not running")
+        h = engine.health()
+        if h.status == "dead":
+            return error(503, f"the engine is dead: {h.last_error}")
+        if h.status == "degraded":  # serving, but its last steps failed
+            return JSONResponse({"status": "degraded", "consecutive_step_failures": h.consecutive_step_failures,
+                                 "failed_steps": h.failed_steps, "last_error": h.last_error})
         return PlainTextResponse("ok")
 
     @app.get("/version")
@@ -241,6 +245,11 @@ async def _first_outputs(engine, prompts, params, ids):
         raise _HTTPError(400, str(e)) from None
     except EngineDeadError as e:
         raise _HTTPError(503, str(e)) from None
+    failed = [o.error for o in firsts if o.error is not None]
+    if failed:  # failed in its first step: an error status before the stream starts
+        for g in gens:
+            await g.aclose()
+        raise _HTTPError(500, f"the request failed while being served: {failed[0]}")
     return list(zip(gens, firsts))
 
 
@@ -313,6 +322,9 @@ async def _complete(engine, metrics, request, req, prompts, params, ids, base, c
         raise _HTTPError(400, str(e)) from None
     except EngineDeadError as e:
         raise _HTTPError(503, str(e)) from None
+    failed = [out.error for out, _ in results if out is not None and out.error is not None]
+    if failed:  # it failed while being served (its step's fault, or its own)
+        raise _HTTPError(500, f"the request failed while being served: {failed[0]}")
     tokenizer = engine.get_tokenizer()
     choices, outs = [], []
     for i, (out, _) in enumerate(results):
@@ -356,6 +368,9 @@ async def _stream(engine, metrics, req, first, ids, base, created, model):
             if isinstance(out, BaseException):
                 message = str(out) if isinstance(out, (ValueError, TypeError, EngineDeadError)) else "internal error"
                 yield f"data: {json.dumps(error_body(500, message))}\n\n"
+                return
+            if out.error is not None:  # failed while being served: the stream ends with the error
+                yield f"data: {json.dumps(error_body(500, f'the request failed while being served: {out.error}'))}\n\n"
                 return
             n_per = len(out.outputs)
             now = time.monotonic()
@@ -403,7 +418,8 @@ def serve(args) -> int:
     engine_args = dict(dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
                        trust_remote_code=args.trust_remote_code, generation_config=args.generation_config,
                        cpu_gemm=args.cpu_gemm, cpu_malloc=args.cpu_malloc, quantization=args.quantization)
-    for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "num_kv_blocks", "seed"):
+    for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "num_kv_blocks", "seed",
+                "max_consecutive_step_failures"):
         if getattr(args, key, None) is not None:
             engine_args[key] = getattr(args, key)
     engine = AsyncLLM(model=args.model, **engine_args)

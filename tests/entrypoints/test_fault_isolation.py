@@ -1,0 +1,242 @@
+"""Fault injection: no single request, and no single failed step, stops the engine.
+
+Faults come from a backend that raises in ``forward`` at chosen steps
+(``faulty_backend.py``), a worker-side ``MemoryError`` in the sampler, a beam
+update and an output build that raise for one request. Under ``LLM``,
+``AsyncLLM`` and the server, the requests the fault reaches end with ``error``
+(the server: a 500 JSON error) and the others equal a clean run's outputs; the
+engine serves afterwards, and only ``max_consecutive_step_failures`` failed
+steps in a row make it dead. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from faulty_backend import FaultyBackend
+from tandem import LLM, AsyncLLM, EngineDeadError, SamplingParams
+from tandem.core.scheduler import Scheduler
+from tandem.entrypoints.openai.api_server import build_app
+from tandem.plugins import default_backend_registry
+
+WAIT = 60.0
+PROMPTS = [{"prompt_token_ids": [0, 5 + i, 9 + 2 * i, 17, 2]} for i in range(6)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def faulty_registered():
+    default_backend_registry().register_backend(FaultyBackend.name, FaultyBackend, override=True)
+    FaultyBackend.reset()
+    yield
+    FaultyBackend.reset()
+
+
+def _llm(bart_dir, **kw):
+    return LLM(model=str(bart_dir), dtype="float32", device="cpu", attention_backend="faulty_sdpa", **kw)
+
+
+@pytest.fixture(scope="module")
+def clean(bart_dir):
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
+    beams = SamplingParams(num_beams=2, max_tokens=6, temperature=0.0)
+    return {
+        "greedy": [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)],
+        "beams": [o.outputs[0].token_ids for o in llm.generate(PROMPTS, beams, use_tqdm=False)],
+    }
+
+
+def _all_blocks_free(llm) -> bool:
+    s = llm.get_stats()
+    return s["kv_blocks_free"] == s["kv_blocks_total"] and s["num_requests_unfinished"] == 0
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(bart_dir, clean):
+    llm = _llm(bart_dir, max_num_seqs=2)  # two requests a step: the rest wait for later steps
+    FaultyBackend.reset(fail_steps={2})
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    failed = [i for i, o in enumerate(outs) if o.error is not None]
+    assert failed == [0, 1]  # the two decoding in step 2
+    for i in failed:
+        assert "InjectedFault: injected fault at step 2" in outs[i].error
+    for i, o in enumerate(outs):
+        if i not in failed:
+            assert o.outputs[0].token_ids == clean["greedy"][i]
+    assert _all_blocks_free(llm)
+    h = llm.engine.health()
+    assert (h.status, h.failed_steps, h.consecutive_step_failures) == ("ok", 1, 0)
+    # It serves on, the failed prompts included.
+    again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == clean["greedy"]
+
+
+def test_consecutive_failed_steps_make_the_engine_dead(bart_dir):
+    llm = _llm(bart_dir, max_consecutive_step_failures=2)
+    FaultyBackend.reset(fail_steps={1})
+    outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert all("injected fault" in o.error for o in outs)
+    h = llm.engine.health()
+    assert (h.status, h.consecutive_step_failures) == ("degraded", 1)  # no good step since
+    FaultyBackend.reset(fail_always=True)
+    with pytest.raises(EngineDeadError, match="injected fault"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.engine.health().status == "dead"
+    FaultyBackend.reset()
+    with pytest.raises(EngineDeadError):  # refused at once, whatever the backend does now
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+
+
+def test_a_worker_memory_error_fails_the_step_alone(bart_dir, clean, monkeypatch):
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", max_num_seqs=3)
+    sampler = llm.engine.worker.sampler
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise MemoryError("worker out of memory")
+        return type(sampler).__call__(sampler, *args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.worker, "sampler", flaky)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    failed = [i for i, o in enumerate(outs) if o.error is not None]
+    assert failed == [0, 1, 2]
+    assert all("MemoryError: worker out of memory" in outs[i].error for i in failed)
+    assert [o.outputs[0].token_ids for o in outs[3:]] == clean["greedy"][3:]
+    assert _all_blocks_free(llm)
+
+
+def test_one_requests_beam_update_fault_fails_it_alone(bart_dir, clean, monkeypatch):
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
+    original = Scheduler._update_beams
+
+    def raising_for_three_beams(self, group, sg, cands):
+        if group.sampling_params.num_beams == 3:
+            raise ArithmeticError("this request's beams")
+        return original(self, group, sg, cands)
+
+    monkeypatch.setattr(Scheduler, "_update_beams", raising_for_three_beams)
+    beams = SamplingParams(num_beams=2, max_tokens=6, temperature=0.0)
+    bad = SamplingParams(num_beams=3, max_tokens=6, temperature=0.0)
+    params = [beams, GREEDY, bad, beams, GREEDY, beams]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert "ArithmeticError: this request's beams" in outs[2].error
+    for i, (o, p) in enumerate(zip(outs, params)):
+        if i != 2:
+            assert o.error is None
+            assert o.outputs[0].token_ids == clean["beams" if p is beams else "greedy"][i]
+    assert _all_blocks_free(llm)
+
+
+def test_a_huge_length_penalty_fails_that_request_alone(bart_dir, clean):
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
+    bad = SamplingParams(num_beams=2, max_tokens=6, temperature=0.0, length_penalty=400.0)
+    outs = llm.generate(PROMPTS[:3], [GREEDY, bad, GREEDY], use_tqdm=False)
+    assert outs[1].error is not None and ("length_penalty" in outs[1].error or "Overflow" in outs[1].error)
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == [clean["greedy"][0], clean["greedy"][2]]
+    assert _all_blocks_free(llm)
+
+
+def test_one_requests_output_fault_fails_it_alone(bart_dir, clean, monkeypatch):
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
+    op = llm.engine.output_processor
+    original = type(op).process
+
+    def raising_for_request_1(self, group, new_tokens):
+        if group.request_id.endswith("1") and len(group.seqs[0].output_token_ids) >= 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a broken tokenizer")
+        return original(self, group, new_tokens)
+
+    monkeypatch.setattr(type(op), "process", raising_for_request_1)
+    outs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+    assert "building its output failed: UnicodeDecodeError" in outs[1].error
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == [clean["greedy"][0], clean["greedy"][2]]
+    assert _all_blocks_free(llm)
+
+
+# -- AsyncLLM and the server -------------------------------------------------------------
+async def _final(engine, prompt, params, rid):
+    last = None
+    async for out in engine.generate(prompt, params, rid):
+        last = out
+    return last
+
+
+@pytest.mark.asyncio
+async def test_async_llm_serves_on_after_a_failed_step(bart_dir, clean):
+    engine = AsyncLLM(model=str(bart_dir), dtype="float32", device="cpu", attention_backend="faulty_sdpa",
+                      max_num_seqs=2)
+    try:
+        FaultyBackend.reset(fail_steps={2})
+        outs = await asyncio.wait_for(
+            asyncio.gather(*(_final(engine, p, GREEDY, f"r{i}") for i, p in enumerate(PROMPTS))), WAIT)
+        failed = [i for i, o in enumerate(outs) if o.error is not None]
+        assert 0 < len(failed) <= 2
+        assert all("injected fault" in outs[i].error for i in failed)
+        for i, o in enumerate(outs):
+            if i not in failed:
+                assert o.outputs[0].token_ids == clean["greedy"][i]
+        assert engine.health().status == "ok"
+        again = await asyncio.wait_for(_final(engine, PROMPTS[0], GREEDY, "after"), WAIT)
+        assert again.outputs[0].token_ids == clean["greedy"][0]
+        FaultyBackend.reset(fail_always=True)  # max_consecutive_step_failures=3: the third failed step kills
+        for k in range(2):
+            out = await asyncio.wait_for(_final(engine, PROMPTS[0], GREEDY, f"fails-{k}"), WAIT)
+            assert "injected fault" in out.error and engine.health().status == "degraded"
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(_final(engine, PROMPTS[0], GREEDY, "dies"), WAIT)
+        assert engine.health().status == "dead"
+    finally:
+        FaultyBackend.reset()
+        await asyncio.wait_for(engine.shutdown(), WAIT)
+
+
+@pytest.mark.asyncio
+async def test_server_answers_500_for_the_failed_step_and_serves_on(bart_dir, clean):
+    engine = AsyncLLM(model=str(bart_dir), dtype="float32", device="cpu", attention_backend="faulty_sdpa",
+                      max_num_seqs=2)
+    app = build_app(engine, served_model_name="m")
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=WAIT) as client:
+            FaultyBackend.reset(fail_steps={2})
+            body = lambda i, stream=False: {  # noqa: E731
+                "prompt": PROMPTS[i], "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": stream}
+            rs = await asyncio.gather(*(client.post("/v1/completions", json=body(i)) for i in range(4)))
+            codes = [r.status_code for r in rs]
+            assert 500 in codes and 200 in codes
+            for i, r in enumerate(rs):
+                if r.status_code == 500:
+                    err = r.json()["error"]
+                    assert err["type"] == "server_error" and "injected fault" in err["message"]
+                else:
+                    toks = r.json()["choices"][0]["text"]
+                    assert toks  # served in full
+            h = await client.get("/health")
+            assert h.status_code == 200
+            # A stream whose step fails ends with an error event, in JSON.
+            FaultyBackend.reset(fail_steps={3})
+            r = await client.post("/v1/completions", json=body(0, stream=True))
+            assert r.status_code == 200 and '"server_error"' in r.text and "injected fault" in r.text
+            h = await client.get("/health")
+            assert h.status_code == 200 and h.json()["status"] == "degraded"
+            FaultyBackend.reset()
+            ok = await client.post("/v1/completions", json=body(1))
+            assert ok.status_code == 200
+            assert (await client.get("/health")).text == "ok"
+            FaultyBackend.reset(fail_always=True)
+            codes = [(await client.post("/v1/completions", json=body(2))).status_code for _ in range(4)]
+            assert codes == [500, 500, 503, 503]  # the third failed step in a row kills the engine
+            h = await client.get("/health")
+            for _ in range(100):  # the loop publishes its death right after the last step
+                if h.status_code == 503:
+                    break
+                await asyncio.sleep(0.05)
+                h = await client.get("/health")
+            assert h.status_code == 503 and "dead" in h.json()["error"]["message"]
+    finally:
+        FaultyBackend.reset()
+        await asyncio.wait_for(engine.shutdown(), WAIT)
