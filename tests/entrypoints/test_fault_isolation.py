@@ -240,3 +240,32 @@ async def test_server_answers_500_for_the_failed_step_and_serves_on(bart_dir, cl
     finally:
         FaultyBackend.reset()
         await asyncio.wait_for(engine.shutdown(), WAIT)
+
+
+def test_a_torn_swap_fails_the_swapped_requests_too(bart_dir, clean, monkeypatch):
+    """A swap-out that raises part of the way fails the step's requests and the
+    swapped-out ones (their CPU copies may be torn); the rest finish as in a clean run."""
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=20,
+              preemption_mode="swap", max_num_seqs=4)  # 3 swap-outs in a clean run
+    worker = llm.engine.worker
+    original = type(worker)._swap
+    calls = {"n": 0}
+
+    def tearing(self, mapping, to_cpu):
+        calls["n"] += 1
+        if to_cpu and calls["n"] == 1:
+            raise OSError("swap device gone")
+        return original(self, mapping, to_cpu)
+
+    monkeypatch.setattr(type(worker), "_swap", tearing)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    failed = [i for i, o in enumerate(outs) if o.error is not None]
+    assert failed and len(failed) < len(PROMPTS)
+    assert all("KVTransferError: swapping KV blocks failed: OSError: swap device gone" in outs[i].error for i in failed)
+    assert llm.get_stats()["swapped_out_blocks"] > 0  # later swaps went through
+    ref = LLM(model=str(bart_dir), dtype="float32", device="cpu").generate(PROMPTS, params, use_tqdm=False)
+    for i, o in enumerate(outs):
+        if i not in failed:
+            assert [c.token_ids for c in o.outputs] == [c.token_ids for c in ref[i].outputs]
+    assert _all_blocks_free(llm)

@@ -16,6 +16,7 @@ import torch
 
 from tandem.core.attention import AttentionBackend, KVCacheSpec
 from tandem.core.config import EngineConfig
+from tandem.core.faults import KVTransferError
 from tandem.core.layers.linear_kernels import prepare_linear_kernels
 from tandem.core.worker.host_malloc import keep_freed_memory
 from tandem.core.loader import load_model
@@ -96,10 +97,13 @@ class Worker:
         """Apply the step's swaps and copies, run the scheduled sequences, sample.
         Returns None when nothing was scheduled."""
         self._update_states(out)
-        if out.blocks_to_swap_out:
-            self._swap(out.blocks_to_swap_out, to_cpu=True)
-        if out.blocks_to_swap_in:
-            self._swap(out.blocks_to_swap_in, to_cpu=False)
+        try:
+            if out.blocks_to_swap_out:
+                self._swap(out.blocks_to_swap_out, to_cpu=True)
+            if out.blocks_to_swap_in:
+                self._swap(out.blocks_to_swap_in, to_cpu=False)
+        except Exception as e:  # the swapped-out requests' CPU copies may be torn
+            raise KVTransferError(f"swapping KV blocks failed: {type(e).__name__}: {e}") from e
         # After the swaps: a copy may read a block just swapped in, or write one
         # a swap-out just vacated.
         if out.blocks_to_copy:
