@@ -109,8 +109,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_consecutive_step_failures={self.max_consecutive_step_failures!r}: must be an integer >= 1"
             )
-        if not is_int(self.seed):
-            raise ValueError(f"seed={self.seed!r}: must be an integer")
+        if not is_int(self.seed) or not -(2**63) <= self.seed <= 2**64 - 1:
+            raise ValueError(f"seed={self.seed!r}: must be an integer in [-2**63, 2**64 - 1], the range torch seeds take")
         gc = self.generation_config
         if not isinstance(gc, (str, Path)) or (str(gc) not in ("auto", "none") and not Path(gc).is_dir()):
             raise ValueError(

@@ -14,6 +14,25 @@ _GREEDY_EPS = 1e-5
 # torch.Generator.manual_seed reads the seed as a signed or an unsigned 64-bit
 # integer and raises a bare "Overflow when unpacking long long" outside this.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+# Ranges that keep every value finite in the float32 arithmetic it enters.
+_F32_MAX = 3.4028234663852886e38
+_F32_TINY = 1.1754943508222875e-38  # smallest normal: below it top_p rounds towards 0
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# len ** length_penalty stays a normal float32 for every length up to 4096 (2**12):
+# 2**(12 * 10) = 2**120 < 2**128, and 2**-120 > 2**-126.
+LENGTH_PENALTY_RANGE = (-10.0, 10.0)
+
+# Caps on list-valued fields, so one request's processing cost stays bounded
+# (docs/generation.md, "Limits").
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_TOKEN_ID_LIST = 65_536  # stop_token_ids, suppress_tokens, begin_suppress_tokens, forced_eos_token_id
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+MAX_LOGIT_BIAS = 4096
+MAX_BAD_WORDS = 4096  # sequences
+MAX_BAD_WORD_TOKENS = 65_536  # tokens over all sequences
 # A stop_token_ids list of thousands of ids should not become a page-long error.
 _MAX_SHOWN = 200
 
@@ -118,10 +137,12 @@ class SamplingParams:
         if not hasattr(self, "_explicit"):  # built by dataclasses machinery, not __init__
             put("_explicit", frozenset())
         put("n", _int("n", self.n, 1))
-        put("temperature", _real("temperature", self.temperature, "a real number >= 0", lambda x: x >= 0))
+        put("temperature", _real("temperature", self.temperature, "a real number in [0, 3.4e38] (float32's range)",
+                                 lambda x: 0 <= x <= _F32_MAX))
         top_k = _int("top_k", self.top_k, -1, "-1 or 0 (off), or an integer >= 1")
         put("top_k", -1 if top_k == 0 else top_k)
-        put("top_p", _real("top_p", self.top_p, "a real number in (0, 1]", lambda x: 0 < x <= 1))
+        put("top_p", _real("top_p", self.top_p, "a real number in [1.2e-38, 1] (below float32's smallest normal "
+                           "it rounds towards 0)", lambda x: _F32_TINY <= x <= 1))
         put("min_p", _real("min_p", self.min_p, "a real number in [0, 1]", lambda x: 0 <= x <= 1))
         if self.seed is not None:
             seed = _int("seed", self.seed, None, "None or an integer")
@@ -142,6 +163,12 @@ class SamplingParams:
             raise TypeError(f"SamplingParams.output_kind={self.output_kind!r}: must be one of {kinds}")
 
         stop_strings = _stop_strings(self.stop)
+        if len(stop_strings) > MAX_STOP_STRINGS:
+            raise _value_error("stop", f"<{len(stop_strings)} strings>", f"must hold at most {MAX_STOP_STRINGS} strings")
+        long = [len(x) for x in stop_strings if len(x) > MAX_STOP_STRING_CHARS]
+        if long:
+            raise _value_error("stop", f"<a string of {long[0]} characters>",
+                               f"each string must be at most {MAX_STOP_STRING_CHARS} characters")
         if not isinstance(self.stop, str) and self.stop is not None:
             put("stop", stop_strings)
         put("stop_strings", stop_strings)
@@ -150,9 +177,11 @@ class SamplingParams:
         if self.max_length is not None:
             put("max_length", _int("max_length", self.max_length, 1, "None or an integer >= 1"))
         put("min_length", _int("min_length", self.min_length, 0))
+        lo, hi = REPETITION_PENALTY_RANGE
         put(
             "repetition_penalty",
-            _real("repetition_penalty", self.repetition_penalty, "a real number > 0 (1 is off)", lambda x: x > 0),
+            _real("repetition_penalty", self.repetition_penalty, f"a real number in [{lo}, {hi}] (1 is off)",
+                  lambda x: lo <= x <= hi),
         )
         put("presence_penalty", _real("presence_penalty", self.presence_penalty, "a real number in [-2, 2]", lambda x: -2 <= x <= 2))
         put(
@@ -180,13 +209,30 @@ class SamplingParams:
         put("logits_processors", _callables("logits_processors", self.logits_processors))
 
         put("num_beams", _int("num_beams", self.num_beams, 1))
-        put("length_penalty", _real("length_penalty", self.length_penalty, "a finite real number", lambda x: True))
+        lo, hi = LENGTH_PENALTY_RANGE
+        put("length_penalty", _real("length_penalty", self.length_penalty,
+                                    f"a real number in [{lo}, {hi}] (length ** length_penalty must stay finite)",
+                                    lambda x: lo <= x <= hi))
         if self.early_stopping not in (True, False, "never") or isinstance(self.early_stopping, (int, float)) and not isinstance(self.early_stopping, bool):
             raise _value_error("early_stopping", self.early_stopping, "must be True, False or 'never'")
+        self._check_sizes()
         if self.num_beams > 1:
             # Here only against fields the caller set: the others may still come
             # from the checkpoint's defaults (the engine checks the merged result).
             self.check_beam_search(self.explicit_fields)
+
+    def _check_sizes(self) -> None:
+        caps = [("stop_token_ids", MAX_TOKEN_ID_LIST), ("suppress_tokens", MAX_TOKEN_ID_LIST),
+                ("begin_suppress_tokens", MAX_TOKEN_ID_LIST), ("forced_eos_token_id", MAX_TOKEN_ID_LIST),
+                ("allowed_token_ids", MAX_ALLOWED_TOKEN_IDS), ("logit_bias", MAX_LOGIT_BIAS),
+                ("bad_words_ids", MAX_BAD_WORDS)]
+        for name, cap in caps:
+            value = getattr(self, name)
+            if value is not None and len(value) > cap:
+                raise _value_error(name, f"<{len(value)} entries>", f"must hold at most {cap} entries")
+        total = sum(len(w) for w in self.bad_words_ids)
+        if total > MAX_BAD_WORD_TOKENS:
+            raise _value_error("bad_words_ids", f"<{total} tokens>", f"must hold at most {MAX_BAD_WORD_TOKENS} tokens in all")
 
     def check_beam_search(self, fields: frozenset[str] | None = None) -> None:
         """Raise ``ValueError`` for settings beam search cannot serve, among ``fields``
@@ -394,7 +440,8 @@ def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
             token = int(token)
         if not _is_int(token) or token < 0:
             raise _value_error("logit_bias", bias, f"token id {token!r} must be an integer >= 0")
-        out[int(token)] = _real("logit_bias", value, "a finite real bias", lambda x: True)
+        lo, hi = LOGIT_BIAS_RANGE
+        out[int(token)] = _real("logit_bias", value, f"a bias in [{lo}, {hi}]", lambda x: lo <= x <= hi)
     return tuple(sorted(out.items()))
 
 

@@ -320,6 +320,10 @@ class Scheduler:
                 continue
             i = row[ss.seq_id]
             seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
+            if ss.seq_id in result.no_token_seq_ids:  # every token banned: nothing to append
+                seq.status = SequenceStatus.FINISHED_NO_TOKEN
+                any_finished = True
+                continue
             seq.append_token(result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
             self._check_stop(seq, group)
             if seq.status.finished:

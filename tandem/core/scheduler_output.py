@@ -116,3 +116,5 @@ class ModelRunnerOutput:
     beams: dict[str, BeamCandidates] = field(default_factory=dict)
     # Requests that failed in the worker (a user logits processor raised), with why.
     failed_requests: dict[str, str] = field(default_factory=dict)
+    # Sequences for which every token was banned: they end with no token appended.
+    no_token_seq_ids: frozenset[int] = frozenset()

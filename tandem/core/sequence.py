@@ -17,6 +17,9 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # Every token was banned for it (allowed_token_ids, bad words, biases, ...):
+    # nothing could be generated, so it ends here rather than emit a banned token.
+    FINISHED_NO_TOKEN = "no_allowed_token"
 
     @property
     def finished(self) -> bool:
@@ -27,6 +30,7 @@ _FINISHED = {
     SequenceStatus.FINISHED_STOPPED,
     SequenceStatus.FINISHED_LENGTH,
     SequenceStatus.FINISHED_ABORTED,
+    SequenceStatus.FINISHED_NO_TOKEN,
 }
 
 

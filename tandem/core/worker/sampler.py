@@ -44,6 +44,8 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float] | None]
     beams: dict[str, BeamCandidates] = field(default_factory=dict)
     failed_rows: dict[int, str] = field(default_factory=dict)  # row -> why its request failed
+    # Rows whose processed scores were all -inf (every token banned): their token is meaningless.
+    no_token_rows: list[int] = field(default_factory=list)
 
 
 class Sampler:
@@ -78,10 +80,27 @@ class Sampler:
             sub_params = params if plain is None else [params[i] for i in plain]
             sub_gens = generators if plain is None else [generators[i] for i in plain]
             out.token_ids, out.logprobs, out.top_logprobs = self._sample(sub, sub_params, sub_gens)
+            self._check_chosen(sub, out, plain)
         for b in beams or ():
             out.beams[b.request_id] = self._beam_candidates(scores, b, params[b.rows[0]])
-        out.failed_rows = dict(self.processors.failures)
+        out.failed_rows = {**self.processors.failures, **out.failed_rows}
         return out
+
+    @staticmethod
+    def _check_chosen(scores: torch.Tensor, out: SamplerOutput, plain: list[int] | None) -> None:
+        """A chosen token whose processed score is -inf means every token was banned;
+        NaN or +inf means the scores themselves are broken (the model's logits)."""
+        tokens = torch.tensor(out.token_ids, device=scores.device)
+        chosen = scores.gather(1, tokens[:, None]).squeeze(1)
+        bad = ~torch.isfinite(chosen)
+        if not bool(bad.any()):
+            return
+        for j, value in zip(bad.nonzero().flatten().tolist(), chosen[bad].tolist()):
+            row = j if plain is None else plain[j]
+            if value == -float("inf"):
+                out.no_token_rows.append(row)
+            else:
+                out.failed_rows[row] = f"its next-token scores are not finite ({value}): the model's logits hold NaN or inf"
 
     # -- greedy and sampled rows -----------------------------------------------------
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators):

@@ -75,13 +75,14 @@ def _top_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     vals, idx = probs.topk(min(logits.shape[1], TOP_P_CANDIDATES), dim=-1)  # descending
     cum = vals.cumsum(dim=-1)
-    # The most probable token has nothing before it (0 < top_p): it always stays.
     drop = torch.ones_like(probs, dtype=torch.bool).scatter_(1, idx, (cum - vals) >= top_p)
+    drop.scatter_(1, idx[:, :1], False)  # the most probable token always stays (HF's min_tokens_to_keep)
     wide = ((cum[:, -1:] < top_p) & (idx.shape[1] < logits.shape[1])).flatten().nonzero().flatten()
     if wide.numel():  # the nucleus reaches past the candidates: sort those rows whole
         sorted_probs, order = probs.index_select(0, wide).sort(dim=-1, descending=True)
         sorted_cum = sorted_probs.cumsum(dim=-1)
         wide_drop = (sorted_cum - sorted_probs) >= top_p.index_select(0, wide)
+        wide_drop[:, 0] = False
         drop[wide] = wide_drop.scatter(1, order, wide_drop)
     drop &= top_p < 1.0  # rows without top-p drop nothing
     return logits.masked_fill(drop, NEG_INF)

@@ -152,8 +152,9 @@ class Worker:
             for i, token in slot_tokens.items():
                 sampled.token_ids[plain_index[seq_ids[i]]] = token
         failed = {row_request[i]: why for i, why in sampled.failed_rows.items()}
+        no_token = frozenset(seq_ids[i] for i in sampled.no_token_rows if i not in slots)
         return ModelRunnerOutput(
-            plain_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, sampled.beams, failed
+            plain_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, sampled.beams, failed, no_token
         )
 
     def _record_history(self, seq) -> None:

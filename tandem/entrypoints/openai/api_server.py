@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -267,12 +268,18 @@ def _logprobs(completion, tokenizer, token_ids=None, entries=None) -> dict | Non
     def name(t: int) -> str:
         return tokenizer.convert_ids_to_tokens(t) if tokenizer is not None else str(t)
 
+    # JSON has no -Infinity or NaN: a chosen token of probability 0 (every token
+    # banned, say) gets null, and top entries of probability 0 are left out.
     return {
         "tokens": [name(t) for t in token_ids],
-        "token_logprobs": [e.get(t) for e, t in zip(entries, token_ids)],
-        "top_logprobs": [{name(k): v for k, v in e.items()} for e in entries],
+        "token_logprobs": [_finite(e.get(t)) for e, t in zip(entries, token_ids)],
+        "top_logprobs": [{name(k): v for k, v in e.items() if _finite(v) is not None} for e in entries],
         "text_offset": [],
     }
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
 
 
 def _usage(outs) -> dict:
