@@ -13,6 +13,38 @@ repetition_penalty, presence/frequency penalties, no_repeat_ngram_size,
 bad_words_ids, min_length / min_tokens, forced_bos_token_id,
 forced_eos_token_id, suppress_tokens, begin_suppress_tokens, user
 ``logits_processors``.
+
+How each maps to HF (``tests/core/test_processors_vs_hf.py`` compares every
+row of mixed batches with HF's processors, bit for bit):
+
+* ``logit_bias`` is HF's ``sequence_bias`` of one-token sequences (HF's first
+  processor); ``repetition_penalty``, ``no_repeat_ngram_size``,
+  ``bad_words_ids`` (one-token words that are an EOS id dropped, as HF drops
+  them), ``forced_bos_token_id``, ``forced_eos_token_id`` (at output token
+  ``max_tokens - 1``: HF's ``max_length - 1`` with ``max_length`` = decoder
+  prompt + ``max_new_tokens``), ``suppress_tokens``, ``begin_suppress_tokens``
+  (from the first generated position, one later after a one-token decoder
+  prompt with a forced BOS) and the user's processors (HF's custom
+  ``logits_processor`` list, which HF appends last) are HF's, in HF's order.
+* ``min_tokens`` is HF's ``min_new_tokens`` and, as in HF, takes precedence
+  over ``min_length`` when both are set (HF's ``generate`` replaces
+  ``min_length`` by ``min_new_tokens`` + decoder prompt). ``min_tokens=0`` is
+  "unset": HF's explicit ``min_new_tokens=0`` would also cancel a
+  ``min_length``, tandem's does not. Two vLLM additions: ``min_tokens`` also
+  bans ``stop_token_ids``, and with ``ignore_eos`` neither bans EOS.
+* ``allowed_token_ids`` (vLLM's) is HF's ``prefix_allowed_tokens_fn`` with a
+  fixed list. HF applies it after ``min_length``; tandem masks first, which
+  commutes (every processor before HF's keeps ``-inf`` at ``-inf``), and at
+  HF's place applies HF's rule for a row whose allowed tokens were all banned
+  on the way: they get a score of 0, so the constraint still holds. HF decides
+  that per request over all its beams: tandem does so on a beam request's
+  first step (one row stands for all its beams) and leaves later beam rows
+  alone, which differs from HF only when *every* beam of the request has all
+  its allowed tokens banned at once (HF revives them; tandem leaves them
+  ``-inf``).
+* ``presence_penalty`` / ``frequency_penalty`` have no HF equivalent: OpenAI's
+  definition as vLLM applies it (counts over the output tokens only, after
+  the repetition penalty).
 """
 
 from __future__ import annotations
@@ -80,6 +112,7 @@ class LogitsProcessors:
         self._no_repeat_ngram(scores, groups, rows)
         self._bad_words(scores, groups, rows)
         self._min_length(scores, groups, rows)
+        self._allowed_fallback(scores, groups, rows)
         self._forced(scores, groups, rows)
         self._static(scores, groups, "suppress")
         self._begin_suppress(scores, groups, rows)
@@ -96,15 +129,36 @@ class LogitsProcessors:
         t = torch.tensor(token_ids, device=dev).repeat(len(row_ids))
         scores[r, t] = NEG_INF
 
+    @staticmethod
+    def _allowed_mask(scores, p: SamplingParams) -> torch.Tensor:
+        keep = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)
+        keep[list(p.allowed_token_ids)] = True
+        return keep
+
     def _static(self, scores, groups, kind: str) -> None:
         for p, idx in groups:
             if kind == "allowed" and p.allowed_token_ids is not None:
                 rows = torch.tensor(idx, device=scores.device)
-                keep = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)
-                keep[list(p.allowed_token_ids)] = True
-                scores[rows] = scores[rows].masked_fill(~keep, NEG_INF)
+                scores[rows] = scores[rows].masked_fill(~self._allowed_mask(scores, p), NEG_INF)
             elif kind == "suppress" and p.suppress_tokens:
                 self._ban(scores, idx, p.suppress_tokens)
+
+    def _allowed_fallback(self, scores, groups, rows: ProcessorRows) -> None:
+        """HF's prefix-constrained processor at its place in HF's order: a row whose
+        allowed tokens were all banned since the mask gets 0 on them (beam rows only
+        on their request's first step: see the module docstring)."""
+        for p, idx in groups:
+            if p.allowed_token_ids is None:
+                continue
+            idx = [i for i in idx if p.num_beams == 1 or rows.num_output_tokens[i] == 0]
+            if not idx:
+                continue
+            r = torch.tensor(idx, device=scores.device)
+            keep = self._allowed_mask(scores, p)
+            x = scores[r]
+            dead = x.amax(dim=1, keepdim=True).isneginf()  # the mask left only allowed tokens
+            only_allowed = torch.zeros((), dtype=scores.dtype, device=scores.device).masked_fill(~keep, NEG_INF)
+            scores[r] = torch.where(dead, only_allowed, x)
 
     @staticmethod
     def _logit_bias(scores, groups) -> None:
@@ -207,11 +261,14 @@ class LogitsProcessors:
             if not (p.min_tokens or p.min_length):
                 continue
             for i in idx:
-                n_out, n_all = rows.num_output_tokens[i], rows.seq_lens[i]
-                if n_out < p.min_tokens or n_all < p.min_length:
-                    if not p.ignore_eos:
-                        eos_rows.append(i)
-                if n_out < p.min_tokens and p.stop_token_ids:
+                # HF: min_new_tokens, when set, replaces min_length by min_new_tokens + prompt length.
+                if p.min_tokens:
+                    short = rows.num_output_tokens[i] < p.min_tokens
+                else:
+                    short = rows.seq_lens[i] < p.min_length
+                if short and not p.ignore_eos:
+                    eos_rows.append(i)
+                if short and p.min_tokens and p.stop_token_ids:
                     stop_bans.append((i, p.stop_token_ids))
         self._ban(scores, eos_rows, self.eos_token_ids)
         for i, ids in stop_bans:
