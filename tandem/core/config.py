@@ -32,7 +32,8 @@ def is_real(x) -> bool:
 class EngineConfig:
     model: str
     tokenizer: str | None = None
-    # "auto": the checkpoint's dtype on GPU; on CPU bfloat16 where native, else float32 (core/dtype.py).
+    # "auto": the checkpoint's dtype on GPU; on CPU bfloat16 where native, else float32;
+    # $TANDEM_AUTO_DTYPE, when set, overrides what "auto" means (core/dtype.py).
     dtype: str | torch.dtype = "auto"
     device: str = "auto"
     block_size: int = 16
@@ -82,9 +83,12 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r}: CUDA is not available on this machine")
         self.torch_device = torch.device(self.device)
-        if self.dtype == "auto":
-            from tandem.core.dtype import resolve_auto_dtype
+        from tandem.core.dtype import auto_dtype_override, resolve_auto_dtype
 
+        # A bad $TANDEM_AUTO_DTYPE is refused whatever dtype is asked for, so a typo
+        # never goes unnoticed; a valid one changes only what "auto" means.
+        auto_dtype_override()
+        if self.dtype == "auto":
             self.torch_dtype, self.dtype_reason = resolve_auto_dtype(self.model, self.torch_device)
         else:
             self.torch_dtype = _DTYPES[self.dtype] if isinstance(self.dtype, str) else self.dtype

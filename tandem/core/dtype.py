@@ -6,16 +6,41 @@
   AMX tiles: oneDNN then runs bf16 GEMMs at about twice the fp32 rate);
   everywhere else float32, because bf16 there is emulated by conversions and
   runs several times slower than fp32 (measured in docs/performance.md).
+- Anywhere: ``$TANDEM_AUTO_DTYPE`` (``float32``, ``bfloat16`` or ``float16``),
+  when set, is what ``"auto"`` means instead, whatever the machine. CI sets
+  ``TANDEM_AUTO_DTYPE=bfloat16`` to run the suite as an avx512_bf16 CPU would
+  on any CPU. An explicit dtype is never overridden.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 _NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# The environment variable that overrides what dtype="auto" resolves to.
+AUTO_DTYPE_ENV = "TANDEM_AUTO_DTYPE"
+
+
+def auto_dtype_override(environ: Mapping[str, str] | None = None) -> tuple[torch.dtype, str] | None:
+    """``$TANDEM_AUTO_DTYPE`` as a dtype with its reason, or None when unset or empty.
+
+    Raises ValueError naming the variable and its value for anything but
+    ``float32``, ``bfloat16`` or ``float16``."""
+    value = (os.environ if environ is None else environ).get(AUTO_DTYPE_ENV, "")
+    if value == "":
+        return None
+    if value not in _NAMES:
+        raise ValueError(
+            f"{AUTO_DTYPE_ENV}={value!r}: must be one of {', '.join(_NAMES)} (or unset), "
+            'the dtype that dtype="auto" then means'
+        )
+    return _NAMES[value], f"{AUTO_DTYPE_ENV}={value} overrides auto"
 
 
 def checkpoint_dtype(model_dir: str) -> torch.dtype | None:
@@ -37,7 +62,11 @@ def cpu_native_bf16() -> tuple[bool, str]:
 
 
 def resolve_auto_dtype(model_dir: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """The dtype ``"auto"`` means here, with the reason the engine logs."""
+    """The dtype ``"auto"`` means here, with the reason the engine logs:
+    ``$TANDEM_AUTO_DTYPE`` when set, else what the device and checkpoint call for."""
+    override = auto_dtype_override()
+    if override is not None:
+        return override
     if device.type != "cpu":
         found = checkpoint_dtype(model_dir)
         if found is None:

@@ -156,3 +156,58 @@ def test_not_chosen_off_cpu():
     reasons = backend.unsupported_reasons(torch.device("cuda"), torch.bfloat16, 64, frozenset(AttentionType), 16,
                                           torch.bfloat16)
     assert reasons == ["device 'cuda' is not cpu"]
+
+
+class _Built(Exception):
+    pass
+
+
+@pytest.mark.parametrize("capability, variant, isa_flags", [
+    ("AVX512", "avx512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"]),
+    ("AVX2", "avx2", ["-mavx2", "-mfma"]),
+    ("DEFAULT", "generic", []),
+    ("ZVECTOR", "generic", []),
+])
+def test_the_build_targets_the_capability_torch_reports(monkeypatch, capability, variant, isa_flags):
+    """Each branch, whatever this machine's: torch's capability (which ATEN_CPU_CAPABILITY
+    lowers) picks the flags and the library's name, so variants never share a cache entry."""
+    from torch.utils import cpp_extension
+
+    seen = {}
+
+    def fake_load(**kwargs):
+        seen.update(kwargs)
+        raise _Built
+
+    monkeypatch.setattr(ops, "cpu_capability", lambda: capability)
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    with pytest.raises(_Built):
+        ops._build()
+    assert ops.isa() == variant and seen["name"] == ops.library_name() == f"tandem_cpu_paged_{variant}"
+    assert [f for f in seen["extra_cflags"] if f.startswith("-m")] == isa_flags
+
+
+def test_the_capability_follows_aten_cpu_capability():
+    import os
+    import subprocess
+    import sys
+
+    code = "from tandem.backends.cpu_paged import ops; print(ops.cpu_capability(), ops.library_name())"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.split() == ["DEFAULT", "tandem_cpu_paged_generic"]
+
+
+@needs_op
+def test_the_loaded_op_is_this_capability_s_build():
+    from pathlib import Path
+
+    names = [Path(p).name for p in torch.ops.loaded_libraries]
+    assert f"{ops.library_name()}.so" in names, (ops.cpu_capability(), names)
+
+
+def test_available_says_whether_load_succeeds(monkeypatch):
+    assert ops.available() == (OP is not None)
+    monkeypatch.setattr(ops, "_op", None)
+    monkeypatch.setattr(ops, "_error", "building the C++ op failed: no")
+    assert ops.available() is False

@@ -1,5 +1,5 @@
 """Linear-layer kernels (packed oneDNN, int8 dynamic) against a float64 reference,
-their selection, and dtype="auto"."""
+and their selection. (dtype="auto" is tests/core/test_dtype.py's.)"""
 
 import math
 
@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from tandem import LLM, SamplingParams
-from tandem.core import dtype as dtype_mod
 from tandem.core.config import EngineConfig
 from tandem.core.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tandem.core.layers.linear_kernels import (
@@ -117,6 +116,40 @@ def test_prepare_refuses_what_cannot_run():
     assert "dense" in prepare_linear_kernels(layer, device=CPU, dtype=torch.float32, gemm="dense")
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["no-onednn-bf16", "onednn-bf16"])
+def test_bfloat16_is_packed_only_where_onednn_runs_it(monkeypatch, native):
+    """Both branches on any machine (AVX2 CPUs have no oneDNN bf16 GEMM; AVX-512 ones do)."""
+    from tandem.core.layers import linear_kernels
+
+    monkeypatch.setattr(linear_kernels, "onednn_bf16_gemm", lambda: native)
+    layer, _ = _layer(ColumnParallelLinear, 8, 8, seed=0)
+    layer.to(torch.bfloat16)
+    if not native:
+        said = prepare_linear_kernels(layer, device=CPU, dtype=torch.bfloat16)
+        assert said.startswith("linear layers: dense F.linear (oneDNN has no bfloat16 GEMM on this CPU")
+        with pytest.raises(ValueError, match="cpu_gemm='packed' cannot run here: oneDNN has no bfloat16 GEMM"):
+            prepare_linear_kernels(layer, device=CPU, dtype=torch.bfloat16, gemm="packed")
+    else:
+        assert packed_gemm_unsupported(CPU, torch.bfloat16) == packed_gemm_unsupported(CPU, torch.float32)
+
+
+@pytest.mark.parametrize("gemm", ["dense", "packed"])
+def test_bfloat16_kernels_within_bfloat16_rounding(gemm):
+    """bf16 weights and inputs on both sides: what differs is float32 accumulation and the
+    output's rounding to bf16 (2^-9 relative each element, ~1.1e-3 RMS)."""
+    if gemm == "packed" and packed_gemm_unsupported(CPU, torch.bfloat16):
+        pytest.skip("no oneDNN bfloat16 GEMM on this CPU: " + "; ".join(packed_gemm_unsupported(CPU, torch.bfloat16)))
+    layer, g = _layer(ColumnParallelLinear, 96, 160, seed=11)
+    layer.to(torch.bfloat16)
+    w, b = layer.weight.clone(), layer.bias.clone()
+    x = torch.randn(7, 96, generator=g).to(torch.bfloat16)
+    prepare_linear_kernels(layer, device=CPU, dtype=torch.bfloat16, gemm=gemm)
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    ref = _reference(w, b, x, None)
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 2 ** -8
+
+
 def test_engine_arguments_are_checked_at_construction(bart_dir):
     with pytest.raises(ValueError, match="quantization='int4'"):
         EngineConfig(model=str(bart_dir), quantization="int4")
@@ -180,26 +213,3 @@ def test_int8_engine_tracks_float32_teacher_forced(calm_dir):
 
 def _lp(x):
     return getattr(x, "logprob", x)
-
-
-def test_auto_dtype_on_cpu_follows_native_bf16(bart_dir, monkeypatch):
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    cfg = EngineConfig(model=str(bart_dir), device="cpu")
-    assert cfg.torch_dtype == torch.float32 and "emulated" in cfg.dtype_reason
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    cfg = EngineConfig(model=str(bart_dir), device="cpu")
-    assert cfg.torch_dtype == torch.bfloat16 and "avx512_bf16" in cfg.dtype_reason
-    # An explicit dtype is never second-guessed.
-    assert EngineConfig(model=str(bart_dir), device="cpu", dtype="float32").torch_dtype == torch.float32
-
-
-@pytest.mark.parametrize("written, expected", [("bfloat16", torch.bfloat16), ("float16", torch.float16),
-                                               ("float32", torch.float32), (None, torch.float32)])
-def test_auto_dtype_on_gpu_is_the_checkpoints(tmp_path, written, expected):
-    import json
-
-    config = {"model_type": "bart"} | ({"torch_dtype": written} if written else {})
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    got, why = dtype_mod.resolve_auto_dtype(str(tmp_path), torch.device("cuda"))
-    assert got == expected and ("checkpoint" in why)

@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import torch
+
 from tandem import LLM, SamplingParams
 from tandem.entrypoints.cli import DEMO_MODEL
 
@@ -17,8 +19,9 @@ def tandem(*args, stdin=None, env=None):
 
 
 def test_generate_json_reads_stdin_and_matches_the_library(bart_dir):
-    res = tandem("generate", "--model", str(bart_dir), "--dtype", "float32", "--json", "--max-tokens", "6", "the rain in spain", "-",
-                 stdin="red sun\n\nold king\n")
+    # dtype and device as the reference's: "auto" is bfloat16 on a bf16 CPU, cuda where there is one.
+    res = tandem("generate", "--model", str(bart_dir), "--dtype", "float32", "--device", "cpu", "--json", "--max-tokens",
+                 "6", "the rain in spain", "-", stdin="red sun\n\nold king\n")
     assert res.returncode == 0, res.stderr
     records = [json.loads(line) for line in res.stdout.splitlines()]
     assert [r["prompt"] for r in records] == ["the rain in spain", "red sun", "old king"]
@@ -32,7 +35,8 @@ def test_generate_json_reads_stdin_and_matches_the_library(bart_dir):
 
 def test_generate_caps_max_tokens_at_the_positions_left_and_says_so_once(bart_dir):
     # 128 decoder positions, decoder prompt [2, 0]: 126 new tokens fit.
-    res = tandem("generate", "--model", str(bart_dir), "--dtype", "float32", "--json", "--max-tokens", "500", "the rain", "red sun")
+    res = tandem("generate", "--model", str(bart_dir), "--dtype", "float32", "--device", "cpu", "--json", "--max-tokens",
+                 "500", "the rain", "red sun")
     assert res.returncode == 0, res.stderr
     assert res.stderr.count("capped to 126") == 1 and "128 decoder positions" in res.stderr
     records = [json.loads(line) for line in res.stdout.splitlines()]
@@ -58,7 +62,9 @@ def test_generate_on_the_demo_model_works_with_no_flags():
     assert res.stdout == "the cat sat on the mat\tmat the on sat cat the\n"
     # The CLI logs at INFO: one start-up line naming the backend and the pool.
     assert "engine ready: BartForConditionalGeneration" in res.stderr
-    assert re.search(r"attention backend (cpu_paged|torch_sdpa) \(the highest priority", res.stderr), res.stderr
+    # On CPU cpu_paged where its op builds, else torch_sdpa; no flags means cuda where there is one.
+    chosen = r"\w+" if torch.cuda.is_available() else "(cpu_paged|torch_sdpa)"
+    assert re.search(rf"attention backend {chosen} \(the highest priority", res.stderr), res.stderr
 
 
 def test_version_help_defaults_and_bad_flags():

@@ -24,8 +24,10 @@ def test_cuda_float32_matches_hf(bart_dir):
 def test_cuda_preemption_by_swap(bart_dir):
     prompts = [{"prompt_token_ids": [0, *range(5, 5 + n), 2]} for n in range(10, 40, 3)]
     params = SamplingParams(temperature=0.0, max_tokens=30, min_tokens=30)
-    small = LLM(model=str(bart_dir), device="cuda", block_size=4, num_kv_blocks=60, preemption_mode="swap")
+    small = LLM(model=str(bart_dir), dtype="float32", device="cuda", block_size=4, num_kv_blocks=60,
+                preemption_mode="swap")
     outs = small.generate(prompts, params, use_tqdm=False)
     assert small.get_stats()["swapped_out_blocks"] > 0
-    ref = LLM(model=str(bart_dir), device="cuda", block_size=4).generate(prompts, params, use_tqdm=False)
+    ref = LLM(model=str(bart_dir), dtype="float32", device="cuda", block_size=4).generate(prompts, params,
+                                                                                          use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]

@@ -220,7 +220,7 @@ def test_engine_start_is_logged_once_with_what_was_chosen(bart_dir, caplog):
     # How the linear layers multiply (packed oneDNN GEMMs where this build has them).
     assert "linear layers: " in line and ("packed" in line or "dense F.linear" in line)
     # cpu_paged (15) where its C++ op builds, else torch_sdpa (10) with cpu_paged's reason.
-    chosen = "torch_sdpa (the highest priority (10)" if ops._missing_tools() else "cpu_paged (the highest priority (15)"
+    chosen = "cpu_paged (the highest priority (15)" if ops.available() else "torch_sdpa (the highest priority (10)"
     assert f"attention backend {chosen} of those that can serve cpu/float32; passed over: " in line
     # Each backend passed over, with why: the operator sees why flash_attn did not run here.
     assert "flash_attn (priority 40): device 'cpu': FlashAttention kernels run on cuda only" in line

@@ -146,7 +146,8 @@ def test_transcribe_command(whisper, tmp_path):
     sf.write(flac, clip, 16000)
     res = subprocess.run(
         [sys.executable, "-m", "tandem.entrypoints.cli", "transcribe", str(path), str(wav), str(flac),
-         str(tmp_path / "gone.wav"), "--format", "json", "--language", "de", "--no-progress"],
+         str(tmp_path / "gone.wav"), "--format", "json", "--language", "de", "--no-progress",
+         "--dtype", "float32", "--device", "cpu"],  # the fixture's: "auto" is bfloat16 on a bf16 CPU
         capture_output=True, text=True,
     )
     assert res.returncode == 1, res.stderr  # one file failed
@@ -251,7 +252,7 @@ def test_transcribe_command_writes_subtitles(whisper_ts, tmp_path):
     for fmt in ("srt", "vtt"):
         res = subprocess.run(
             [sys.executable, "-m", "tandem.entrypoints.cli", "transcribe", str(path), str(wav), "--format", fmt,
-             "--language", "en", "--output-dir", str(out_dir), "--no-progress"],
+             "--language", "en", "--output-dir", str(out_dir), "--no-progress", "--dtype", "float32", "--device", "cpu"],
             capture_output=True, text=True,
         )
         assert res.returncode == 0, res.stderr

@@ -52,6 +52,19 @@ def cpu_capability() -> str:
         return "DEFAULT"
 
 
+def isa(capability: str | None = None) -> str:
+    """The build variant for a torch CPU capability (this process's by default):
+    ``avx512``, ``avx2`` or ``generic``. ``ATEN_CPU_CAPABILITY=avx2`` lowers torch's
+    capability, and with it this variant, on an AVX-512 CPU."""
+    capability = cpu_capability() if capability is None else capability
+    return (capability if capability in _ISA_FLAGS else "generic").lower()
+
+
+def library_name(capability: str | None = None) -> str:
+    """The extension's name (its cache directory and ``.so``) for that variant."""
+    return f"tandem_cpu_paged_{isa(capability)}"
+
+
 def _missing_tools() -> list[str]:
     from torch.utils import cpp_extension
 
@@ -68,21 +81,21 @@ def _build():
     from torch.utils import cpp_extension
 
     capability = cpu_capability()
-    isa = capability if capability in _ISA_FLAGS else "generic"
-    cflags = ["-O3", *_ISA_FLAGS.get(isa, [])]
+    variant = isa(capability)
+    cflags = ["-O3", *_ISA_FLAGS.get(capability, [])]
     ldflags = []
     if torch.backends.openmp.is_available():
         # at::parallel_for is inlined here; with OpenMP it needs -fopenmp to run in
         # parallel. libgomp resolves to the copy torch already loaded (same soname).
         cflags.append("-fopenmp")
         ldflags.append("-fopenmp")
-    name = f"tandem_cpu_paged_{isa.lower()}"
+    name = library_name(capability)
     try:
         cached = (Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so").exists()
     except Exception:
         cached = False
     if not cached:
-        logger.info("cpu_paged: building the C++ paged-attention op for %s (once per machine, ~10-60 s)", isa)
+        logger.info("cpu_paged: building the C++ paged-attention op for %s (once per machine, ~10-60 s)", variant)
     started = time.perf_counter()
     cpp_extension.load(
         name=name, sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=ldflags,
@@ -111,3 +124,13 @@ def load():
         if _op is None:
             raise CPUOpUnavailable(_error)
         return _op
+
+
+def available() -> bool:
+    """Whether :func:`load` succeeds here (building the op if need be): a compiler and
+    ninja are present *and* the build for this CPU's variant works."""
+    try:
+        load()
+    except CPUOpUnavailable:
+        return False
+    return True

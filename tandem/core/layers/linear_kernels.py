@@ -100,6 +100,12 @@ class Int8DynamicKernel:
         return _activate(y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype), activation)
 
 
+def onednn_bf16_gemm() -> bool:
+    """Whether oneDNN runs bfloat16 GEMMs on this CPU (avx512bw/vl/dq, avx_ne_convert
+    or AMX; ``ONEDNN_MAX_CPU_ISA`` can lower it). One place, so tests take both branches."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def packed_gemm_unsupported(device: torch.device, dtype: torch.dtype) -> list[str]:
     """Why the oneDNN packed kernel can't run here (empty: it can)."""
     reasons = []
@@ -107,7 +113,7 @@ def packed_gemm_unsupported(device: torch.device, dtype: torch.dtype) -> list[st
         reasons.append(f"device {device.type} is not cpu")
     if not torch.backends.mkldnn.is_available():
         reasons.append("this PyTorch build has no oneDNN (mkldnn)")
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if dtype == torch.bfloat16 and not onednn_bf16_gemm():
         reasons.append("oneDNN has no bfloat16 GEMM on this CPU (it needs avx512bw/vl/dq, avx_ne_convert or AMX)")
     elif dtype not in (torch.float32, torch.bfloat16):
         reasons.append(f"dtype {dtype} is not float32 or bfloat16")
