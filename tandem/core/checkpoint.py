@@ -22,8 +22,10 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     ):
         index = d / index_name
         if index.is_file():
+            _check_inside(d, index, f"weight index {index}")
             return _shard_files(d, index)
         if (d / single).is_file():
+            _check_inside(d, d / single, f"weight file {d / single}")
             return [d / single]
     raise WeightLoadError(
         f"no weights in {d}: expected model.safetensors, pytorch_model.bin or a sharded index"
@@ -62,16 +64,21 @@ def _shard_path(d: Path, index: Path, shard: str) -> Path:
         raise WeightLoadError(
             f"weight index {index} names shard {shard!r}, which is outside the checkpoint folder {d}"
         )
+    _check_inside(d, path, f"weight index {index} names shard {shard!r}")
+    return path
+
+
+def _check_inside(d: Path, path: Path, what: str) -> None:
+    """Refuse ``path`` (a file of checkpoint folder ``d``) when it is a link whose target lies
+    outside ``d``: a checkpoint is data, and must not make tandem read an arbitrary file on the
+    machine as weights (the sharded and the single-file layouts alike). ``what`` starts the
+    error message and names the file."""
     real, root = path.resolve(), d.resolve()
     # The Hugging Face hub cache keeps every file of snapshots/<revision>/ as a symlink into the
     # repository's blobs/ folder, outside the snapshot; that layout is a legitimate checkpoint.
     hub_blob = root.parent.name == "snapshots" and real.parent == root.parent.parent / "blobs"
     if not (real.is_relative_to(root) or hub_blob):
-        raise WeightLoadError(
-            f"weight index {index} names shard {shard!r}, a link to {real}, which is outside "
-            f"the checkpoint folder {d}"
-        )
-    return path
+        raise WeightLoadError(f"{what}, a link to {real}, which is outside the checkpoint folder {d}")
 
 
 def _short(value) -> str:
