@@ -13,6 +13,8 @@ from tandem.registry._lazy import DuplicateRegistrationError
 
 ENTRY_POINT_GROUP = "tandem.plugins"
 ENV_VAR = "TANDEM_PLUGINS"
+# tandem's own distribution: its plugins (tandem-models, tandem-torch-sdpa, ...) run first.
+TANDEM_DISTRIBUTION = "tandem-engine"
 _HOOKS = ("tandem_register_models", "tandem_register_attention_backends")
 
 
@@ -59,6 +61,21 @@ def exclusion_hint(infos: list[PluginInfo]) -> str:
 
 def _cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
+
+
+def is_tandem_plugin(info: PluginInfo) -> bool:
+    """Whether ``info`` is one of tandem's own plugins: from the tandem-engine distribution
+    or, for an entry point with no distribution behind it (tests), one in the tandem package."""
+    if info.distribution is not None:
+        return info.distribution == TANDEM_DISTRIBUTION
+    return info.value.partition(":")[0].split(".")[0] == "tandem"
+
+
+def _remedy(info: PluginInfo) -> str:
+    """How the user gets rid of plugin ``info``."""
+    if info.distribution:
+        return f"uninstall it (`pip uninstall {info.distribution}`)"
+    return f"remove it from the '{ENTRY_POINT_GROUP}' entry points"
 
 
 class PluginManager:
@@ -149,9 +166,16 @@ class PluginManager:
 
     def register_all(self, model_registry, backend_registry, strict: bool = True) -> None:
         """Call each plugin's hooks, one plugin at a time, so that every
-        registration (and every failure) is attributed to its plugin."""
-        for name in list(self._objects):
+        registration (and every failure) is attributed to its plugin.
+
+        tandem's own plugins run first, then the others in name order: a name registered
+        twice without ``override=True`` is then blamed on the plugin that came second, which
+        is never tandem's own because a third-party plugin sorts before ``tandem-models``.
+        A plugin that fails leaves no registration behind."""
+        order = sorted(self._objects, key=lambda n: (not is_tandem_plugin(self.plugins[n]), n))
+        for name in order:
             others = [o for n, o in self._objects.items() if n != name]
+            before = model_registry.snapshot(), backend_registry.snapshot()
             for hook, registry in (
                 ("tandem_register_models", model_registry),
                 ("tandem_register_attention_backends", backend_registry),
@@ -162,15 +186,15 @@ class PluginManager:
                         caller(registry=registry)
                     except KeyboardInterrupt:
                         raise
-                    except DuplicateRegistrationError as e:
-                        if strict:  # the message already names both plugins
-                            raise PluginError(str(e)) from e
-                        self._fail(name, f"failed in {hook}: {e}", e)
+                    except DuplicateRegistrationError as e:  # the message names both plugins
+                        self._fail(name, f"failed in {hook}: {e}, or {_remedy(self.plugins[name])}", e)
                     except BaseException as e:  # SystemExit too, as for imports
                         self._fail(name, f"failed in {hook}: {_cause(e)}", e)
-                        if strict:
-                            self._raise_first_failure()
                 if name not in self._objects:
+                    model_registry.restore(before[0])
+                    backend_registry.restore(before[1])
+                    if strict:
+                        self._raise_first_failure()
                     break  # broken: its other hook is not called
         for name, info in self.plugins.items():
             info.models = [n for n in model_registry.names() if model_registry.owner(n) == name]

@@ -30,7 +30,13 @@ def _describe(target: Any) -> str:
 
 
 class DuplicateRegistrationError(ValueError):
-    pass
+    """A name registered again without ``override=True``. The registration that came second
+    is the one refused: ``owner`` made it (a plugin name, None for a direct call), and
+    ``first_owner`` holds the name."""
+
+    def __init__(self, message: str, name: str, owner: str | None, first_owner: str | None) -> None:
+        super().__init__(message)
+        self.name, self.owner, self.first_owner = name, owner, first_owner
 
 
 class LazyRegistry(Generic[T]):
@@ -56,6 +62,15 @@ class LazyRegistry(Generic[T]):
         finally:
             self._current_owner = None
 
+    def snapshot(self) -> tuple:
+        """The registrations as they stand, for :meth:`restore`."""
+        return dict(self._entries), dict(self._loaded), dict(self._owners), dict(self._overrides)
+
+    def restore(self, state: tuple) -> None:
+        """Undo every registration made since :meth:`snapshot` returned ``state`` (a plugin
+        that failed part of the way through its hook leaves nothing behind)."""
+        self._entries, self._loaded, self._owners, self._overrides = (dict(d) for d in state)
+
     def owner(self, name: str) -> str | None:
         """The plugin that registered ``name`` (None when registered directly)."""
         return self._owners.get(name)
@@ -80,8 +95,8 @@ class LazyRegistry(Generic[T]):
             raise DuplicateRegistrationError(
                 f"{self.kind} {name!r} is registered twice: by {old_owner} "
                 f"({self._describe(name)}) and by {new_owner} "
-                f"({_describe(target)}); "
-                "pass override=True to replace it"
+                f"({_describe(target)}); {new_owner} must pass override=True to replace it",
+                name, self._current_owner, self._owners.get(name),
             )
         if name in self._entries:  # an override replacing a built-in or another plugin's entry
             logger.warning(
