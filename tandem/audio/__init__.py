@@ -16,10 +16,11 @@ from tandem.audio.features import (
     mel_filter_bank,
     pad_or_trim,
 )
-from tandem.audio.io import AudioError, load_audio
+from tandem.audio.io import AudioError, AudioTooLongError, load_audio
 
 __all__ = [
     "AudioError",
+    "AudioTooLongError",
     "HOP_LENGTH",
     "N_FFT",
     "N_FRAMES",

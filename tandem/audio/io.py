@@ -5,11 +5,20 @@ libsndfile knows); for other containers (M4A, WebM, MP4...) ``av`` (PyAV) is use
 when installed. Multi-channel audio is mixed down by averaging its channels, and
 any rate other than 16 kHz is resampled with ``soxr`` (or, without it,
 ``torchaudio``), never by picking samples.
+
+Files are decoded block by block: each block is mixed down (and, with ``soxr``,
+resampled) as it comes, so memory holds the 16 kHz result rather than every
+channel at the file's rate. A file's declared rate is held to the range arrays
+are (1000..384000 Hz) before anything is decoded, and ``max_seconds`` is checked
+against the length the header declares, then again while decoding: a small file
+that expands to hours (a WAV declaring 1 Hz, an hour of silence in a FLAC) is
+refused after at most ``max_seconds`` of it was decoded, not after all of it.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 from pathlib import Path
 
@@ -23,11 +32,24 @@ _MAX_RATE = 384000
 _MAX_CHANNELS = 8
 
 
+_BLOCK_FRAMES = 1 << 16  # frames decoded at a time from a file
+_UNKNOWN_FRAMES = 1 << 62  # libsndfile's frame count for a file whose header does not say (SF_COUNT_MAX)
+
+
 class AudioError(ValueError):
     """Audio that cannot be loaded or turned into features; the message names the bad value."""
 
 
-def load_audio(source, sampling_rate: int | None = None) -> torch.Tensor:
+class AudioTooLongError(AudioError):
+    """Audio longer than the ``max_seconds`` it was loaded with (``seconds`` is what was
+    declared or decoded before stopping, ``limit`` the limit)."""
+
+    def __init__(self, message: str, seconds: float, limit: float) -> None:
+        super().__init__(message)
+        self.seconds, self.limit = seconds, limit
+
+
+def load_audio(source, sampling_rate: int | None = None, *, max_seconds: float | None = None) -> torch.Tensor:
     """A 1-D float32 CPU tensor of mono samples at 16 kHz.
 
     ``source`` is a file path (``str`` or ``os.PathLike``), the bytes of an audio
@@ -36,14 +58,24 @@ def load_audio(source, sampling_rate: int | None = None) -> torch.Tensor:
     channels along the shorter axis (``[channels, samples]`` or
     ``[samples, channels]``); integer PCM is scaled to [-1, 1] as soundfile does
     (int16 / 32768, uint8 centred on 128...). For a file, the rate comes from the
-    file; a ``sampling_rate`` given with one must agree with it.
+    file; a ``sampling_rate`` given with one must agree with it, and the file's
+    own rate must lie in 1000..384000 Hz as an array's must.
+
+    ``max_seconds`` (default: no limit) refuses longer audio with
+    :class:`AudioTooLongError`: a file is refused from its header when the header
+    says how long it is, else once decoding passes the limit (never decoded to the
+    end); an array from its shape, before it is resampled.
 
     Raises :class:`AudioError` on anything it cannot load.
     """
+    if max_seconds is not None:
+        if isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float)) or not max_seconds > 0 \
+                or not math.isfinite(max_seconds):
+            raise AudioError(f"max_seconds must be a positive number of seconds or None, got {max_seconds!r}")
     if isinstance(source, (str, os.PathLike)):
-        return _load_file(source, sampling_rate)
+        return _load_file(source, sampling_rate, max_seconds)
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return _load_file(bytes(source), sampling_rate)
+        return _load_file(bytes(source), sampling_rate, max_seconds)
     if isinstance(source, (np.ndarray, torch.Tensor)):
         shape = tuple(source.shape)
         if sampling_rate is None:
@@ -54,6 +86,11 @@ def load_audio(source, sampling_rate: int | None = None) -> torch.Tensor:
         rate = _check_rate(sampling_rate)
         samples = _to_float(_to_numpy(source), f"array of shape {shape}")
         mono = _mix_down(samples, f"array of shape {shape}")
+        if max_seconds is not None and mono.size > max_seconds * rate:
+            seconds = mono.size / rate
+            raise AudioTooLongError(
+                f"audio too long: an array of shape {shape} at {rate} Hz is {seconds:.1f} s, over the "
+                f"{max_seconds:g}-second limit (max_seconds)", seconds, max_seconds)
         return _finish(mono, rate, f"array of shape {shape}")
     raise AudioError(
         f"cannot load audio from a {type(source).__name__}: pass a file path, the bytes of a file, "
@@ -64,7 +101,7 @@ def load_audio(source, sampling_rate: int | None = None) -> torch.Tensor:
 # --------------------------------------------------------------------------- files
 
 
-def _load_file(source: str | os.PathLike | bytes, sampling_rate: int | None) -> torch.Tensor:
+def _load_file(source: str | os.PathLike | bytes, sampling_rate: int | None, max_seconds: float | None) -> torch.Tensor:
     if sampling_rate is not None:
         sampling_rate = _check_rate(sampling_rate)
     if isinstance(source, bytes):
@@ -79,21 +116,100 @@ def _load_file(source: str | os.PathLike | bytes, sampling_rate: int | None) -> 
         if not path.is_file():
             raise AudioError(f"not a file: {what}")
         source = str(path)
-
-    samples, rate = _read(source, what)
-    if sampling_rate is not None and sampling_rate != rate:
-        raise AudioError(
-            f"{what} is sampled at {rate} Hz but sampling_rate={sampling_rate} was given; "
-            "leave sampling_rate out for files"
-        )
-    if rate <= 0:
-        raise AudioError(f"{what} declares an invalid sampling rate of {rate} Hz")
-    mono = _mix_down(_to_float(samples, what), what, channels_last=True)
-    return _finish(mono, rate, what)
+    return _read(source, what, sampling_rate, max_seconds)
 
 
-def _read(source: str | bytes, what: str) -> tuple[np.ndarray, int]:
-    """``[samples, channels]`` and the rate, with soundfile, else with PyAV."""
+class _Decoded:
+    """What a file decodes to, block by block: each ``[frames, channels]`` block is
+    checked for non-finite samples, mixed down to mono and (with soxr) resampled
+    to 16 kHz at once, so no more than a block of the file's own channels and rate
+    is held. ``max_seconds`` is checked against the declared length first, then as
+    blocks come in."""
+
+    def __init__(self, what: str, sampling_rate: int | None, max_seconds: float | None) -> None:
+        self.what, self.sampling_rate, self.max_seconds = what, sampling_rate, max_seconds
+        self.rate: int | None = None
+        self.frames = 0  # decoded, per channel, at the file's rate
+        self.values = 0  # decoded, all channels
+        self.bad = self.nan = 0
+        self.chunks: list[np.ndarray] = []
+        self.stream = None
+
+    def start(self, rate, declared_seconds: float | None = None) -> None:
+        what = self.what
+        rate = int(rate)
+        if self.sampling_rate is not None and self.sampling_rate != rate:
+            raise AudioError(
+                f"{what} is sampled at {rate} Hz but sampling_rate={self.sampling_rate} was given; "
+                "leave sampling_rate out for files"
+            )
+        if not _MIN_RATE <= rate <= _MAX_RATE:  # the range arrays are held to
+            raise AudioError(f"{what} declares a sampling rate of {rate} Hz, outside {_MIN_RATE}..{_MAX_RATE} Hz")
+        if self.max_seconds is not None and declared_seconds is not None and declared_seconds > self.max_seconds:
+            raise AudioTooLongError(
+                f"audio too long: {what} declares {declared_seconds:.1f} s, over the {self.max_seconds:g}-second "
+                "limit (max_seconds)", declared_seconds, self.max_seconds)
+        self.rate = rate
+        if rate != SAMPLE_RATE:
+            try:
+                import soxr
+            except ImportError:  # no streaming resampler: the mono samples are resampled at the end
+                pass
+            else:
+                self.stream = soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ")
+
+    def room(self) -> int | None:
+        """Frames that may still be decoded (one more than that is over the limit)."""
+        if self.max_seconds is None:
+            return None
+        return max(0, int(math.floor(self.max_seconds * self.rate)) - self.frames) + 1
+
+    def add(self, block: np.ndarray) -> None:
+        """``block``: float ``[frames, channels]``."""
+        if block.size == 0:
+            return
+        self.frames += block.shape[0]
+        self.values += block.size
+        if self.max_seconds is not None and self.frames > self.max_seconds * self.rate:
+            seconds = self.frames / self.rate
+            raise AudioTooLongError(
+                f"audio too long: {self.what} runs past the {self.max_seconds:g}-second limit (max_seconds); "
+                f"decoding stopped at {seconds:.1f} s", seconds, self.max_seconds)
+        finite = np.isfinite(block)
+        if not finite.all():
+            self.bad += int(block.size - finite.sum())
+            self.nan += int(np.isnan(block).sum())
+        if self.bad:  # the load fails: only the count goes on
+            return
+        if block.shape[1] == 1:
+            mono = np.ascontiguousarray(block.reshape(-1), dtype=np.float32)
+        else:
+            mono = block.mean(axis=1, dtype=np.float64).astype(np.float32)
+        self.chunks.append(self.stream.resample_chunk(mono) if self.stream is not None else mono)
+
+    def finish(self) -> torch.Tensor:
+        what = self.what
+        if self.values == 0:
+            raise AudioError(f"empty audio: 0 samples ({what})")
+        if self.bad:
+            raise AudioError(
+                f"audio has {self.bad} non-finite samples ({self.nan} NaN, {self.bad - self.nan} inf) "
+                f"out of {self.values}: {what}"
+            )
+        if self.stream is not None:
+            self.chunks.append(self.stream.resample_chunk(np.zeros(0, np.float32), last=True))
+            x = np.concatenate(self.chunks) if len(self.chunks) > 1 else self.chunks[0]
+            if x.size == 0:
+                raise AudioError(
+                    f"audio too short: {what} resamples from {self.rate} Hz to 0 samples at {SAMPLE_RATE} Hz")
+            return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+        x = np.concatenate(self.chunks) if len(self.chunks) > 1 else self.chunks[0]
+        self.chunks = []
+        return _finish(x, self.rate, what)
+
+
+def _read(source: str | bytes, what: str, sampling_rate: int | None, max_seconds: float | None) -> torch.Tensor:
+    """Decode with soundfile, else with PyAV; mono at 16 kHz."""
     reason = None
     try:
         import soundfile
@@ -101,10 +217,22 @@ def _read(source: str | bytes, what: str) -> tuple[np.ndarray, int]:
         reason = "soundfile is not installed (pip install soundfile)"
     else:
         try:
-            data, rate = soundfile.read(
-                io.BytesIO(source) if isinstance(source, bytes) else source, dtype="float32", always_2d=True
-            )
-            return data, int(rate)
+            with soundfile.SoundFile(io.BytesIO(source) if isinstance(source, bytes) else source) as f:
+                out = _Decoded(what, sampling_rate, max_seconds)
+                # A header that says how long the file is is believed; libsndfile gives
+                # 2**63 - 1 frames when it does not say (decoding stops at the limit then).
+                declared = f.frames / f.samplerate if 0 < f.frames < _UNKNOWN_FRAMES and f.samplerate > 0 else None
+                out.start(f.samplerate, declared)
+                while True:
+                    room = out.room()
+                    block = f.read(frames=_BLOCK_FRAMES if room is None else min(_BLOCK_FRAMES, room),
+                                   dtype="float32", always_2d=True)
+                    if block.shape[0] == 0:
+                        break
+                    out.add(block)
+                return out.finish()
+        except AudioError:
+            raise
         except Exception as e:  # libsndfile's errors: unknown format, truncated file, I/O...
             # LibsndfileError carries libsndfile's own words apart from "Error opening <file>: ".
             reason = (getattr(e, "error_string", None) or str(e) or type(e).__name__).strip().rstrip(".")
@@ -117,34 +245,39 @@ def _read(source: str | bytes, what: str) -> tuple[np.ndarray, int]:
             "`pip install av` adds other containers (M4A, WebM, MP4...)"
         ) from None
     try:
-        return _read_with_av(av, source, what)
+        return _read_with_av(av, source, what, _Decoded(what, sampling_rate, max_seconds))
     except AudioError:
         raise
     except Exception as e:
         raise AudioError(f"unreadable audio file {what}: {reason} (soundfile); {e} (PyAV)") from e
 
 
-def _read_with_av(av, source: str | bytes, what: str) -> tuple[np.ndarray, int]:
-    chunks = []
-    rate = None
+def _read_with_av(av, source: str | bytes, what: str, out: _Decoded) -> torch.Tensor:
     with av.open(io.BytesIO(source) if isinstance(source, bytes) else source) as container:
         if not container.streams.audio:
             raise AudioError(f"unreadable audio file {what}: it has no audio stream")
+        stream = container.streams.audio[0]
+        declared = None
+        if stream.duration is not None and stream.time_base is not None:
+            declared = float(stream.duration * stream.time_base)
+        elif container.duration is not None:
+            declared = container.duration / 1_000_000  # av.time_base: microseconds
         resampler = None
-        for frame in container.decode(container.streams.audio[0]):
+        for frame in container.decode(stream):
             if resampler is None:
                 # Only the sample format changes (to planar float32): the channels and
-                # the rate stay, for load_audio's own mix-down and resampler.
-                rate = frame.sample_rate
-                resampler = av.AudioResampler(format="fltp", layout=frame.layout, rate=rate)
-            for out in resampler.resample(frame):
-                chunks.append(out.to_ndarray())
-        if resampler is not None:
-            for out in resampler.resample(None):
-                chunks.append(out.to_ndarray())
-    if not chunks:
+                # the rate stay, for the mix-down and the resampler.
+                out.start(frame.sample_rate, declared)
+                resampler = av.AudioResampler(format="fltp", layout=frame.layout, rate=frame.sample_rate)
+            for o in resampler.resample(frame):
+                out.add(o.to_ndarray().T)  # [channels, samples] -> [samples, channels]
+        if resampler is None:
+            raise AudioError(f"empty audio: {what} decodes to 0 samples")
+        for o in resampler.resample(None):
+            out.add(o.to_ndarray().T)
+    if out.values == 0:
         raise AudioError(f"empty audio: {what} decodes to 0 samples")
-    return np.concatenate(chunks, axis=1).T, int(rate)  # [samples, channels]
+    return out.finish()
 
 
 # --------------------------------------------------------------------------- arrays

@@ -36,7 +36,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="attention backend name (default: $TANDEM_ATTENTION_BACKEND, else the first that can serve)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype; auto: the checkpoint's on GPU, on CPU bfloat16 where the CPU has it "
-                        "natively (avx512_bf16 / AMX), else float32")
+                        "natively (avx512_bf16 / AMX), else float32; $TANDEM_AUTO_DTYPE, when set, is what auto "
+                        "means instead")
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="int8: int8 weights with dynamically quantized activations (CPU)")
     p.add_argument("--cpu-gemm", default="auto", choices=["auto", "packed", "dense"],
@@ -99,9 +100,14 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
     sv.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
-    sv.add_argument("--max-queued-requests", type=int, default=None,
-                    help="answer 503 with Retry-After while this many requests wait")
-    sv.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    sv.add_argument("--max-queued-requests", type=_positive_int, default=None,
+                    help="sequences (prompts x n, or beams) that may wait for admission; a request that would go "
+                         "over gets 503 with Retry-After (400 if it alone is over)")
+    sv.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20,
+                    help="request bodies (chunked or not, multipart included) are refused with 413 once over this")
+    sv.add_argument("--max-audio-seconds", type=_non_negative_seconds, default=1800.0,
+                    help="audio endpoints: longer audio gets 413, checked from the file's header and while "
+                         "decoding (0: no limit)")
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="seconds running requests may take to finish after SIGTERM")
     _engine_args(sv)
@@ -119,6 +125,20 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     _engine_args(demo)
     demo.add_argument("sentences", nargs="*", help="sentences to reverse (default: built-in examples)")
     return parser, {"generate": gen, "transcribe": tr, "serve": sv, "plugins": plugins, "demo": demo}
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
 
 
 def _llm(args, model: str):

@@ -42,6 +42,9 @@ class ServerMetrics:
         self.request_success = Counter(
             "tandem:request_success", "Finished requests by finish reason", ["finished_reason"], registry=r
         )
+        # Shown from the start at 0, so a rate() over them works before the first of each.
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(finished_reason=reason)
         self.ttft = Histogram("tandem:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS,
                               registry=r)
         self.itl = Histogram("tandem:inter_token_latency_seconds", "Time between output tokens",

@@ -13,14 +13,20 @@ PromptItem = Union[str, list[int], dict[str, Any]]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class CompletionRequest(BaseModel):
     """``POST /v1/completions``. Only the fields a client sets reach
-    ``SamplingParams``; the rest come from the checkpoint's generation config."""
+    ``SamplingParams``; the rest come from the checkpoint's generation config.
 
-    model_config = ConfigDict(extra="forbid")
+    Strict: a value of the wrong JSON type is a 400 naming the field, never
+    coerced (``"max_tokens": "5"``, ``"stream": "yes"``, ``"n": true``, a float
+    where an int is due). An int where a float is due is taken as that float."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: Union[str, list[int], list[str], list[list[int]], dict[str, Any], list[dict[str, Any]]]
@@ -53,7 +59,9 @@ class CompletionRequest(BaseModel):
     length_penalty: float | None = None
     bad_words_ids: list[list[int]] | None = None
     allowed_token_ids: list[int] | None = None
-    request_id: str | None = Field(default=None, description="optional id for logs and aborts")
+    # Echoed as the response's id and logged; the engine's request ids are the
+    # server's own, so one client's id never meets another's.
+    request_id: str | None = Field(default=None, max_length=256, description="optional id, echoed in the response")
 
     _SAMPLING = (
         "max_tokens", "temperature", "top_p", "n", "seed", "logprobs", "presence_penalty", "frequency_penalty",
