@@ -74,15 +74,21 @@ def llm(bart_dir):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
 def test_a_request_whose_every_token_is_banned_ends_with_its_own_reason(llm, temperature):
-    banned = SamplingParams(temperature=temperature, max_tokens=5, allowed_token_ids=[7], bad_words_ids=[[7]],
+    # Every id of the vocabulary suppressed. (allowed_token_ids=[7] with bad_words_ids=[[7]] is not
+    # such a request: HF's prefix-constrained rule revives the allowed tokens when all were banned.)
+    vocab = llm.engine.vocab_size
+    banned = SamplingParams(temperature=temperature, max_tokens=5, suppress_tokens=list(range(vocab)),
                             logprobs=2, seed=1)
+    revived = SamplingParams(temperature=temperature, max_tokens=3, allowed_token_ids=[7], bad_words_ids=[[7]],
+                             ignore_eos=True, seed=1)
     later = SamplingParams(temperature=temperature, max_tokens=5, allowed_token_ids=[7, 8], ignore_eos=True,
                            suppress_tokens=[8], seed=1)  # only 7 left: fine
     good = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    outs = llm.generate([PROMPT] * 3, [banned, later, good], use_tqdm=False)
+    outs = llm.generate([PROMPT] * 4, [banned, later, good, revived], use_tqdm=False)
     c = outs[0].outputs[0]
     assert (c.token_ids, c.finish_reason, outs[0].error) == ([], "no_allowed_token", None)
     assert outs[1].outputs[0].token_ids == [7] * 5
+    assert outs[3].outputs[0].token_ids == [7] * 3
     alone = llm.generate([PROMPT], good, use_tqdm=False)[0].outputs[0].token_ids
     assert outs[2].outputs[0].token_ids == alone
     s = llm.get_stats()
@@ -111,7 +117,12 @@ async def test_logprobs_of_banned_tokens_never_reach_json_as_infinity(bart_dir):
             r = await c.post("/v1/completions", json={**body, "stream": True})
             events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
             assert events and all(_strict(e) for e in events)
-            banned = {**body, "bad_words_ids": [[5]]}
+            # Every id banned: single-token bad words for all but EOS (HF keeps EOS out of those),
+            # and EOS by min_tokens. (bad_words_ids=[[5]] beside allowed_token_ids=[5] is no such
+            # request: HF's prefix-constrained rule revives the allowed tokens when all were banned.)
+            vocab = engine.engine.vocab_size
+            banned = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 3, "min_tokens": 3,
+                      "bad_words_ids": [[t] for t in range(vocab)]}
             r = await c.post("/v1/completions", json=banned)
             choice = _strict(r.text)["choices"][0]
             assert (r.status_code, choice["finish_reason"], choice["text"]) == (200, "no_allowed_token", "")
