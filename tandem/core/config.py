@@ -33,7 +33,7 @@ class EngineConfig:
     model: str
     tokenizer: str | None = None
     # "auto": the checkpoint's dtype on GPU; on CPU bfloat16 where native, else float32;
-    # $TANDEM_AUTO_DTYPE, when set, overrides what "auto" means (core/dtype.py).
+    # $TANDEM_AUTO_DTYPE, when set, overrides what "auto" means; with int8 "auto" is float32 (core/dtype.py).
     dtype: str | torch.dtype = "auto"
     device: str = "auto"
     block_size: int = 16
@@ -88,17 +88,22 @@ class EngineConfig:
         # A bad $TANDEM_AUTO_DTYPE is refused whatever dtype is asked for, so a typo
         # never goes unnoticed; a valid one changes only what "auto" means.
         auto_dtype_override()
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization={self.quantization!r}: must be None or 'int8'")
         if self.dtype == "auto":
-            self.torch_dtype, self.dtype_reason = resolve_auto_dtype(self.model, self.torch_device)
+            self.torch_dtype, self.dtype_reason = resolve_auto_dtype(self.model, self.torch_device, self.quantization)
         else:
             self.torch_dtype = _DTYPES[self.dtype] if isinstance(self.dtype, str) else self.dtype
             self.dtype_reason = "asked for"
+            if self.quantization == "int8" and self.torch_dtype != torch.float32:
+                raise ValueError(
+                    f"dtype={self.dtype!r} with quantization='int8': int8 dynamic quantization computes in "
+                    "float32; use dtype='float32' or 'auto' (which means float32 with int8), or drop quantization"
+                )
         if self.cpu_gemm not in ("auto", "packed", "dense"):
             raise ValueError(f"cpu_gemm={self.cpu_gemm!r}: must be 'auto', 'packed' or 'dense'")
         if self.cpu_malloc not in ("auto", "system"):
             raise ValueError(f"cpu_malloc={self.cpu_malloc!r}: must be 'auto' or 'system'")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization={self.quantization!r}: must be None or 'int8'")
         if not is_int(self.block_size) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size={self.block_size!r}: must be an integer in [1, 1024]")
         if self.num_kv_blocks is not None and (not is_int(self.num_kv_blocks) or self.num_kv_blocks < 1):

@@ -10,6 +10,11 @@
   when set, is what ``"auto"`` means instead, whatever the machine. CI sets
   ``TANDEM_AUTO_DTYPE=bfloat16`` to run the suite as an avx512_bf16 CPU would
   on any CPU. An explicit dtype is never overridden.
+- With ``quantization="int8"``: float32 always, because int8 dynamic
+  quantization computes in float32 (its kernel takes and returns float32);
+  ``$TANDEM_AUTO_DTYPE`` does not change that, so a CI run that makes "auto"
+  mean bfloat16 still runs int8. An explicit dtype other than float32 with
+  int8 is an error (EngineConfig).
 """
 
 from __future__ import annotations
@@ -61,13 +66,22 @@ def cpu_native_bf16() -> tuple[bool, str]:
     return False, f"the CPU has neither avx512_bf16 nor AMX (capability {torch.backends.cpu.get_cpu_capability()})"
 
 
-def resolve_auto_dtype(model_dir: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """The dtype ``"auto"`` means here, with the reason the engine logs:
-    ``$TANDEM_AUTO_DTYPE`` when set, else what the device and checkpoint call for."""
+def resolve_auto_dtype(
+    model_dir: str | None, device: torch.device, quantization: str | None = None
+) -> tuple[torch.dtype, str]:
+    """The dtype ``"auto"`` means here, with the reason the engine logs: float32
+    for int8, else ``$TANDEM_AUTO_DTYPE`` when set, else what the device and
+    checkpoint call for. ``model_dir`` None: no checkpoint at hand (``tandem
+    plugins``), so on a GPU bfloat16 stands for the checkpoint's dtype."""
     override = auto_dtype_override()
+    if quantization == "int8":
+        ignored = f"; {AUTO_DTYPE_ENV}={_name(override[0])} does not apply to int8" if override else ""
+        return torch.float32, f"float32: int8 dynamic quantization computes in float32{ignored}"
     if override is not None:
         return override
     if device.type != "cpu":
+        if model_dir is None:
+            return torch.bfloat16, "the checkpoint's dtype on GPU (bfloat16 shown)"
         found = checkpoint_dtype(model_dir)
         if found is None:
             return torch.float32, "the checkpoint names no dtype"
@@ -76,3 +90,7 @@ def resolve_auto_dtype(model_dir: str, device: torch.device) -> tuple[torch.dtyp
     if native:
         return torch.bfloat16, f"bfloat16 on CPU: {why}"
     return torch.float32, f"float32 on CPU: {why}, so bfloat16 would be emulated"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -37,9 +37,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype; auto: the checkpoint's on GPU, on CPU bfloat16 where the CPU has it "
                         "natively (avx512_bf16 / AMX), else float32; $TANDEM_AUTO_DTYPE, when set, is what auto "
-                        "means instead")
+                        "means instead; with --quantization int8, float32")
     p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8: int8 weights with dynamically quantized activations (CPU)")
+                   help="int8: int8 weights with dynamically quantized activations (CPU; computes in float32, so "
+                        "--dtype auto or float32) (default: none, the checkpoint's weights in --dtype)")
     p.add_argument("--cpu-gemm", default="auto", choices=["auto", "packed", "dense"],
                    help="CPU linear layers: oneDNN pre-packed weights (auto: where they run) or plain F.linear")
     p.add_argument("--cpu-malloc", default="auto", choices=["auto", "system"],
