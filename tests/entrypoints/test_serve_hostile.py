@@ -348,6 +348,39 @@ async def test_openapi_needs_the_key_and_docs_are_off(bart_engine):
         assert (await c.get("/docs")).status_code == 404
 
 
+@pytest.mark.asyncio
+async def test_unknown_routes_and_methods_are_openai_shaped(bart_engine, whisper_engine):
+    async with _client(build_app(bart_engine, served_model_name="m")) as c:
+        chat = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        msg = _error(chat, 404)
+        assert "encoder/decoder model" in msg and "/v1/completions" in msg and "audio" not in msg, msg
+        nowhere = await c.get("/v1/nowhere")
+        assert "no route GET /v1/nowhere" in _error(nowhere, 404) and "/v1/completions" in nowhere.text
+        assert _error(await c.get("/docs"), 404)
+        wrong = await c.get("/v1/completions")
+        assert "method GET is not allowed on /v1/completions (use POST)" in _error(wrong, 405)
+        assert wrong.headers["allow"] == "POST"
+        assert "detail" not in (await c.delete("/v1/models")).json()
+    async with _client(build_app(whisper_engine, served_model_name="w")) as c:
+        chat = await c.post("/v1/chat/completions", json={})
+        assert "/v1/audio/transcriptions" in _error(chat, 404)
+
+
+@pytest.mark.asyncio
+async def test_malformed_json_says_so_with_its_position(bart_engine):
+    async with _client(build_app(bart_engine, served_model_name="m")) as c:
+        for body, where in ((b'{"prompt": "x",', "line 1 column 15"), (b"not json", "line 1 column 2"),
+                            (b'{"prompt": "x"} x', "line 1 column 17"), (b"", "line 1 column 0")):
+            r = await c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            msg = _error(r, 400)
+            assert msg.startswith("invalid JSON body: ") and msg.endswith(where), msg
+        listed = await c.post("/v1/completions", json=[1, 2])
+        assert _error(listed, 400) == "the body must be a JSON object (got list)"
+        huge = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": "9" * 5000})
+        msg = _error(huge, 400)
+        assert msg.startswith("max_tokens: ") and len(msg) < 400, msg  # the bad value quoted, not all of it
+
+
 # ------------------------------------------------------------------ drain, aborts
 
 

@@ -33,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from tandem.entrypoints.openai.metrics import ServerMetrics
@@ -148,6 +149,26 @@ class _Guard:
         start, body = _json_response_messages(status, message, headers)
         await send(start)
         await send(body)
+
+
+def _validation_message(errors) -> str:
+    """One message for pydantic's errors, each naming its field (or the body)."""
+    parts = []
+    for e in errors:
+        if e.get("type") == "json_invalid":  # the message says where: "... at line 1 column 15"
+            why = (e.get("ctx") or {}).get("error") or e.get("msg", "")
+            parts.append(f"invalid JSON body: {why}")
+            continue
+        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        if not where and e.get("type") == "model_type":
+            parts.append(f"the body must be a JSON object (got {type(e.get('input')).__name__})")
+            continue
+        got = ""
+        if "input" in e:
+            got = repr(e["input"])
+            got = f" (got {got[:200]}...)" if len(got) > 200 else f" (got {got})"
+        parts.append(f"{where or 'body'}: {e.get('msg')}{got}")
+    return "; ".join(parts) or "invalid request body"
 
 
 def _units(params) -> int:
@@ -266,11 +287,29 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        parts = []
-        for e in exc.errors():
-            where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            parts.append(f"{where}: {e.get('msg')}" + (f" (got {e['input']!r})" if "input" in e else ""))
-        return error(400, "; ".join(parts) or "invalid request body")
+        return error(400, _validation_message(exc.errors()))
+
+    is_audio = issubclass(engine.engine.model_cls, WhisperForConditionalGeneration)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette_http(request: Request, exc: StarletteHTTPException):
+        """Routing's own errors (no such route: 404; a route without this method:
+        405) in OpenAI's shape, saying what this server does serve."""
+        method, path = request.method, request.url.path
+        if exc.status_code == 404:
+            served = "POST /v1/completions" + (", POST /v1/audio/transcriptions and /v1/audio/translations"
+                                               if is_audio else "")
+            if path.rstrip("/") in ("/v1/chat/completions", "/v1/responses"):
+                message = (f"{path} is not served: this server serves an encoder/decoder model "
+                           f"({engine.engine.architecture}), which takes no chat messages; use {served}")
+            else:
+                message = f"no route {method} {path}: this server serves {served}, GET /v1/models"
+        elif exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow", "")
+            message = f"method {method} is not allowed on {path}" + (f" (use {allow})" if allow else "")
+        else:
+            message = str(exc.detail)
+        return error(exc.status_code, message, dict(exc.headers or {}))
 
     @app.get("/health")
     async def health():
