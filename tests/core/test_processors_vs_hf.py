@@ -233,6 +233,43 @@ def test_bad_words(kind):
     assert not out[:, 2].isneginf()[[0, 2, 6, 8]].any()  # the EOS single-token bad word was dropped
 
 
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_many_bad_words_of_every_width_match_hf(seed):
+    """Hundreds of words per request, prefixes 1 to 40 long (every width bucket,
+    shared words across buckets' edges), several requests with several rows each
+    (n > 1 shares one params object), rows ending on a word's prefix or on part of
+    one, histories shorter than some prefixes: every row equals HF's processor."""
+    rng = random.Random(seed)
+    settings = []
+    for _ in range(5):
+        words = []
+        for _ in range(rng.randint(50, 300)):
+            k = rng.choice([2, 2, 3, 5, 9, 16, 17, 33, 41])  # prefix lengths 1..40: widths 1, 2, 4, 8, 16, 32, 64
+            words.append([rng.choice(COMMON) if rng.random() < 0.8 else rng.randrange(VOCAB) for _ in range(k)])
+        words.append([rng.randrange(VOCAB)])
+        settings.append(SamplingParams(bad_words_ids=words))
+    settings.append(SamplingParams())  # a row with no bad words in between
+    rows = []
+    for p in settings:
+        multi = [w for w in p.bad_words_ids if len(w) > 1]
+        for _ in range(rng.randint(1, 4)):  # rows of one request share its params object
+            toks = _tokens(rng, rng.randint(1, 3), rng.randint(0, 45), repeat=False)
+            if multi and rng.random() < 0.8:
+                w = rng.choice(multi)
+                cut = rng.randint(1, len(w) - 1) if rng.random() < 0.3 else len(w) - 1  # all or part of a prefix
+                toks = toks + list(w[len(w) - 1 - cut:len(w) - 1])
+            rows.append(Row(p, min(3, len(toks)), toks))
+
+    def hf(r):
+        words = [list(w) for w in r.params.bad_words_ids]
+        return [NoBadWordsLogitsProcessor(words, EOS)] if words else []
+
+    scores, out = _check(rows, "logits", 40 + seed, hf)
+    hits = sum(int(out[i].isneginf().sum()) - sum(1 for w in r.params.bad_words_ids if len(w) == 1)
+               for i, r in enumerate(rows))
+    assert hits >= 5  # multi-token bans happened, not only the one-token ones
+
 def _hf_min_length(r: Row) -> list[LogitsProcessor]:
     """What HF ``generate`` builds for min_length / min_new_tokens: when
     ``min_new_tokens`` is set it *replaces* ``min_length`` by ``min_new_tokens +

@@ -4,9 +4,10 @@ Each processor touches only the rows whose request set it, and a processor
 no row uses costs one check per distinct ``SamplingParams`` object in the
 step (requests usually share a handful). Work is tensor-wide: token masks
 are built with ``scatter``, n-gram matches with ``unfold``; Python loops go
-over distinct params, n-gram sizes or bad-word sequences, never over the
-vocabulary. The processors run on raw logits for greedy and sampled rows and
-on log-probabilities for beam rows, as HF does.
+over distinct params, n-gram sizes or bad-word widths (and over the rows a
+length rule applies to), never over the vocabulary or the bad words. The
+processors run on raw logits for greedy and sampled rows and on
+log-probabilities for beam rows, as HF does.
 
 Order (HF's where HF has the processor): allowed_token_ids, logit_bias,
 repetition_penalty, presence/frequency penalties, no_repeat_ngram_size,
@@ -58,6 +59,18 @@ import torch
 from tandem.core.sampling_params import SamplingParams
 
 NEG_INF = -float("inf")
+# Requests whose compiled bad words are kept between steps (then the cache starts over).
+_BAD_WORDS_CACHE_SIZE = 1024
+
+
+@dataclass
+class _BadWords:
+    """One request's bad words: one-token words, and the longer ones by width ``W``
+    (a power of two >= prefix length): ``(prefix [M, W] right-aligned, -1 to the
+    left of a shorter prefix; last token [M])``."""
+
+    singles: list[int]
+    buckets: dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
 def needs_history(p: SamplingParams) -> bool:
@@ -93,6 +106,7 @@ class LogitsProcessors:
         # Rows whose user logits processor raised in the last call, with why: their
         # requests end with that error; the rest of the batch goes on.
         self.failures: dict[int, str] = {}
+        self._bad_words_cache: dict[int, tuple[SamplingParams, _BadWords]] = {}
 
     def __call__(self, scores: torch.Tensor, rows: ProcessorRows) -> torch.Tensor:
         """Apply every processor the rows ask for to ``scores`` ``[S, vocab]`` in place."""
@@ -233,26 +247,84 @@ class LogitsProcessors:
             scores[rows_t[r.to(scores.device)], last[r, w].to(scores.device)] = NEG_INF
 
     def _bad_words(self, scores, groups, rows: ProcessorRows) -> None:
+        """HF's ``NoBadWordsLogitsProcessor``. One-token words are a ban per request;
+        every multi-token word of every row of the step is matched at once: each
+        row's last ``W`` tokens against each of its request's word prefixes,
+        right-aligned in ``W`` columns (``W`` a power of two, one pass per ``W``
+        present), so the per-step cost is tensor work over (row, word) pairs, and
+        Python work is one list extension per request, never per word or sequence."""
         eos = set(self.eos_token_ids)
+        multi: list[tuple[_BadWords, list[int]]] = []
         for p, idx in groups:
             if not p.bad_words_ids:
                 continue
-            # HF drops single-token bad words that are an EOS id.
-            words = [w for w in p.bad_words_ids if not (len(w) == 1 and w[0] in eos)]
-            singles = [w[0] for w in words if len(w) == 1]
-            self._ban(scores, idx, singles)
-            multi = [w for w in words if len(w) > 1]
-            if not multi:
+            compiled = self._compiled_bad_words(p, eos)
+            self._ban(scores, idx, compiled.singles)
+            if compiled.buckets:
+                multi.append((compiled, idx))
+        if not multi:
+            return
+        all_rows = [i for _, idx in multi for i in idx]
+        history, lengths = rows.history(all_rows)  # [R, L], [R]
+        dev = history.device
+        row_ids = torch.tensor(all_rows, device=scores.device)
+        widths = sorted({w for c, _ in multi for w in c.buckets})
+        for width in widths:
+            # Each row's last `width` tokens; -2 before its first (never a token id).
+            pos = lengths[:, None] - width + torch.arange(width, device=dev)[None, :]  # [R, W]
+            tail = torch.where(pos >= 0, history.gather(1, pos.clamp(min=0)), -2)
+            prefixes, lasts, first_word, count = [], [], [], []
+            offset, r = 0, 0
+            for c, idx in multi:
+                bucket = c.buckets.get(width)
+                m = 0 if bucket is None else bucket[0].shape[0]
+                if m:
+                    prefixes.append(bucket[0])
+                    lasts.append(bucket[1])
+                first_word.extend([offset] * len(idx))
+                count.extend([m] * len(idx))
+                offset += m
+                r += len(idx)
+            if not offset:
                 continue
-            history, lengths = rows.history(idx)
-            for w in multi:
-                k = len(w) - 1
-                ok = lengths >= k
-                pos = (lengths[:, None] - k + torch.arange(k, device=history.device)[None, :]).clamp(min=0)
-                prefix = torch.tensor(w[:-1], device=history.device)
-                hit = ok & (history.gather(1, pos) == prefix).all(dim=1)
-                hit_rows = [idx[j] for j in hit.nonzero().flatten().tolist()]
-                self._ban(scores, hit_rows, [w[-1]])
+            prefix = torch.cat(prefixes).to(dev)  # [M, W], -1 where a word is shorter (any token)
+            last = torch.cat(lasts).to(scores.device)  # [M]
+            count_t = torch.tensor(count, device=dev)
+            # (row, word) pairs: each row against its own request's words only.
+            pair_row = torch.repeat_interleave(torch.arange(len(all_rows), device=dev), count_t)  # [P]
+            starts = torch.cumsum(count_t, 0) - count_t
+            pair_word = torch.tensor(first_word, device=dev)[pair_row] + (
+                torch.arange(pair_row.numel(), device=dev) - starts[pair_row])
+            p = prefix[pair_word]  # [P, W]
+            hit = ((tail[pair_row] == p) | (p < 0)).all(dim=1)  # [P]
+            hr, hw = pair_row[hit].to(scores.device), pair_word[hit].to(scores.device)
+            scores[row_ids[hr], last[hw]] = NEG_INF
+
+    def _compiled_bad_words(self, p: SamplingParams, eos: set[int]) -> _BadWords:
+        """``p``'s bad words as tensors, built once per params object (cached by id,
+        with the object kept so the id cannot be reused while cached)."""
+        hit = self._bad_words_cache.get(id(p))
+        if hit is not None and hit[0] is p:
+            return hit[1]
+        if len(self._bad_words_cache) >= _BAD_WORDS_CACHE_SIZE:
+            self._bad_words_cache.clear()
+        # HF drops single-token bad words that are an EOS id.
+        words = [list(w) for w in p.bad_words_ids if not (len(w) == 1 and w[0] in eos)]
+        singles = [w[0] for w in words if len(w) == 1]
+        by_width: dict[int, list[list[int]]] = {}
+        for w in words:
+            if len(w) > 1:
+                width = 1 << (len(w) - 2).bit_length()  # the power of two >= len(w) - 1
+                by_width.setdefault(width, []).append(w)
+        buckets = {}
+        for width, ws in by_width.items():
+            prefix = torch.full((len(ws), width), -1, dtype=torch.long)
+            for j, w in enumerate(ws):
+                prefix[j, width - (len(w) - 1):] = torch.tensor(w[:-1])
+            buckets[width] = (prefix, torch.tensor([w[-1] for w in ws], dtype=torch.long))
+        compiled = _BadWords(singles, buckets)
+        self._bad_words_cache[id(p)] = (p, compiled)
+        return compiled
 
     # -- processors over lengths -------------------------------------------------
     def _min_length(self, scores, groups, rows: ProcessorRows) -> None:
