@@ -186,6 +186,31 @@ async def test_async_llm_serves_on_after_a_failed_step(bart_dir, clean):
 
 
 @pytest.mark.asyncio
+async def test_async_llm_a_raising_logits_processor_fails_only_its_request(bart_dir, clean):
+    def broken(output_ids, logits):
+        if len(output_ids) == 3:
+            raise ValueError("bad state")
+        return logits
+
+    bad = GREEDY.replace(logits_processors=[broken])
+    engine = AsyncLLM(model=str(bart_dir), dtype="float32", device="cpu")
+    try:
+        params = [bad if i == 2 else GREEDY for i in range(len(PROMPTS))]
+        outs = await asyncio.wait_for(
+            asyncio.gather(*(_final(engine, p, sp, f"r{i}") for i, (p, sp) in enumerate(zip(PROMPTS, params)))), WAIT)
+        assert "logits processor 'broken' raised ValueError: bad state" in outs[2].error
+        assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != 2] == \
+            [t for i, t in enumerate(clean["greedy"]) if i != 2]
+        assert engine.health().status == "ok"  # a request's own fault is no step failure
+        again = await asyncio.wait_for(_final(engine, PROMPTS[2], GREEDY, "after"), WAIT)
+        assert again.outputs[0].token_ids == clean["greedy"][2]
+        s = engine.get_stats()
+        assert s["kv_blocks_free"] == s["kv_blocks_total"]
+    finally:
+        await asyncio.wait_for(engine.shutdown(), WAIT)
+
+
+@pytest.mark.asyncio
 async def test_server_answers_500_for_the_failed_step_and_serves_on(bart_dir, clean):
     engine = AsyncLLM(model=str(bart_dir), dtype="float32", device="cpu", attention_backend="faulty_sdpa",
                       max_num_seqs=2)
