@@ -6,11 +6,15 @@ import argparse
 import json
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from dataclasses import fields
 from pathlib import Path
+
+from tandem.core.config import DEFAULT_KV_CACHE_GIB, EngineConfig
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
 
 # What a command can fail with that is the user's to fix: printed as one line, exit 2.
+# (Some prompts or files failing while the others ran is exit 1; interrupted, 130.)
 _USER_ERRORS = (ValueError, TypeError, RuntimeError, ImportError, OSError)
 
 
@@ -21,12 +25,21 @@ def _version() -> str:
         return "0.0.0+unknown"
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line naming the bad value and where to look, exit 2:
+    not argparse's usage block, which buries the error under every flag."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows an option's default unless it is None/False or its help already says it."""
+    """Shows an option's default unless it is None/False or its help already says it
+    (an option defaulting to None says in its help what None means)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or "default" in text:
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or "(default:" in text:
             return text
         return super()._get_help_string(action)
 
@@ -46,7 +59,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-malloc", default="auto", choices=["auto", "system"],
                    help="CPU host allocator: auto keeps glibc's freed memory for reuse (no per-step page faults "
                         "on large tensors) unless LD_PRELOAD or MALLOC_* chose otherwise; system leaves it alone")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda where there is one)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow Python code shipped inside the checkpoint (transformers' auto_map) to run")
     p.add_argument("--generation-config", default="auto",
@@ -60,14 +73,19 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                         "model's decoder positions after the decoder prompt are capped there)")
     p.add_argument("--temperature", type=float, default=None,
                    help="0 is greedy (default: the generation config's decoding, greedy unless it samples)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
-    p.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens; -1 is off")
-    p.add_argument("--num-beams", type=int, default=None, help="beam search with this many beams")
-    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass (default: the generation config's, else 1.0, off)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample from the k likeliest tokens; -1 is off (default: the generation config's, else -1)")
+    p.add_argument("--num-beams", type=int, default=None,
+                   help="beam search with this many beams (default: the generation config's, else 1, no beams)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="per-request sampling seed (default: none; samples come from the engine's generator, "
+                        "seeded 0 at start)")
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(prog="tandem", description="Encoder/decoder inference engine")
+    parser = _Parser(prog="tandem", description="Encoder/decoder inference engine")
     parser.add_argument("--version", action="version", version=f"tandem-engine {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,transcribe,serve,plugins,demo}")
     fmt = _HelpFormatter
@@ -84,26 +102,30 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     tr.add_argument("files", nargs="+", help="audio files (WAV, FLAC, OGG, MP3; other containers with PyAV)")
     _engine_args(tr)
     tr.add_argument("--language", default=None, help="language code or name (default: detected per file)")
-    tr.add_argument("--task", default="transcribe", choices=["transcribe", "translate"])
+    tr.add_argument("--task", default="transcribe", choices=["transcribe", "translate"],
+                    help="transcribe: text in the spoken language; translate: English text")
     tr.add_argument("--format", default="text", choices=["text", "json", "srt", "vtt"],
                     help="text: 'FILE<TAB>transcript' per line; json: one object per line (with segments when "
                          "timestamped); srt / vtt: subtitles (timestamps on)")
     tr.add_argument("--timestamps", action="store_true", help="decode timestamps (segments in json)")
     tr.add_argument("--output-dir", default=None,
-                    help="write one FILE_STEM.<format> per input here (needed for srt/vtt with several files)")
+                    help="write one FILE_STEM.<format> per input here (needed for srt/vtt with several files) "
+                         "(default: none, print to stdout)")
     tr.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: the generation config's)")
-    tr.add_argument("--num-beams", type=int, default=None, help="beam search with this many beams")
+    tr.add_argument("--num-beams", type=int, default=None,
+                    help="beam search with this many beams (default: the generation config's, else 1, no beams)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     sv = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API", formatter_class=fmt)
     sv.add_argument("model", help="local HF checkpoint directory")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    sv.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer KEY' on /v1/ routes (default: none, no key asked)")
     sv.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     sv.add_argument("--max-queued-requests", type=_positive_int, default=None,
                     help="sequences (prompts x n, or beams) that may wait for admission; a request that would go "
-                         "over gets 503 with Retry-After (400 if it alone is over)")
+                         "over gets 503 with Retry-After (400 if it alone is over) (default: no limit)")
     sv.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20,
                     help="request bodies (chunked or not, multipart included) are refused with 413 once over this")
     sv.add_argument("--max-audio-seconds", type=_non_negative_seconds, default=1800.0,
@@ -112,12 +134,23 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="seconds running requests may take to finish after SIGTERM")
     _engine_args(sv)
-    for flag, kind in (("--max-num-seqs", int), ("--max-num-batched-tokens", int), ("--block-size", int),
-                       ("--num-kv-blocks", int), ("--kv-cache-memory", float), ("--seed", int)):
-        sv.add_argument(flag, type=kind, default=None)
-    sv.add_argument("--max-consecutive-step-failures", type=int, default=None,
+    engine = {f.name: f.default for f in fields(EngineConfig)}
+    sv.add_argument("--max-num-seqs", type=int, default=engine["max_num_seqs"],
+                    help="sequences the scheduler runs at once")
+    sv.add_argument("--max-num-batched-tokens", type=int, default=engine["max_num_batched_tokens"],
+                    help="tokens one engine step may compute")
+    sv.add_argument("--block-size", type=int, default=engine["block_size"], help="tokens per KV-cache block")
+    sv.add_argument("--num-kv-blocks", type=int, default=engine["num_kv_blocks"],
+                    help="KV-cache blocks in the device pool; overrides --kv-cache-memory (default: sized from "
+                         "--kv-cache-memory)")
+    sv.add_argument("--kv-cache-memory", type=float, default=engine["kv_cache_memory"],
+                    help="GiB for the device KV pool (default: sized from memory: what --max-num-seqs full-length "
+                         f"requests need, at most {DEFAULT_KV_CACHE_GIB:g} GiB)")
+    sv.add_argument("--seed", type=int, default=engine["seed"],
+                    help="the engine's sampling seed, for requests that give none")
+    sv.add_argument("--max-consecutive-step-failures", type=int, default=engine["max_consecutive_step_failures"],
                     help="failed steps in a row after which the engine declares itself dead (/health 503); "
-                         "each failed step fails only its own requests (default 3)")
+                         "each failed step fails only its own requests")
 
     plugins = sub.add_parser("plugins", help="list loaded plugins and what each registered", formatter_class=fmt)
     plugins.add_argument("--json", action="store_true", help="print a JSON list")
@@ -334,7 +367,7 @@ def cmd_demo(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser, subparsers = _build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:  # a bad flag: show the usage of the subcommand it was given to
+    if extra:  # a bad flag: named by the subcommand it was given to
         subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     handlers = {"generate": cmd_generate, "transcribe": cmd_transcribe, "serve": cmd_serve, "plugins": cmd_plugins,
                 "demo": cmd_demo}

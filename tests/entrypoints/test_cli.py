@@ -1,11 +1,14 @@
 """The ``tandem`` command line."""
 
+import argparse
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tandem import LLM, SamplingParams
@@ -74,11 +77,54 @@ def test_version_help_defaults_and_bad_flags():
     assert res.returncode == 0 and res.stdout.strip() == f"tandem-engine {__version__}"
     res = tandem("generate", "--help")
     assert res.returncode == 0 and res.stdout.count("(default: auto)") >= 2  # --dtype and --device
-    res = tandem("generate", "--model", "m", "--bogus-flag", "x")
+
+
+@pytest.mark.parametrize("args, command, names", [
+    (["generate", "--model", "m", "--bogus-flag", "x"], "generate", "unrecognized arguments: --bogus-flag"),
+    (["demo", "--dtype", "float8"], "demo", "argument --dtype: invalid choice: 'float8'"),
+    (["serve", "m", "--port", "eighty"], "serve", "argument --port: invalid int value: 'eighty'"),
+    (["transcribe", "m"], "transcribe", "the following arguments are required: files"),
+    (["generate", "the rain"], "generate", "the following arguments are required: --model"),
+    (["nonsense"], None, "invalid choice: 'nonsense'"),
+], ids=["unknown-flag", "bad-choice", "bad-int", "missing-positional", "missing-option", "unknown-command"])
+def test_a_usage_error_is_one_line_naming_the_value_and_pointing_at_help(args, command, names):
+    res = tandem(*args)
+    prog = f"tandem {command}" if command else "tandem"
     assert res.returncode == 2
-    assert res.stderr.startswith("usage: tandem generate") and "unrecognized arguments: --bogus-flag" in res.stderr
-    res = tandem("demo", "--dtype", "float8")
-    assert res.returncode == 2 and res.stderr.startswith("usage: tandem demo") and "'float8'" in res.stderr
+    assert res.stderr.count("\n") == 1 and "usage:" not in res.stderr, res.stderr
+    assert res.stderr.startswith(f"{prog}: error: ") and names in res.stderr
+    assert res.stderr.rstrip().endswith(f"(see '{prog} --help')")
+
+
+def _options(parser):
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            flag = isinstance(action, (argparse._HelpAction, argparse._StoreTrueAction))
+            if action.option_strings and not flag and not action.required:
+                yield name, p, action
+
+
+def test_every_option_shows_its_default_in_help():
+    from tandem.core.config import EngineConfig
+    from tandem.entrypoints.cli import _build_parser
+
+    parser, _ = _build_parser()
+    seen = set()
+    for command, p, action in _options(parser):
+        text = p._get_formatter()._expand_help(action) if action.help else ""
+        assert "(default: " in text, f"tandem {command} {action.option_strings[0]}: help shows no default: {text!r}"
+        if action.default is not None:  # the value argparse would use is the one shown
+            assert f"(default: {action.default})" in text, (command, action.option_strings, text)
+        seen.add((command, action.option_strings[0]))
+    assert {("serve", "--host"), ("serve", "--kv-cache-memory"), ("transcribe", "--task"), ("generate", "--seed")} <= seen
+    # serve's engine flags show what the engine itself defaults to.
+    engine = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    serve = {a.option_strings[0]: a for command, _, a in _options(parser) if command == "serve"}
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--seed",
+                 "--max-consecutive-step-failures"):
+        action = serve[flag]
+        assert action.default == engine[action.dest], flag
 
 
 def test_a_backend_whose_module_cannot_be_imported_is_a_one_line_error(bart_dir, tmp_path):
