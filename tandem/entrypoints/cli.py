@@ -319,6 +319,7 @@ def cmd_serve(args) -> int:
 
 def cmd_plugins(args) -> int:
     # Lists the healthy plugins even when one is broken, marking it; exit 1 then, so scripts notice.
+    from tandem.plugins.defaults import auto_target
     from tandem.plugins.manager import exclusion_hint
     from tandem.plugins import plugin_report
 
@@ -326,6 +327,10 @@ def cmd_plugins(args) -> int:
     broken = [p.name for p in plugins if p.error is not None]
     if args.json:
         print(json.dumps([vars(p) for p in plugins], indent=2))
+    else:
+        device, dtype, why = auto_target()
+        print(f"here: {device.type}/{str(dtype).removeprefix('torch.')}, what --device auto and --dtype auto "
+              f"resolve to on this machine ({why})\n")
     for info in [] if args.json else plugins:
         status = f"  BROKEN: {info.error}" if info.error is not None else ""
         print(f"{info.name}  ({info.value}, from {info.distribution or 'unknown distribution'}){status}")

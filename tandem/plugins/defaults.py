@@ -59,17 +59,33 @@ def plugin_report(entry_point_list=None) -> list:
     backends = AttentionBackendRegistry()
     manager.register_all(ModelRegistry(), backends, strict=False)
     infos = list(manager.plugins.values())
+    device, dtype, _ = auto_target()
     for info in infos:
         for name in info.backends:
-            info.backend_capabilities[name] = _capabilities(backends, name)
+            info.backend_capabilities[name] = _capabilities(backends, name, device, dtype)
     return infos
 
 
-def _capabilities(registry: AttentionBackendRegistry, name: str) -> dict[str, str]:
-    """What ``name`` serves, and whether it can serve here: on this machine's GPU
-    (bfloat16) or CPU (float32), head size 64, block size 16, all attention kinds."""
+def auto_target():
+    """The device and dtype an engine gets here with ``device="auto"`` and
+    ``dtype="auto"`` (core/dtype.py; on a GPU, where the dtype is the checkpoint's,
+    bfloat16), with the reason: what ``tandem plugins`` checks each backend against.
+    A bad ``$TANDEM_AUTO_DTYPE`` is named in the reason, and float32 shown."""
     import torch
 
+    from tandem.core.dtype import resolve_auto_dtype
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dtype, why = resolve_auto_dtype(None, device)
+    except ValueError as e:  # the listing still runs; an engine would refuse this
+        dtype, why = torch.float32, f"float32 shown, but an engine would refuse: {e}"
+    return device, dtype, why
+
+
+def _capabilities(registry: AttentionBackendRegistry, name: str, device, dtype) -> dict[str, str]:
+    """What ``name`` serves, and whether it can serve here: on ``device``/``dtype``
+    (``auto_target()``), head size 64, block size 16, all attention kinds."""
     from tandem.core.attention import AttentionType
 
     try:
@@ -77,8 +93,6 @@ def _capabilities(registry: AttentionBackendRegistry, name: str) -> dict[str, st
     except Exception as e:  # a broken backend is reported, not raised: the listing goes on
         return {"error": f"{type(e).__name__}: {e}"}
     lines = backend.capabilities.describe() if backend.capabilities else {"capabilities": "not described"}
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     reasons = backend.unsupported_reasons(device, dtype, 64, frozenset(AttentionType), 16, dtype)
     where = f"{device.type}/{str(dtype).removeprefix('torch.')}, head size 64, block size 16"
     auto = backend.auto_priority(device, dtype)

@@ -158,3 +158,23 @@ def test_demo_reverses_words():
     assert res.returncode == 0, res.stdout + res.stderr
     assert "5/5 right" in res.stdout
     assert "output: mat the on sat cat the" in res.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU's auto dtype")
+def test_plugins_reports_the_dtype_auto_resolves_to_here(monkeypatch):
+    from tandem.plugins import plugin_report
+
+    res = tandem("plugins", env={**os.environ, "TANDEM_AUTO_DTYPE": "bfloat16"})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("here: cpu/bfloat16, what --device auto and --dtype auto resolve to on this "
+                                 "machine (TANDEM_AUTO_DTYPE=bfloat16 overrides auto)")
+    sdpa = res.stdout[res.stdout.index("      torch_sdpa:"):]
+    assert "        here:         can serve cpu/bfloat16, head size 64, block size 16" in sdpa
+    # No override: a CPU with avx512_bf16 is listed in bfloat16, one without in float32.
+    monkeypatch.delenv("TANDEM_AUTO_DTYPE", raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    for native, name in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+        infos = {i.name: i for i in plugin_report()}
+        here = infos["tandem-torch-sdpa"].backend_capabilities["torch_sdpa"]["here"]
+        assert here.startswith(f"can serve cpu/{name},"), here
