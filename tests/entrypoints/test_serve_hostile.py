@@ -410,6 +410,33 @@ async def test_the_drain_cut_answers_json_and_counts_aborts(bart_engine, monkeyp
         assert after - before == 2
 
 
+@pytest.mark.asyncio
+async def test_a_forced_cut_answers_audio_with_json(whisper_engine, monkeypatch):
+    from helpers import synth_audio
+
+    from tandem.entrypoints.openai.shutdown import FORCED
+
+    _slow_steps(monkeypatch, whisper_engine, 0.02)
+    app = build_app(whisper_engine, served_model_name="w")
+    sch = whisper_engine.engine.scheduler
+    wav = _wav((synth_audio(60.0, seed=2) * 32767).astype(np.int16), 16000)  # two 30 s windows
+    files = {"file": ("a.wav", wav)}
+    async with _client(app) as c:
+        plain = asyncio.create_task(c.post("/v1/audio/transcriptions", files=files,
+                                           data={"response_format": "verbose_json"}))
+        streamed = asyncio.create_task(c.post("/v1/audio/transcriptions", files=files,
+                                              data={"response_format": "verbose_json", "stream": "true"}))
+        await _wait_for(lambda: len(sch.running) == 2, "both windows to run")
+        app.state.drain_cut.set(FORCED)  # what a second SIGTERM does
+        r = await asyncio.wait_for(plain, WAIT)
+        assert "shutting down" in _error(r, 503) and "a second signal forced the shutdown" in r.text
+        s = await asyncio.wait_for(streamed, WAIT)
+        assert s.status_code == 200
+        last = json.loads([line for line in s.text.splitlines() if line.startswith("data: ")][-1][6:])
+        assert last["error"]["code"] == 503 and "second signal" in last["error"]["message"]
+        await _wait_for(lambda: not sch.has_unfinished(), "the cut windows to be aborted")
+
+
 # ------------------------------------------------------------------ a real server
 
 

@@ -8,7 +8,8 @@ value), 401 for a wrong or missing API key, 413 for a body (or audio) over its
 limit, 503 with ``Retry-After`` when the queue is full, 503 when the engine is
 dead or the server is shutting down. A client that disconnects aborts its
 request. SIGTERM stops taking requests, lets the running ones finish for up to
-``--drain-timeout`` seconds, answers the rest with a JSON 503 and exits 0.
+``--drain-timeout`` seconds (a second signal: none), answers the rest with a
+JSON 503 and exits 0 (``shutdown.py``).
 
 Every limit is enforced before the work it bounds: request bodies are counted
 as they arrive (chunked or not) and refused once over ``--max-body-bytes``,
@@ -20,6 +21,7 @@ sequences a request would queue (prompts times ``n``), not HTTP requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -38,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.entrypoints.openai.protocol import CompletionRequest, error_body
+from tandem.entrypoints.openai.shutdown import CUT_GRACE_SECONDS, SHUTTING_DOWN, DrainCut, make_server
 
 logger = logging.getLogger("tandem.serve")
 
@@ -53,10 +56,6 @@ OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 # The non-file fields of an audio upload (model, language, prompt, ...): few and short.
 MAX_FORM_FIELDS = 16
 MAX_FORM_FIELD_BYTES = 64 << 10
-# After --drain-timeout the requests still running are cut (JSON 503); uvicorn's own
-# hard stop comes this many seconds later, for the ones that could not be cut.
-CUT_GRACE_SECONDS = 5.0
-SHUTTING_DOWN = "the server is shutting down: the request was cut off after the drain timeout"
 
 
 class _HTTPError(Exception):
@@ -88,7 +87,7 @@ class _Guard:
     the rest). A declared Content-Length over the limit is refused before any of
     the body is read. A request task cancelled before it answered (uvicorn's
     hard stop at shutdown) still gets a JSON 503 rather than uvicorn's plain-text
-    500."""
+    500, and a stream cancelled part-way ends with a 503 error event."""
 
     def __init__(self, app, *, api_key: str | None, max_body_bytes: int) -> None:
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
@@ -109,7 +108,7 @@ class _Guard:
                                         "(--max-body-bytes)", {"connection": "close"})
             return
 
-        state = {"read": 0, "over": False, "started": False}
+        state = {"read": 0, "over": False, "started": False, "ended": False, "events": False}
 
         async def counted_receive():
             if state["over"]:  # never read past the limit
@@ -127,16 +126,26 @@ class _Guard:
                 return
             if message["type"] == "http.response.start":
                 state["started"] = True
+                ctype = dict(message.get("headers") or []).get(b"content-type", b"")
+                state["events"] = ctype.startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["ended"] = True
             await send(message)
 
         try:
             await self.app(scope, counted_receive, guarded_send)
         except asyncio.CancelledError:
-            if state["started"]:
-                raise
-            logger.warning("%s %s: cut off before it answered (shutdown)", scope.get("method"), scope["path"])
-            await self._send(send, 503, SHUTTING_DOWN, {"connection": "close"})
-            return  # answered: the task ends normally
+            # Cancelled by the shutdown's last resort (shutdown.py counts them in one log
+            # line): the request still gets a JSON 503, or its stream a final 503 event,
+            # and the task ends normally, so uvicorn logs no traceback for it.
+            logger.debug("%s %s: cancelled at shutdown", scope.get("method"), scope["path"])
+            with contextlib.suppress(Exception):
+                if not state["started"]:
+                    await self._send(send, 503, SHUTTING_DOWN, {"connection": "close"})
+                elif not state["ended"]:
+                    tail = f"data: {json.dumps(error_body(503, SHUTTING_DOWN))}\n\n" if state["events"] else ""
+                    await send({"type": "http.response.body", "body": tail.encode(), "more_body": False})
+            return
         except Exception:
             if not state["over"]:
                 raise
@@ -264,7 +273,7 @@ def build_app(
                                "installed: pip install 'tandem-engine[serve]'")
     metrics = ServerMetrics(engine)
     admission = _Admission(engine, max_queued_requests)
-    cut = asyncio.Event()
+    cut = DrainCut()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -422,7 +431,7 @@ def build_app(
                 consume.cancel()
                 await asyncio.gather(consume, return_exceptions=True)
                 if outcome == "cut":
-                    raise _HTTPError(503, SHUTTING_DOWN)
+                    raise _HTTPError(503, cut.message)
                 logger.info("request %s: client disconnected, aborted", rid)
                 return JSONResponse(error_body(400, "client disconnected"), status_code=499)
             result = consume.result()
@@ -522,7 +531,7 @@ async def _first_outputs(engine, prompts, params, ids, cut):
     try:
         outcome = await _watch([waiting], None, cut)
         if outcome == "cut":
-            raise _HTTPError(503, SHUTTING_DOWN)
+            raise _HTTPError(503, cut.message)
         outs = waiting.result()
     except (ValueError, TypeError) as e:
         await _close(gens)
@@ -622,9 +631,9 @@ async def _complete(engine, metrics, request, params, prompts, ids, base, create
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             _record_aborted(metrics, params, unfinished)
-            if outcome == "cut":
-                logger.info("request %s: cut off after the drain timeout", base)
-                raise _HTTPError(503, SHUTTING_DOWN)
+            if outcome == "cut":  # logged once for all (shutdown.py)
+                logger.debug("request %s: cut off (%s)", base, cut.reason)
+                raise _HTTPError(503, cut.message)
             logger.info("request %s: client disconnected, aborted", base)
             return JSONResponse(error_body(400, "client disconnected"), status_code=499)
         results = [t.result() for t in tasks]
@@ -688,9 +697,9 @@ async def _stream(engine, metrics, req, params, first, ids, base, created, model
     try:
         while len(finals) < len(tasks):
             i, out = await queue.get()
-            if out is _CUT:
-                logger.info("request %s: stream cut off after the drain timeout", base)
-                yield f"data: {json.dumps(error_body(503, SHUTTING_DOWN))}\n\n"
+            if out is _CUT:  # logged once for all (shutdown.py)
+                logger.debug("request %s: stream cut off (%s)", base, cut.reason)
+                yield f"data: {json.dumps(error_body(503, cut.message))}\n\n"
                 return
             if isinstance(out, BaseException):
                 failed = True
@@ -761,61 +770,12 @@ def serve(args) -> int:
         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
         max_audio_seconds=max_audio_seconds if max_audio_seconds and max_audio_seconds > 0 else None,
     )
-    # uvicorn's own stop (it cancels what still runs) comes CUT_GRACE_SECONDS after the
-    # drain timeout, by which time the requests cut at the drain timeout have answered.
+    # uvicorn's own stop (it cancels what still runs) is the backstop: the server's
+    # cut comes at the drain timeout, its cancelling CUT_GRACE_SECONDS later.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=args.drain_timeout + CUT_GRACE_SECONDS)
-    _Server(config, drain_timeout=args.drain_timeout, on_drain_timeout=app.state.drain_cut.set).run()
+                            timeout_graceful_shutdown=args.drain_timeout + CUT_GRACE_SECONDS + 2)
+    make_server(config, cut=app.state.drain_cut, drain_timeout=args.drain_timeout).run()
     return 0
-
-
-def _server_cls():
-    import contextlib
-    import signal
-
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn's server, but SIGTERM / SIGINT end it with status 0 after the drain
-        (uvicorn re-raises the signal, which would exit with -15): the first signal
-        stops taking requests and lets the running ones finish for ``drain_timeout``
-        seconds, then cuts them off (``on_drain_timeout``: they answer a JSON 503);
-        a second signal forces."""
-
-        drain_timeout: float | None = None
-        on_drain_timeout = None
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            def stop(signum, frame):
-                if self.should_exit:
-                    self.force_exit = True
-                self.should_exit = True
-
-            old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for s, handler in old.items():
-                    signal.signal(s, handler)
-
-        async def shutdown(self, sockets=None):
-            handle = None
-            if self.drain_timeout is not None and self.on_drain_timeout is not None:
-                handle = asyncio.get_running_loop().call_later(self.drain_timeout, self.on_drain_timeout)
-            try:
-                await super().shutdown(sockets=sockets)
-            finally:
-                if handle is not None:
-                    handle.cancel()
-
-    return Server
-
-
-def _Server(config, drain_timeout: float | None = None, on_drain_timeout=None):
-    server = _server_cls()(config)
-    server.drain_timeout, server.on_drain_timeout = drain_timeout, on_drain_timeout
-    return server
 
 
 async def _transcribe(engine, waveform, rid, options):
@@ -853,9 +813,9 @@ async def _audio_stream(gen, rid, cut):
             item = await queue.get()
             if item is end:
                 break
-            if item is _CUT:
-                logger.info("request %s: stream cut off after the drain timeout", rid)
-                yield f"data: {json.dumps(error_body(503, SHUTTING_DOWN))}\n\n"
+            if item is _CUT:  # logged once for all (shutdown.py)
+                logger.debug("request %s: stream cut off (%s)", rid, cut.reason)
+                yield f"data: {json.dumps(error_body(503, cut.message))}\n\n"
                 return
             if isinstance(item, BaseException):
                 known = isinstance(item, (ValueError, TypeError, EngineDeadError))

@@ -1,0 +1,121 @@
+"""A forced shutdown of a real ``tandem serve`` process: a second SIGTERM 0.1 s
+after the first cuts every in-flight request at once: plain requests get a JSON
+503 in OpenAI's shape, streams a final 503 error event. The process exits 0
+within a bound, and the log has one line for the cut and no traceback. (The
+audio endpoints' answers to the same cut: ``test_serve_hostile.py``, in-process.)
+Every wait is bounded."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+WAIT = 60.0
+# How long the server may take to exit after the second signal: the cut answers at
+# once; the engine stops after its step; interpreter teardown (torch) takes a few.
+EXIT_BOUND = 20.0
+
+
+def _start(model_dir, log_path, *extra):
+    from test_serve import _free_port
+
+    port = _free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.entrypoints.cli", "serve", str(model_dir), "--host", "127.0.0.1",
+         "--port", str(port), "--dtype", "float32", "--device", "cpu", *extra],
+        stdout=log, stderr=subprocess.STDOUT, text=True,
+    )
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):  # up to 60 s
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {open(log_path).read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("server did not become healthy in 60 s")
+
+
+def _running(url: str) -> float:
+    from test_serve import _metric
+
+    return _metric(httpx.get(f"{url}/metrics", timeout=5).text, "tandem:num_requests_running")
+
+
+def _outcome(kind: str, r: httpx.Response) -> str:
+    """'ok' for a completed 200, 'cut' for a JSON 503 (or a stream ending with a 503
+    event); anything else fails the test."""
+    if r.status_code == 503:
+        assert r.headers["content-type"].startswith("application/json"), r.text[:300]
+        err = r.json()["error"]
+        assert err["code"] == 503 and err["type"] == "overloaded_error", err
+        assert "shutting down" in err["message"] and "second signal" in err["message"], err
+        return "cut"
+    assert r.status_code == 200, (kind, r.status_code, r.text[:300])
+    if kind.endswith("stream"):
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events, r.text[:300]
+        if events[-1] == "[DONE]":
+            return "ok"
+        last = json.loads(events[-1])
+        assert last["error"]["code"] == 503 and "second signal" in last["error"]["message"], last
+        return "cut"
+    assert "error" not in r.json(), r.text[:300]
+    return "ok"
+
+
+def _force(proc, url, submit, n: int, gap: float, log_path) -> list[str]:
+    """``n`` concurrent requests (``submit(i)`` -> (kind, response)), SIGTERM once
+    some run, SIGTERM again ``gap`` s later; their outcomes."""
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        futs = [pool.submit(submit, i) for i in range(n)]
+        deadline = time.monotonic() + WAIT
+        while _running(url) < 1:
+            assert time.monotonic() < deadline, "no request started"
+            time.sleep(0.05)
+        time.sleep(0.3)  # the streams are past their first events
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(gap)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        outcomes = [_outcome(*f.result(timeout=WAIT)) for f in futs]
+    rc = proc.wait(timeout=WAIT)
+    took = time.monotonic() - start
+    log = open(log_path).read()
+    assert rc == 0, log[-3000:]
+    assert took < EXIT_BOUND, (took, log[-3000:])
+    assert "Traceback" not in log and "Exception in ASGI" not in log, log[-5000:]
+    assert log.count("a second SIGTERM: shutting down now") == 1, log[-3000:]
+    assert "cancelled" not in log  # every request answered the cut itself, none needed the last resort
+    return outcomes
+
+
+def test_a_second_sigterm_cuts_completions_with_json_503s(bart_dir, tmp_path):
+    log_path = tmp_path / "serve.log"
+    # One sequence at a time: 36 requests of 120 tokens run for far longer than the test waits.
+    proc, url = _start(bart_dir, log_path, "--max-num-seqs", "1")
+    body = {"prompt": "the rain in spain", "max_tokens": 120, "ignore_eos": True, "temperature": 0.0}
+
+    def submit(i):
+        stream = i % 3 == 0
+        r = httpx.post(f"{url}/v1/completions", json={**body, "stream": stream}, timeout=WAIT)
+        return ("stream" if stream else "plain", r)
+
+    try:
+        outcomes = _force(proc, url, submit, 36, 0.1, log_path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=WAIT)
+    assert outcomes.count("cut") >= 30, outcomes  # a few may have finished in the 0.1 s
