@@ -435,6 +435,8 @@ async def test_a_forced_cut_answers_audio_with_json(whisper_engine, monkeypatch)
         last = json.loads([line for line in s.text.splitlines() if line.startswith("data: ")][-1][6:])
         assert last["error"]["code"] == 503 and "second signal" in last["error"]["message"]
         await _wait_for(lambda: not sch.has_unfinished(), "the cut windows to be aborted")
+        metrics = (await c.get("/metrics")).text  # this app's own counters: both counted as aborted
+        assert _metric(metrics, 'tandem:request_success_total{finished_reason="abort"}') == 2
 
 
 # ------------------------------------------------------------------ a real server

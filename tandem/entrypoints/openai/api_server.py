@@ -38,7 +38,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.entrypoints.async_llm import AsyncLLM, EngineDeadError
-from tandem.entrypoints.openai.metrics import ServerMetrics
+from tandem.entrypoints.openai.metrics import AudioMeter, ServerMetrics
 from tandem.entrypoints.openai.protocol import CompletionRequest, error_body
 from tandem.entrypoints.openai.shutdown import CUT_GRACE_SECONDS, SHUTTING_DOWN, DrainCut, make_server
 
@@ -418,10 +418,12 @@ def build_app(
         if engine.errored:
             raise _HTTPError(503, "the engine is not running")
         rid = f"audio-{uuid.uuid4().hex}"
-        gen = _transcribe(engine, waveform, rid, options)
+        duration = waveform.numel() / 16000
+        meter = AudioMeter(engine, metrics)  # the engine, as transcribe_async sees it: each window counted
+        gen = _transcribe(meter, waveform, rid, options)
         if stream:
             admission.admit([f"{rid}-w0"], 1, track=False)  # its first window is submitted once the stream runs
-            return StreamingResponse(_audio_stream(gen, rid, cut), media_type="text/event-stream")
+            return StreamingResponse(_audio_stream(gen, rid, cut, meter, duration), media_type="text/event-stream")
         first = [f"{rid}-w0"]
         admission.admit(first, 1)
         consume = asyncio.ensure_future(_last(gen))
@@ -430,6 +432,7 @@ def build_app(
             if outcome != "done":
                 consume.cancel()
                 await asyncio.gather(consume, return_exceptions=True)
+                meter.aborted()
                 if outcome == "cut":
                     raise _HTTPError(503, cut.message)
                 logger.info("request %s: client disconnected, aborted", rid)
@@ -445,8 +448,7 @@ def build_app(
             admission.done(first)
         if result.error is not None:
             raise _HTTPError(400, result.error)
-        duration = waveform.numel() / 16000
-        logger.info("request %s: %.2f s of audio, %d tokens out", rid, duration, len(result.token_ids))
+        meter.finished(rid, duration)
         if fmt == "text":
             return PlainTextResponse(result.text)
         if fmt in ("srt", "vtt"):
@@ -593,9 +595,13 @@ def _usage(outs) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _record(metrics: ServerMetrics, rid: str, out, start: float, first_token_at: float | None) -> None:
+def _record(metrics: ServerMetrics, rid: str, out, start: float, first_token_at: float | None,
+            n_out: int | None = None) -> None:
+    """A finished request's metrics and log line. ``n_out``: the tokens it generated,
+    when ``out`` (a stream's last delta) does not hold them all."""
     end = time.monotonic()
-    n_out = sum(len(c.token_ids) for c in out.outputs)
+    if n_out is None:
+        n_out = sum(len(c.token_ids) for c in out.outputs)
     n_in = len(out.encoder_prompt_token_ids) + len(out.prompt_token_ids)
     metrics.prompt_tokens.inc(n_in)
     for c in out.outputs:
@@ -728,7 +734,7 @@ async def _stream(engine, metrics, req, params, first, ids, base, created, model
                     yield f"data: {json.dumps(chunk)}\n\n"
             if out.finished:
                 finals[i] = out
-                _record(metrics, ids[i], out, start, first_token_at.get(i))
+                _record(metrics, ids[i], out, start, first_token_at.get(i), generated.get(i, 0))
         if req.stream_options is not None and req.stream_options.include_usage:
             usage = _final_usage(finals, generated)
             chunk = {"id": base, "object": "text_completion", "created": created, "model": model, "choices": [],
@@ -785,7 +791,7 @@ async def _transcribe(engine, waveform, rid, options):
         yield item
 
 
-async def _audio_stream(gen, rid, cut):
+async def _audio_stream(gen, rid, cut, meter: AudioMeter, duration: float):
     """Server-sent events: a ``transcript.text.delta`` per finished window's text,
     then ``transcript.text.done`` with the whole text, then ``[DONE]``."""
     from tandem.entrypoints.transcribe import Transcription
@@ -808,16 +814,19 @@ async def _audio_stream(gen, rid, cut):
         await queue.put(_CUT)
 
     tasks = [asyncio.create_task(pump()), asyncio.create_task(on_cut())]
+    failed = False
     try:
         while True:
             item = await queue.get()
             if item is end:
+                meter.finished(rid, duration)
                 break
             if item is _CUT:  # logged once for all (shutdown.py)
                 logger.debug("request %s: stream cut off (%s)", rid, cut.reason)
                 yield f"data: {json.dumps(error_body(503, cut.message))}\n\n"
                 return
             if isinstance(item, BaseException):
+                failed = True
                 known = isinstance(item, (ValueError, TypeError, EngineDeadError))
                 yield f"data: {json.dumps(error_body(400 if known else 500, str(item) if known else 'internal error'))}\n\n"
                 return
@@ -831,4 +840,6 @@ async def _audio_stream(gen, rid, cut):
     finally:  # a disconnect or the cut: stop the pump (its window's request aborts)
         for t in tasks:
             t.cancel()
+        if not failed:
+            meter.aborted()  # counted once: a no-op after finished()
         await asyncio.gather(*tasks, return_exceptions=True)

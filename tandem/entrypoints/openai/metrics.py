@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+logger = logging.getLogger("tandem.serve")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 
@@ -51,3 +56,75 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("tandem:e2e_request_latency_seconds", "Request latency, arrival to finish",
                              buckets=_LATENCY_BUCKETS, registry=r)
+
+
+class AudioMeter:
+    """One audio request (a transcription or translation) counted in the same
+    metrics as completions. It stands in for the ``AsyncLLM`` that
+    ``transcribe_async`` drives (``engine``, ``generate``, ``get_tokenizer``), so
+    each 30 s window's engine request is seen as it finishes:
+
+    - prompt tokens: each window's decoder prompt tokens plus the encoder
+      positions it ran (``max_encoder_len``: 1500 for Whisper's padded window);
+    - generation tokens: each window's generated tokens, temperature-fallback
+      re-decodes included (the engine generated them);
+    - time to first token: arrival to the first window's tokens (windows finish
+      whole: that is when a stream's first text can go out); no inter-token
+      latency (no window streams its tokens);
+    - one ``request_success`` per request, by its last window's finish reason
+      (``abort`` when the client left or the shutdown cut it).
+    """
+
+    def __init__(self, engine, metrics: ServerMetrics) -> None:
+        self._async, self.metrics = engine, metrics
+        self.engine = engine.engine  # the LLMEngine, which transcribe_async's Transcriber reads
+        self.encoder_positions = int(self.engine.model_cls.max_encoder_len(self.engine.hf_config))
+        self.start = time.monotonic()
+        self.prompt_tokens = self.generated = self.windows = 0
+        self.first_token_at: float | None = None
+        self.finish_reason: str | None = None
+        self.counted = False
+
+    def get_tokenizer(self):
+        return self._async.get_tokenizer()
+
+    async def generate(self, prompt, params=None, request_id=None, *, prompt_slot=None):
+        gen = self._async.generate(prompt, params, request_id, prompt_slot=prompt_slot)
+        try:
+            async for out in gen:
+                if out.finished and out.error is None:
+                    self._window(out)
+                yield out
+        finally:
+            await gen.aclose()
+
+    def _window(self, out) -> None:
+        n_in = len(out.encoder_prompt_token_ids) + len(out.prompt_token_ids) + self.encoder_positions
+        n_out = sum(len(c.token_ids) for c in out.outputs)
+        self.windows += 1
+        self.prompt_tokens += n_in
+        self.generated += n_out
+        self.metrics.prompt_tokens.inc(n_in)
+        self.metrics.generation_tokens.inc(n_out)
+        if n_out and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.finish_reason = out.outputs[0].finish_reason if out.outputs else None
+
+    def finished(self, request_id: str, audio_seconds: float) -> None:
+        """The request answered: its success, latencies and one log line."""
+        if self.counted:
+            return
+        self.counted = True
+        end = time.monotonic()
+        self.metrics.request_success.labels(finished_reason=self.finish_reason or "stop").inc()
+        self.metrics.e2e.observe(end - self.start)
+        if self.first_token_at is not None:
+            self.metrics.ttft.observe(self.first_token_at - self.start)
+        logger.info("request %s: %.2f s of audio, %d window(s), %d tokens in, %d out, %.3f s", request_id,
+                    audio_seconds, self.windows, self.prompt_tokens, self.generated, end - self.start)
+
+    def aborted(self) -> None:
+        """The client left, or the shutdown cut it: counted once as ``abort``."""
+        if not self.counted:
+            self.counted = True
+            self.metrics.request_success.labels(finished_reason="abort").inc()
