@@ -255,6 +255,9 @@ def cmd_generate(args) -> int:
 def cmd_transcribe(args) -> int:
     from pathlib import Path
 
+    from tandem.entrypoints.transcribe import require_audio_extra
+
+    require_audio_extra()  # before the model loads
     subtitles = args.format in ("srt", "vtt")
     if subtitles and len(args.files) > 1 and args.output_dir is None:
         raise ValueError(f"--format {args.format} with {len(args.files)} files: give --output-dir")

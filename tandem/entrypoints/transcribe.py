@@ -293,6 +293,31 @@ class Transcriber:
         return _result(inp, self.prompts, self.language, tokenizer, self.timestamps)
 
 
+# What ``pip install 'tandem-engine[audio]'`` brings: soundfile decodes files, soxr resamples.
+AUDIO_EXTRA_MODULES = ("soundfile", "soxr")
+
+
+def require_audio_extra() -> None:
+    """Raise ImportError naming the audio extra and each of its modules that does not
+    import, so ``tandem transcribe`` says so before it loads a model rather than
+    failing every file on the first missing module, then on the next."""
+    import importlib
+
+    missing = []
+    for name in AUDIO_EXTRA_MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError:
+            missing.append(name)
+        except (ImportError, OSError) as e:  # installed but broken, e.g. soundfile without its libsndfile
+            missing.append(f"{name} ({type(e).__name__}: {e})")
+    if missing:
+        raise ImportError(
+            f"transcribing files needs the audio extra: pip install 'tandem-engine[audio]' "
+            f"(missing: {', '.join(missing)})"
+        )
+
+
 def transcribe(
     llm: "LLM",
     audio: Any,
