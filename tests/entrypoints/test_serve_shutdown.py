@@ -15,6 +15,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 WAIT = 60.0
 # How long the server may take to exit after the second signal: the cut answers at
@@ -119,3 +120,71 @@ def test_a_second_sigterm_cuts_completions_with_json_503s(bart_dir, tmp_path):
             proc.kill()
             proc.wait(timeout=WAIT)
     assert outcomes.count("cut") >= 30, outcomes  # a few may have finished in the 0.1 s
+
+
+@pytest.mark.asyncio
+async def test_a_second_sigint_a_second_later_cuts_at_once():
+    """The signal handling itself, in this process: the first signal only asks the
+    server to stop (the drain), a second of either kind, however late, cuts."""
+    import asyncio
+    import os
+
+    import uvicorn
+
+    from tandem.entrypoints.openai.shutdown import FORCED, DrainCut, make_server
+
+    cut = DrainCut()
+    server = make_server(uvicorn.Config(lambda scope, receive, send: None), cut=cut, drain_timeout=30)
+    with server.capture_signals():
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(1.0)
+        assert server.should_exit and not cut.is_set()  # draining
+        os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.wait_for(cut.wait(), 5)
+    assert cut.reason == FORCED and "a second signal forced the shutdown" in cut.message
+    if server._hard_stop is not None:
+        server._hard_stop.cancel()
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_stream_still_ends_with_a_503_event():
+    """The last resort (a request that did not answer the cut in time is cancelled):
+    the guard ends its stream with a 503 event and the task ends normally, so
+    uvicorn writes no traceback; one that had not answered gets a JSON 503."""
+    import asyncio
+
+    from tandem.entrypoints.openai.api_server import _Guard
+
+    async def streaming(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        await asyncio.sleep(3600)
+
+    async def silent(scope, receive, send):
+        await asyncio.sleep(3600)
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    for app in (streaming, silent):
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+
+        guard = _Guard(app, api_key=None, max_body_bytes=1 << 20)
+        task = asyncio.create_task(guard({"type": "http", "path": "/v1/completions", "method": "POST",
+                                          "headers": []}, receive, send))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.wait_for(task, 5)  # returns: not cancelled, no exception
+        assert not task.cancelled() and sent[-1]["more_body"] is False
+        last = sent[-1]["body"].decode()
+        if app is streaming:
+            assert sent[0]["status"] == 200 and last.startswith("data: ")
+            err = json.loads(last[6:])["error"]
+        else:
+            assert sent[0]["status"] == 503
+            err = json.loads(last)["error"]
+        assert err["code"] == 503 and "shutting down" in err["message"]
