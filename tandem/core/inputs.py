@@ -186,7 +186,9 @@ class InputProcessor:
             raise ValueError(f"{where} text is empty")
         if self.tokenizer is None:
             raise ValueError(f"{where} is text but the model has no tokenizer; pass token ids")
-        ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        # verbose=False: no transformers warning that an over-long prompt "will result in
+        # indexing errors"; the engine checks every prompt's length and refuses it naming both.
+        ids = list(self.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
         eos = self.tokenizer.eos_token_id
         # A decoder prompt is a prefix to continue, never a finished sequence.
         if not is_encoder and ids and eos is not None and ids[-1] == eos:

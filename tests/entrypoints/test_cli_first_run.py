@@ -1,5 +1,6 @@
 """First run of the ``tandem`` command: the audio extra named before a model loads."""
 
+import json
 import subprocess
 import sys
 
@@ -44,3 +45,21 @@ def test_transcribe_with_the_extra_runs(whisper_and_wav):
     res = _tandem_without([], "transcribe", str(model), str(wav), "--dtype", "float32", "--no-progress")
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith(f"{wav}\t")
+
+
+def test_an_over_long_prompt_gets_tandems_error_without_transformers_warning(capfd, caplog):
+    from tandem import LLM, SamplingParams
+    from tandem.entrypoints.cli import DEMO_MODEL
+
+    long = "the cat " * 100  # 200 words: over the demo tokenizer's model_max_length (64) and the model's positions
+    res = subprocess.run([sys.executable, "-m", "tandem.entrypoints.cli", "generate", "--model", str(DEMO_MODEL),
+                          "--dtype", "float32", "--json", long], capture_output=True, text=True)
+    assert res.returncode == 1
+    assert "encoder prompt has 202 tokens" in json.loads(res.stdout)["error"]
+    assert "Token indices sequence length" not in res.stderr and "indexing errors" not in res.stderr, res.stderr
+    # In a program too, where transformers logs through its own logger.
+    llm = LLM(model=str(DEMO_MODEL), dtype="float32", device="cpu", num_kv_blocks=16)
+    out = llm.generate([long], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert "encoder prompt has 202 tokens" in out.error
+    logged = capfd.readouterr().err + caplog.text
+    assert "Token indices sequence length" not in logged
