@@ -88,12 +88,15 @@ class LLMEngine:
         self.vocab_size = self.model_cls.vocab_size(self.hf_config)
         self.stats = EngineStats()
         self.faults = StepFaults(config.max_consecutive_step_failures)
+        # One record (never interleaved with another thread's), one fact per line: a short
+        # head, then indented lines; the backends passed over one per line too.
+        backend_reason = self._backend_reason.replace(" | ", "\n      | ")
         logger.info(
-            "engine ready: %s for %s, %s (%s) on %s; %s; %s; attention backend %s (%s); KV pool %d blocks x %d "
-            "tokens = %.1f MiB; swap space %d blocks = %.2f GiB, committed as used",
+            "engine ready: %s for %s\n  dtype and device: %s (%s) on %s\n  %s\n  %s\n  attention backend %s (%s)"
+            "\n  KV pool %d blocks x %d tokens = %.1f MiB\n  swap space %d blocks = %.2f GiB, committed as used",
             self.model_cls.__name__, self.architecture, str(dtype).removeprefix("torch."), config.dtype_reason,
             device, self.worker.linear_kernels, self.worker.host_malloc,
-            self.attn_backend.name, self._backend_reason, num_blocks, config.block_size,
+            self.attn_backend.name, backend_reason, num_blocks, config.block_size,
             num_blocks * block_bytes / (1 << 20), num_cpu_blocks, num_cpu_blocks * block_bytes / GiB,
         )
 

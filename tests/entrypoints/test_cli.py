@@ -63,11 +63,21 @@ def test_generate_on_the_demo_model_works_with_no_flags():
     res = tandem("generate", "--model", str(DEMO_MODEL), "the cat sat on the mat")
     assert res.returncode == 0, res.stderr
     assert res.stdout == "the cat sat on the mat\tmat the on sat cat the\n"
-    # The CLI logs at INFO: one start-up line naming the backend and the pool.
-    assert "engine ready: BartForConditionalGeneration" in res.stderr
+    # The CLI logs at INFO: one start-up message, a short head and one fact per indented line
+    # (the backends passed over each on a "|" line of their own).
     # On CPU cpu_paged where its op builds, else torch_sdpa; no flags means cuda where there is one.
     chosen = r"\w+" if torch.cuda.is_available() else "(cpu_paged|torch_sdpa)"
-    assert re.search(rf"attention backend {chosen} \(the highest priority", res.stderr), res.stderr
+    start = res.stderr.index("INFO tandem.core.engine: engine ready")
+    record = res.stderr[start:].splitlines()
+    record = record[:next(i for i, line in enumerate(record) if line.startswith("  swap space")) + 1]
+    assert record[0] == "INFO tandem.core.engine: engine ready: BartForConditionalGeneration for " \
+                        "BartForConditionalGeneration"
+    assert max(map(len, record)) < 200, record
+    facts = [line for line in record[1:] if not line.startswith("      | ")]
+    patterns = [r"  dtype and device: \w+ \(.+\) on \w+", r"  linear layers: .+", r"  host malloc: .+",
+                rf"  attention backend {chosen} \(the highest priority .+", r"  KV pool \d+ blocks x 16 tokens = .+ MiB",
+                r"  swap space \d+ blocks = .+ GiB, committed as used"]
+    assert len(facts) == len(patterns) and all(re.fullmatch(p, f) for p, f in zip(patterns, facts)), record
 
 
 def test_version_help_defaults_and_bad_flags():
