@@ -478,8 +478,10 @@ def test_real_server_bounds_uploads_counts_disconnects_and_cuts_with_json(bart_d
         # 3. SIGTERM with requests longer than --drain-timeout: they end with a JSON 503.
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             futs = [pool.submit(httpx.post, f"{url}/v1/completions", json=long, timeout=WAIT) for _ in range(6)]
-            for _ in range(200):
-                if metric(httpx.get(f"{url}/metrics").text, "tandem:num_requests_running") >= 1:
+            for _ in range(600):  # all six in the engine (one runs), so none meets a closed socket
+                text = httpx.get(f"{url}/metrics").text
+                held = metric(text, "tandem:num_requests_running") + metric(text, "tandem:num_requests_waiting")
+                if held + sum(f.done() for f in futs) >= 6:
                     break
                 time.sleep(0.05)
             start = time.monotonic()

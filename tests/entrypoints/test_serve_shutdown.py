@@ -48,10 +48,12 @@ def _start(model_dir, log_path, *extra):
     raise RuntimeError("server did not become healthy in 60 s")
 
 
-def _running(url: str) -> float:
+def _in_engine(url: str) -> float:
+    """Requests the engine holds: running and waiting."""
     from test_serve import _metric
 
-    return _metric(httpx.get(f"{url}/metrics", timeout=5).text, "tandem:num_requests_running")
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return _metric(text, "tandem:num_requests_running") + _metric(text, "tandem:num_requests_waiting")
 
 
 def _outcome(kind: str, r: httpx.Response) -> str:
@@ -82,8 +84,8 @@ def _force(proc, url, submit, n: int, gap: float, log_path) -> list[str]:
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         futs = [pool.submit(submit, i) for i in range(n)]
         deadline = time.monotonic() + WAIT
-        while _running(url) < 1:
-            assert time.monotonic() < deadline, "no request started"
+        while _in_engine(url) + sum(f.done() for f in futs) < n:  # every one in: none meets the closed socket
+            assert time.monotonic() < deadline, "the requests did not all reach the engine"
             time.sleep(0.05)
         time.sleep(0.3)  # the streams are past their first events
         proc.send_signal(signal.SIGTERM)
