@@ -27,7 +27,7 @@ Unmarked blocks run:
 
 Everything runs from a scratch directory holding links to the repository's ``tests``,
 ``examples`` and ``benchmarks``, and the audio files the docs name (``talk.flac``,
-``meeting.wav``, ``lecture.mp3``, 40 s of synthetic audio each). Placeholders in the text
+``meeting.wav``, ``lecture.mp3``, 3 s of synthetic audio each). Placeholders in the text
 are replaced before running (``PLACEHOLDERS``): BART paths and ``DIR`` by the shipped demo
 model, ``path/to/whisper`` and ``path/to/opus-mt-checkpoint`` by tiny random checkpoints.
 A Python block that uses ``samples`` without defining it gets one second of float32 audio
@@ -164,7 +164,7 @@ def workdir(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("docs_work")
     for name in ("tests", "examples", "benchmarks"):
         (work / name).symlink_to(ROOT / name)
-    audio = synth_audio(40.0, seed=1)
+    audio = synth_audio(3.0, seed=1)
     for name, fmt in (("talk.flac", "FLAC"), ("meeting.wav", "WAV"), ("lecture.mp3", "MP3")):
         sf.write(work / name, audio, 16000, format=fmt)
     return work
