@@ -84,7 +84,11 @@ class Block:
 
 
 def collect(path: Path) -> list[Block]:
-    lines = path.read_text().splitlines()
+    return collect_text(path.read_text(), path)
+
+
+def collect_text(text: str, path: Path = ROOT / "README.md") -> list[Block]:
+    lines = text.splitlines()
     blocks, i = [], 0
     while i < len(lines):
         m = FENCE.match(lines[i])
@@ -393,3 +397,20 @@ def test_every_marker_precedes_a_block() -> None:
 
 def test_all_docs_are_collected() -> None:
     assert len(BLOCKS) > 30 and {b.path.name for b in BLOCKS} >= {"README.md", "plugins.md"}
+
+
+@pytest.mark.parametrize("lang, text, error", [
+    ("toml", "[project]\n", pytest.fail.Exception),          # no way to run it: must be marked
+    ("", "curl http://127.0.0.1:8000/health\n", AssertionError),  # not a command the check runs
+    ("", "python -m pytest -q\n", AssertionError),           # the suite itself: must be marked skip
+])
+def test_an_unmarked_block_that_cannot_run_fails(lang, text, error, request) -> None:
+    with pytest.raises(error):
+        test_doc_block(Block(ROOT / "README.md", 0, lang, text, None, None), request)
+
+
+def test_a_skip_needs_a_reason(request) -> None:
+    (block,) = collect_text("<!-- docs-check: skip -->\n```\ntandem serve x\n```\n")
+    assert block.marker == "skip" and block.arg is None
+    with pytest.raises(AssertionError, match="needs a reason"):
+        test_doc_block(block, request)
