@@ -155,7 +155,7 @@ async def test_a_cancelled_stream_still_ends_with_a_503_event():
     uvicorn writes no traceback; one that had not answered gets a JSON 503."""
     import asyncio
 
-    from tandem.entrypoints.openai.api_server import _Guard
+    from tandem.entrypoints.openai.guard import Guard
 
     async def streaming(scope, receive, send):
         await send({"type": "http.response.start", "status": 200,
@@ -175,7 +175,7 @@ async def test_a_cancelled_stream_still_ends_with_a_503_event():
         async def send(message):
             sent.append(message)
 
-        guard = _Guard(app, api_key=None, max_body_bytes=1 << 20)
+        guard = Guard(app, api_key=None, max_body_bytes=1 << 20)
         task = asyncio.create_task(guard({"type": "http", "path": "/v1/completions", "method": "POST",
                                           "headers": []}, receive, send))
         await asyncio.sleep(0.05)

@@ -122,3 +122,11 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     if status >= 500 and status != 503:
         kind = "server_error"
     return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status)).model_dump()
+
+
+class HTTPError(Exception):
+    """An error answer: its status, message (OpenAI's shape, ``error_body``) and headers."""
+
+    def __init__(self, status: int, message: str, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}

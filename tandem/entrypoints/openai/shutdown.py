@@ -6,7 +6,7 @@ requests finish for ``--drain-timeout`` seconds; then they are cut: each
 handler answers a JSON 503 (a stream ends with a 503 error event). A second
 signal, at any time after the first, cuts them at once. Either way the cut is
 logged on one line, and a request that has not answered ``CUT_GRACE_SECONDS``
-after the cut is cancelled (``_Guard`` answers it a JSON 503). Then the engine
+after the cut is cancelled (``Guard`` (guard.py) answers it a JSON 503). Then the engine
 is shut down and the process exits with status 0.
 """
 
@@ -41,6 +41,30 @@ class DrainCut(asyncio.Event):
     @property
     def message(self) -> str:
         return f"{SHUTTING_DOWN} ({self.reason})"
+
+
+CUT = object()  # queued into a stream's queue once the cut is set
+
+
+async def watch(tasks: list[asyncio.Future], request, cut: asyncio.Event) -> str:
+    """Wait until every task is done ("done"), the client disconnects
+    ("disconnected"; ``request`` is the Starlette request, or None not to look)
+    or the running requests are cut ("cut")."""
+    cut_wait = asyncio.ensure_future(cut.wait())
+    try:
+        while True:
+            pending = [t for t in tasks if not t.done()]
+            if not pending:
+                return "done"
+            if cut.is_set():
+                return "cut"
+            await asyncio.wait([*pending, cut_wait], timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+            if cut.is_set():
+                return "cut"
+            if request is not None and await request.is_disconnected():
+                return "disconnected"
+    finally:
+        cut_wait.cancel()
 
 
 def _server_cls():
@@ -89,7 +113,7 @@ def _server_cls():
             self._hard_stop = asyncio.get_running_loop().call_later(CUT_GRACE_SECONDS, self._cancel_left)
 
         def _cancel_left(self) -> None:
-            """The requests that have not answered since the cut: cancelled (``_Guard``
+            """The requests that have not answered since the cut: cancelled (``Guard`` (guard.py)
             answers each a JSON 503). A connection that still does not close (a client
             that reads nothing) is dropped a second later."""
             left = [t for t in self.server_state.tasks if not t.done()]

@@ -1,0 +1,255 @@
+"""Serving ``POST /v1/completions``: plain (every prompt's final output) or
+streamed (server-sent events of each step's new text), with their metrics and
+log lines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from tandem.entrypoints.async_llm import EngineDeadError
+from tandem.entrypoints.openai.metrics import ServerMetrics
+from tandem.entrypoints.openai.protocol import HTTPError, error_body
+from tandem.entrypoints.openai.shutdown import CUT, watch
+
+logger = logging.getLogger("tandem.serve")
+
+
+async def first_outputs(engine, prompts, params, ids, cut):
+    """Start the streams and wait for each first output, so a rejected request is
+    a 400 rather than a broken stream."""
+    gens = [engine.generate(p, params, rid) for p, rid in zip(prompts, ids)]
+
+    async def firsts():
+        return [await g.__anext__() for g in gens]
+
+    waiting = asyncio.ensure_future(firsts())
+    try:
+        outcome = await watch([waiting], None, cut)
+        if outcome == "cut":
+            raise HTTPError(503, cut.message)
+        outs = waiting.result()
+    except (ValueError, TypeError) as e:
+        await _close(gens)
+        raise HTTPError(400, str(e)) from None
+    except EngineDeadError as e:
+        await _close(gens)
+        raise HTTPError(503, str(e)) from None
+    except BaseException:
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await _close(gens)
+        raise
+    failed = [o.error for o in outs if o.error is not None]
+    if failed:  # failed in its first step: an error status before the stream starts
+        await _close(gens)
+        raise HTTPError(500, f"the request failed while being served: {failed[0]}")
+    return list(zip(gens, outs))
+
+
+async def _close(gens) -> None:
+    for g in gens:
+        try:
+            await g.aclose()
+        except Exception:  # noqa: BLE001 - closing a generator that already failed
+            pass
+
+
+def _choice(index: int, completion, text: str, logprobs_out) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs_out, "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason}
+
+
+def _logprobs(completion, tokenizer, token_ids=None, entries=None) -> dict | None:
+    entries = completion.logprobs if entries is None else entries
+    if entries is None:
+        return None
+    token_ids = completion.token_ids if token_ids is None else token_ids
+
+    def name(t: int) -> str:
+        return tokenizer.convert_ids_to_tokens(t) if tokenizer is not None else str(t)
+
+    # JSON has no -Infinity or NaN: a chosen token of probability 0 (every token
+    # banned, say) gets null, and top entries of probability 0 are left out.
+    return {
+        "tokens": [name(t) for t in token_ids],
+        "token_logprobs": [_finite(e.get(t)) for e, t in zip(entries, token_ids)],
+        "top_logprobs": [{name(k): v for k, v in e.items() if _finite(v) is not None} for e in entries],
+        "text_offset": [],
+    }
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _usage(outs) -> dict:
+    prompt = sum(len(o.encoder_prompt_token_ids) + len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _record(metrics: ServerMetrics, rid: str, out, start: float, first_token_at: float | None,
+            n_out: int | None = None) -> None:
+    """A finished request's metrics and log line. ``n_out``: the tokens it generated,
+    when ``out`` (a stream's last delta) does not hold them all."""
+    end = time.monotonic()
+    if n_out is None:
+        n_out = sum(len(c.token_ids) for c in out.outputs)
+    n_in = len(out.encoder_prompt_token_ids) + len(out.prompt_token_ids)
+    metrics.prompt_tokens.inc(n_in)
+    for c in out.outputs:
+        metrics.request_success.labels(finished_reason=c.finish_reason or "abort").inc()
+    metrics.e2e.observe(end - start)
+    if first_token_at is not None:
+        metrics.ttft.observe(first_token_at - start)
+    logger.info("request %s: %d tokens in, %d out, %.3f s", rid, n_in, n_out, end - start)
+
+
+def _record_aborted(metrics: ServerMetrics, params, count: int) -> None:
+    """Requests the server aborted (the client left, or the drain timeout cut them):
+    their engine outputs are never read, so they are counted here, once per choice."""
+    if count:
+        metrics.request_success.labels(finished_reason="abort").inc(count * max(1, int(params.n or 1)))
+
+
+async def complete(engine, metrics, request, params, prompts, ids, base, created, model, cut):
+    start = time.monotonic()
+
+    async def run(prompt, rid):
+        last = None
+        async for out in engine.generate(prompt, params, rid):
+            last = out
+        return last
+
+    tasks = [asyncio.create_task(run(p, rid)) for p, rid in zip(prompts, ids)]
+    try:
+        outcome = await watch(tasks, request, cut)
+        if outcome != "done":  # the client left, or the drain timeout passed: abort (blocks freed)
+            unfinished = sum(not t.done() for t in tasks)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            _record_aborted(metrics, params, unfinished)
+            if outcome == "cut":  # logged once for all (shutdown.py)
+                logger.debug("request %s: cut off (%s)", base, cut.reason)
+                raise HTTPError(503, cut.message)
+            logger.info("request %s: client disconnected, aborted", base)
+            return JSONResponse(error_body(400, "client disconnected"), status_code=499)
+        results = [t.result() for t in tasks]
+    except (ValueError, TypeError) as e:
+        raise HTTPError(400, str(e)) from None
+    except EngineDeadError as e:
+        raise HTTPError(503, str(e)) from None
+    finally:  # whatever ended the wait (an error, the task's own cancellation): no request outlives it
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+    failed = [out.error for out in results if out is not None and out.error is not None]
+    if failed:  # it failed while being served (its step's fault, or its own)
+        raise HTTPError(500, f"the request failed while being served: {failed[0]}")
+    tokenizer = engine.get_tokenizer()
+    choices, outs = [], []
+    for i, out in enumerate(results):
+        outs.append(out)
+        n_tokens = sum(len(c.token_ids) for c in out.outputs)
+        metrics.generation_tokens.inc(n_tokens)
+        _record(metrics, ids[i], out, start, time.monotonic() if n_tokens else None)
+        for j, c in enumerate(out.outputs):
+            choices.append(_choice(i * len(out.outputs) + j, c, c.text, _logprobs(c, tokenizer)))
+    return {"id": base, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": _usage(outs)}
+
+
+async def stream_completion(engine, metrics, req, params, first, ids, base, created, model, cut):
+    """Server-sent events: one chunk per new text per choice, then (with
+    ``stream_options.include_usage``) a usage chunk, then ``[DONE]``."""
+    tokenizer = engine.get_tokenizer()
+    start = time.monotonic()
+    queue: asyncio.Queue = asyncio.Queue()
+    n_per = None
+
+    async def pump(i, gen, out):
+        try:
+            await queue.put((i, out))
+            while not out.finished:
+                out = await gen.__anext__()
+                await queue.put((i, out))
+        except BaseException as e:  # noqa: BLE001 - delivered to the response loop
+            await queue.put((i, e))
+        finally:
+            await gen.aclose()
+
+    async def on_cut():
+        await cut.wait()
+        await queue.put((None, CUT))
+
+    tasks = [asyncio.create_task(pump(i, g, o)) for i, (g, o) in enumerate(first)]
+    watcher = asyncio.create_task(on_cut())
+    finals: dict[int, Any] = {}
+    generated: dict[int, int] = {}
+    last_token_at: dict[int, float] = {}
+    first_token_at: dict[int, float] = {}
+    failed = False
+    try:
+        while len(finals) < len(tasks):
+            i, out = await queue.get()
+            if out is CUT:  # logged once for all (shutdown.py)
+                logger.debug("request %s: stream cut off (%s)", base, cut.reason)
+                yield f"data: {json.dumps(error_body(503, cut.message))}\n\n"
+                return
+            if isinstance(out, BaseException):
+                failed = True
+                message = str(out) if isinstance(out, (ValueError, TypeError, EngineDeadError)) else "internal error"
+                yield f"data: {json.dumps(error_body(500, message))}\n\n"
+                return
+            if out.error is not None:  # failed while being served: the stream ends with the error
+                failed = True
+                yield f"data: {json.dumps(error_body(500, f'the request failed while being served: {out.error}'))}\n\n"
+                return
+            n_per = len(out.outputs)
+            now = time.monotonic()
+            new_tokens = sum(len(c.token_ids) for c in out.outputs)
+            generated[i] = generated.get(i, 0) + new_tokens
+            if new_tokens:
+                metrics.generation_tokens.inc(new_tokens)
+                if i not in first_token_at:
+                    first_token_at[i] = now
+                elif i in last_token_at:
+                    metrics.itl.observe((now - last_token_at[i]) / new_tokens)
+                last_token_at[i] = now
+            for j, c in enumerate(out.outputs):
+                if c.text or c.token_ids or c.finish_reason:
+                    chunk = {"id": base, "object": "text_completion", "created": created, "model": model,
+                             "choices": [_choice(i * n_per + j, c, c.text, _logprobs(c, tokenizer))]}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            if out.finished:
+                finals[i] = out
+                _record(metrics, ids[i], out, start, first_token_at.get(i), generated.get(i, 0))
+        if req.stream_options is not None and req.stream_options.include_usage:
+            usage = _final_usage(finals, generated)
+            chunk = {"id": base, "object": "text_completion", "created": created, "model": model, "choices": [],
+                     "usage": usage}
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:  # a disconnect cancels this generator: stop the pumps (their requests abort)
+        watcher.cancel()
+        for t in tasks:
+            t.cancel()
+        if not failed:
+            _record_aborted(metrics, params, len(tasks) - len(finals))
+        await asyncio.gather(watcher, *tasks, return_exceptions=True)
+
+
+def _final_usage(finals, generated) -> dict:
+    """Streamed (delta) outputs carry only each step's tokens: the usage counts each
+    request's prompt once and the tokens counted as the stream went."""
+    prompt = sum(len(o.encoder_prompt_token_ids) + len(o.prompt_token_ids) for o in finals.values())
+    completion = sum(generated.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
