@@ -11,8 +11,9 @@ A block may be preceded (as the last non-blank line before its fence) by one mar
                                            line of the block (but a leading ``$ COMMAND`` and
                                            lines that are only ``...``) appears among its
                                            output lines
-    <!-- docs-check: synopsis -->          a usage summary: for each ``tandem CMD ...`` line,
-                                           ``tandem CMD --help`` names every ``--option`` it shows
+    <!-- docs-check: synopsis -->          a usage summary, not run: for each ``tandem CMD ...``
+                                           line (``\\`` continuations joined), ``tandem CMD
+                                           --help`` names every ``--option`` it shows
 
 Unmarked blocks run:
 
@@ -338,7 +339,7 @@ def check_output(block: Block, env, cwd) -> None:
 
 
 def check_synopsis(block: Block, env, cwd) -> None:
-    for line in block.text.splitlines():
+    for line in shell_lines(block.text):
         words = line.split()
         if len(words) < 2 or words[0] != "tandem" or not re.match(r"^[a-z]+$", words[1]):
             continue
