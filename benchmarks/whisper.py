@@ -62,9 +62,12 @@ Without ``--model`` a seeded random ``WhisperForConditionalGeneration`` is built
 512, 6+6 layers, 8 heads, FFN 2048; both vocab 51865 with multilingual
 Whisper's special-token layout, 80 mel bins, 448 decoder positions) and saved
 with ``save_pretrained`` (plus a generation_config.json with ``lang_to_id``,
-``task_to_id``, ``no_timestamps_token_id`` and ``suppress_tokens``) to a
-temporary directory (or ``--save-model DIR``). No tokenizer is needed: the
-CTranslate2 converter gets a stand-in one naming each id.
+``task_to_id``, ``no_timestamps_token_id`` and ``suppress_tokens``, and a
+``WhisperTokenizer`` of the same layout built offline by
+``tandem.demo_whisper.tokenizer``, so a ``--save-model`` checkpoint decodes
+text in ``tandem transcribe``, ``LLM.transcribe`` and ``tandem serve``) to a
+temporary directory (or ``--save-model DIR``). The CTranslate2 converter gets
+a stand-in tokenizer naming each id.
 """
 
 from __future__ import annotations
@@ -148,9 +151,11 @@ class Result:
 
 def make_model(size: str, out_dir: str, seed: int) -> str:
     """Build a seeded random WhisperForConditionalGeneration and save it, with a
-    multilingual generation config and a feature-extractor config."""
+    multilingual generation config, a feature-extractor config and a tokenizer."""
     from transformers import (GenerationConfig, WhisperConfig, WhisperFeatureExtractor,
                               WhisperForConditionalGeneration)
+
+    from tandem.demo_whisper.tokenizer import build_whisper_tokenizer, save_whisper_tokenizer
 
     ids = special_ids()
     config = WhisperConfig(
@@ -178,6 +183,8 @@ def make_model(size: str, out_dir: str, seed: int) -> str:
         forced_decoder_ids=None,
     ).save_pretrained(out_dir)
     WhisperFeatureExtractor(feature_size=80).save_pretrained(out_dir)
+    save_whisper_tokenizer(build_whisper_tokenizer([], languages=[c.strip("<|>") for c in ids["lang_to_id"]],
+                                                   text_vocab_size=ids["eot"]), out_dir)
     return out_dir
 
 
@@ -545,7 +552,7 @@ def parse_args(argv=None):
     src.add_argument("--size", choices=sorted(MODEL_SIZES), default="tiny",
                      help="size of the random checkpoint built when --model is not given (default: tiny)")
     src.add_argument("--save-model", metavar="DIR",
-                     help="save the random checkpoint here instead of a temp dir")
+                     help="save the random checkpoint (with its tokenizer) here instead of a temp dir")
 
     run = p.add_argument_group("run")
     run.add_argument("--num-clips", type=int, default=16, help="30 s clips (default: 16)")

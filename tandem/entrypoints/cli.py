@@ -12,6 +12,7 @@ from pathlib import Path
 from tandem.core.config import DEFAULT_KV_CACHE_GIB, EngineConfig
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
+DEMO_WHISPER = Path(__file__).resolve().parent.parent / "demo_whisper"
 
 # What a command can fail with that is the user's to fix: printed as one line, exit 2.
 # (Some prompts or files failing while the others ran is exit 1; interrupted, 130.)
@@ -155,8 +156,18 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     plugins = sub.add_parser("plugins", help="list loaded plugins and what each registered", formatter_class=fmt)
     plugins.add_argument("--json", action="store_true", help="print a JSON list")
 
-    demo = sub.add_parser("demo", help="run the shipped word-reversal model on a few sentences", formatter_class=fmt)
+    demo = sub.add_parser("demo", help="run a shipped demo model: word reversal (text) or, with --whisper, tone speech",
+                          formatter_class=fmt)
     _engine_args(demo)
+    demo.add_argument("--whisper", action="store_true",
+                      help="the demo Whisper: transcribe its sample WAV files (needs the audio extra)")
+    demo.add_argument("--path", action="store_true",
+                      help="print the demo checkpoint's directory (with --whisper, the Whisper one) and exit: "
+                           "give it to generate --model, transcribe or serve")
+    demo.add_argument("--say", metavar="WORDS", default=None,
+                      help="with --whisper: synthesize these words as tone speech and transcribe that "
+                           "(20 words: zero..nine hello world yes no stop go up down left right)")
+    demo.add_argument("--save", metavar="WAV", default=None, help="with --say: keep the synthesized audio in this file")
     demo.add_argument("sentences", nargs="*", help="sentences to reverse (default: built-in examples)")
     return parser, {"generate": gen, "transcribe": tr, "serve": sv, "plugins": plugins, "demo": demo}
 
@@ -354,21 +365,91 @@ def cmd_plugins(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    if args.path:
+        print(DEMO_WHISPER if args.whisper else DEMO_MODEL)
+        return 0
+    if args.whisper:
+        return _demo_whisper(args)
+    if args.say is not None or args.save is not None:
+        raise ValueError("--say and --save are for the Whisper demo: tandem demo --whisper --say 'three one four'")
+    return _demo_text(args)
+
+
+def _demo_text(args) -> int:
     from tandem import SamplingParams
 
     examples = json.loads((DEMO_MODEL / "demo_sentences.json").read_text())
     if args.sentences:
         examples = [{"input": s, "expected": " ".join(reversed(s.split()))} for s in args.sentences]
-    llm = _llm(args, str(DEMO_MODEL))
-    outs = llm.generate([e["input"] for e in examples], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    specials = {"<s>", "<pad>", "</s>", "<unk>"}
+    vocab = set(json.loads((DEMO_MODEL / "tokenizer.json").read_text())["model"]["vocab"]) - specials
+    unknown = [[w for w in e["input"].split() if w not in vocab] for e in examples]
+    runnable = [e for e, bad in zip(examples, unknown) if not bad]
+    outs = iter([])
+    if runnable:
+        llm = _llm(args, str(DEMO_MODEL))
+        outs = iter(llm.generate([e["input"] for e in runnable], SamplingParams(temperature=0.0, max_tokens=16),
+                                 use_tqdm=False))
     print("tandem demo: a tiny BART trained to reverse the words of a sentence\n")
     right = 0
-    for e, out in zip(examples, outs):
+    for e, bad in zip(examples, unknown):
+        if bad:
+            words = ", ".join(repr(w) for w in bad)
+            print(f"  input:  {e['input']}\n  not run: {words} {'is' if len(bad) == 1 else 'are'} not in the demo "
+                  f"model's vocabulary ({len(vocab)} lowercase words; see {DEMO_MODEL / 'TRAINING.md'})\n")
+            continue
+        out = next(outs)
         got = out.error if out.error is not None else out.outputs[0].text
         ok = out.error is None and got == e["expected"]
         right += ok
         print(f"  input:  {e['input']}\n  output: {got}\n  {'right' if ok else 'WRONG, expected: ' + e['expected']}\n")
+    skipped = len(examples) - len(runnable)
+    print(f"{right}/{len(runnable)} right" + (f"; {skipped} not run (words outside the vocabulary)" if skipped else ""))
+    if not runnable:
+        return 2
+    return 0 if right == len(examples) else 1
+
+
+def _demo_whisper(args) -> int:
+    import tempfile
+
+    from tandem.demo_whisper import WORDS, synthesize, unknown_words, write_wav
+
+    if args.sentences:
+        raise ValueError(
+            "tandem demo --whisper takes words with --say; to transcribe a file: "
+            'tandem transcribe "$(tandem demo --whisper --path)" FILE.wav'
+        )
+    try:
+        import soundfile  # noqa: F401
+    except (ImportError, OSError) as e:
+        raise ImportError(f"tandem demo --whisper reads WAV files: pip install 'tandem-engine[audio]' ({e})") from e
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.say is not None:
+            bad = unknown_words(args.say)
+            if bad or not args.say.split():
+                raise ValueError(
+                    f"--say {args.say!r}: " + (", ".join(repr(w) for w in bad) + " not in" if bad else "no words from")
+                    + f" the demo Whisper's vocabulary ({len(WORDS)} words: {' '.join(WORDS)})"
+                )
+            wav = write_wav(args.save or Path(tmp) / "say.wav", synthesize(args.say))
+            examples = [{"file": str(wav), "expected": " ".join(args.say.split())}]
+        else:
+            examples = [{**e, "file": str(DEMO_WHISPER / e["file"])}
+                        for e in json.loads((DEMO_WHISPER / "demo_samples.json").read_text())]
+        llm = _llm(args, str(DEMO_WHISPER))
+        results = llm.transcribe([e["file"] for e in examples], use_tqdm=False, temperature=0.0)
+    print(f"tandem demo --whisper: a tiny Whisper trained to transcribe tone speech ({len(WORDS)} words, each a pair "
+          f"of tones; see {DEMO_WHISPER / 'TRAINING.md'})\n")
+    right = 0
+    for e, r in zip(examples, results):
+        got = f"[error] {r.error}" if r.error is not None else r.text
+        ok = r.error is None and r.text == e["expected"]
+        right += ok
+        kept = "" if args.say is not None and args.save is None else f"  audio:    {e['file']}\n"
+        print(f"{kept}  expected: {e['expected']}\n  output:   {got}\n  {'right' if ok else 'WRONG'}\n")
     print(f"{right}/{len(examples)} right")
+    print('transcribe a file yourself: tandem transcribe "$(tandem demo --whisper --path)" FILE.wav')
     return 0 if right == len(examples) else 1
 
 
