@@ -493,6 +493,9 @@ def test_real_server_bounds_uploads_counts_disconnects_and_cuts_with_json(bart_d
             assert "shutting down" in _error(r, 503)
         assert proc.wait(timeout=WAIT) == 0
         assert time.monotonic() - start < 0.5 + 5 + 10
+        log = proc.stdout.read()  # one line for the cut, no traceback per request
+        assert "Traceback" not in log and "Exception in ASGI" not in log, log[-3000:]
+        assert log.count("--drain-timeout (0.5 s) passed: shutting down now") == 1, log[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
