@@ -131,7 +131,7 @@ def test_cli_plugins_json_carries_capabilities():
     caps = records["tandem-triton"]["backend_capabilities"]["triton"]
     assert caps["block sizes"].startswith("any >= 1")
     if not torch.cuda.is_available():
-        assert caps["here"].startswith("cannot serve cpu/float32") and "TRITON_INTERPRET=1" in caps["here"]
+        assert caps["here"].startswith("cannot serve cpu/") and "TRITON_INTERPRET=1" in caps["here"]
 
 
 def test_override_wins_whichever_plugin_runs_first():
