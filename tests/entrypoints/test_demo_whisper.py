@@ -1,0 +1,100 @@
+"""The shipped demo Whisper (tandem/demo_whisper): it loads as a real checkpoint does,
+transcribes its samples to the expected text token for token as HF's generate does,
+and ``tandem demo --whisper`` (with ``--say``, ``--path``) runs end to end offline."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from tandem import LLM
+from tandem.demo_whisper import PATH, WORDS, synthesize
+from tandem.entrypoints.cli import DEMO_WHISPER, main
+
+SAMPLES = json.loads((PATH / "demo_samples.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model=str(PATH), dtype="float32", device="cpu")
+
+
+def test_the_checkpoint_has_what_a_real_one_has():
+    from transformers import AutoTokenizer, GenerationConfig, WhisperFeatureExtractor
+
+    tok = AutoTokenizer.from_pretrained(PATH)
+    gen = GenerationConfig.from_pretrained(PATH)
+    assert type(tok).__name__ == "WhisperTokenizer"
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert gen.decoder_start_token_id == tok.convert_tokens_to_ids("<|startoftranscript|>") == eot + 1
+    assert gen.lang_to_id == {"<|en|>": eot + 2}
+    assert gen.task_to_id == {"translate": eot + 3, "transcribe": eot + 4}
+    assert gen.no_timestamps_token_id == tok.convert_tokens_to_ids("<|notimestamps|>")
+    assert tok.convert_tokens_to_ids("<|0.00|>") == gen.no_timestamps_token_id + 1 == len(tok) - 1501
+    assert WhisperFeatureExtractor.from_pretrained(PATH).feature_size == 80
+    assert tok.decode(tok(" three one four", add_special_tokens=False)["input_ids"]) == " three one four"
+    assert sum(p.stat().st_size for p in PATH.iterdir() if p.is_file()) < 8e6
+
+
+def test_samples_transcribe_to_their_text_as_hf_generate_does(llm):
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    from tandem.audio import load_audio
+
+    results = llm.transcribe([str(PATH / s["file"]) for s in SAMPLES], use_tqdm=False)
+    hf = WhisperForConditionalGeneration.from_pretrained(PATH, dtype=torch.float32).eval()
+    extractor = WhisperFeatureExtractor.from_pretrained(PATH)
+    for sample, r in zip(SAMPLES, results):
+        assert r.error is None and r.language == "en"
+        assert r.text == sample["expected"]
+        features = extractor(load_audio(PATH / sample["file"]).numpy(), sampling_rate=16000,
+                             return_tensors="pt").input_features
+        with torch.no_grad():
+            ref = hf.generate(features, language="en", task="transcribe")[0].tolist()
+        prompt = [hf.generation_config.decoder_start_token_id, hf.generation_config.lang_to_id["<|en|>"],
+                  hf.generation_config.task_to_id["transcribe"], hf.generation_config.no_timestamps_token_id]
+        if ref[: len(prompt)] == prompt:  # transformers 4 returns the decoder prompt too
+            ref = ref[len(prompt):]
+        assert r.token_ids == ref
+
+
+def test_synthesized_words_transcribe(llm):
+    words = "seven eight nine stop go"
+    r = llm.transcribe({"audio": synthesize(words, seed=3), "sampling_rate": 16000}, use_tqdm=False)[0]
+    assert r.text == words
+    with pytest.raises(ValueError, match="not in the demo vocabulary: banana"):
+        synthesize("one banana")
+
+
+def test_demo_whisper_command(capsys):
+    assert main(["demo", "--whisper", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    for s in SAMPLES:
+        assert f"expected: {s['expected']}\n  output:   {s['expected']}\n" in out
+    assert f"{len(SAMPLES)}/{len(SAMPLES)} right" in out
+
+
+def test_demo_whisper_say_and_save(tmp_path, capsys):
+    wav = tmp_path / "say.wav"
+    assert main(["demo", "--whisper", "--dtype", "float32", "--say", "two zero four", "--save", str(wav)]) == 0
+    assert "output:   two zero four" in capsys.readouterr().out
+    assert main(["transcribe", str(DEMO_WHISPER), str(wav), "--dtype", "float32", "--no-progress"]) == 0
+    assert capsys.readouterr().out == f"{wav}\ttwo zero four\n"
+    assert main(["demo", "--whisper", "--say", "two banana"]) == 2
+    err = capsys.readouterr().err
+    assert "'banana' not in the demo Whisper's vocabulary" in err and " ".join(WORDS) in err
+
+
+def test_demo_path_prints_checkpoint_directories(capsys):
+    assert main(["demo", "--whisper", "--path"]) == 0
+    assert capsys.readouterr().out.strip() == str(DEMO_WHISPER) == str(PATH)
+    assert main(["demo", "--path"]) == 0
+    path = capsys.readouterr().out.strip()
+    assert LLM(model=path, dtype="float32").generate("the cat sat", use_tqdm=False)[0].outputs[0].text == "sat cat the"
+
+
+def test_demo_whisper_without_the_audio_extra_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "soundfile", None)  # import soundfile raises ImportError
+    assert main(["demo", "--whisper"]) == 2
+    assert "pip install 'tandem-engine[audio]'" in capsys.readouterr().err
