@@ -133,7 +133,8 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
                     help="audio endpoints: longer audio gets 413, checked from the file's header and while "
                          "decoding (0: no limit)")
     sv.add_argument("--drain-timeout", type=float, default=30.0,
-                    help="seconds running requests may take to finish after SIGTERM")
+                    help="seconds running requests may take to finish after SIGTERM; then, or at once on a "
+                         "second SIGTERM/SIGINT, they are answered with a JSON 503")
     _engine_args(sv)
     engine = {f.name: f.default for f in fields(EngineConfig)}
     sv.add_argument("--max-num-seqs", type=int, default=engine["max_num_seqs"],
@@ -166,8 +167,9 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
                            "give it to generate --model, transcribe or serve")
     demo.add_argument("--say", metavar="WORDS", default=None,
                       help="with --whisper: synthesize these words as tone speech and transcribe that "
-                           "(20 words: zero..nine hello world yes no stop go up down left right)")
-    demo.add_argument("--save", metavar="WAV", default=None, help="with --say: keep the synthesized audio in this file")
+                           "(20 words: zero..nine hello world yes no stop go up down left right) (default: none, the "
+                           "shipped sample files)")
+    demo.add_argument("--save", metavar="WAV", default=None, help="with --say: keep the synthesized audio in this file (default: none, not kept)")
     demo.add_argument("sentences", nargs="*", help="sentences to reverse (default: built-in examples)")
     return parser, {"generate": gen, "transcribe": tr, "serve": sv, "plugins": plugins, "demo": demo}
 
