@@ -5,7 +5,6 @@ draining. Every wait is bounded in count and time."""
 
 import concurrent.futures
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -27,17 +26,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(model_dir, *extra):
+def _start(model_dir, *extra, log_path=None):
+    """``tandem serve`` on 127.0.0.1 and a free port, once healthy: (process, url). Its
+    output goes to a pipe, or to ``log_path`` (a test that must not block on a full pipe)."""
     port = _free_port()
+    log = open(log_path, "w") if log_path is not None else None
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.entrypoints.cli", "serve", str(model_dir), "--port", str(port),
-         "--dtype", "float32", "--device", "cpu", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "tandem.entrypoints.cli", "serve", str(model_dir), "--host", "127.0.0.1",
+         "--port", str(port), "--dtype", "float32", "--device", "cpu", *extra],
+        stdout=log if log is not None else subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
+    if log is not None:
+        log.close()
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):  # up to 60 s
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()}")
+            output = open(log_path).read() if log_path is not None else proc.stdout.read()
+            raise RuntimeError(f"server exited: {output}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return proc, url

@@ -10,8 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -24,28 +22,9 @@ EXIT_BOUND = 20.0
 
 
 def _start(model_dir, log_path, *extra):
-    from test_serve import _free_port
+    from test_serve import _start as start
 
-    port = _free_port()
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.entrypoints.cli", "serve", str(model_dir), "--host", "127.0.0.1",
-         "--port", str(port), "--dtype", "float32", "--device", "cpu", *extra],
-        stdout=log, stderr=subprocess.STDOUT, text=True,
-    )
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):  # up to 60 s
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {open(log_path).read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("server did not become healthy in 60 s")
+    return start(model_dir, *extra, log_path=log_path)
 
 
 def _in_engine(url: str) -> float:
