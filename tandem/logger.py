@@ -29,9 +29,26 @@ def _env_level() -> int | None:
     return getattr(logging, raw.upper())
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted, not to the stream
+    it was when the handler was made: a host (or a test) that swaps ``sys.stderr`` and
+    closes the old one never leaves tandem logging into a closed file."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def _add_stderr_handler() -> None:
     if not any(getattr(h, "_tandem", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter(_FORMAT))
         handler._tandem = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
