@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import platform
 import random
 import sys
@@ -59,6 +57,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from tandem.demo_whisper.tokenizer import build_whisper_tokenizer, save_whisper_tokenizer  # noqa: E402
 from tandem.demo_whisper.tones import SAMPLE_RATE, TONES, WORDS, synthesize, write_wav  # noqa: E402
+from train_demo import lr_at  # noqa: E402  (the text demo's schedule: linear warm-up, cosine to 5%)
 
 WINDOW_SAMPLES = 30 * SAMPLE_RATE
 MIN_WORDS, MAX_WORDS = 1, 8
@@ -177,13 +176,6 @@ def frame_labels(sentence: str, spans, positions: int) -> list[int]:
         for j in range(int(start / 0.02 + 0.5), min(positions, int(end / 0.02 + 0.5))):
             out[j] = WORDS.index(w) + 1
     return out
-
-
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def greedy(model, feats, prompt: list[int], eos: int, max_new: int = MAX_NEW_TOKENS) -> list[list[int]]:
