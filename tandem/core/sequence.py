@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable
-from dataclasses import dataclass
 
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
+from tandem.core.strategies.prompt_slot import PromptSlot
 
 
 class SequenceStatus(enum.Enum):
@@ -32,18 +32,6 @@ _FINISHED = {
     SequenceStatus.FINISHED_ABORTED,
     SequenceStatus.FINISHED_NO_TOKEN,
 }
-
-
-@dataclass(frozen=True)
-class PromptSlot:
-    """A decoder prompt completed by the model: after the prompt's first step, the
-    token among ``choices`` the model scores highest (argmax over just those, as
-    HF's Whisper language detection) joins the prompt, followed by ``then``;
-    generation proper starts after them. The whole prompt is known before the
-    first token is generated, so processors and lengths count it as prompt."""
-
-    choices: tuple[int, ...]
-    then: tuple[int, ...] = ()
 
 
 class Sequence:
