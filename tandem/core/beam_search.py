@@ -1,7 +1,7 @@
 """Beam-search bookkeeping for one request, step for step as HF ``generate`` does it.
 
 The worker proposes each step's best ``beams_to_keep`` continuations (parent
-beam, token, accumulated score: ``sampler._beam_candidates``). Here, with HF's
+beam, token, accumulated score: ``strategies.beam.BeamStep.select``). Here, with HF's
 own float32 tensor arithmetic so that scores and ties come out identical:
 
 - continuations that end (an EOS or stop token id, or the length limit) among
@@ -22,9 +22,21 @@ from dataclasses import dataclass
 import torch
 
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.scheduler_output import BeamCandidates
 
 _NEG = -1.0e9  # HF's "impossible" score
+
+
+@dataclass(frozen=True)
+class BeamCandidates:
+    """One beam-search group's best continuations this step, best first (HF's
+    ``beams_to_keep``): each is a parent beam (index into the group's scheduled
+    sequences), a token and the accumulated score (float32 values)."""
+
+    scores: list[float]
+    parents: list[int]
+    token_ids: list[int]
+    token_logprobs: list[float]  # the token's processed log-probability alone
+    top_logprobs: list[dict[int, float]] | None = None  # per parent row, when asked for
 
 
 @dataclass

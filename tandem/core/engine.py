@@ -1,10 +1,13 @@
-"""The engine loop: requests in, one step at a time, outputs out.
+"""The engine: a checkpoint loaded, requests in, one step at a time, outputs out.
 
-A step is three calls: ``Scheduler.schedule()`` decides what runs (plain data),
-``Worker.execute_model()`` runs it (swaps, copies, forward, sampling), and
-``Scheduler.update_from_output()`` appends the sampled tokens, stops sequences
-on ids and lengths and frees blocks. The ``OutputProcessor`` then detokenizes
-incrementally, applies stop strings and builds the ``RequestOutput``s.
+``LLMEngine`` loads the model and its configs, turns prompts into requests
+(input processing, the checkpoint's generation defaults, validation, the
+request's strategy) and hands them to the ``EngineCore`` (scheduler, block
+manager, worker), whose step returns plain per-request results. The
+``OutputProcessor`` turns those into ``RequestOutput``s (detokenizing once,
+incrementally) and reports stop-string hits back to the core.
+``AsyncLLM`` drives the core from its engine thread and runs the output side
+in its consumers instead.
 """
 
 from __future__ import annotations
@@ -12,16 +15,16 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.core.attention import AttentionType
-from tandem.core.block_manager import BlockManager, Device, blocks_for
-from tandem.core.beam_search import BeamSearchState
+from tandem.core.block_manager import BlockManager, blocks_for
 from tandem.core.config import DEFAULT_KV_CACHE_GIB, EngineConfig
-from tandem.core.faults import EngineHealth, KVTransferError, StepFaults, describe
+from tandem.core.core_outputs import RequestInfo, RequestResult
+from tandem.core.engine_core import EngineCore
+from tandem.core.faults import EngineHealth, describe
 from tandem.core.generation_config import load_generation_defaults, merge_params, resolve_lengths
 from tandem.core.inputs import EncoderDecoderInputs, InputProcessor, PromptType
 from tandem.core.loader import check_model_config, load_hf_config, load_tokenizer
@@ -30,18 +33,16 @@ from tandem.core.output_processor import OutputProcessor
 from tandem.core.outputs import RequestOutput
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler, SchedulerConfig
-from tandem.core.sequence import PromptSlot, Sequence, SequenceGroup
+from tandem.core.sequence import Sequence, SequenceGroup
+from tandem.core.strategies.beam import BeamSearchStrategy
+from tandem.core.strategies.prompt_slot import PromptSlot, PromptSlotStrategy
+from tandem.core.strategies.sampling import SamplingStrategy
 from tandem.core.worker import Worker
 
 if TYPE_CHECKING:
     from tandem.registry import AttentionBackendRegistry, ModelRegistry
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_requests_finished: int = 0
 
 
 class LLMEngine:
@@ -83,11 +84,11 @@ class LLMEngine:
         self.block_manager = BlockManager(config.block_size, num_blocks, num_cpu_blocks)
         self._seq_ids = itertools.count()
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.eos_token_ids, self._seq_ids)
+        self.core = EngineCore(self.scheduler_config, self.block_manager, self.worker, self.scheduler,
+                               config.max_consecutive_step_failures)
         self.input_processor = InputProcessor(self.hf_config, self.model_cls, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.vocab_size = self.model_cls.vocab_size(self.hf_config)
-        self.stats = EngineStats()
-        self.faults = StepFaults(config.max_consecutive_step_failures)
         # One record (never interleaved with another thread's), one fact per line: a short
         # head, then indented lines; the backends passed over one per line too.
         backend_reason = self._backend_reason.replace(" | ", "\n      | ")
@@ -154,12 +155,30 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         prompt_slot: PromptSlot | None = None,
-    ) -> None:
-        """Validate and queue a request; raises ``ValueError`` naming what is wrong.
-        Fields of ``params`` the caller did not set come from the checkpoint's
-        generation config (:meth:`get_default_sampling_params`). ``prompt_slot``:
-        the model completes the decoder prompt first (Whisper's language detection)."""
-        self.faults.check_alive()
+    ) -> RequestInfo:
+        """Validate and queue a request, following its outputs in this engine's
+        :meth:`step`; raises ``ValueError`` naming what is wrong. Fields of ``params``
+        the caller did not set come from the checkpoint's generation config
+        (:meth:`get_default_sampling_params`). ``prompt_slot``: the model completes the
+        decoder prompt first (Whisper's language detection)."""
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        info = self.add_core_request(request_id, prompt, params, prompt_slot=prompt_slot)
+        self.output_processor.add_request(info)
+        return info
+
+    def add_core_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        prompt_slot: PromptSlot | None = None,
+    ) -> RequestInfo:
+        """:meth:`add_request` for a frontend that follows outputs itself (from
+        :meth:`step_core`'s results, with an ``output_processor.RequestState`` built
+        from the returned ``RequestInfo``)."""
+        self.core.faults.check_alive()
         if request_id in self.scheduler.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = self.resolve_params(params)
@@ -181,31 +200,33 @@ class LLMEngine:
         self._validate(inputs, params, prompt_len)
         beams = params.use_beam_search
         # Beam search starts from one sequence; it becomes num_beams after the first step.
-        seqs = [Sequence(next(self._seq_ids), inputs.prompt_token_ids) for _ in range(1 if beams else params.n)]
-        group = SequenceGroup(
-            request_id, inputs.encoder_inputs, seqs, params, time.monotonic(),
-            encoder_prompt=inputs.encoder_prompt, prompt=inputs.prompt,
-            encoder_prompt_token_ids=inputs.encoder_prompt_token_ids,
-        )
+        seqs = [Sequence(next(self._seq_ids), inputs.prompt_token_ids, i) for i in range(1 if beams else params.n)]
+        group = SequenceGroup(request_id, inputs.encoder_inputs, seqs, params, time.monotonic())
         if beams:
             stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-            group.beam_state = BeamSearchState(params, prompt_len, frozenset(stops))
-        group.prompt_slot = prompt_slot
+            strategy = BeamSearchStrategy(params, prompt_len, frozenset(stops))
+        else:
+            strategy = SamplingStrategy()
+        group.strategy = PromptSlotStrategy(prompt_slot, strategy) if prompt_slot is not None else strategy
         # Every sequence at full length must fit the pool, or it would preempt itself
         # forever (blocks its sequences share count once; the cross table always counts).
         slot_tokens = prompt_len - len(inputs.prompt_token_ids)
-        need = self.block_manager.blocks_needed(group, extra_tokens=params.max_tokens + slot_tokens)
-        if beams:  # every beam at full length, sharing nothing but the cross table
-            bs = self.config.block_size
-            need = blocks_for(group.encoder_len, bs) + params.num_beams * blocks_for(prompt_len + params.max_tokens, bs)
+        need = group.strategy.blocks_needed_at_most(group, prompt_len + params.max_tokens, self.config.block_size)
+        if need is None:
+            need = self.block_manager.blocks_needed(group, extra_tokens=params.max_tokens + slot_tokens)
         usable = self.block_manager.usable_blocks
         if need > usable:
             raise ValueError(
                 f"request needs up to {need} KV blocks but the pool has {usable}; "
                 "raise num_kv_blocks or kv_cache_memory, or lower max_tokens"
             )
-        self.output_processor.add_request(group)
-        self.scheduler.add(group)
+        self.core.add(group)
+        return RequestInfo(
+            request_id, params, inputs.encoder_prompt,
+            list(inputs.encoder_prompt_token_ids if inputs.encoder_prompt_token_ids is not None
+                 else inputs.encoder_inputs.token_ids or ()),
+            inputs.prompt, list(inputs.prompt_token_ids),
+        )
 
     def max_new_tokens(self, prompt: PromptType) -> int:
         """Tokens the model's decoder positions leave after this prompt's decoder prompt;
@@ -279,40 +300,23 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Drop the requests and free their blocks; returns their (aborted) outputs."""
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
-        found = self.scheduler.abort(ids)
-        outs = [self.output_processor.make_output(g) for g in found]
-        if not self.scheduler.groups:
-            self._reclaim_leaked_blocks()
+        outs, _ = self.output_processor.process(self.core.abort(ids))
         return outs
 
-    def _reclaim_leaked_blocks(self) -> None:
-        """With no request left, every block must be free; take back any that are not."""
-        bm = self.block_manager
-        leaked = {d.value: bm.num_total_blocks(d) - bm.num_free_blocks(d) for d in Device}
-        if any(leaked.values()):
-            logger.warning("no request is left but blocks are held (%s); resetting the pools", leaked)
-            bm.reset()
-        self.scheduler.clear()
+    def abort_core_request(self, request_ids: set[str]) -> list[RequestResult]:
+        """:meth:`abort_request` for a frontend that follows outputs itself."""
+        return self.core.abort(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.core.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.num_unfinished()
+        return self.core.stats.num_requests_unfinished
 
     def get_stats(self) -> dict[str, int]:
-        bm, sch = self.block_manager, self.scheduler
-        return {
-            "encoder_tokens_computed": sch.encoder_tokens_computed,
-            "encoder_tokens_reused": sch.encoder_tokens_reused,
-            "num_preemptions": sch.num_preemptions,
-            "kv_blocks_total": bm.num_total_blocks(),
-            "kv_blocks_free": bm.num_free_blocks(),
-            "swapped_out_blocks": self.worker.swapped_out_blocks,
-            "swapped_in_blocks": self.worker.swapped_in_blocks,
-            "num_requests_finished": self.stats.num_requests_finished,
-            "num_requests_unfinished": sch.num_unfinished(),
-        }
+        """Counters as of the last step: read from a snapshot the engine publishes,
+        so any thread may call this."""
+        return self.core.stats.as_dict()
 
     # -- the step ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -322,82 +326,39 @@ class LLMEngine:
         every request that failed in it (``tandem/core/faults.py``: a request's own
         fault fails it alone, a fault of the step fails the step's requests, and
         ``max_consecutive_step_failures`` failed steps in a row make the engine dead)."""
-        self.faults.check_alive()
-        sched = self.scheduler.schedule()
-        try:
-            result = self.worker.execute_model(sched)
-        except Exception as e:  # noqa: BLE001 - the forward, a backend, a KV copy: the step's fault
-            return self._step_failed(sched, e)
-        if result is None:
-            if not (sched.blocks_to_swap_out or sched.blocks_to_swap_in):
-                self._no_progress()
-            return []
-        self.faults.step_ok()
-        # Per-request faults in the update (a beam update, say) join the worker's.
-        advanced = self.scheduler.update_from_output(sched, result)
-        failed = self._fail_requests(result.failed_requests)
-        new_tokens = {seq.seq_id: 1 for g in sched.scheduled for seq in g.seqs}
-        outputs = []
-        for group in advanced:
+        return self.process_results(self.core.step())
+
+    def step_core(self) -> list[RequestResult]:
+        """:meth:`step` for a frontend that follows outputs itself."""
+        return self.core.step()
+
+    def process_results(self, results: list[RequestResult]) -> list[RequestOutput]:
+        """The outputs of a step's results; stop strings found end their sequences in
+        the core now. A request whose output cannot be built fails alone."""
+        outputs, stops, failed = [], {}, {}
+        for res in results:
             try:
-                out = self.output_processor.process(group, new_tokens)
-                if group.sampling_params.stop_strings:
-                    self.scheduler.release_finished(group)  # sequences a stop string ended
+                outs, hits = self.output_processor.process([res])
             except Exception as e:  # noqa: BLE001 - detokenizing this request's output
-                failed += self._fail_requests({group.request_id: f"building its output failed: {describe(e)}"})
+                failed[res.request_id] = f"building its output failed: {describe(e)}"
                 continue
-            if group.is_finished:
-                self.stats.num_requests_finished += 1
-            if out is not None:
-                outputs.append(out)
-        return outputs + failed
+            outputs += outs
+            stops.update(hits)
+        if stops:
+            self.core.stop(stops)
+        for rid, why in failed.items():
+            self.core.fail({rid: why})
+            self.output_processor.forget(rid)
+            outputs.append(RequestOutput(rid, None, [], None, [], [], True, error=why))
+        if failed:
+            self.core.stop({})  # nothing to stop: publishes the counters after the failures
+        return outputs
 
     def health(self) -> EngineHealth:
         """The engine's health after its last step (a snapshot other threads may read)."""
-        return self.faults.health
+        return self.core.health()
 
-    def _step_failed(self, sched, e: Exception) -> list[RequestOutput]:
-        ids = {g.request_id for g in sched.scheduled}
-        if isinstance(e, KVTransferError):  # a swap-out torn part of the way
-            ids |= {g.request_id for g in self.scheduler.swapped}
-        dead = self.faults.step_failed(e)
-        logger.error("a step of %d requests failed (%d in a row%s): %s", len(ids),
-                     self.faults.health.consecutive_step_failures, "; the engine is dead" if dead else "",
-                     describe(e), exc_info=e)
-        failed = self._fail_requests(dict.fromkeys(sorted(ids), f"the step serving it failed: {describe(e)}"))
-        if dead:
-            self.faults.check_alive()  # raises EngineDeadError
-        return failed
+    @property
+    def faults(self):
+        return self.core.faults
 
-    def _fail_requests(self, why_by_id: dict[str, str]) -> list[RequestOutput]:
-        """End each request with its reason as ``error``, freeing its blocks."""
-        failed = []
-        for rid, why in why_by_id.items():
-            logger.warning("request %r failed: %s", rid, why)
-            group = self.scheduler.groups.get(rid)
-            try:
-                outs = self.abort_request(rid)
-            except Exception as e:  # noqa: BLE001 - its output cannot be built either
-                logger.warning("request %r: building its failed output raised %s", rid, describe(e))
-                self.output_processor.forget(rid)
-                outs = [RequestOutput(rid, None, [], None, [], [], True)] if group is not None else []
-            for out in outs:
-                out.error = why
-                failed.append(out)
-                self.stats.num_requests_finished += 1
-        return failed
-
-    def _no_progress(self) -> None:
-        """Requests wait, nothing runs and nothing was admitted: every later step would
-        do the same, so say why instead of spinning."""
-        sch, bm = self.scheduler, self.block_manager
-        if not sch.waiting or sch.running or sch.swapped:
-            return
-        head = sch.waiting[0]
-        raise RuntimeError(
-            f"the scheduler cannot admit request {head.request_id!r} although nothing runs: it needs "
-            f"{bm.blocks_needed(head)} KV blocks and {head.encoder_len + sum(len(s) for s in head.seqs)} "
-            f"tokens; {bm.num_free_blocks()} of {bm.num_total_blocks()} blocks are free "
-            f"(watermark {bm.watermark_blocks}), max_num_batched_tokens="
-            f"{self.scheduler_config.max_num_batched_tokens}; {len(sch.waiting)} requests wait"
-        )

@@ -1,18 +1,22 @@
-"""From engine progress to ``RequestOutput``s: incremental detokenization, stop
-strings, and the per-request output kind (cumulative, delta or final only).
+"""From the core's per-request results to ``RequestOutput``s: the frontend's own
+per-request state, incremental detokenization, stop strings, and the output kind
+(cumulative, delta or final only).
 
-The core stops sequences on token ids and lengths; stop strings need text, so
-they are found here, a token at a time, without decoding the whole output
-again each step.
+The core reports plain data (``core_outputs.RequestResult``: new token ids,
+logprobs, finish reasons) and keeps no output state. The core stops sequences on
+token ids and lengths; stop strings need text, so they are found here, a token
+at a time, and reported back to the core, which frees the sequence
+(``stops``). Each sequence's text is detokenized once, incrementally: the final
+text is exactly what was streamed (DELTA chunks add up to it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.core.core_outputs import RequestInfo, RequestResult
 from tandem.core.outputs import CompletionOutput, RequestOutput
 from tandem.core.sampling_params import RequestOutputKind, SamplingParams
-from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class IncrementalDetokenizer:
@@ -51,115 +55,188 @@ class IncrementalDetokenizer:
 
 
 @dataclass
-class _SeqState:
+class _Completion:
     detok: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
     text: str = ""  # what the caller may see: cut before a stop string
+    num_detok: int = 0  # tokens fed to the detokenizer
     num_tokens_sent: int = 0  # DELTA: tokens already returned
     num_chars_sent: int = 0  # DELTA: characters already returned
     num_logprobs_sent: int = 0
 
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
-@dataclass
-class _RequestState:
-    params: SamplingParams
-    seqs: dict[int, _SeqState] = field(default_factory=dict)
+
+class RequestState:
+    """One request's output state on the frontend side: everything an output shows."""
+
+    def __init__(self, info: RequestInfo, tokenizer) -> None:
+        p = info.params
+        self.info, self.params, self.tokenizer = info, p, tokenizer
+        self.prompt_token_ids = list(info.prompt_token_ids)
+        # Text is followed step by step only when someone reads it before the end;
+        # otherwise it is detokenized once, when the sequence finishes.
+        self.follow = tokenizer is not None and not p.use_beam_search and (
+            bool(p.stop_strings) or p.output_kind is not RequestOutputKind.FINAL_ONLY
+        )
+        self.hold = max((len(x) for x in p.stop_strings), default=1) - 1
+        n = 0 if p.use_beam_search else p.n  # beams: the best n hypotheses, at the end
+        self.completions = [self._new() for _ in range(n)]
+        self.error: str | None = None
+
+    def _new(self) -> _Completion:
+        detok = IncrementalDetokenizer(self.tokenizer, self.params.skip_special_tokens) if self.tokenizer else None
+        return _Completion(detok, logprobs=[] if self.params.logprobs is not None else None)
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or (bool(self.completions) and all(c.finished for c in self.completions))
+
+    def update(self, result: RequestResult) -> dict[int, str]:
+        """Apply a step's result; returns the completions a stop string ended, by
+        index (the core is to stop them)."""
+        stops: dict[int, str] = {}
+        if result.prompt_token_ids is not None:
+            self.prompt_token_ids = list(result.prompt_token_ids)
+        if result.error is not None:
+            self.error = result.error
+        for d in result.completions:
+            while d.index >= len(self.completions):
+                self.completions.append(self._new())
+            c = self.completions[d.index]
+            if c.finished:  # ended here by a stop string; the core may not know yet
+                continue
+            if d.replace:
+                c.token_ids, c.num_detok, c.text = list(d.new_token_ids), 0, ""
+                if c.detok is not None:
+                    c.detok = IncrementalDetokenizer(self.tokenizer, self.params.skip_special_tokens)
+                if c.logprobs is not None:
+                    c.logprobs = list(d.new_logprobs or ())
+            else:
+                c.token_ids.extend(d.new_token_ids)
+                if c.logprobs is not None and d.new_logprobs:
+                    c.logprobs.extend(d.new_logprobs)
+            c.cumulative_logprob = d.cumulative_logprob
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+            if self.follow or c.finished:
+                before = len(c.text)
+                self._detokenize(c)
+                if self.params.stop_strings and not self.params.use_beam_search:
+                    hit = self._check_stop_strings(c, before)
+                    if hit is not None:
+                        stops[d.index] = hit
+        return stops
+
+    def _detokenize(self, c: _Completion) -> None:
+        if c.detok is None or c.num_detok == len(c.token_ids):
+            return
+        c.detok.add(c.token_ids[c.num_detok:])
+        c.num_detok = len(c.token_ids)
+        c.text = c.detok.text
+
+    def _check_stop_strings(self, c: _Completion, before: int) -> str | None:
+        p = self.params
+        # Stop ids and EOS take precedence; a length finish still yields to a stop string.
+        if c.finish_reason == "stop" or len(c.token_ids) < p.min_tokens:
+            return None
+        # Only the new text and the longest stop string's worth before it can hold a new match.
+        start = max(0, before - self.hold)
+        hits = [(at, x) for x in p.stop_strings if (at := c.text.find(x, start)) >= 0]
+        if not hits:
+            return None
+        at, x = min(hits)
+        c.text = c.text[:at]
+        c.finish_reason, c.stop_reason = "stop", x
+        return x
+
+    def abort(self) -> None:
+        for c in self.completions:
+            if not c.finished:
+                c.finish_reason = "abort"
+
+    def output(self) -> RequestOutput:
+        p = self.params
+        delta = p.output_kind is RequestOutputKind.DELTA
+        outs = []
+        for i, c in enumerate(self.completions):
+            text = c.text
+            if not c.finished and p.stop_strings:
+                # Hold back a possible stop string's beginning: sent text cannot be taken back.
+                text = text[: max(0, len(text) - self.hold)]
+            tokens, logprobs = c.token_ids, c.logprobs
+            if delta:
+                tokens = tokens[c.num_tokens_sent:]
+                logprobs = logprobs[c.num_logprobs_sent:] if logprobs is not None else None
+                text, c.num_chars_sent = text[c.num_chars_sent:], max(c.num_chars_sent, len(text))
+                c.num_tokens_sent = len(c.token_ids)
+                c.num_logprobs_sent = len(c.logprobs) if c.logprobs is not None else 0
+            outs.append(CompletionOutput(
+                index=i, text=text, token_ids=list(tokens), cumulative_logprob=c.cumulative_logprob,
+                logprobs=list(logprobs) if logprobs is not None else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            ))
+        info = self.info
+        return RequestOutput(
+            request_id=info.request_id, encoder_prompt=info.encoder_prompt,
+            encoder_prompt_token_ids=list(info.encoder_prompt_token_ids), prompt=info.prompt,
+            prompt_token_ids=list(self.prompt_token_ids), outputs=outs,
+            finished=self.finished, error=self.error,
+        )
+
+    def step_output(self) -> RequestOutput | None:
+        """The output the request's kind asks for after a step, or None."""
+        finished = self.finished
+        if not finished and (self.params.use_beam_search or self.params.output_kind is RequestOutputKind.FINAL_ONLY):
+            return None
+        return self.output()
 
 
 class OutputProcessor:
+    """Every live request's ``RequestState``, for a frontend that steps the engine."""
+
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._requests: dict[str, _RequestState] = {}
+        self.requests: dict[str, RequestState] = {}
 
-    def add_request(self, group: SequenceGroup) -> None:
-        p = group.sampling_params
-        # Text is followed step by step only when someone reads it before the end.
-        follow = self.tokenizer is not None and not p.use_beam_search and (
-            bool(p.stop_strings) or p.output_kind is not RequestOutputKind.FINAL_ONLY
-        )
-        state = _RequestState(p)
-        for seq in group.seqs:
-            detok = IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens) if follow else None
-            state.seqs[seq.seq_id] = _SeqState(detok)
-        self._requests[group.request_id] = state
+    def add_request(self, info: RequestInfo) -> RequestState:
+        state = self.requests[info.request_id] = RequestState(info, self.tokenizer)
+        return state
 
     def forget(self, request_id: str) -> None:
-        """Drop a request's state without building its output (it failed)."""
-        self._requests.pop(request_id, None)
+        """Drop a request's state without building its output."""
+        self.requests.pop(request_id, None)
 
-    def process(self, group: SequenceGroup, new_tokens: dict[int, int]) -> RequestOutput | None:
-        """After a step: ``new_tokens[seq_id]`` tokens were appended to those sequences.
+    def process(self, results: list[RequestResult]) -> tuple[list[RequestOutput], dict[str, dict[int, str]]]:
+        """The step's outputs, and the stop-string hits to report to the core
+        (request id -> completion index -> the stop string). A result for a request
+        no longer followed (finished here first) is dropped."""
+        outputs, stops = [], {}
+        for result in results:
+            state = self.requests.get(result.request_id)
+            if state is None:
+                continue
+            hits = state.update(result)
+            if hits:
+                stops[result.request_id] = hits
+            out = state.step_output()
+            if state.finished:
+                del self.requests[result.request_id]
+            if out is not None:
+                outputs.append(out)
+        return outputs, stops
 
-        Finds stop strings (finishing the sequence), then returns the output the
-        request's kind asks for now, or None."""
-        state = self._requests[group.request_id]
-        p = state.params
-        if p.use_beam_search:  # beams change until the end: nothing to show before it
-            return self.make_output(group) if group.is_finished else None
-        for seq in group.seqs:
-            n = new_tokens.get(seq.seq_id, 0)
-            s = state.seqs[seq.seq_id]
-            if n and s.detok is not None:
-                before = len(s.detok.text)
-                s.detok.add(seq.output_token_ids[-n:])
-                s.text = s.detok.text
-                if p.stop_strings:
-                    self._check_stop_strings(seq, s, p, before)
-        if p.output_kind is RequestOutputKind.FINAL_ONLY and not group.is_finished:
+    def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """The final output of a request ended from outside (aborted, or failed with
+        ``error``); None if it is not followed."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
             return None
-        return self.make_output(group)
-
-    @staticmethod
-    def _check_stop_strings(seq: Sequence, s: _SeqState, p: SamplingParams, before: int) -> None:
-        # Stop ids and EOS take precedence; a length finish still yields to a stop string.
-        if seq.status is SequenceStatus.FINISHED_STOPPED or len(seq.output_token_ids) < p.min_tokens:
-            return
-        # Only the new text and the longest stop string's worth before it can hold a new match.
-        start = max(0, before - max(len(x) for x in p.stop_strings) + 1)
-        hits = [(at, x) for x in p.stop_strings if (at := s.text.find(x, start)) >= 0]
-        if hits:
-            at, x = min(hits)
-            s.text = s.text[:at]
-            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, x
-
-    def make_output(self, group: SequenceGroup) -> RequestOutput:
-        state = self._requests[group.request_id]
-        p = state.params
-        delta = p.output_kind is RequestOutputKind.DELTA
-        completions = []
-        for i, seq in enumerate(group.seqs):
-            s = state.seqs.get(seq.seq_id) or state.seqs.setdefault(seq.seq_id, _SeqState(None))
-            text = s.text
-            if seq.finished and not isinstance(seq.stop_reason, str) and self.tokenizer is not None:
-                # The final text is the tokenizer's own decode of the whole output.
-                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
-            elif not seq.finished and p.stop_strings:
-                # Hold back a possible stop string's beginning: sent text cannot be taken back.
-                text = text[: max(0, len(text) - max(len(x) for x in p.stop_strings) + 1)]
-            tokens, logprobs = seq.output_token_ids, seq.output_logprobs
-            if delta:
-                tokens, logprobs = tokens[s.num_tokens_sent:], logprobs[s.num_logprobs_sent:]
-                text, s.num_chars_sent = text[s.num_chars_sent:], len(text)
-                s.num_tokens_sent, s.num_logprobs_sent = len(seq.output_token_ids), len(seq.output_logprobs)
-            completions.append(
-                CompletionOutput(
-                    index=i,
-                    text=text,
-                    token_ids=list(tokens),
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=list(logprobs) if p.logprobs is not None else None,
-                    finish_reason=seq.status.value if seq.finished else None,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-        out = RequestOutput(
-            request_id=group.request_id,
-            encoder_prompt=group.encoder_prompt,
-            encoder_prompt_token_ids=list(group.encoder_prompt_token_ids),
-            prompt=group.prompt,
-            prompt_token_ids=list(group.seqs[0].prompt_token_ids),
-            outputs=completions,
-            finished=group.is_finished,
-        )
-        if group.is_finished:
-            del self._requests[group.request_id]
-        return out
+        state.abort()
+        state.error = error
+        return state.output()

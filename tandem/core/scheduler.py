@@ -24,8 +24,8 @@ from typing import Literal
 
 from tandem.core.block_manager import AllocStatus, BlockManager
 from tandem.core.config import EngineConfig, is_int
+from tandem.core.core_outputs import CompletionDelta, RequestResult
 from tandem.core.scheduler_output import (
-    BeamCandidates,
     ModelRunnerOutput,
     NewRequestData,
     ScheduledGroup,
@@ -33,6 +33,7 @@ from tandem.core.scheduler_output import (
     SchedulerOutput,
 )
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from tandem.core.strategies.sampling import SamplingStrategy
 
 PreemptionMode = Literal["recompute", "swap"]
 
@@ -72,7 +73,7 @@ class Scheduler:
         seq_ids: Iterator[int] | None = None,
     ) -> None:
         self.config = config
-        # Ids for sequences made here (beams forked from beams, finished hypotheses).
+        # Ids for sequences made here (forks, and what strategies make).
         self.seq_ids = seq_ids if seq_ids is not None else itertools.count(1 << 40)
         self.block_manager = block_manager
         self.waiting: deque[SequenceGroup] = deque()
@@ -95,6 +96,8 @@ class Scheduler:
     def add(self, group: SequenceGroup) -> None:
         if group.request_id in self.groups:
             raise ValueError(f"request id {group.request_id!r} is already in use")
+        if group.strategy is None:
+            group.strategy = SamplingStrategy()
         self.groups[group.request_id] = group
         self.waiting.append(group)
 
@@ -104,8 +107,9 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
-    def abort(self, request_ids: set[str]) -> list[SequenceGroup]:
-        """Drop the groups, free their self and cross blocks; returns those found."""
+    def abort(self, request_ids: set[str]) -> list[RequestResult]:
+        """Drop the groups, free their self and cross blocks; returns the final
+        result of each one found (its unfinished sequences ``abort``-ed)."""
         aborted = []
         for queue in (self.waiting, self.running, self.swapped):
             for group in [g for g in queue if g.request_id in request_ids]:
@@ -122,7 +126,36 @@ class Scheduler:
                 seq.status = SequenceStatus.FINISHED_ABORTED
             self._forget(group)
             aborted.append(group)
-        return aborted
+        return [self._aborted_result(g) for g in aborted]
+
+    @staticmethod
+    def _aborted_result(group: SequenceGroup) -> RequestResult:
+        want = group.sampling_params.logprobs is not None
+        deltas = [
+            CompletionDelta(i, list(seq.output_token_ids), list(seq.output_logprobs) if want else None,
+                            seq.cumulative_logprob, seq.status.value, seq.stop_reason, replace=True)
+            for i, seq in enumerate(group.seqs)
+        ]
+        return RequestResult(group.request_id, deltas, True)
+
+    def stop_seqs(self, request_id: str, stops: dict[int, str]) -> bool:
+        """Finish the request's sequences ``stops`` names by completion index (the
+        frontend found a stop string in their text) and free their blocks. A request or
+        sequence that already finished is left as it is. True if the request ended."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return False
+        for seq in group.seqs:
+            if seq.index in stops and not seq.finished:
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stops[seq.index]
+        if group in self.running:
+            self.release_finished(group)
+        elif group.is_finished:  # waiting or swapped: it never runs again
+            for queue in (self.waiting, self.swapped):
+                if group in queue:
+                    queue.remove(group)
+            self._forget(group)
+        return group.is_finished
 
     def clear(self) -> None:
         """Forget every queued group (their blocks are the caller's to free); the
@@ -255,7 +288,7 @@ class Scheduler:
                 block_ids, replace = table[len(sent) :], False
             else:
                 block_ids, replace = list(table), True
-            # A sequence the worker has not seen but with computed tokens is a forked beam.
+            # A sequence the worker has not seen but with computed tokens was forked (a beam).
             prefix = seq.token_ids[: seq.num_computed_tokens] if sent is None and seq.num_computed_tokens else None
             self._sent_tables[seq.seq_id] = list(table)
             seqs.append(
@@ -275,134 +308,50 @@ class Scheduler:
             encoder_inputs=group.encoder_inputs if run_encoder else None,
             num_encoder_positions=group.encoder_len,
             cross_block_table=list(bm.get_cross_block_table(group)),
-            beam_scores=(
-                group.beam_state.running_scores()
-                if group.beam_state is not None and group.prompt_slot is None
-                else None
-            ),
-            slot_choices=group.prompt_slot.choices if group.prompt_slot is not None else None,
+            mode=group.strategy.step_mode(group),
         )
 
     # -- after the forward pass ----------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[SequenceGroup]:
-        """Append each sequence's sampled token, stop it on EOS, a stop token id or
-        its length, and free what finished. Returns the groups that advanced, in
-        schedule order (a group aborted since ``schedule()`` is skipped). A group
-        whose update raises is added to ``result.failed_requests`` (the engine
-        fails it alone) and the others go on."""
+    def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestResult]:
+        """Apply the step to each scheduled group through its strategy (append the
+        sampled tokens, stop on EOS, a stop token id or the length, free what
+        finished). Returns the progress of the groups that advanced, in schedule
+        order (a group aborted since ``schedule()`` is skipped). A group whose update
+        raises is added to ``result.failed_requests`` (the engine fails it alone)
+        and the others go on."""
         row = {seq_id: i for i, seq_id in enumerate(result.seq_ids)}
-        advanced = []
+        results = []
         for sg in output.scheduled:
             group = self.groups.get(sg.request_id)
             if group is None or sg.request_id in result.failed_requests:
                 continue  # gone, or failed in the worker (the engine aborts it)
+            # Sharers too: their cross table was filled by now, in this step or an earlier one.
+            group.encoder_computed = True
             try:
-                if self._update_group(group, sg, result, row):
-                    advanced.append(group)
+                res = group.strategy.update(self, group, sg, result, row)
             except Exception as e:  # noqa: BLE001 - this request's own update (its beams, its lengths)
                 result.failed_requests[sg.request_id] = f"updating it after the step failed: {type(e).__name__}: {e}"
-        return advanced
-
-    def _update_group(self, group: SequenceGroup, sg: ScheduledGroup, result: ModelRunnerOutput, row) -> bool:
-        # Sharers too: their cross table was filled by now, in this step or an earlier one.
-        group.encoder_computed = True
-        if group.prompt_slot is not None:
-            self._fill_prompt_slot(group, sg, result.token_ids[row[sg.seqs[0].seq_id]])
-            return False
-        if group.beam_state is not None:
-            self._update_beams(group, sg, result.beams[sg.request_id])
-            return True
-        any_finished = False
-        by_id = {s.seq_id: s for s in group.seqs} if len(group.seqs) > 1 else None
-        for ss in sg.seqs:
-            seq = by_id[ss.seq_id] if by_id is not None else group.seqs[0]
-            if seq.finished:
                 continue
-            i = row[ss.seq_id]
-            seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
-            if ss.seq_id in result.no_token_seq_ids:  # every token banned: nothing to append
-                seq.status = SequenceStatus.FINISHED_NO_TOKEN
-                any_finished = True
-                continue
-            seq.append_token(result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
-            self._check_stop(seq, group)
-            if seq.status.finished:
-                any_finished = True
-        if any_finished:
-            self.release_finished(group)
-        return True
+            if res is not None:
+                results.append(res)
+        return results
 
-    def _update_beams(self, group: SequenceGroup, sg: ScheduledGroup, cands: BeamCandidates) -> None:
-        """One beam step: the next running beams reuse, fork or drop this step's
-        (a beam continued more than once forks: its blocks are shared, copied on
-        write); a finished search leaves the best hypotheses as the group's sequences."""
-        bm, state = self.block_manager, group.beam_state
-        by_id = {s.seq_id: s for s in group.seqs}
-        running = [by_id[ss.seq_id] for ss in sg.seqs]
-        for ss, seq in zip(sg.seqs, running):
-            seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
-        num_out = len(running[0].output_token_ids)
-        next_beams = state.step(
-            cands, [s.output_token_ids for s in running], [s.output_logprobs for s in running], num_out
-        )
-        if state.done:
-            for seq in running:
-                self._drop_seq(seq, group)
-            p = group.sampling_params
-            finished = []
-            for hyp, score in state.best(p.n):
-                seq = Sequence(next(self.seq_ids), group.seqs[0].prompt_token_ids)
-                if hyp is not None:
-                    seq.output_token_ids = list(hyp.output_token_ids)
-                    seq.token_ids = seq.prompt_token_ids + seq.output_token_ids
-                    seq.output_logprobs = list(hyp.output_logprobs)
-                    stopped = hyp.finished_by_stop
-                    if stopped and hyp.output_token_ids[-1] not in self.eos_token_ids:
-                        seq.stop_reason = hyp.output_token_ids[-1]
-                else:
-                    stopped = False
-                seq.cumulative_logprob = score
-                seq.status = SequenceStatus.FINISHED_STOPPED if stopped else SequenceStatus.FINISHED_LENGTH
-                finished.append(seq)
-            group.seqs = finished
-            self.release_finished(group)
-            return
-        claimed: set[int] = set()
-        plan = []
-        for nb in next_beams:  # forks first, from the parents as they are
-            parent = running[nb.parent]
-            if nb.parent in claimed:
-                child = parent.fork(next(self.seq_ids))
-                bm.fork(parent, child)
-                plan.append((child, nb))
-            else:
-                claimed.add(nb.parent)
-                plan.append((parent, nb))
-        for j, seq in enumerate(running):
-            if j not in claimed:
-                self._drop_seq(seq, group)
-        for seq, nb in plan:
-            seq.append_token(nb.token_id, nb.token_logprob, nb.top_logprobs)
-            seq.cumulative_logprob = nb.score
-        group.seqs = [seq for seq, _ in plan]
+    # -- what strategies may ask (strategies.base.SchedulerOps) ----------------------
+    def new_sequence(self, group: SequenceGroup, prompt_token_ids: list[int]) -> Sequence:
+        return Sequence(next(self.seq_ids), prompt_token_ids)
 
-    def _fill_prompt_slot(self, group: SequenceGroup, sg: ScheduledGroup, token: int) -> None:
-        """The model chose the slot's token: it and the slot's ``then`` tokens extend
-        every sequence's decoder prompt (computed next step, with the first token)."""
-        slot, group.prompt_slot = group.prompt_slot, None
-        extra = [token, *slot.then]
-        by_id = {s.seq_id: s for s in group.seqs}
-        for ss in sg.seqs:
-            seq = by_id[ss.seq_id]
-            seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
-            seq.prompt_token_ids = seq.prompt_token_ids + extra
-            seq.token_ids = seq.token_ids + extra
+    def fork(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        child = parent.fork(next(self.seq_ids))
+        self.block_manager.fork(parent, child)
+        return child
 
-    def _drop_seq(self, seq: Sequence, group: SequenceGroup) -> None:
-        """Free a running beam the search left behind."""
+    def drop(self, group: SequenceGroup, seq: Sequence) -> None:
         self.block_manager.free(seq, group)
         if self._sent_tables.pop(seq.seq_id, None) is not None:
             self._finished_seqs.append(seq.seq_id)
+
+    def check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
+        self._check_stop(seq, group)
 
     def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
         """Stops on token ids and length; stop strings are the output processor's."""
@@ -421,7 +370,7 @@ class Scheduler:
 
     def release_finished(self, group: SequenceGroup) -> None:
         """Free the blocks of the group's finished sequences (stopped here or, by a
-        stop string, by the output processor); retire the group once all are."""
+        stop string, by the frontend); retire the group once all are."""
         bm = self.block_manager
         for seq in group.seqs:
             if seq.finished and bm.has_block_table(seq):

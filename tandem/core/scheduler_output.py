@@ -11,6 +11,7 @@ drops it when the request id shows up in ``finished_request_ids``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
@@ -56,12 +57,10 @@ class ScheduledGroup:
     encoder_inputs: EncoderInputs | None
     num_encoder_positions: int  # cross K/V length every sequence attends to
     cross_block_table: list[int]
-    # Beam search: the num_beams running beam scores (float32 values). On the
-    # first step the group runs one sequence standing for all its beams.
-    beam_scores: list[float] | None = None
-    # A decoder-prompt slot: this step's token is the argmax over these ids
-    # (no processors), and it completes the prompt rather than starting the output.
-    slot_choices: tuple[int, ...] | None = None
+    # The request's mode this step (beam search, a prompt slot), as plain data the
+    # worker hands the rows of this group to (``tandem.core.strategies``); None: plain
+    # sampling by the request's params.
+    mode: Any = None  # a tandem.core.strategies.base.StepMode
 
     @property
     def run_encoder(self) -> bool:
@@ -91,29 +90,16 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
-class BeamCandidates:
-    """One beam-search group's best continuations this step, best first (HF's
-    ``beams_to_keep``): each is a parent beam (index into the group's scheduled
-    sequences), a token and the accumulated score (float32 values)."""
-
-    scores: list[float]
-    parents: list[int]
-    token_ids: list[int]
-    token_logprobs: list[float]  # the token's processed log-probability alone
-    top_logprobs: list[dict[int, float]] | None = None  # per parent row, when asked for
-
-
-@dataclass(frozen=True)
 class ModelRunnerOutput:
     """The worker's answer: one sampled token per scheduled sequence of the groups
-    that do not search beams, in the order the scheduler output lists them, and
-    the beam candidates of those that do, by request id."""
+    without a mode, in the order the scheduler output lists them, and what each
+    mode's rows produced (``StepMode.select``), by request id."""
 
     seq_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]  # the sampled token's log-probability
     top_logprobs: list[dict[int, float] | None]
-    beams: dict[str, BeamCandidates] = field(default_factory=dict)
+    mode_outputs: dict[str, Any] = field(default_factory=dict)
     # Requests that failed in the worker (a user logits processor raised), with why.
     failed_requests: dict[str, str] = field(default_factory=dict)
     # Sequences for which every token was banned: they end with no token appended.

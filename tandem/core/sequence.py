@@ -7,7 +7,6 @@ from collections.abc import Hashable
 
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.strategies.prompt_slot import PromptSlot
 
 
 class SequenceStatus(enum.Enum):
@@ -42,8 +41,9 @@ class Sequence:
     There is no prefill phase and no decode phase.
     """
 
-    def __init__(self, seq_id: int, prompt_token_ids: list[int]) -> None:
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], index: int = 0) -> None:
         self.seq_id = seq_id
+        self.index = index  # which of the request's completions it is
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -78,7 +78,7 @@ class Sequence:
 
     def fork(self, seq_id: int) -> "Sequence":
         """A copy under a new id (its blocks are the block manager's to share)."""
-        child = Sequence(seq_id, self.prompt_token_ids)
+        child = Sequence(seq_id, self.prompt_token_ids, self.index)
         child.output_token_ids = list(self.output_token_ids)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
@@ -105,34 +105,23 @@ class SequenceGroup:
         seqs: list[Sequence],
         sampling_params: SamplingParams,
         arrival_time: float,
-        *,
-        encoder_prompt: str | None = None,
-        prompt: str | None = None,
-        encoder_prompt_token_ids: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
         self.encoder_inputs = encoder_inputs
         self.seqs = seqs
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
-        self.encoder_prompt = encoder_prompt
-        self.prompt = prompt
-        self.encoder_prompt_token_ids = list(
-            encoder_prompt_token_ids if encoder_prompt_token_ids is not None else encoder_inputs.token_ids or ()
-        )
         # True once the cross-attention cache holds the encoder's K/V (its own
         # encoder run, or that of the group whose cross table it shares).
         self.encoder_computed = False
-        # Beam search: the request's finished hypotheses and running scores
-        # (its running beams are ``seqs``); set by the engine.
-        self.beam_state = None
-        # A decoder-prompt slot still to be filled by the model (set by the engine).
-        self.prompt_slot: PromptSlot | None = None
+        # The request's mode (``tandem.core.strategies``): set by the engine, or plain
+        # sampling when the scheduler admits a group without one.
+        self.strategy = None
 
     @property
     def max_num_seqs(self) -> int:
-        """Sequences the group may run at once: its beams, or its unfinished samples."""
-        return self.sampling_params.num_beams if self.beam_state is not None else len(self.unfinished_seqs())
+        """Sequences the group may run at once (its beams, or its unfinished samples)."""
+        return self.strategy.max_num_seqs(self)
 
     @property
     def encoder_key(self) -> Hashable:

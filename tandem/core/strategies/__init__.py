@@ -1,4 +1,5 @@
-"""Per-request modes (beam search, a prompt slot) behind one narrow interface."""
+"""Per-request modes (sampling, beam search, a prompt slot) behind one narrow
+interface (``base.RequestStrategy`` / ``base.StepMode``)."""
 
 from tandem.core.strategies.prompt_slot import PromptSlot
 

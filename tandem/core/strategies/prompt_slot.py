@@ -1,8 +1,20 @@
-"""A decoder prompt completed by the model in the request's first step."""
+"""A decoder prompt completed by the model in the request's first step
+(Whisper's language detection), then another strategy takes over."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tandem.core.core_outputs import RequestResult
+from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.core.sampling_params import SamplingParams
+    from tandem.core.scheduler_output import ModelRunnerOutput, ScheduledGroup
+    from tandem.core.sequence import SequenceGroup
 
 
 @dataclass(frozen=True)
@@ -15,3 +27,46 @@ class PromptSlot:
 
     choices: tuple[int, ...]
     then: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SlotStep(StepMode):
+    choices: tuple[int, ...]
+
+    def prepare(self, logits: "torch.Tensor", rows: list[int]) -> int:
+        # On the raw logits, before any processor: HF's detect_language does the same.
+        row = logits[rows[0], list(self.choices)]
+        return self.choices[int(row.argmax())]
+
+    def select(self, scores: "torch.Tensor", rows: list[int], params: "SamplingParams", prepared: int) -> int:
+        return prepared
+
+
+class PromptSlotStrategy(RequestStrategy):
+    def __init__(self, slot: PromptSlot, then: RequestStrategy) -> None:
+        self.slot, self.then = slot, then
+
+    def max_num_seqs(self, group: "SequenceGroup") -> int:
+        return self.then.max_num_seqs(group)
+
+    def blocks_needed_at_most(self, group: "SequenceGroup", full_len: int, block_size: int) -> int | None:
+        return self.then.blocks_needed_at_most(group, full_len, block_size)
+
+    def step_mode(self, group: "SequenceGroup") -> SlotStep:
+        return SlotStep(self.slot.choices)
+
+    def update(
+        self, ops: SchedulerOps, group: "SequenceGroup", sg: "ScheduledGroup", result: "ModelRunnerOutput",
+        rows: dict[int, int],
+    ) -> RequestResult:
+        """The model chose the slot's token: it and ``then`` extend every sequence's
+        decoder prompt (computed next step, with the first token)."""
+        extra = [result.mode_outputs[group.request_id], *self.slot.then]
+        by_id = {s.seq_id: s for s in group.seqs}
+        for ss in sg.seqs:
+            seq = by_id[ss.seq_id]
+            seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
+            seq.prompt_token_ids = seq.prompt_token_ids + extra
+            seq.token_ids = seq.token_ids + extra
+        group.strategy = self.then
+        return RequestResult(group.request_id, prompt_token_ids=list(group.seqs[0].prompt_token_ids))

@@ -1,12 +1,10 @@
 """Turns last-position logits into next tokens, per each sequence's params.
 
-Greedy and sampled rows: the logits processors on the raw logits, then argmax
-or a draw from HF's warped distribution (temperature, top-k, top-p, min-p in
-that order, ``tandem.core.worker.warpers``). Beam-search groups: the
-processors on the log-probabilities, the group's running beam scores added,
-and the top ``beams_to_keep`` (beam, token) continuations over all its beams,
-exactly as HF ``generate`` picks them; the scheduler decides from those which
-beams live on (``tandem.core.beam_search``).
+The logits processors run on every row; then each row not claimed by a mode
+(``tandem.core.strategies``: beam search, a prompt slot) gets its argmax or a
+draw from HF's warped distribution (temperature, top-k, top-p, min-p in that
+order, ``tandem.core.worker.warpers``). The processed scores are returned for
+the modes to pick from.
 """
 
 from __future__ import annotations
@@ -16,33 +14,16 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.scheduler_output import BeamCandidates
 from tandem.core.worker.logits_processors import LogitsProcessors, ProcessorRows
 from tandem.core.worker.reductions import argmax_rows
 from tandem.core.worker.warpers import draw, sampling_probs
-
-# HF's score for the beams that start as copies of the first (so only its tokens count).
-BEAM_PLACEHOLDER_SCORE = -1e9
-
-
-@dataclass
-class BeamRows:
-    """One beam-search group's rows in the step: ``rows`` (its running beams, or
-    the single prompt sequence on the first step) and their running scores."""
-
-    request_id: str
-    rows: list[int]
-    scores: list[float]  # num_beams running scores (float32 values)
-    num_beams: int
-    beams_to_keep: int
-
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float | None]  # chosen token's log-probability; None where not asked for
     top_logprobs: list[dict[int, float] | None]
-    beams: dict[str, BeamCandidates] = field(default_factory=dict)
+    scores: torch.Tensor | None = None  # every row's processed scores [S, vocab]
     failed_rows: dict[int, str] = field(default_factory=dict)  # row -> why its request failed
     # Rows whose processed scores were all -inf (every token banned): their token is meaningless.
     no_token_rows: list[int] = field(default_factory=list)
@@ -61,28 +42,23 @@ class Sampler:
         logits: torch.Tensor,
         rows: ProcessorRows,
         generators: list[torch.Generator | None],
-        beams: list[BeamRows] | None = None,
+        claimed: list[int] | None = None,
     ) -> SamplerOutput:
         """``logits`` is float32 ``[S, vocab]``; row ``i`` samples with ``rows.params[i]``
-        from ``generators[i]`` (None: the engine's stream), except the rows of ``beams``.
-        The returned token lists hold the non-beam rows, in row order."""
+        from ``generators[i]`` (None: the engine's stream), except the ``claimed`` rows
+        (sorted), which a mode picks from ``scores``. The returned token lists hold the
+        other rows, in row order."""
         params = rows.params
-        beam_rows = sorted(i for b in beams or () for i in b.rows)
-        if beam_rows:
-            r = torch.tensor(beam_rows, device=logits.device)
-            logits.index_copy_(0, r, torch.log_softmax(logits.index_select(0, r), dim=-1))
         scores = self.processors(logits, rows)
-        out = SamplerOutput([], [], [])
-        beam_set = set(beam_rows)
-        plain = [i for i in range(len(params)) if i not in beam_set] if beam_rows else None
+        out = SamplerOutput([], [], [], scores)
+        claimed_set = set(claimed or ())
+        plain = [i for i in range(len(params)) if i not in claimed_set] if claimed_set else None
         if plain is None or plain:
             sub = scores if plain is None else scores.index_select(0, torch.tensor(plain, device=scores.device))
             sub_params = params if plain is None else [params[i] for i in plain]
             sub_gens = generators if plain is None else [generators[i] for i in plain]
             out.token_ids, out.logprobs, out.top_logprobs = self._sample(sub, sub_params, sub_gens)
             self._check_chosen(sub, out, plain)
-        for b in beams or ():
-            out.beams[b.request_id] = self._beam_candidates(scores, b, params[b.rows[0]])
         out.failed_rows = {**self.processors.failures, **out.failed_rows}
         return out
 
@@ -141,40 +117,3 @@ class Sampler:
                 top[i] = d
                 chosen[i] = sub_chosen[j]
         return token_list, chosen, top
-
-    # -- beam search -------------------------------------------------------------------
-    @staticmethod
-    def _beam_candidates(scores: torch.Tensor, b: BeamRows, p: SamplingParams) -> BeamCandidates:
-        """HF's top-k continuations: processed log-probs plus each beam's running
-        score, flattened over (beam, token), the best ``beams_to_keep``."""
-        logp = scores.index_select(0, torch.tensor(b.rows, device=scores.device))
-        vocab = logp.shape[1]
-        if len(b.rows) == 1 and b.num_beams > 1:
-            # First step: HF runs num_beams copies of the prompt, all but the first
-            # scored -1e9; one row stands for all of them.
-            logp = logp.expand(b.num_beams, vocab)
-        running = torch.tensor(b.scores, dtype=torch.float32, device=scores.device)
-        accumulated = (logp + running[:, None]).reshape(1, -1)
-        values, idx = torch.topk(accumulated, k=b.beams_to_keep)
-        values, idx = values[0], idx[0]
-        beam = idx // vocab
-        token = idx % vocab
-        token_logprob = logp.reshape(-1).index_select(0, idx)
-        parent = beam if len(b.rows) > 1 else torch.zeros_like(beam)
-        top = None
-        if p.logprobs is not None:
-            rows_logp = logp[: len(b.rows)]
-            k = p.logprobs
-            top = []
-            if k:
-                vals, ids = rows_logp.topk(k, dim=-1)
-                top = [dict(zip(ids[r].tolist(), vals[r].tolist())) for r in range(len(b.rows))]
-            else:
-                top = [{} for _ in b.rows]
-        return BeamCandidates(
-            scores=values.tolist(),
-            parents=parent.tolist(),
-            token_ids=token.tolist(),
-            token_logprobs=token_logprob.tolist(),
-            top_logprobs=top,
-        )

@@ -26,7 +26,7 @@ from tandem.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tandem.core.worker.input_batch import BlockTableRows
 from tandem.core.worker.logits_processors import ProcessorRows, needs_history
 from tandem.core.worker.model_runner import ModelRunner
-from tandem.core.worker.sampler import BeamRows, Sampler
+from tandem.core.worker.sampler import Sampler
 
 
 @dataclass
@@ -112,14 +112,12 @@ class Worker:
         if not out.scheduled:
             return None
         params, generators, num_out, seq_lens, seq_ids, row_request = [], [], [], [], [], []
-        beams: list[BeamRows] = []
-        slots: dict[int, tuple[int, ...]] = {}
+        modes = []  # (request id, its StepMode, its rows)
         for group in out.scheduled:
             state = self.requests[group.request_id]
-            p = state.params
             start = len(params)
             for seq in group.seqs:
-                params.append(p)
+                params.append(state.params)
                 generators.append(state.generator)
                 num_out.append(seq.num_output_tokens)
                 seq_lens.append(seq.num_computed_tokens + len(seq.token_ids))
@@ -127,34 +125,26 @@ class Worker:
                 row_request.append(group.request_id)
                 if state.keeps_history:
                     self._record_history(seq)
-            if group.slot_choices is not None:
-                for i in range(start, len(params)):
-                    slots[i] = group.slot_choices
-            if group.beam_scores is not None:
-                # HF keeps (1 + number of EOS ids, at least 2) x num_beams candidates.
-                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.sampler.eos_token_ids))
-                n_eos = len(stops)
-                beams.append(
-                    BeamRows(
-                        group.request_id, list(range(start, len(params))), group.beam_scores,
-                        p.num_beams, max(2, 1 + n_eos) * p.num_beams,
-                    )
-                )
+            if group.mode is not None:
+                modes.append((group.request_id, group.mode, list(range(start, len(params)))))
         rows = ProcessorRows(params, num_out, seq_lens, lambda idx: self._histories([seq_ids[i] for i in idx]))
         with torch.inference_mode():
             logits = self.runner.execute(out, self.kv_caches)
-            slot_tokens = {i: choices[int(logits[i, list(choices)].argmax())] for i, choices in slots.items()}
-            sampled = self.sampler(logits, rows, generators, beams)
-        beam_ids = {seq_ids[i] for b in beams for i in b.rows}
-        plain_ids = [s for s in seq_ids if s not in beam_ids] if beam_ids else seq_ids
-        if slot_tokens:  # slot rows are never beam rows
-            plain_index = {s: k for k, s in enumerate(plain_ids)}
-            for i, token in slot_tokens.items():
-                sampled.token_ids[plain_index[seq_ids[i]]] = token
+            prepared = [mode.prepare(logits, mode_rows) for _, mode, mode_rows in modes]
+            claimed = sorted(i for *_, mode_rows in modes for i in mode_rows)
+            sampled = self.sampler(logits, rows, generators, claimed)
+            mode_outputs = {
+                rid: mode.select(sampled.scores, mode_rows, params[mode_rows[0]], prep)
+                for (rid, mode, mode_rows), prep in zip(modes, prepared)
+            }
+        plain_ids = seq_ids
+        if claimed:
+            claimed_set = set(claimed)
+            plain_ids = [s for i, s in enumerate(seq_ids) if i not in claimed_set]
         failed = {row_request[i]: why for i, why in sampled.failed_rows.items()}
-        no_token = frozenset(seq_ids[i] for i in sampled.no_token_rows if i not in slots)
+        no_token = frozenset(seq_ids[i] for i in sampled.no_token_rows)
         return ModelRunnerOutput(
-            plain_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, sampled.beams, failed, no_token
+            plain_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, mode_outputs, failed, no_token
         )
 
     def _record_history(self, seq) -> None:

@@ -1,0 +1,182 @@
+"""The engine core: scheduler, block manager and worker, one step at a time.
+
+A step is three calls: ``Scheduler.schedule()`` decides what runs (plain data),
+``Worker.execute_model()`` runs it (swaps, copies, forward, sampling), and
+``Scheduler.update_from_output()`` applies the result through each request's
+strategy. The core returns plain per-request results (``core_outputs``) and
+keeps no output state: detokenizing, stop strings and ``RequestOutput``s are the
+frontend's (``output_processor``). Counters are published as an immutable
+snapshot after every change, so other threads read them without touching the
+scheduler's live structures.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+from tandem.core.block_manager import BlockManager, Device
+from tandem.core.core_outputs import RequestResult
+from tandem.core.faults import EngineHealth, KVTransferError, StepFaults, describe
+from tandem.core.scheduler import Scheduler, SchedulerConfig
+from tandem.core.sequence import SequenceGroup
+from tandem.core.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters since construction, as of the engine's last step (or add / abort)."""
+
+    encoder_tokens_computed: int = 0
+    encoder_tokens_reused: int = 0
+    num_preemptions: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    num_requests_finished: int = 0
+    num_requests_unfinished: int = 0
+    num_requests_waiting: int = 0
+    num_requests_running: int = 0
+    num_requests_swapped: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class EngineCore:
+    def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager, worker: Worker,
+                 scheduler: Scheduler, max_consecutive_step_failures: int) -> None:
+        self.scheduler_config = scheduler_config
+        self.block_manager = block_manager
+        self.worker = worker
+        self.scheduler = scheduler
+        self.faults = StepFaults(max_consecutive_step_failures)
+        self.num_requests_finished = 0
+        self.stats = EngineStats()
+        self._publish()
+
+    # -- requests ------------------------------------------------------------------
+    def add(self, group: SequenceGroup) -> None:
+        self.faults.check_alive()
+        self.scheduler.add(group)
+        self._publish()
+
+    def abort(self, request_ids: set[str]) -> list[RequestResult]:
+        """Drop the requests and free their blocks; returns their final (aborted) results."""
+        results = self.scheduler.abort(request_ids)
+        self._after_change()
+        return results
+
+    def stop(self, stops: dict[str, dict[int, str]]) -> None:
+        """Finish sequences the frontend found a stop string in (request id ->
+        completion index -> the stop string), freeing their blocks."""
+        for rid, by_index in stops.items():
+            if self.scheduler.stop_seqs(rid, by_index):
+                self.num_requests_finished += 1
+        self._after_change()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def health(self) -> EngineHealth:
+        """The engine's health after its last step (a snapshot other threads may read)."""
+        return self.faults.health
+
+    # -- the step --------------------------------------------------------------------
+    def step(self) -> list[RequestResult]:
+        """Run one scheduled forward pass. Returns the progress of every request that
+        advanced, and a final result with ``error`` set for every request that failed
+        in it (``tandem/core/faults.py``: a request's own fault fails it alone, a fault
+        of the step fails the step's requests, and ``max_consecutive_step_failures``
+        failed steps in a row make the engine dead)."""
+        self.faults.check_alive()
+        sched = self.scheduler.schedule()
+        try:
+            result = self.worker.execute_model(sched)
+        except Exception as e:  # noqa: BLE001 - the forward, a backend, a KV copy: the step's fault
+            return self._step_failed(sched, e)
+        if result is None:
+            if not (sched.blocks_to_swap_out or sched.blocks_to_swap_in):
+                self._no_progress()
+            self._publish()
+            return []
+        self.faults.step_ok()
+        # Per-request faults in the update (a beam update, say) join the worker's.
+        results = self.scheduler.update_from_output(sched, result)
+        self.num_requests_finished += sum(r.finished for r in results)
+        results += self.fail(result.failed_requests)
+        self._after_change()
+        return results
+
+    def fail(self, why_by_id: dict[str, str]) -> list[RequestResult]:
+        """End each request with its reason as ``error``, freeing its blocks."""
+        failed = []
+        for rid, why in why_by_id.items():
+            logger.warning("request %r failed: %s", rid, why)
+            for res in self.scheduler.abort({rid}):
+                failed.append(RequestResult(rid, res.completions, True, error=why))
+                self.num_requests_finished += 1
+        return failed
+
+    def _step_failed(self, sched, e: Exception) -> list[RequestResult]:
+        ids = {g.request_id for g in sched.scheduled}
+        if isinstance(e, KVTransferError):  # a swap-out torn part of the way
+            ids |= {g.request_id for g in self.scheduler.swapped}
+        dead = self.faults.step_failed(e)
+        logger.error("a step of %d requests failed (%d in a row%s): %s", len(ids),
+                     self.faults.health.consecutive_step_failures, "; the engine is dead" if dead else "",
+                     describe(e), exc_info=e)
+        failed = self.fail(dict.fromkeys(sorted(ids), f"the step serving it failed: {describe(e)}"))
+        self._after_change()
+        if dead:
+            self.faults.check_alive()  # raises EngineDeadError
+        return failed
+
+    def _after_change(self) -> None:
+        if not self.scheduler.groups:
+            self._check_no_blocks_held()
+            self.scheduler.clear()
+        self._publish()
+
+    def _check_no_blocks_held(self) -> None:
+        """With no request left, every block must be free: a block still held is an
+        accounting bug, reported rather than papered over."""
+        bm = self.block_manager
+        held = {d.value: bm.num_total_blocks(d) - bm.num_free_blocks(d) for d in Device}
+        if any(held.values()):
+            raise RuntimeError(f"KV block accounting is broken: no request is left but blocks are held ({held})")
+
+    def _publish(self) -> None:
+        bm, sch, w = self.block_manager, self.scheduler, self.worker
+        self.stats = EngineStats(
+            encoder_tokens_computed=sch.encoder_tokens_computed,
+            encoder_tokens_reused=sch.encoder_tokens_reused,
+            num_preemptions=sch.num_preemptions,
+            kv_blocks_total=bm.num_total_blocks(),
+            kv_blocks_free=bm.num_free_blocks(),
+            swapped_out_blocks=w.swapped_out_blocks,
+            swapped_in_blocks=w.swapped_in_blocks,
+            num_requests_finished=self.num_requests_finished,
+            num_requests_unfinished=sch.num_unfinished(),
+            num_requests_waiting=len(sch.waiting),
+            num_requests_running=len(sch.running),
+            num_requests_swapped=len(sch.swapped),
+        )
+
+    def _no_progress(self) -> None:
+        """Requests wait, nothing runs and nothing was admitted: every later step would
+        do the same, so say why instead of spinning."""
+        sch, bm = self.scheduler, self.block_manager
+        if not sch.waiting or sch.running or sch.swapped:
+            return
+        head = sch.waiting[0]
+        raise RuntimeError(
+            f"the scheduler cannot admit request {head.request_id!r} although nothing runs: it needs "
+            f"{bm.blocks_needed(head)} KV blocks and {head.encoder_len + sum(len(s) for s in head.seqs)} "
+            f"tokens; {bm.num_free_blocks()} of {bm.num_total_blocks()} blocks are free "
+            f"(watermark {bm.watermark_blocks}), max_num_batched_tokens="
+            f"{self.scheduler_config.max_num_batched_tokens}; {len(sch.waiting)} requests wait"
+        )

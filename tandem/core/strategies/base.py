@@ -1,0 +1,85 @@
+"""The narrow interface a per-request mode implements.
+
+A request runs under one *strategy* at a time (plain sampling by default; beam
+search; a prompt slot the model fills first, then another strategy). The
+scheduler asks it how many sequences the request may run, what plain data the
+worker needs this step (a ``StepMode``) and how to apply the step's result; the
+worker hands the rows of a group with a mode to that mode. Neither the
+scheduler, the worker nor the sampler branches on which mode it is.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.core.core_outputs import RequestResult
+    from tandem.core.sampling_params import SamplingParams
+    from tandem.core.scheduler_output import ModelRunnerOutput, ScheduledGroup
+    from tandem.core.sequence import Sequence, SequenceGroup
+
+
+class SchedulerOps(Protocol):
+    """What a strategy may ask of the scheduler while it applies a step."""
+
+    eos_token_ids: frozenset[int]
+
+    def new_sequence(self, group: "SequenceGroup", prompt_token_ids: list[int]) -> "Sequence": ...
+
+    def fork(self, group: "SequenceGroup", parent: "Sequence") -> "Sequence":
+        """A copy of ``parent`` sharing its blocks (copy-on-write)."""
+        ...
+
+    def drop(self, group: "SequenceGroup", seq: "Sequence") -> None:
+        """Free a sequence's blocks (it leaves the group)."""
+        ...
+
+    def check_stop(self, seq: "Sequence", group: "SequenceGroup") -> None:
+        """Finish ``seq`` on EOS, a stop token id or its length."""
+        ...
+
+    def release_finished(self, group: "SequenceGroup") -> None:
+        """Free the finished sequences' blocks; retire the group once all are."""
+        ...
+
+
+class StepMode(ABC):
+    """Worker side of a mode: plain data sent with a scheduled group (so it can
+    cross to another process), told which logits rows are its group's."""
+
+    @abstractmethod
+    def prepare(self, logits: "torch.Tensor", rows: list[int]) -> Any:
+        """Before the logits processors: may rewrite its rows of ``logits`` (float32
+        ``[S, vocab]``) in place; returns what :meth:`select` needs."""
+
+    @abstractmethod
+    def select(self, scores: "torch.Tensor", rows: list[int], params: "SamplingParams", prepared: Any) -> Any:
+        """After the processors: the group's result for this step (plain data)."""
+
+
+class RequestStrategy(ABC):
+    """Scheduler side of a mode, one object per request."""
+
+    @abstractmethod
+    def max_num_seqs(self, group: "SequenceGroup") -> int:
+        """Sequences the request may run at once (reserved at admission)."""
+
+    def step_mode(self, group: "SequenceGroup") -> StepMode | None:
+        """What the worker needs this step; None: sample each row by its params."""
+        return None
+
+    @abstractmethod
+    def update(
+        self, ops: SchedulerOps, group: "SequenceGroup", sg: "ScheduledGroup", result: "ModelRunnerOutput",
+        rows: dict[int, int],
+    ) -> "RequestResult | None":
+        """Apply the step to the group (``rows``: seq id -> index into the result's
+        plain rows); returns its progress, or None when nothing is visible yet."""
+
+    def blocks_needed_at_most(self, group: "SequenceGroup", full_len: int, block_size: int) -> int | None:
+        """Blocks the request may hold at once with its decoder sequences ``full_len``
+        tokens long, when more than its sequences sharing their prompt need (None)."""
+        return None

@@ -1,0 +1,154 @@
+"""Beam search as a mode: HF ``generate``'s beam search, in the engine, with
+copy-on-write blocks.
+
+Worker side (``BeamStep``): the group's rows become log-probabilities before the
+processors; after them, each beam's running score is added and the best
+``beams_to_keep`` (beam, token) continuations over all its beams are the step's
+result. Scheduler side (``BeamSearchStrategy``): ``BeamSearchState`` picks the
+next running beams and the finished hypotheses from those; a beam continued more
+than once forks (its blocks shared, copied on write), a beam not continued is
+freed, and a finished search leaves the best ``n`` hypotheses as the request's
+completions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from tandem.core.beam_search import BeamCandidates, BeamSearchState
+from tandem.core.kv.block_pool import blocks_for
+from tandem.core.core_outputs import CompletionDelta, RequestResult
+from tandem.core.sequence import SequenceStatus
+from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode
+
+if TYPE_CHECKING:
+    from tandem.core.sampling_params import SamplingParams
+    from tandem.core.scheduler_output import ModelRunnerOutput, ScheduledGroup
+    from tandem.core.sequence import SequenceGroup
+
+
+@dataclass(frozen=True)
+class BeamStep(StepMode):
+    """``scores``: the num_beams running beam scores (float32 values). On the first
+    step the group runs one sequence standing for all its beams."""
+
+    scores: list[float]
+    num_beams: int
+    beams_to_keep: int
+
+    def prepare(self, logits: torch.Tensor, rows: list[int]) -> None:
+        r = torch.tensor(rows, device=logits.device)
+        logits.index_copy_(0, r, torch.log_softmax(logits.index_select(0, r), dim=-1))
+
+    def select(self, scores: torch.Tensor, rows: list[int], params: "SamplingParams", prepared) -> BeamCandidates:
+        """HF's top-k continuations: processed log-probs plus each beam's running
+        score, flattened over (beam, token), the best ``beams_to_keep``."""
+        logp = scores.index_select(0, torch.tensor(rows, device=scores.device))
+        vocab = logp.shape[1]
+        if len(rows) == 1 and self.num_beams > 1:
+            # First step: HF runs num_beams copies of the prompt, all but the first
+            # scored -1e9; one row stands for all of them.
+            logp = logp.expand(self.num_beams, vocab)
+        running = torch.tensor(self.scores, dtype=torch.float32, device=scores.device)
+        accumulated = (logp + running[:, None]).reshape(1, -1)
+        values, idx = torch.topk(accumulated, k=self.beams_to_keep)
+        values, idx = values[0], idx[0]
+        beam = idx // vocab
+        token = idx % vocab
+        token_logprob = logp.reshape(-1).index_select(0, idx)
+        parent = beam if len(rows) > 1 else torch.zeros_like(beam)
+        top = None
+        if params.logprobs is not None:
+            k = params.logprobs
+            top = [{} for _ in rows]
+            if k:
+                vals, ids = logp[: len(rows)].topk(k, dim=-1)
+                top = [dict(zip(ids[r].tolist(), vals[r].tolist())) for r in range(len(rows))]
+        return BeamCandidates(
+            scores=values.tolist(), parents=parent.tolist(), token_ids=token.tolist(),
+            token_logprobs=token_logprob.tolist(), top_logprobs=top,
+        )
+
+
+class BeamSearchStrategy(RequestStrategy):
+    def __init__(self, params: "SamplingParams", prompt_len: int, stop_ids: frozenset[int]) -> None:
+        self.state = BeamSearchState(params, prompt_len, stop_ids)
+        # HF keeps (1 + number of EOS ids, at least 2) x num_beams candidates.
+        self.beams_to_keep = max(2, 1 + len(stop_ids)) * params.num_beams
+
+    def max_num_seqs(self, group: "SequenceGroup") -> int:
+        return group.sampling_params.num_beams
+
+    def blocks_needed_at_most(self, group: "SequenceGroup", full_len: int, block_size: int) -> int:
+        # Every beam at full length, sharing nothing but the cross table.
+        return blocks_for(group.encoder_len, block_size) + group.sampling_params.num_beams * blocks_for(
+            full_len, block_size
+        )
+
+    def step_mode(self, group: "SequenceGroup") -> BeamStep:
+        return BeamStep(self.state.running_scores(), self.state.num_beams, self.beams_to_keep)
+
+    def update(
+        self, ops: SchedulerOps, group: "SequenceGroup", sg: "ScheduledGroup", result: "ModelRunnerOutput",
+        rows: dict[int, int],
+    ) -> RequestResult:
+        """One beam step: the next running beams reuse, fork or drop this step's;
+        a finished search leaves the best hypotheses as the group's sequences."""
+        state, cands = self.state, result.mode_outputs[group.request_id]
+        by_id = {s.seq_id: s for s in group.seqs}
+        running = [by_id[ss.seq_id] for ss in sg.seqs]
+        for ss, seq in zip(sg.seqs, running):
+            seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
+        num_out = len(running[0].output_token_ids)
+        next_beams = state.step(
+            cands, [s.output_token_ids for s in running], [s.output_logprobs for s in running], num_out
+        )
+        if state.done:
+            return self._finish(ops, group, running)
+        claimed: set[int] = set()
+        plan = []
+        for nb in next_beams:  # forks first, from the parents as they are
+            parent = running[nb.parent]
+            if nb.parent in claimed:
+                plan.append((ops.fork(group, parent), nb))
+            else:
+                claimed.add(nb.parent)
+                plan.append((parent, nb))
+        for j, seq in enumerate(running):
+            if j not in claimed:
+                ops.drop(group, seq)
+        for seq, nb in plan:
+            seq.append_token(nb.token_id, nb.token_logprob, nb.top_logprobs)
+            seq.cumulative_logprob = nb.score
+        group.seqs = [seq for seq, _ in plan]
+        return RequestResult(group.request_id)  # beams change until the end: nothing to show
+
+    def _finish(self, ops: SchedulerOps, group: "SequenceGroup", running: list) -> RequestResult:
+        for seq in running:
+            ops.drop(group, seq)
+        p = group.sampling_params
+        finished, deltas = [], []
+        for index, (hyp, score) in enumerate(self.state.best(p.n)):
+            seq = ops.new_sequence(group, group.seqs[0].prompt_token_ids)
+            seq.index = index
+            stopped = False
+            if hyp is not None:
+                seq.output_token_ids = list(hyp.output_token_ids)
+                seq.token_ids = seq.prompt_token_ids + seq.output_token_ids
+                seq.output_logprobs = list(hyp.output_logprobs)
+                stopped = hyp.finished_by_stop
+                if stopped and hyp.output_token_ids[-1] not in ops.eos_token_ids:
+                    seq.stop_reason = hyp.output_token_ids[-1]
+            seq.cumulative_logprob = score
+            seq.status = SequenceStatus.FINISHED_STOPPED if stopped else SequenceStatus.FINISHED_LENGTH
+            finished.append(seq)
+            deltas.append(CompletionDelta(
+                index, list(seq.output_token_ids), list(seq.output_logprobs) if p.logprobs is not None else None,
+                score, seq.status.value, seq.stop_reason, replace=True,
+            ))
+        group.seqs = finished
+        ops.release_finished(group)
+        return RequestResult(group.request_id, deltas, True)

@@ -1,0 +1,55 @@
+"""The default mode: every sequence samples its next token by the request's params
+(greedy, random, ``n`` independent samples)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tandem.core.core_outputs import CompletionDelta, RequestResult
+from tandem.core.sequence import SequenceStatus
+from tandem.core.strategies.base import RequestStrategy, SchedulerOps
+
+if TYPE_CHECKING:
+    from tandem.core.scheduler_output import ModelRunnerOutput, ScheduledGroup
+    from tandem.core.sequence import SequenceGroup
+
+
+def finish_reason(seq) -> str | None:
+    return seq.status.value if seq.finished else None
+
+
+class SamplingStrategy(RequestStrategy):
+    def max_num_seqs(self, group: "SequenceGroup") -> int:
+        return len(group.unfinished_seqs())
+
+    def update(
+        self, ops: SchedulerOps, group: "SequenceGroup", sg: "ScheduledGroup", result: "ModelRunnerOutput",
+        rows: dict[int, int],
+    ) -> RequestResult:
+        deltas = []
+        any_finished = False
+        by_id = {s.seq_id: s for s in group.seqs} if len(group.seqs) > 1 else None
+        want_logprobs = group.sampling_params.logprobs is not None
+        for ss in sg.seqs:
+            seq = by_id[ss.seq_id] if by_id is not None else group.seqs[0]
+            if seq.finished:
+                continue
+            seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
+            if ss.seq_id in result.no_token_seq_ids:  # every token banned: nothing to append
+                seq.status = SequenceStatus.FINISHED_NO_TOKEN
+                any_finished = True
+                deltas.append(CompletionDelta(seq.index, [], [] if want_logprobs else None,
+                                              seq.cumulative_logprob, finish_reason(seq)))
+                continue
+            i = rows[ss.seq_id]
+            token, top = result.token_ids[i], result.top_logprobs[i]
+            seq.append_token(token, result.logprobs[i], top)
+            ops.check_stop(seq, group)
+            any_finished |= seq.finished
+            deltas.append(CompletionDelta(
+                seq.index, [token], [top] if top is not None else None, seq.cumulative_logprob,
+                finish_reason(seq), seq.stop_reason,
+            ))
+        if any_finished:
+            ops.release_finished(group)
+        return RequestResult(group.request_id, deltas, group.is_finished)
