@@ -41,9 +41,16 @@ class EngineStats:
     num_requests_waiting: int = 0
     num_requests_running: int = 0
     num_requests_swapped: int = 0
+    # Sequences the waiting and swapped requests will run (n, or their beams).
+    num_seqs_queued: int = 0
+    # The ids of the requests the core holds (an admission limit stops counting a
+    # request as in flight to the engine once it is here).
+    live_request_ids: frozenset[str] = frozenset()
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        d = asdict(self)
+        del d["live_request_ids"]
+        return d
 
 
 class EngineCore:
@@ -164,6 +171,8 @@ class EngineCore:
             num_requests_waiting=len(sch.waiting),
             num_requests_running=len(sch.running),
             num_requests_swapped=len(sch.swapped),
+            num_seqs_queued=sum(g.strategy.max_num_seqs(g) for q in (sch.waiting, sch.swapped) for g in q),
+            live_request_ids=frozenset(sch.groups),
         )
 
     def _no_progress(self) -> None:

@@ -1,11 +1,14 @@
 """``AsyncLLM``: the engine for asyncio services.
 
 The engine loop runs in a background thread that owns the ``LLMEngine``
-(which is single-threaded): requests and aborts reach it through a command
-queue, and each step's outputs go back to the waiting coroutines through
-their own ``asyncio.Queue`` (``loop.call_soon_threadsafe``). The event loop
-only enqueues and awaits, so it stays responsive while the engine computes
-(torch releases the GIL in its kernels).
+(which is single-threaded): requests, aborts and stop-string hits reach it
+through a command queue, and each step's plain per-request results
+(``tandem.core.core_outputs``) go back to the waiting coroutines through their
+own ``asyncio.Queue`` (``loop.call_soon_threadsafe``). Each consumer turns its
+results into ``RequestOutput``s itself (``output_processor.RequestState``:
+detokenizing, stop strings), so the engine thread never detokenizes. The event
+loop only enqueues, detokenizes and awaits, so it stays responsive while the
+engine computes (torch releases the GIL in its kernels).
 
 >>> engine = AsyncLLM(model="path/to/bart")
 >>> async for out in engine.generate("the rain in spain", SamplingParams(max_tokens=8), "req-1"):
@@ -31,7 +34,9 @@ from typing import Any
 
 from tandem.core.config import EngineConfig
 from tandem.core.engine import LLMEngine
+from tandem.core.core_outputs import RequestInfo, RequestResult
 from tandem.core.inputs import PromptType
+from tandem.core.output_processor import RequestState
 from tandem.core.outputs import RequestOutput
 from tandem.core.faults import EngineDeadError, EngineHealth, describe
 from tandem.core.sampling_params import SamplingParams
@@ -53,6 +58,14 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Stop:
+    """Stop strings the consumer found: completion index -> the stop string."""
+
+    request_id: str
+    stops: dict[int, str]
+
+
 class _Stream:
     """One request's outputs, from the engine thread to its consumer."""
 
@@ -60,7 +73,7 @@ class _Stream:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    def put(self, item: RequestOutput | BaseException) -> None:  # called from the engine thread
+    def put(self, item: RequestInfo | RequestResult | BaseException) -> None:  # called from the engine thread
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the consumer's loop is closed: nobody is waiting
@@ -140,29 +153,47 @@ class AsyncLLM:
         self._check_alive()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop())
-        self._commands.put(_Add(rid, prompt, sampling_params, stream, prompt_slot))
-        self._wake.set()
+        self._send(_Add(rid, prompt, sampling_params, stream, prompt_slot))
         finished = False
+        state: RequestState | None = None
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished
-                yield item
+                if isinstance(item, RequestInfo):  # accepted: outputs are followed here
+                    state = RequestState(item, self.engine.tokenizer)
+                    continue
+                try:
+                    hits = state.update(item)
+                    out = state.step_output()
+                except Exception as e:  # noqa: BLE001 - detokenizing this request's output
+                    finished = True  # the abort is sent here, with the reason
+                    self._send(_Abort(rid))
+                    why = f"building its output failed: {describe(e)}"
+                    logger.warning("request %r failed: %s", rid, why)
+                    yield RequestOutput(rid, None, [], None, [], [], True, error=why)
+                    return
+                if hits:  # the core frees those sequences (and the request, once all ended)
+                    self._send(_Stop(rid, hits))
+                finished = state.finished
+                if out is not None:
+                    yield out
                 if finished:
                     return
         finally:
             if not finished:  # the consumer left early (cancelled, disconnected, broke out)
-                self._commands.put(_Abort(rid))
-                self._wake.set()
+                self._send(_Abort(rid))
+
+    def _send(self, cmd) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed on the engine's next pass and its
         consumer receives the aborted output."""
-        self._commands.put(_Abort(request_id))
-        self._wake.set()
+        self._send(_Abort(request_id))
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -182,12 +213,7 @@ class AsyncLLM:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                for out in engine.step():
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        if out.finished:
-                            del self._streams[out.request_id]
-                        stream.put(out)
+                self._deliver(engine.step_core())
         except BaseException as e:  # the loop is dead: every waiting request learns why
             logger.exception("engine loop died")
             self._dead = e
@@ -198,12 +224,8 @@ class AsyncLLM:
             self._drain_commands(dead)
             return
         # Shutting down: abort what is left.
-        left = list(self._streams)
-        if left:
-            for out in engine.abort_request(left):
-                stream = self._streams.pop(out.request_id, None)
-                if stream is not None:
-                    stream.put(out)
+        if self._streams:
+            self._deliver(engine.abort_core_request(set(self._streams)))
         self._drain_commands(EngineDeadError("the engine is shutting down"))
 
     def _apply_commands(self) -> None:
@@ -218,7 +240,7 @@ class AsyncLLM:
                     cmd.stream.put(ValueError(f"request id {cmd.request_id!r} is already in use"))
                     continue
                 try:
-                    engine.add_request(cmd.request_id, cmd.prompt, cmd.params, prompt_slot=cmd.prompt_slot)
+                    info = engine.add_core_request(cmd.request_id, cmd.prompt, cmd.params, prompt_slot=cmd.prompt_slot)
                 except EngineDeadError:
                     raise
                 except (ValueError, TypeError) as e:
@@ -228,11 +250,22 @@ class AsyncLLM:
                     cmd.stream.put(ValueError(f"the request cannot be served: {describe(e)}"))
                     continue
                 self._streams[cmd.request_id] = cmd.stream
+                cmd.stream.put(info)
+            elif isinstance(cmd, _Stop):
+                engine.core.stop({cmd.request_id: cmd.stops})
+                if cmd.request_id not in engine.scheduler.groups:  # it ended: nothing more to send
+                    self._streams.pop(cmd.request_id, None)
             else:
-                stream = self._streams.pop(cmd.request_id, None)
-                for out in engine.abort_request(cmd.request_id):
-                    if stream is not None:
-                        stream.put(out)
+                self._deliver(engine.abort_core_request({cmd.request_id}))
+                self._streams.pop(cmd.request_id, None)
+
+    def _deliver(self, results: list[RequestResult]) -> None:
+        for res in results:
+            stream = self._streams.get(res.request_id)
+            if stream is not None:
+                if res.finished:
+                    del self._streams[res.request_id]
+                stream.put(res)
 
     def _drain_commands(self, error: BaseException) -> None:
         while True:

@@ -16,7 +16,8 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from distribution import FALSE_FAILURE, assert_draws_follow, assert_support_stable, hf_probs
 from tandem import SamplingParams
 from tandem.core.worker.logits_processors import ProcessorRows
-from tandem.core.worker.sampler import BeamRows, Sampler
+from tandem.core.strategies.beam import BeamStep
+from tandem.core.worker.sampler import Sampler
 from tandem.core.worker.warpers import sampling_probs
 
 VOCAB = 300
@@ -122,8 +123,10 @@ def _run(cases, steps: int, per_setting: int, seeded: bool, n_per_seed: int = 50
             params, [len(HISTORY) - len(PROMPT)] * s, [len(HISTORY)] * s,
             lambda idx: (hist.expand(len(idx), -1), torch.full((len(idx),), len(HISTORY))),
         )
-        beams = [BeamRows("b", [beam_start, beam_start + 1], [-1.0, -2.5], 2, 4)]
-        out = sampler(torch.stack(logits), rows, generators, beams)
+        mode, beam_rows = BeamStep([-1.0, -2.5], 2, 4), [beam_start, beam_start + 1]
+        batch = torch.stack(logits)
+        mode.prepare(batch, beam_rows)
+        out = sampler(batch, rows, generators, beam_rows)
         plain_owner = [o for o in owner if o != "beam"]
         tokens = torch.tensor(out.token_ids)
         for name in names:
@@ -131,7 +134,7 @@ def _run(cases, steps: int, per_setting: int, seeded: bool, n_per_seed: int = 50
         assert out.token_ids[-1] == int(greedy_logits.argmax())
         flat = (torch.log_softmax(beam_logits, -1) + torch.tensor([[-1.0], [-2.5]])).flatten()
         best = flat.topk(4)
-        cand = out.beams["b"]
+        cand = mode.select(out.scores, beam_rows, params[beam_start], None)
         assert cand.token_ids == (best.indices % VOCAB).tolist()
         assert cand.parents == (best.indices // VOCAB).tolist()
     return {name: torch.cat(v) for name, v in drawn.items()}

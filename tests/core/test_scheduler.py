@@ -600,7 +600,9 @@ def test_abort_frees_groups_in_every_queue():
         gpu, cpu = sim.bm.num_free_blocks(Device.DEVICE), sim.bm.num_free_blocks(Device.HOST)
         sole = _sole(sim.bm, [g])
         was_finished = {s.seq_id: s.status for s in g.seqs if s.finished}
-        assert sim.sched.abort({g.request_id, "no-such-request"}) == [g]
+        results = sim.sched.abort({g.request_id, "no-such-request"})
+        assert [(r.request_id, r.finished) for r in results] == [(g.request_id, True)]
+        assert [d.finish_reason for d in results[0].completions] == [s.status.value for s in g.seqs]
         sim.aborted.append(g)
         for s in g.seqs:
             assert s.status is was_finished.get(s.seq_id, SequenceStatus.FINISHED_ABORTED)
@@ -610,9 +612,10 @@ def test_abort_frees_groups_in_every_queue():
         assert (gained_gpu, gained_cpu) == (sole[DEV], sole[HOST])
         sim.check_state()
     rest = {g.request_id for q in (sim.sched.waiting, sim.sched.running, sim.sched.swapped) for g in q}
+    groups = {rid: sim.sched.groups[rid] for rid in rest}
     aborted = sim.sched.abort(rest)
-    assert {g.request_id for g in aborted} == rest
-    sim.aborted += aborted
+    assert {r.request_id for r in aborted} == rest
+    sim.aborted += [groups[r.request_id] for r in aborted]
     sim.check_all_free()
     assert sim.sched.abort({"req-none"}) == []
 
@@ -633,8 +636,8 @@ def test_abort_midway_frees_everything(scenario, steps_before, data):
     gpu0, cpu0 = sim.bm.num_free_blocks(Device.DEVICE), sim.bm.num_free_blocks(Device.HOST)
     sole = _sole(sim.bm, [sim.groups[r] for r in chosen])
     aborted = sim.sched.abort(chosen)
-    sim.aborted += aborted
-    assert {g.request_id for g in aborted} == chosen
+    sim.aborted += [sim.groups[r.request_id] for r in aborted]
+    assert {r.request_id for r in aborted} == chosen
     assert sim.bm.num_free_blocks(Device.DEVICE) - gpu0 == sole[DEV]
     assert sim.bm.num_free_blocks(Device.HOST) - cpu0 == sole[HOST]
     sim.check_state()

@@ -18,7 +18,8 @@ import pytest
 
 from faulty_backend import FaultyBackend
 from tandem import LLM, AsyncLLM, EngineDeadError, SamplingParams
-from tandem.core.scheduler import Scheduler
+from tandem.core.output_processor import RequestState
+from tandem.core.strategies.beam import BeamSearchStrategy
 from tandem.entrypoints.openai.api_server import build_app
 from tandem.plugins import default_backend_registry
 
@@ -111,14 +112,14 @@ def test_a_worker_memory_error_fails_the_step_alone(bart_dir, clean, monkeypatch
 
 def test_one_requests_beam_update_fault_fails_it_alone(bart_dir, clean, monkeypatch):
     llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
-    original = Scheduler._update_beams
+    original = BeamSearchStrategy.update
 
-    def raising_for_three_beams(self, group, sg, cands):
+    def raising_for_three_beams(self, ops, group, sg, result, rows):
         if group.sampling_params.num_beams == 3:
             raise ArithmeticError("this request's beams")
-        return original(self, group, sg, cands)
+        return original(self, ops, group, sg, result, rows)
 
-    monkeypatch.setattr(Scheduler, "_update_beams", raising_for_three_beams)
+    monkeypatch.setattr(BeamSearchStrategy, "update", raising_for_three_beams)
     beams = SamplingParams(num_beams=2, max_tokens=6, temperature=0.0)
     bad = SamplingParams(num_beams=3, max_tokens=6, temperature=0.0)
     params = [beams, GREEDY, bad, beams, GREEDY, beams]
@@ -133,15 +134,14 @@ def test_one_requests_beam_update_fault_fails_it_alone(bart_dir, clean, monkeypa
 
 def test_one_requests_output_fault_fails_it_alone(bart_dir, clean, monkeypatch):
     llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
-    op = llm.engine.output_processor
-    original = type(op).process
+    original = RequestState.update
 
-    def raising_for_request_1(self, group, new_tokens):
-        if group.request_id.endswith("1") and len(group.seqs[0].output_token_ids) >= 3:
+    def raising_for_request_1(self, result):
+        if self.info.request_id.endswith("1") and len(self.completions[0].token_ids) >= 3:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a broken tokenizer")
-        return original(self, group, new_tokens)
+        return original(self, result)
 
-    monkeypatch.setattr(type(op), "process", raising_for_request_1)
+    monkeypatch.setattr(RequestState, "update", raising_for_request_1)
     outs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
     assert "building its output failed: UnicodeDecodeError" in outs[1].error
     assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == [clean["greedy"][0], clean["greedy"][2]]

@@ -101,12 +101,9 @@ class _Admission:
         self.pending: dict[str, int] = {}  # engine request id -> sequences, submitted, maybe not taken in yet
 
     def queued(self) -> int:
-        sch = self.engine.engine.scheduler
-        # list() of a deque copies it in one step under the GIL: a consistent snapshot
-        # although the engine thread changes it.
-        waiting = list(sch.waiting) + list(sch.swapped)
-        n = sum(_units(g.sampling_params) for g in waiting)
-        live = sch.groups
+        # What the engine thread published after its last change, never its live queues.
+        stats = self.engine.engine.core.stats
+        live, n = stats.live_request_ids, stats.num_seqs_queued
         for rid in [r for r in self.pending if r in live]:  # taken in: counted above while it waits
             del self.pending[rid]
         return n + sum(self.pending.values())

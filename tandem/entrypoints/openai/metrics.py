@@ -14,19 +14,19 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
 
 
 class _EngineCollector:
-    """Gauges read from the engine at scrape time (running / waiting requests, KV use)."""
+    """Gauges read at scrape time (running / waiting requests, KV use) from the
+    counters the engine thread publishes after each step, never from its live queues."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
 
     def collect(self):
-        sch = self.engine.engine.scheduler
         stats = self.engine.get_stats()
         g = GaugeMetricFamily("tandem:num_requests_running", "Requests in the running batch")
-        g.add_metric([], len(sch.running))
+        g.add_metric([], stats["num_requests_running"])
         yield g
         g = GaugeMetricFamily("tandem:num_requests_waiting", "Requests waiting to be admitted (or swapped out)")
-        g.add_metric([], len(sch.waiting) + len(sch.swapped))
+        g.add_metric([], stats["num_requests_waiting"] + stats["num_requests_swapped"])
         yield g
         total = max(1, stats["kv_blocks_total"])
         g = GaugeMetricFamily("tandem:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
