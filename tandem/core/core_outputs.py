@@ -26,7 +26,7 @@ class RequestInfo:
     prompt_token_ids: list[int]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CompletionDelta:
     """One completion's progress in a step."""
 
@@ -42,7 +42,7 @@ class CompletionDelta:
     replace: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestResult:
     """A request's progress in a step, or its end (finished, aborted or failed)."""
 

@@ -1,0 +1,104 @@
+"""The frontend's output state, fed plain core results by hand (no model).
+
+Oracle: the tokenizer's own ``decode`` of the whole token list; DELTA chunks must
+add up to exactly the final text, which equals that decode."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from helpers import make_tokenizer
+from tandem.core.core_outputs import CompletionDelta, RequestInfo, RequestResult
+from tandem.core.output_processor import OutputProcessor, RequestState
+from tandem.core.sampling_params import RequestOutputKind, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer(96)
+
+
+def _info(rid="r", **params) -> RequestInfo:
+    return RequestInfo(rid, SamplingParams(**params), "the rain", [0, 4, 5, 2], None, [2, 0])
+
+
+def _feed(state: RequestState, ids_per_step: list[list[int]], index: int = 0, finish_last: str = "length"):
+    outs, hits = [], {}
+    for k, ids in enumerate(ids_per_step):
+        last = k == len(ids_per_step) - 1
+        d = CompletionDelta(index, ids, None, None, finish_last if last else None)
+        hits.update(state.update(RequestResult("r", [d], last)))
+        out = state.step_output()
+        if out is not None:
+            outs.append(out)
+        if state.finished:
+            break
+    return outs, hits
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_delta_chunks_add_up_to_the_final_text_which_is_the_tokenizers_decode(tok, seed):
+    rng = random.Random(seed)
+    ids = [rng.randrange(4, 96) for _ in range(rng.randrange(1, 30))]
+    steps, i = [], 0
+    while i < len(ids):  # several tokens a step, as speculation will report them
+        k = rng.randrange(1, 4)
+        steps.append(ids[i:i + k])
+        i += k
+    delta = RequestState(_info(output_kind=RequestOutputKind.DELTA), tok)
+    outs, _ = _feed(delta, steps)
+    final = RequestState(_info(output_kind=RequestOutputKind.FINAL_ONLY), tok)
+    (last,), _ = _feed(final, steps)
+    expected = tok.decode(ids, skip_special_tokens=True)
+    assert "".join(o.outputs[0].text for o in outs) == expected
+    assert [t for o in outs for t in o.outputs[0].token_ids] == ids
+    assert last.outputs[0].text == expected and last.outputs[0].token_ids == ids
+    assert last.finished and last.outputs[0].finish_reason == "length"
+
+
+def test_a_stop_string_cuts_the_text_and_is_reported_to_the_core_once(tok):
+    words = "the rain in spain falls mainly on the plain".split()
+    ids = tok.convert_tokens_to_ids(words)
+    state = RequestState(_info(stop=["spain falls"], output_kind=RequestOutputKind.DELTA, n=2), tok)
+    sent, hits_seen = "", []
+    for k, t in enumerate(ids):
+        hits = state.update(RequestResult("r", [CompletionDelta(0, [t], None, None),
+                                                CompletionDelta(1, [t], None, None)]))
+        hits_seen.append(hits)
+        out = state.step_output()
+        sent += out.outputs[0].text
+        if out.outputs[0].finish_reason is not None:
+            break
+    assert hits_seen[-1] == {0: "spain falls", 1: "spain falls"}
+    assert all(not h for h in hits_seen[:-1])
+    assert sent == "the rain in "  # cut before the match; the held-back prefix never leaked
+    assert out.outputs[0].stop_reason == "spain falls" and out.finished
+    # The core may report a token more before it learns of the stop: it is ignored.
+    assert state.update(RequestResult("r", [CompletionDelta(0, [ids[-1]], None, None)])) == {}
+    assert state.completions[0].token_ids == ids[: k + 1]
+
+
+def test_beam_results_show_nothing_until_the_end_then_replace(tok):
+    state = RequestState(_info(num_beams=2, temperature=0.0, n=2, output_kind=RequestOutputKind.CUMULATIVE), tok)
+    assert state.update(RequestResult("r")) == {} and state.step_output() is None
+    final = RequestResult("r", [CompletionDelta(0, [10, 11], None, -1.5, "stop", replace=True),
+                                CompletionDelta(1, [12], None, -2.5, "length", replace=True)], True)
+    state.update(final)
+    out = state.step_output()
+    assert out.finished
+    assert [(c.token_ids, c.text, c.cumulative_logprob, c.finish_reason) for c in out.outputs] == [
+        ([10, 11], tok.decode([10, 11]), -1.5, "stop"), ([12], tok.decode([12]), -2.5, "length")]
+
+
+def test_the_processor_drops_results_of_requests_it_no_longer_follows(tok):
+    op = OutputProcessor(tok)
+    op.add_request(_info("a"))
+    op.add_request(_info("b"))
+    aborted = op.abort("a", error="why")
+    assert aborted.finished and aborted.error == "why"
+    outs, stops = op.process([RequestResult("a", [CompletionDelta(0, [5], None, None, "length")], True),
+                              RequestResult("b", [CompletionDelta(0, [6], None, None, "length")], True)])
+    assert [o.request_id for o in outs] == ["b"] and stops == {}
+    assert op.requests == {}
