@@ -13,7 +13,8 @@ scheduler's live structures.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from operator import attrgetter
+from dataclasses import dataclass, fields
 
 from tandem.core.block_manager import BlockManager, Device
 from tandem.core.core_outputs import RequestResult
@@ -23,6 +24,7 @@ from tandem.core.sequence import SequenceGroup
 from tandem.core.worker import Worker
 
 logger = logging.getLogger(__name__)
+_params = attrgetter("sampling_params")
 
 
 @dataclass(frozen=True)
@@ -41,16 +43,14 @@ class EngineStats:
     num_requests_waiting: int = 0
     num_requests_running: int = 0
     num_requests_swapped: int = 0
-    # Sequences the waiting and swapped requests will run (n, or their beams).
-    num_seqs_queued: int = 0
-    # The ids of the requests the core holds (an admission limit stops counting a
-    # request as in flight to the engine once it is here).
+    # The ids of the requests the core holds, and the sampling params of those that
+    # wait or are swapped out (an admission limit counts their sequences; params are
+    # immutable, so reading them from another thread is safe).
     live_request_ids: frozenset[str] = frozenset()
+    queued_params: tuple = ()
 
     def as_dict(self) -> dict[str, int]:
-        d = asdict(self)
-        del d["live_request_ids"]
-        return d
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.type == "int"}
 
 
 class EngineCore:
@@ -171,8 +171,9 @@ class EngineCore:
             num_requests_waiting=len(sch.waiting),
             num_requests_running=len(sch.running),
             num_requests_swapped=len(sch.swapped),
-            num_seqs_queued=sum(g.strategy.max_num_seqs(g) for q in (sch.waiting, sch.swapped) for g in q),
             live_request_ids=frozenset(sch.groups),
+            # map + attrgetter: no per-group Python frame on the step's path.
+            queued_params=(*map(_params, sch.waiting), *map(_params, sch.swapped)),
         )
 
     def _no_progress(self) -> None:

@@ -103,7 +103,7 @@ class _Admission:
     def queued(self) -> int:
         # What the engine thread published after its last change, never its live queues.
         stats = self.engine.engine.core.stats
-        live, n = stats.live_request_ids, stats.num_seqs_queued
+        live, n = stats.live_request_ids, sum(_units(p) for p in stats.queued_params)
         for rid in [r for r in self.pending if r in live]:  # taken in: counted above while it waits
             del self.pending[rid]
         return n + sum(self.pending.values())
