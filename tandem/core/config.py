@@ -30,7 +30,8 @@ def is_real(x) -> bool:
 
 def option(default, help: str, *, choices: tuple | None = None, flags: tuple[str, ...] = ()):
     """A dataclass field that is an engine option: ``help`` is shown by ``help(LLM)`` and
-    ``tandem COMMAND --help`` (write other options as ```name```: the CLI shows their flag);
+    ``tandem COMMAND --help`` (another option named in backticks, `max_num_seqs`, shows as
+    its flag on the command line);
     ``choices`` are the CLI's (validation is ``__post_init__``'s); ``flags``: the CLI's
     spellings, the first shown (default: ``--name-with-dashes``)."""
     return field(default=default, metadata={"help": help, "choices": choices, "flags": flags})
