@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,43 +28,88 @@ def is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def option(default, help: str, *, choices: tuple | None = None, flags: tuple[str, ...] = ()):
+    """A dataclass field that is an engine option: ``help`` is shown by ``help(LLM)`` and
+    ``tandem COMMAND --help`` (another option named in backticks, `max_num_seqs`, shows as
+    its flag on the command line);
+    ``choices`` are the CLI's (validation is ``__post_init__``'s); ``flags``: the CLI's
+    spellings, the first shown (default: ``--name-with-dashes``)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "flags": flags})
+
+
 @dataclass
 class EngineConfig:
-    model: str
-    tokenizer: str | None = None
-    # "auto": the checkpoint's dtype on GPU; on CPU bfloat16 where native, else float32;
+    """Every engine option, declared once: its name, type, default, help and CLI choices here,
+    its validation in ``__post_init__``. ``LLM`` / ``AsyncLLM`` keywords and every command's
+    engine flags are generated from these fields (``tandem/core/engine_args.py``)."""
+
+    model: str = field(metadata={"help": "local HF checkpoint directory"})
+    tokenizer: str | None = option(None, "tokenizer directory (default: none, the model's directory)")
     # $TANDEM_AUTO_DTYPE, when set, overrides what "auto" means; with int8 "auto" is float32 (core/dtype.py).
-    dtype: str | torch.dtype = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory
-    # GiB for the device KV pool; None: what max_num_seqs full-length requests
-    # need, at most DEFAULT_KV_CACHE_GIB.
-    kv_cache_memory: float | None = None
-    swap_space: float = 1.0  # GiB of CPU swap pool
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 16384
-    preemption_mode: str | None = None
-    attention_backend: str | None = None
-    seed: int = 0
-    # Never run Python code shipped inside a checkpoint (transformers' auto_map) unless asked.
-    trust_remote_code: bool = False
-    # Request defaults: "auto" (the checkpoint's generation_config.json, as HF
-    # generate uses it), "none" (SamplingParams' own defaults), or a directory
-    # holding a generation_config.json.
-    generation_config: str = "auto"
-    # How linear layers multiply on CPU: "auto" (oneDNN pre-packed weights where
-    # they run, else F.linear), "packed", "dense" (core/layers/linear_kernels.py).
-    cpu_gemm: str = "auto"
-    # Host allocator on CPU: "auto" (glibc keeps freed memory for reuse instead of
-    # re-mmapping every step's large tensors, unless another allocator or glibc
-    # environment settings were chosen), "system" (core/worker/host_malloc.py).
-    cpu_malloc: str = "auto"
-    # None, or "int8": int8 weights, dynamically quantized activations (CPU).
-    quantization: str | None = None
-    # Failed steps in a row (no good step between) after which the engine declares
-    # itself dead; each failed step fails only its own requests (core/faults.py).
-    max_consecutive_step_failures: int = 3
+    dtype: str | torch.dtype = option(
+        "auto",
+        "compute dtype; auto: the checkpoint's on GPU, on CPU bfloat16 where the CPU has it natively "
+        "(avx512_bf16 / AMX), else float32; $TANDEM_AUTO_DTYPE, when set, is what auto means instead; with "
+        "`quantization` int8, float32",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    device: str = option("auto", "cpu, cuda, cuda:N or auto (cuda where there is one)")
+    block_size: int = option(16, "tokens per KV-cache block")
+    num_kv_blocks: int | None = option(
+        None, "KV-cache blocks in the device pool; overrides `kv_cache_memory` (default: none, sized from "
+        "`kv_cache_memory`)"
+    )
+    kv_cache_memory: float | None = option(
+        None, "GiB for the device KV pool (default: none, sized from memory: what `max_num_seqs` full-length "
+        f"requests need, at most {DEFAULT_KV_CACHE_GIB:g} GiB)"
+    )
+    swap_space: float = option(1.0, "GiB of CPU memory for swapped-out KV blocks, committed only as blocks are swapped")
+    max_num_seqs: int = option(256, "sequences the scheduler runs at once")
+    max_num_batched_tokens: int = option(16384, "tokens one engine step may compute")
+    preemption_mode: str | None = option(
+        None, "what a request preempted for memory does: recompute (drop its KV, compute it again when resumed) or "
+        "swap (move its KV to the CPU pool of `swap_space`) (default: none: recompute single-sequence requests, "
+        "swap those with several sequences)",
+        choices=("recompute", "swap"),
+    )
+    attention_backend: str | None = option(
+        None, "attention backend name (default: none: $TANDEM_ATTENTION_BACKEND, else the first that can serve)",
+        flags=("--attention-backend", "--backend"),
+    )
+    seed: int = option(
+        0, "the engine's sampling seed: the random stream of requests that give no seed of their own (a "
+        "request's own seed is SamplingParams.seed)"
+    )
+    trust_remote_code: bool = option(
+        False, "allow Python code shipped inside the checkpoint (transformers' auto_map) to run"
+    )
+    generation_config: str = option(
+        "auto", "request defaults: 'auto' (the checkpoint's generation_config.json, as HF generate reads it), "
+        "'none' (SamplingParams' own), or a directory holding one"
+    )
+    # core/layers/linear_kernels.py
+    cpu_gemm: str = option(
+        "auto", "CPU linear layers: oneDNN pre-packed weights (auto: where they run; packed: an error where they "
+        "cannot) or plain F.linear (dense)",
+        choices=("auto", "packed", "dense"),
+    )
+    # core/worker/host_malloc.py: glibc keeps freed memory for reuse instead of re-mmapping
+    # every step's large tensors.
+    cpu_malloc: str = option(
+        "auto", "CPU host allocator: auto keeps glibc's freed memory for reuse (no per-step page faults on large "
+        "tensors) unless LD_PRELOAD or MALLOC_* chose otherwise; system leaves it alone",
+        choices=("auto", "system"),
+    )
+    quantization: str | None = option(
+        None, "int8: int8 weights with dynamically quantized activations (CPU; computes in float32, so `dtype` "
+        "auto or float32) (default: none, the checkpoint's weights in `dtype`)",
+        choices=("int8",),
+    )
+    # core/faults.py
+    max_consecutive_step_failures: int = option(
+        3, "failed steps in a row (no good step between) after which the engine declares itself dead (a server's "
+        "/health answers 503); each failed step fails only its own requests"
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, Path)) or not Path(self.model).is_dir():
@@ -127,4 +172,7 @@ class EngineConfig:
                 "holding a generation_config.json"
             )
         self.generation_config = str(gc)
-        # max_num_seqs, max_num_batched_tokens and preemption_mode are checked by SchedulerConfig.
+        from tandem.core.scheduler import SchedulerConfig  # it imports this module
+
+        # The scheduler's limits have their checks (and messages) there; run them now, at construction.
+        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.preemption_mode)

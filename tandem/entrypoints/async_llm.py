@@ -24,6 +24,7 @@ request the engine rejects (bad prompt or sampling value) raises that
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import queue
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.core.config import EngineConfig
+from tandem.core.engine_args import check_kwargs, signature as engine_signature
 from tandem.core.engine import LLMEngine
 from tandem.core.core_outputs import RequestInfo, RequestResult
 from tandem.core.inputs import PromptType
@@ -82,10 +84,11 @@ class _Stream:
 
 class AsyncLLM:
     def __init__(self, model: str, *, start: bool = True, **engine_args: Any) -> None:
-        """``engine_args``: the same options as :class:`tandem.LLM` (dtype, device,
-        block_size, max_num_seqs, attention_backend, generation_config, ...)."""
+        """``engine_args``: the same options as :class:`tandem.LLM` (``help(LLM)`` lists them);
+        ``start=False`` leaves the engine thread to :meth:`start`."""
         from tandem.plugins import default_backend_registry, default_model_registry
 
+        check_kwargs("AsyncLLM", engine_args)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args), default_model_registry(), default_backend_registry())
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -96,6 +99,10 @@ class AsyncLLM:
         self._thread: threading.Thread | None = None
         if start:
             self.start()
+
+    __init__.__signature__ = engine_signature(
+        inspect.Parameter("start", inspect.Parameter.KEYWORD_ONLY, default=True, annotation=bool)
+    )
 
     # -- state -------------------------------------------------------------------------
     @property

@@ -6,10 +6,9 @@ import argparse
 import json
 import sys
 from importlib.metadata import PackageNotFoundError, version
-from dataclasses import fields
 from pathlib import Path
 
-from tandem.core.config import DEFAULT_KV_CACHE_GIB, EngineConfig
+from tandem.core.engine_args import add_cli_args, from_cli_args
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
 DEMO_WHISPER = Path(__file__).resolve().parent.parent / "demo_whisper"
@@ -45,29 +44,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", dest="attention_backend", default=None,
-                   help="attention backend name (default: $TANDEM_ATTENTION_BACKEND, else the first that can serve)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="compute dtype; auto: the checkpoint's on GPU, on CPU bfloat16 where the CPU has it "
-                        "natively (avx512_bf16 / AMX), else float32; $TANDEM_AUTO_DTYPE, when set, is what auto "
-                        "means instead; with --quantization int8, float32")
-    p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8: int8 weights with dynamically quantized activations (CPU; computes in float32, so "
-                        "--dtype auto or float32) (default: none, the checkpoint's weights in --dtype)")
-    p.add_argument("--cpu-gemm", default="auto", choices=["auto", "packed", "dense"],
-                   help="CPU linear layers: oneDNN pre-packed weights (auto: where they run) or plain F.linear")
-    p.add_argument("--cpu-malloc", default="auto", choices=["auto", "system"],
-                   help="CPU host allocator: auto keeps glibc's freed memory for reuse (no per-step page faults "
-                        "on large tensors) unless LD_PRELOAD or MALLOC_* chose otherwise; system leaves it alone")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda where there is one)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow Python code shipped inside the checkpoint (transformers' auto_map) to run")
-    p.add_argument("--generation-config", default="auto",
-                   help="request defaults: 'auto' (the checkpoint's generation_config.json, as HF generate "
-                        "reads it), 'none' (SamplingParams' own), or a directory holding one")
-
-
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None,
                    help="new tokens per prompt (default: the generation config's length; values beyond the "
@@ -80,9 +56,10 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    help="sample from the k likeliest tokens; -1 is off (default: the generation config's, else -1)")
     p.add_argument("--num-beams", type=int, default=None,
                    help="beam search with this many beams (default: the generation config's, else 1, no beams)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="per-request sampling seed (default: none; samples come from the engine's generator, "
-                        "seeded 0 at start)")
+    p.add_argument("--request-seed", type=int, default=None,
+                   help="each prompt's own sampling seed (SamplingParams.seed): the same samples whatever else "
+                        "runs (default: none: prompts draw from the engine's stream, which --seed seeds; "
+                        "generate's --seed used to be this flag)")
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -93,7 +70,7 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
 
     gen = sub.add_parser("generate", help="generate for each prompt and print the outputs", formatter_class=fmt)
     gen.add_argument("--model", required=True, help="local HF checkpoint directory")
-    _engine_args(gen)
+    add_cli_args(gen)
     _sampling_args(gen)
     gen.add_argument("--json", action="store_true", help="one JSON object per line")
     gen.add_argument("prompts", nargs="+", help="encoder prompts; '-' reads one per line from stdin")
@@ -101,7 +78,7 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     tr = sub.add_parser("transcribe", help="transcribe audio files with a Whisper checkpoint", formatter_class=fmt)
     tr.add_argument("model", help="local Whisper checkpoint directory")
     tr.add_argument("files", nargs="+", help="audio files (WAV, FLAC, OGG, MP3; other containers with PyAV)")
-    _engine_args(tr)
+    add_cli_args(tr)
     tr.add_argument("--language", default=None, help="language code or name (default: detected per file)")
     tr.add_argument("--task", default="transcribe", choices=["transcribe", "translate"],
                     help="transcribe: text in the spoken language; translate: English text")
@@ -135,31 +112,14 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="seconds running requests may take to finish after SIGTERM; then, or at once on a "
                          "second SIGTERM/SIGINT, they are answered with a JSON 503")
-    _engine_args(sv)
-    engine = {f.name: f.default for f in fields(EngineConfig)}
-    sv.add_argument("--max-num-seqs", type=int, default=engine["max_num_seqs"],
-                    help="sequences the scheduler runs at once")
-    sv.add_argument("--max-num-batched-tokens", type=int, default=engine["max_num_batched_tokens"],
-                    help="tokens one engine step may compute")
-    sv.add_argument("--block-size", type=int, default=engine["block_size"], help="tokens per KV-cache block")
-    sv.add_argument("--num-kv-blocks", type=int, default=engine["num_kv_blocks"],
-                    help="KV-cache blocks in the device pool; overrides --kv-cache-memory (default: sized from "
-                         "--kv-cache-memory)")
-    sv.add_argument("--kv-cache-memory", type=float, default=engine["kv_cache_memory"],
-                    help="GiB for the device KV pool (default: sized from memory: what --max-num-seqs full-length "
-                         f"requests need, at most {DEFAULT_KV_CACHE_GIB:g} GiB)")
-    sv.add_argument("--seed", type=int, default=engine["seed"],
-                    help="the engine's sampling seed, for requests that give none")
-    sv.add_argument("--max-consecutive-step-failures", type=int, default=engine["max_consecutive_step_failures"],
-                    help="failed steps in a row after which the engine declares itself dead (/health 503); "
-                         "each failed step fails only its own requests")
+    add_cli_args(sv)
 
     plugins = sub.add_parser("plugins", help="list loaded plugins and what each registered", formatter_class=fmt)
     plugins.add_argument("--json", action="store_true", help="print a JSON list")
 
     demo = sub.add_parser("demo", help="run a shipped demo model: word reversal (text) or, with --whisper, tone speech",
                           formatter_class=fmt)
-    _engine_args(demo)
+    add_cli_args(demo)
     demo.add_argument("--whisper", action="store_true",
                       help="the demo Whisper: transcribe its sample WAV files (needs the audio extra)")
     demo.add_argument("--path", action="store_true",
@@ -191,17 +151,7 @@ def _non_negative_seconds(text: str) -> float:
 def _llm(args, model: str):
     from tandem import LLM
 
-    return LLM(
-        model=model,
-        dtype=args.dtype,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        trust_remote_code=args.trust_remote_code,
-        generation_config=getattr(args, "generation_config", "auto"),
-        cpu_gemm=args.cpu_gemm,
-        cpu_malloc=args.cpu_malloc,
-        quantization=args.quantization,
-    )
+    return LLM(model=model, **from_cli_args(args))
 
 
 def _read_prompts(items: list[str]) -> list[str]:
@@ -231,7 +181,7 @@ def _params_per_prompt(args, llm, prompts: list[str]) -> list:
             capped.append(room)
             want = room
         # Only what was given: the rest comes from the checkpoint's generation config.
-        given = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        given = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.request_seed,
                      num_beams=args.num_beams, max_tokens=want)
         params.append(SamplingParams(**{k: v for k, v in given.items() if v is not None}))
     if capped:

@@ -9,6 +9,7 @@ from collections.abc import Sequence as Seq
 from tqdm.auto import tqdm
 
 from tandem.core.config import EngineConfig
+from tandem.core.engine_args import check_kwargs, describe_options, signature as engine_signature
 from tandem.core.engine import LLMEngine
 from tandem.core.faults import EngineDeadError, describe
 from tandem.core.inputs import PromptType, preview
@@ -24,54 +25,21 @@ class LLM:
     >>> llm.generate(["The rain in spain"], SamplingParams(temperature=0.0, max_tokens=32))
     """
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = EngineConfig.dtype,
-        device: str = EngineConfig.device,
-        block_size: int = EngineConfig.block_size,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: float | None = None,
-        swap_space: float = EngineConfig.swap_space,
-        max_num_seqs: int = EngineConfig.max_num_seqs,
-        max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
-        preemption_mode: str | None = None,
-        attention_backend: str | None = None,
-        seed: int = EngineConfig.seed,
-        trust_remote_code: bool = False,
-        generation_config: str = EngineConfig.generation_config,
-        cpu_gemm: str = EngineConfig.cpu_gemm,
-        cpu_malloc: str = EngineConfig.cpu_malloc,
-        quantization: str | None = None,
-        max_consecutive_step_failures: int = EngineConfig.max_consecutive_step_failures,
-    ) -> None:
-        config = EngineConfig(
-            model=model,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory,
-            swap_space=swap_space,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            preemption_mode=preemption_mode,
-            attention_backend=attention_backend,
-            seed=seed,
-            trust_remote_code=trust_remote_code,
-            generation_config=generation_config,
-            cpu_gemm=cpu_gemm,
-            cpu_malloc=cpu_malloc,
-            quantization=quantization,
-            max_consecutive_step_failures=max_consecutive_step_failures,
-        )
+    def __init__(self, model: str, **engine_args) -> None:
+        check_kwargs("LLM", engine_args)
+        config = EngineConfig(model=model, **engine_args)
         self.llm_engine = LLMEngine(config, default_model_registry(), default_backend_registry())
         self._ids = itertools.count()
         # The engine is single-threaded: concurrent generate() calls take turns.
         self._lock = threading.Lock()
+
+    # The keywords are EngineConfig's fields: help(LLM) and inspect.signature show them.
+    __init__.__signature__ = engine_signature()
+    __init__.__doc__ = (
+        "Build the engine for the checkpoint directory ``model``. Engine options (each also a flag of the "
+        "``tandem`` commands that build an engine: ``--max-num-seqs`` for ``max_num_seqs``):\n\n"
+        + describe_options()
+    )
 
     @property
     def engine(self) -> LLMEngine:

@@ -402,14 +402,9 @@ def serve(args) -> int:
     """Run the server until SIGTERM / Ctrl-C; in-flight requests drain (bounded)."""
     import uvicorn
 
-    engine_args = dict(dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-                       trust_remote_code=args.trust_remote_code, generation_config=args.generation_config,
-                       cpu_gemm=args.cpu_gemm, cpu_malloc=args.cpu_malloc, quantization=args.quantization)
-    for key in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "num_kv_blocks", "seed",
-                "max_consecutive_step_failures"):
-        if getattr(args, key, None) is not None:
-            engine_args[key] = getattr(args, key)
-    engine = AsyncLLM(model=args.model, **engine_args)
+    from tandem.core.engine_args import from_cli_args
+
+    engine = AsyncLLM(model=args.model, **from_cli_args(args))
     max_audio_seconds = getattr(args, "max_audio_seconds", DEFAULT_MAX_AUDIO_SECONDS)
     app = build_app(
         engine, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
