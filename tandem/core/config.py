@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 from pathlib import Path
 
 import torch
@@ -18,6 +19,8 @@ _DTYPES = {
 
 
 DEFAULT_KV_CACHE_GIB = 1.0
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 16384
 
 
 def is_int(x) -> bool:
@@ -64,8 +67,8 @@ class EngineConfig:
         f"requests need, at most {DEFAULT_KV_CACHE_GIB:g} GiB)"
     )
     swap_space: float = option(1.0, "GiB of CPU memory for swapped-out KV blocks, committed only as blocks are swapped")
-    max_num_seqs: int = option(256, "sequences the scheduler runs at once")
-    max_num_batched_tokens: int = option(16384, "tokens one engine step may compute")
+    max_num_seqs: int = option(DEFAULT_MAX_NUM_SEQS, "sequences the scheduler runs at once")
+    max_num_batched_tokens: int = option(DEFAULT_MAX_NUM_BATCHED_TOKENS, "tokens one engine step may compute")
     preemption_mode: str | None = option(
         None, "what a request preempted for memory does: recompute (drop its KV, compute it again when resumed) or "
         "swap (move its KV to the CPU pool of `swap_space`) (default: none: recompute single-sequence requests, "
@@ -172,7 +175,34 @@ class EngineConfig:
                 "holding a generation_config.json"
             )
         self.generation_config = str(gc)
-        from tandem.core.scheduler import SchedulerConfig  # it imports this module
-
-        # The scheduler's limits have their checks (and messages) there; run them now, at construction.
+        # The scheduler's limits are checked by SchedulerConfig (below), at construction too.
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.preemption_mode)
+
+
+PreemptionMode = Literal["recompute", "swap"]
+
+
+@dataclass
+class SchedulerConfig:
+    # The scheduler's share of EngineConfig (whose fields hold the defaults and help).
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    # None: recompute single-sequence groups, swap groups with n > 1.
+    preemption_mode: PreemptionMode | None = None
+
+    def __post_init__(self) -> None:
+        if not is_int(self.max_num_seqs) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs!r}: must be an integer >= 1")
+        if not is_int(self.max_num_batched_tokens) or self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens!r}: must be an integer >= 1"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                f"max_num_seqs={self.max_num_seqs} so every running sequence can decode"
+            )
+        if self.preemption_mode not in (None, "recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode={self.preemption_mode!r}: must be None, 'recompute' or 'swap'"
+            )

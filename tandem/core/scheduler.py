@@ -20,10 +20,9 @@ import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal
 
 from tandem.core.block_manager import AllocStatus, BlockManager
-from tandem.core.config import EngineConfig, is_int
+from tandem.core.config import PreemptionMode, SchedulerConfig  # noqa: F401 - SchedulerConfig is imported from here too
 from tandem.core.core_outputs import CompletionDelta, RequestResult
 from tandem.core.scheduler_output import (
     ModelRunnerOutput,
@@ -34,35 +33,6 @@ from tandem.core.scheduler_output import (
 )
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tandem.core.strategies.sampling import SamplingStrategy
-
-PreemptionMode = Literal["recompute", "swap"]
-
-
-@dataclass
-class SchedulerConfig:
-    # Defaults live in EngineConfig, the one home for engine settings.
-    max_num_seqs: int = EngineConfig.max_num_seqs
-    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
-    # None: recompute single-sequence groups, swap groups with n > 1.
-    preemption_mode: PreemptionMode | None = None
-
-    def __post_init__(self) -> None:
-        if not is_int(self.max_num_seqs) or self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={self.max_num_seqs!r}: must be an integer >= 1")
-        if not is_int(self.max_num_batched_tokens) or self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens!r}: must be an integer >= 1"
-            )
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
-                f"max_num_seqs={self.max_num_seqs} so every running sequence can decode"
-            )
-        if self.preemption_mode not in (None, "recompute", "swap"):
-            raise ValueError(
-                f"preemption_mode={self.preemption_mode!r}: must be None, 'recompute' or 'swap'"
-            )
-
 
 class Scheduler:
     def __init__(
