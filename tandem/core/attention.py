@@ -13,11 +13,14 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from tandem.core.kv.cache_ops import write_to_paged_cache
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11+
 
 
 class AttentionType(str, enum.Enum):
