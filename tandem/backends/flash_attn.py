@@ -44,6 +44,7 @@ from tandem.core.attention import (
     AttentionMetadataBuilder,
     AttentionType,
     BackendCapabilities,
+    SizeRule,
 )
 from tandem.core.kv.cache_ops import packed_slots
 
@@ -157,20 +158,16 @@ class FlashAttnMetadata(AttentionMetadata):
     kernel: Kernel
     paged: bool  # read the cache through block tables; else gather into packed runs
     cu_q: torch.Tensor  # [S + 1] int32
-    max_q: int
     # Decoder self-attention keys (cached + new) and cross-attention keys, per sequence.
     self_lens: torch.Tensor  # [S] int32
     cu_self: torch.Tensor  # [S + 1] int32
-    max_self: int
     cross_lens: torch.Tensor
     cu_cross: torch.Tensor
-    max_cross: int
-    block_tables: torch.Tensor | None  # [S, max_blocks] int32 when paged
-    cross_block_tables: torch.Tensor | None
+    page_tables: torch.Tensor | None  # [S, max_blocks] int32 block tables when paged
+    cross_page_tables: torch.Tensor | None
     self_slots: torch.Tensor | None  # [sum(self_lens)] cache slots to gather when not paged
     cross_slots: torch.Tensor | None
     cu_encoder: torch.Tensor  # [G + 1] int32
-    max_encoder: int
 
 
 def _cumulative(lens: list[int], device) -> torch.Tensor:
@@ -203,27 +200,20 @@ class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
             tables = cross_tables = None
             self_slots = packed_slots(inputs.block_tables, seq_lens.long(), self.block_size)
             cross_slots = packed_slots(inputs.cross_block_tables, cross_lens.long(), self.block_size)
-        return FlashAttnMetadata(
-            num_decoder_tokens=int(inputs.input_ids.shape[0]),
-            slot_mapping=inputs.slot_mapping,
-            cross_slot_mapping=inputs.cross_slot_mapping,
-            num_encoder_tokens=int(inputs.encoder_positions.shape[0]),
+        return FlashAttnMetadata.from_inputs(
+            inputs,
             kernel=self.kernel,
             paged=self.paged,
             cu_q=_cumulative(inputs.query_lens, dev),
-            max_q=max(inputs.query_lens, default=0),
             self_lens=seq_lens.to(dev),
             cu_self=_cumulative(inputs.seq_lens, dev),
-            max_self=max(inputs.seq_lens, default=0),
             cross_lens=cross_lens.to(dev),
             cu_cross=_cumulative(inputs.cross_seq_lens, dev),
-            max_cross=max(inputs.cross_seq_lens, default=0),
-            block_tables=tables,
-            cross_block_tables=cross_tables,
+            page_tables=tables,
+            cross_page_tables=cross_tables,
             self_slots=self_slots,
             cross_slots=cross_slots,
             cu_encoder=_cumulative(inputs.encoder_seq_lens, dev),
-            max_encoder=max(inputs.encoder_seq_lens, default=0),
         )
 
 
@@ -243,20 +233,21 @@ class FlashAttnImpl(AttentionImpl):
             return torch.empty_like(query)
         call = globals()[md.kernel.call]
         if attn_type is AttentionType.ENCODER:
-            return call(query, key, value, cu_q=md.cu_encoder, max_q=md.max_encoder, cu_k=md.cu_encoder,
-                        max_k=md.max_encoder, seqused_k=None, block_table=None, scale=self.scale, causal=False)
+            return call(query, key, value, cu_q=md.cu_encoder, max_q=md.max_encoder_seq_len, cu_k=md.cu_encoder,
+                        max_k=md.max_encoder_seq_len, seqused_k=None, block_table=None, scale=self.scale,
+                        causal=False)
         cross = attn_type is AttentionType.ENCODER_DECODER
-        lens, cu_k, max_k = (md.cross_lens, md.cu_cross, md.max_cross) if cross else \
-            (md.self_lens, md.cu_self, md.max_self)
+        lens, cu_k, max_k = (md.cross_lens, md.cu_cross, md.max_cross_seq_len) if cross else \
+            (md.self_lens, md.cu_self, md.max_seq_len)
         if md.paged:
             k, v = kv_cache[0], kv_cache[1]
-            table = md.cross_block_tables if cross else md.block_tables
+            table = md.cross_page_tables if cross else md.page_tables
         else:
             slots = md.cross_slots if cross else md.self_slots
             flat = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, H_kv, D]
             k, v = flat[0].index_select(0, slots), flat[1].index_select(0, slots)
             table = None
-        return call(query, k, v, cu_q=md.cu_q, max_q=md.max_q, cu_k=cu_k, max_k=max_k, seqused_k=lens,
+        return call(query, k, v, cu_q=md.cu_q, max_q=md.max_query_len, cu_k=cu_k, max_k=max_k, seqused_k=lens,
                     block_table=table, scale=self.scale, causal=not cross)
 
 
@@ -266,9 +257,9 @@ class FlashAttnBackend(AttentionBackend):
     capabilities = BackendCapabilities(
         devices=("cuda",),
         dtypes=(torch.float16, torch.bfloat16),
-        block_sizes="any >= 1; read in place with FA4 (any) and FA2 / torch (multiples of 256), "
-        "gathered per step otherwise",
-        head_sizes=f"multiples of {HEAD_ALIGN} up to {MAX_HEAD_SIZE}",
+        block_sizes=SizeRule(note=f"read in place with FA4 (any) and FA2 / torch (multiples of "
+                             f"{FA2_PAGE_MULTIPLE}), gathered per step otherwise"),
+        head_sizes=SizeRule(multiple_of=HEAD_ALIGN, max=MAX_HEAD_SIZE),
         requires=("flash-attn-4 (sm90/sm100)", "or flash-attn (sm80+)", "or torch's varlen_attn (sm80+)"),
         notes="kernel chosen in that order; float32 is not served (FlashAttention is 16-bit only)",
     )
@@ -282,24 +273,16 @@ class FlashAttnBackend(AttentionBackend):
         return FlashAttnMetadataBuilder
 
     @classmethod
-    def unsupported_reasons(cls, device, dtype, head_size, attn_types, block_size, kv_cache_dtype) -> list[str]:
-        reasons = []
+    def extra_unsupported_reasons(cls, device, dtype, head_size, attn_types, block_size,
+                                  kv_cache_dtype) -> list[str]:
         if device.type != "cuda":
-            reasons.append(f"device {device.type!r}: FlashAttention kernels run on cuda only")
-        else:
-            cap = _capability(device)
-            if cap is not None and cap < (8, 0):
-                reasons.append(f"GPU compute capability {cap[0]}.{cap[1]} is below 8.0 (Ampere), "
-                               "the oldest FlashAttention supports")
-            if pick_kernel(device) is None and (cap is None or cap >= (8, 0)):
-                reasons.append("no FlashAttention kernel is installed: "
-                               + "; ".join(f"{k.name}: {k.install}" for k in KERNELS))
-        if dtype not in (torch.float16, torch.bfloat16):
-            reasons.append(f"dtype {dtype}: FlashAttention computes in float16 or bfloat16 only")
-        if kv_cache_dtype != dtype:
-            reasons.append(f"KV-cache dtype {kv_cache_dtype} differs from the model dtype {dtype}")
-        if head_size % HEAD_ALIGN or not 0 < head_size <= MAX_HEAD_SIZE:
-            reasons.append(f"head size {head_size} is not a multiple of {HEAD_ALIGN} in {HEAD_ALIGN}..{MAX_HEAD_SIZE}")
-        if block_size < 1:
-            reasons.append(f"block_size {block_size} is not >= 1")
+            return []  # the device's own reason says it
+        reasons = []
+        cap = _capability(device)
+        if cap is not None and cap < (8, 0):
+            reasons.append(f"GPU compute capability {cap[0]}.{cap[1]} is below 8.0 (Ampere), "
+                           "the oldest FlashAttention supports")
+        if pick_kernel(device) is None and (cap is None or cap >= (8, 0)):
+            reasons.append("no FlashAttention kernel is installed: "
+                           + "; ".join(f"{k.name}: {k.install}" for k in KERNELS))
         return reasons

@@ -31,9 +31,6 @@ class SDPAMetadata(AttentionMetadata):
 
     # Decoder sequences with more than one new token: (row start, q_len, seq_len, index).
     prefills: list[tuple[int, int, int, int]]
-    block_tables: torch.Tensor  # [S, max_blocks]
-    cross_block_tables: torch.Tensor  # [S, max_cross_blocks]
-    cross_seq_lens: list[int]  # [S]
     # Cross K/V of a sequence whose cross table is one contiguous run of blocks
     # is read through a view of the cache instead of a gather: the first slot
     # (or -1) of every sequence (filled only on steps with prefills).
@@ -89,9 +86,9 @@ class SDPAMetadataBuilderBase(AttentionMetadataBuilder):
         self.workspace = GatherWorkspace()
 
     def common_fields(self, inputs, view_starts: bool) -> tuple[dict, list[int], list[int]]:
-        """The :class:`SDPAMetadata` fields, the decoding sequences' indices and every
-        sequence's first packed row; ``view_starts``: find contiguous cross tables for
-        every sequence (else only when a prefill needs them)."""
+        """The :class:`SDPAMetadata` fields beyond the base ones, the decoding sequences'
+        indices and every sequence's first packed row; ``view_starts``: find contiguous
+        cross tables for every sequence (else only when a prefill needs them)."""
         starts = inputs.query_start_loc.tolist()
         prefills, decodes = [], []
         for i, (q, s) in enumerate(zip(inputs.query_lens, inputs.seq_lens)):
@@ -109,14 +106,7 @@ class SDPAMetadataBuilderBase(AttentionMetadataBuilder):
             view_start = contiguous_starts(inputs.cross_block_tables.cpu(), cross_lens, self.block_size).tolist()
         decode_seqs = torch.tensor(decodes, dtype=torch.long, device=self.device)
         fields = dict(
-            num_decoder_tokens=int(inputs.input_ids.shape[0]),
-            slot_mapping=inputs.slot_mapping,
-            cross_slot_mapping=inputs.cross_slot_mapping,
-            num_encoder_tokens=int(inputs.encoder_positions.shape[0]),
             prefills=prefills,
-            block_tables=inputs.block_tables,
-            cross_block_tables=inputs.cross_block_tables,
-            cross_seq_lens=inputs.cross_seq_lens,
             cross_view_start=view_start,
             encoder_runs=enc_runs,
             decode_rows=inputs.query_start_loc.index_select(0, decode_seqs),
@@ -149,7 +139,8 @@ class TorchSDPAMetadataBuilder(SDPAMetadataBuilderBase):
         cross_blocks = -(-max((inputs.cross_seq_lens[decodes[j]] for j in gather), default=0) // bs)
         decode_lens = seq_lens.index_select(0, decode_seqs)
         gather_cross_lens = cross_lens.index_select(0, decode_seqs).index_select(0, gather_t)
-        return TorchSDPAMetadata(
+        return TorchSDPAMetadata.from_inputs(
+            inputs,
             **common,
             decode_mask=_length_mask(decode_lens, decode_blocks * bs),
             decode_blocks=decode_blocks,
@@ -288,25 +279,3 @@ class TorchSDPABackend(AttentionBackend):
     @staticmethod
     def get_metadata_builder_cls() -> type[AttentionMetadataBuilder]:
         return TorchSDPAMetadataBuilder
-
-    @classmethod
-    def unsupported_reasons(cls, device, dtype, head_size, attn_types, block_size, kv_cache_dtype) -> list[str]:
-        reasons = []
-        if device.type not in ("cpu", "cuda"):
-            reasons.append(f"device {device.type!r} is not cpu or cuda")
-        return reasons + sdpa_dtype_reasons(dtype, kv_cache_dtype, block_size)
-
-
-def sdpa_dtype_reasons(dtype: torch.dtype, kv_cache_dtype: torch.dtype, block_size: int) -> list[str]:
-    """Why the SDPA paths cannot serve these dtypes and block size (empty: they can)."""
-    reasons = []
-    floats = (torch.float32, torch.float16, torch.bfloat16)
-    if dtype not in floats:
-        reasons.append(f"dtype {dtype} is not float32, float16 or bfloat16")
-    if kv_cache_dtype not in floats:
-        reasons.append(f"KV-cache dtype {kv_cache_dtype} is not float32, float16 or bfloat16")
-    elif kv_cache_dtype != dtype:
-        reasons.append(f"KV-cache dtype {kv_cache_dtype} differs from the model dtype {dtype}")
-    if block_size < 1:
-        reasons.append(f"block_size {block_size} is not >= 1")
-    return reasons

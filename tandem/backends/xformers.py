@@ -35,6 +35,7 @@ from tandem.core.attention import (
     AttentionMetadataBuilder,
     AttentionType,
     BackendCapabilities,
+    SizeRule,
 )
 from tandem.core.kv.cache_ops import packed_slots
 
@@ -77,11 +78,8 @@ class XFormersMetadataBuilder(AttentionMetadataBuilder):
         seq_lens = torch.tensor(inputs.seq_lens, dtype=torch.long)
         cross_lens = torch.tensor(inputs.cross_seq_lens, dtype=torch.long)
         have_decoder = bool(inputs.query_lens)
-        return XFormersMetadata(
-            num_decoder_tokens=int(inputs.input_ids.shape[0]),
-            slot_mapping=inputs.slot_mapping,
-            cross_slot_mapping=inputs.cross_slot_mapping,
-            num_encoder_tokens=int(inputs.encoder_positions.shape[0]),
+        return XFormersMetadata.from_inputs(
+            inputs,
             self_slots=packed_slots(inputs.block_tables, seq_lens, self.block_size),
             cross_slots=packed_slots(inputs.cross_block_tables, cross_lens, self.block_size),
             self_bias=ab.BlockDiagonalCausalFromBottomRightMask.from_seqlens(
@@ -137,8 +135,8 @@ class XFormersBackend(AttentionBackend):
     capabilities = BackendCapabilities(
         devices=("cuda",),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
-        block_sizes="any >= 1 (K/V are gathered into packed runs per step)",
-        head_sizes=f"multiples of {HEAD_ALIGN} up to {MAX_HEAD_SIZE}",
+        block_sizes=SizeRule(note="K/V are gathered into packed runs per step"),
+        head_sizes=SizeRule(multiple_of=HEAD_ALIGN, max=MAX_HEAD_SIZE),
         requires=("xformers",),
         notes="float32 runs on xFormers' CUTLASS kernel; float16/bfloat16 on flash where it applies",
     )
@@ -152,19 +150,8 @@ class XFormersBackend(AttentionBackend):
         return XFormersMetadataBuilder
 
     @classmethod
-    def unsupported_reasons(cls, device, dtype, head_size, attn_types, block_size, kv_cache_dtype) -> list[str]:
-        reasons = []
+    def extra_unsupported_reasons(cls, device, dtype, head_size, attn_types, block_size,
+                                  kv_cache_dtype) -> list[str]:
         if importlib.util.find_spec("xformers") is None:
-            reasons.append("the xformers package is not installed (pip install 'tandem-engine[xformers]')")
-        if device.type != "cuda":
-            reasons.append(f"device {device.type!r}: xformers has no CPU kernels (cuda only)")
-        floats = (torch.float32, torch.float16, torch.bfloat16)
-        if dtype not in floats:
-            reasons.append(f"dtype {dtype} is not float32, float16 or bfloat16")
-        if kv_cache_dtype != dtype:
-            reasons.append(f"KV-cache dtype {kv_cache_dtype} differs from the model dtype {dtype}")
-        if head_size % HEAD_ALIGN or not 0 < head_size <= MAX_HEAD_SIZE:
-            reasons.append(f"head size {head_size} is not a multiple of {HEAD_ALIGN} in {HEAD_ALIGN}..{MAX_HEAD_SIZE}")
-        if block_size < 1:
-            reasons.append(f"block_size {block_size} is not >= 1")
-        return reasons
+            return ["the xformers package is not installed (pip install 'tandem-engine[xformers]')"]
+        return []

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from tandem.core.kv.cache_ops import write_to_paged_cache
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11+
 
 
 class AttentionType(str, enum.Enum):
@@ -27,21 +31,57 @@ class AttentionType(str, enum.Enum):
     ENCODER_DECODER = "encoder_decoder"  # decoder queries over the cross KV table
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AttentionMetadata:
-    """Fields every backend's metadata carries.
+    """Fields every backend's metadata carries: the model runner builds them once per
+    step (:class:`StepInputs`); a backend's metadata extends this class with its own
+    fields only, and its builder makes it with :meth:`from_inputs`.
 
-    Decoder tokens are packed without padding: ``num_decoder_tokens`` rows, one
-    run per decoder sequence. Encoder tokens (only for groups whose encoder runs
-    this step) are packed the same way.
+    Decoder tokens are packed without padding: ``T = num_decoder_tokens`` rows,
+    one run per decoder sequence (``S`` of them). Encoder tokens (only for the
+    ``G`` groups whose encoder runs this step) are packed the same way, ``E`` rows.
     """
 
-    num_decoder_tokens: int
-    # [num_decoder_tokens] flat slot of each new decoder token in the self table
+    num_decoder_tokens: int  # T
+    # [T] flat slot of each new decoder token in the self table
     slot_mapping: torch.Tensor
-    # [num_encoder_tokens] flat slot of each encoder token in the cross table
+    # [E] flat slot of each encoder token in the cross table
     cross_slot_mapping: torch.Tensor
-    num_encoder_tokens: int
+    num_encoder_tokens: int  # E
+    query_start_loc: torch.Tensor  # [S + 1] int64, first packed row of each sequence
+    query_lens: list[int]  # [S] new tokens per sequence
+    seq_lens: list[int]  # [S] cached + new tokens per sequence
+    block_tables: torch.Tensor  # [S, max_blocks] self tables, padded with block 0
+    encoder_seq_lens: list[int]  # [G] encoder positions of each group whose encoder runs
+    cross_seq_lens: list[int]  # [S] encoder positions each sequence reads
+    cross_block_tables: torch.Tensor  # [S, max_cross_blocks]
+    max_query_len: int
+    max_seq_len: int
+    max_encoder_seq_len: int
+    max_cross_seq_len: int
+
+    @classmethod
+    def from_inputs(cls, inputs: StepInputs, **fields: Any) -> Self:
+        """This metadata class with the common fields taken from ``inputs`` (references,
+        no copies) and the subclass's own ``fields``."""
+        return cls(
+            num_decoder_tokens=inputs.input_ids.shape[0],
+            slot_mapping=inputs.slot_mapping,
+            cross_slot_mapping=inputs.cross_slot_mapping,
+            num_encoder_tokens=inputs.encoder_positions.shape[0],
+            query_start_loc=inputs.query_start_loc,
+            query_lens=inputs.query_lens,
+            seq_lens=inputs.seq_lens,
+            block_tables=inputs.block_tables,
+            encoder_seq_lens=inputs.encoder_seq_lens,
+            cross_seq_lens=inputs.cross_seq_lens,
+            cross_block_tables=inputs.cross_block_tables,
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
+            max_encoder_seq_len=inputs.max_encoder_seq_len,
+            max_cross_seq_len=inputs.max_cross_seq_len,
+            **fields,
+        )
 
 
 @dataclass(frozen=True)
@@ -77,6 +117,21 @@ class StepInputs:
     cross_seq_lens: list[int]  # [S] encoder length seen by each decoder sequence
     cross_block_tables: torch.Tensor  # [S, max_cross_blocks]
     logits_indices: torch.Tensor  # [S] last token of each sequence in the packed batch
+    # The longest of each: the runner passes them (it has them); None computes them.
+    max_query_len: int | None = None
+    max_seq_len: int | None = None
+    max_encoder_seq_len: int | None = None
+    max_cross_seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_query_len is None:
+            self.max_query_len = max(self.query_lens, default=0)
+        if self.max_seq_len is None:
+            self.max_seq_len = max(self.seq_lens, default=0)
+        if self.max_encoder_seq_len is None:
+            self.max_encoder_seq_len = max(self.encoder_seq_lens, default=0)
+        if self.max_cross_seq_len is None:
+            self.max_cross_seq_len = max(self.cross_seq_lens, default=0)
 
 
 class AttentionMetadataBuilder(ABC):
@@ -146,29 +201,160 @@ class AttentionImpl(ABC):
     ) -> torch.Tensor: ...
 
 
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _one_of(items: Iterable[str]) -> str:
+    """``a``, ``a or b``, ``a, b or c``."""
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def _plural(noun: str, names: list[str]) -> str:
+    """``kind x is`` / ``kinds x, y are``."""
+    return f"{noun} {names[0]} is" if len(names) == 1 else f"{noun}s {', '.join(names)} are"
+
+
+@dataclass(frozen=True)
+class SizeRule:
+    """Which sizes (head sizes, KV block sizes) a backend takes: exactly ``values``
+    when given, else ``min``..``max`` (``max`` None: unbounded) in multiples of
+    ``multiple_of``. ``note`` is free text shown after the rule (``tandem plugins``)."""
+
+    min: int = 1
+    max: int | None = None
+    multiple_of: int = 1
+    values: frozenset[int] = frozenset()
+    note: str = ""
+
+    def __contains__(self, n: int) -> bool:
+        if self.values:
+            return n in self.values
+        return self.min <= n and (self.max is None or n <= self.max) and n % self.multiple_of == 0
+
+    def _lowest(self) -> int:
+        m = self.multiple_of
+        return -(-self.min // m) * m if m > 1 else self.min
+
+    def rule(self) -> str:
+        """The rule as the end of "head size 12 is not ...": ``a multiple of 8 in 8..256``."""
+        if self.values:
+            return "one of " + ", ".join(map(str, sorted(self.values)))
+        lo, hi, m = self._lowest(), self.max, self.multiple_of
+        if m > 1:
+            if hi is not None:
+                return f"a multiple of {m} in {lo}..{hi}"
+            return f"a multiple of {m}" + (f" >= {lo}" if lo != m else "")
+        return f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+
+    def describe(self) -> str:
+        """The rule in words, for listings: ``multiples of 8 up to 256``."""
+        lo, hi, m = self._lowest(), self.max, self.multiple_of
+        if self.values:
+            text = ", ".join(map(str, sorted(self.values)))
+        elif m > 1:
+            text = f"multiples of {m}" if lo == m else f"multiples of {m} from {lo}"
+            text += f" up to {hi}" if hi is not None else ""
+        elif hi is not None:
+            text = f"any up to {hi}" if lo <= 1 else f"{lo}..{hi}"
+        else:
+            text = f"any >= {lo}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+def _size_rule(value: SizeRule | Iterable[int] | str) -> SizeRule | str:
+    if isinstance(value, (SizeRule, str)):
+        return value
+    return SizeRule(values=frozenset(value))
+
+
 @dataclass(frozen=True)
 class BackendCapabilities:
-    """What a backend serves, as ``tandem plugins`` and docs/backends.md show it.
+    """What a backend serves. A backend declares it as its ``capabilities`` class
+    attribute; :meth:`AttentionBackend.unsupported_reasons` checks a configuration
+    against it (:meth:`unsupported_reasons`) and ``tandem plugins`` lists it
+    (:meth:`describe`).
 
-    Descriptive only: :meth:`AttentionBackend.unsupported_reasons` decides.
+    ``block_sizes`` / ``head_sizes`` take a :class:`SizeRule` or a collection of
+    sizes; a string there is a description only, not checked (how capabilities
+    were declared before the check read them).
     """
 
     devices: tuple[str, ...]  # torch device types, e.g. ("cuda",)
-    dtypes: tuple[torch.dtype, ...]  # model (and KV-cache) dtypes
+    dtypes: tuple[torch.dtype, ...]  # model dtypes
     attn_types: frozenset[AttentionType] = frozenset(AttentionType)
-    block_sizes: str = "any >= 1"  # KV-cache block sizes, in words
-    head_sizes: str = "any"
+    block_sizes: SizeRule | Iterable[int] | str = SizeRule()  # KV-cache block sizes
+    head_sizes: SizeRule | Iterable[int] | str = SizeRule()
     requires: tuple[str, ...] = ()  # pip packages the kernels need
     notes: str = ""
+    # KV-cache dtypes; None: the model's dtype only.
+    kv_cache_dtypes: tuple[torch.dtype, ...] | None = None
+    # Attention features beyond scaled dot-product attention over the three kinds,
+    # by name, e.g. "relative_position_bias" (T5); a model asks for those it needs.
+    attn_features: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_sizes", _size_rule(self.block_sizes))
+        object.__setattr__(self, "head_sizes", _size_rule(self.head_sizes))
+        object.__setattr__(self, "attn_features", frozenset(self.attn_features))
+
+    def unsupported_reasons(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        head_size: int,
+        attn_types: frozenset[AttentionType],
+        block_size: int,
+        kv_cache_dtype: torch.dtype,
+        attn_features: frozenset[str] = frozenset(),
+    ) -> list[str]:
+        """One reason per value outside these capabilities, naming the value and what
+        is supported; empty when all are inside."""
+        reasons = []
+        if device.type not in self.devices:
+            reasons.append(f"device {device.type!r} is not {_one_of(self.devices)}")
+        if dtype not in self.dtypes:
+            reasons.append(f"dtype {dtype} is not {_one_of(map(_dtype_name, self.dtypes))}")
+        if self.kv_cache_dtypes is not None:
+            if kv_cache_dtype not in self.kv_cache_dtypes:
+                reasons.append(f"KV-cache dtype {kv_cache_dtype} is not "
+                               f"{_one_of(map(_dtype_name, self.kv_cache_dtypes))}")
+        elif kv_cache_dtype != dtype:  # (equal to an unsupported dtype: the dtype's reason says it)
+            if kv_cache_dtype not in self.dtypes:
+                reasons.append(f"KV-cache dtype {kv_cache_dtype} is not {_one_of(map(_dtype_name, self.dtypes))}")
+            else:
+                reasons.append(f"KV-cache dtype {kv_cache_dtype} differs from the model dtype {dtype}")
+        if isinstance(self.head_sizes, SizeRule) and head_size not in self.head_sizes:
+            reasons.append(f"head size {head_size} is not {self.head_sizes.rule()}")
+        if isinstance(self.block_sizes, SizeRule) and block_size not in self.block_sizes:
+            reasons.append(f"block_size {block_size} is not {self.block_sizes.rule()}")
+        missing = [t.value for t in AttentionType if t in attn_types and t not in self.attn_types]
+        if missing:
+            served = [t.value for t in AttentionType if t in self.attn_types]
+            reasons.append(f"attention {_plural('kind', missing)} not served (it serves "
+                           f"{', '.join(served) or 'none'})")
+        features = sorted(set(attn_features) - self.attn_features)
+        if features:
+            reasons.append(f"attention {_plural('feature', features)} not served (it serves "
+                           f"{', '.join(sorted(self.attn_features)) or 'none'})")
+        return reasons
 
     def describe(self) -> dict[str, str]:
         """Each field as one line of text."""
+
+        def sizes(rule: SizeRule | str) -> str:
+            return rule.describe() if isinstance(rule, SizeRule) else rule
+
+        kv = "the model's dtype" if self.kv_cache_dtypes is None else ", ".join(map(_dtype_name, self.kv_cache_dtypes))
         return {
             "devices": ", ".join(self.devices),
-            "dtypes": ", ".join(str(d).removeprefix("torch.") for d in self.dtypes),
+            "dtypes": ", ".join(map(_dtype_name, self.dtypes)),
+            "kv dtypes": kv,
             "attention": ", ".join(t.value for t in AttentionType if t in self.attn_types),
-            "block sizes": self.block_sizes,
-            "head sizes": self.head_sizes,
+            **({"features": ", ".join(sorted(self.attn_features))} if self.attn_features else {}),
+            "block sizes": sizes(self.block_sizes),
+            "head sizes": sizes(self.head_sizes),
             "requires": ", ".join(self.requires) or "nothing beyond torch",
             **({"notes": self.notes} if self.notes else {}),
         }
@@ -182,7 +368,8 @@ class AttentionBackend(ABC):
     # model is chosen (ties by name). torch_sdpa, which runs everywhere, is 10;
     # faster specialised backends sit above it.
     priority: ClassVar[int] = 0
-    # What it serves, in words (``tandem plugins``); None: not described.
+    # What it serves: the default ``unsupported_reasons`` checks it, ``tandem plugins``
+    # lists it. None: the backend overrides ``unsupported_reasons`` itself.
     capabilities: ClassVar[BackendCapabilities | None] = None
 
     @classmethod
@@ -256,7 +443,6 @@ class AttentionBackend(ABC):
             cache.index_copy_(dim, dst_ids, cache.index_select(dim, src_ids))
 
     @classmethod
-    @abstractmethod
     def unsupported_reasons(
         cls,
         device: torch.device,
@@ -267,5 +453,26 @@ class AttentionBackend(ABC):
         kv_cache_dtype: torch.dtype,
     ) -> list[str]:
         """Why this backend cannot serve the configuration, each reason naming the
-        value; empty means it can."""
-        ...
+        value and what is supported; empty means it can. The default checks
+        ``capabilities``, then adds :meth:`extra_unsupported_reasons`."""
+        if cls.capabilities is None:
+            return [f"{cls.__qualname__} declares no capabilities (set its `capabilities` "
+                    "or override unsupported_reasons)"]
+        reasons = cls.capabilities.unsupported_reasons(device, dtype, head_size, attn_types, block_size,
+                                                       kv_cache_dtype)
+        return reasons + cls.extra_unsupported_reasons(device, dtype, head_size, attn_types, block_size,
+                                                       kv_cache_dtype)
+
+    @classmethod
+    def extra_unsupported_reasons(
+        cls,
+        device: torch.device,
+        dtype: torch.dtype,
+        head_size: int,
+        attn_types: frozenset[AttentionType],
+        block_size: int,
+        kv_cache_dtype: torch.dtype,
+    ) -> list[str]:
+        """Reasons ``capabilities`` cannot state (a library that is not installed, a
+        GPU too old, a rule joining two values); none by default."""
+        return []

@@ -10,10 +10,13 @@ What a backend provides (see tandem's docs/backends.md):
 2. the write: ``AttentionImpl.write_kv_cache`` puts new K/V at their slots
    (``slot = block * block_size + offset``) in that layout;
 3. a metadata builder: turns the step's ``StepInputs`` into what the kernel
-   needs, once per step (not per layer);
+   needs, once per step (not per layer); its metadata extends
+   ``AttentionMetadata`` (slot mappings, lengths, block tables: built by tandem's
+   runner) with the kernel's own fields only;
 4. the impl: writes first (``write_new_kv``), then computes each attention kind;
-5. the capability check: ``unsupported_reasons`` names every value it can't
-   serve; ``auto_priority`` says whether automatic selection may pick it.
+5. what it serves, declared as ``capabilities`` (tandem's default
+   ``unsupported_reasons`` names every value outside them); ``auto_priority``
+   says whether automatic selection may pick it.
 """
 
 from __future__ import annotations
@@ -37,12 +40,11 @@ from tandem_example_backend.kernel import paged_attention
 
 @dataclass
 class ExampleMetadata(AttentionMetadata):
+    # block_tables, cross_block_tables, seq_lens, ... come with AttentionMetadata.
     token_seq: torch.Tensor  # [T] sequence of each decoder token
     token_pos: torch.Tensor  # [T] position of each decoder token (cached + offset in this step)
-    seq_lens: torch.Tensor  # [S] self-attention keys per sequence
-    cross_seq_lens: torch.Tensor  # [S] cross-attention keys per sequence
-    block_tables: torch.Tensor  # [S, max_blocks]
-    cross_block_tables: torch.Tensor  # [S, max_cross_blocks]
+    key_lens: torch.Tensor  # [S] self-attention keys per sequence (seq_lens as a tensor)
+    cross_key_lens: torch.Tensor  # [S] cross-attention keys per sequence
     encoder_runs: list[tuple[int, int]]  # (first packed row, length) of each encoder run this step
 
 
@@ -56,17 +58,12 @@ class ExampleMetadataBuilder(AttentionMetadataBuilder):
         for n in inputs.encoder_seq_lens:
             runs.append((row, n))
             row += n
-        return ExampleMetadata(
-            num_decoder_tokens=int(inputs.input_ids.shape[0]),
-            slot_mapping=inputs.slot_mapping,
-            cross_slot_mapping=inputs.cross_slot_mapping,
-            num_encoder_tokens=int(inputs.encoder_positions.shape[0]),
+        return ExampleMetadata.from_inputs(
+            inputs,
             token_seq=token_seq,
             token_pos=inputs.positions,
-            seq_lens=seq_lens,
-            cross_seq_lens=torch.tensor(inputs.cross_seq_lens, dtype=torch.long, device=dev),
-            block_tables=inputs.block_tables,
-            cross_block_tables=inputs.cross_block_tables,
+            key_lens=seq_lens,
+            cross_key_lens=torch.tensor(inputs.cross_seq_lens, dtype=torch.long, device=dev),
             encoder_runs=runs,
         )
 
@@ -97,7 +94,7 @@ class ExampleImpl(AttentionImpl):
             query, kv_cache,
             md.cross_block_tables if cross else md.block_tables,
             md.token_seq, md.token_pos,
-            md.cross_seq_lens if cross else md.seq_lens,
+            md.cross_key_lens if cross else md.key_lens,
             self.scale, not cross,
         )
 
@@ -108,6 +105,8 @@ class ExamplePagedBackend(AttentionBackend):
     capabilities = BackendCapabilities(
         devices=("cpu", "cuda"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        # head_sizes, block_sizes (SizeRule), kv_cache_dtypes and attn_types default to "any"
+        # and "the model's dtype"; narrow them here and the default check names what is not served.
         notes="an example: block-major KV layout, a custom op reading blocks in place; only when asked for",
     )
 
@@ -129,15 +128,3 @@ class ExamplePagedBackend(AttentionBackend):
     def auto_priority(cls, device, dtype):
         return None  # an example: serve only when asked for by name
 
-    @classmethod
-    def unsupported_reasons(cls, device, dtype, head_size, attn_types, block_size, kv_cache_dtype):
-        reasons = []
-        if device.type not in ("cpu", "cuda"):
-            reasons.append(f"device {device.type!r} is not cpu or cuda")
-        if dtype not in cls.capabilities.dtypes:
-            reasons.append(f"dtype {dtype} is not float32, float16 or bfloat16")
-        if kv_cache_dtype != dtype:
-            reasons.append(f"KV-cache dtype {kv_cache_dtype} differs from the model dtype {dtype}")
-        if block_size < 1:
-            reasons.append(f"block_size {block_size} is not >= 1")
-        return reasons

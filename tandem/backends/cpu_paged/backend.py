@@ -22,12 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.backends.cpu_paged import ops
-from tandem.backends.torch_sdpa import (
-    SDPAImplBase,
-    SDPAMetadata,
-    SDPAMetadataBuilderBase,
-    sdpa_dtype_reasons,
-)
+from tandem.backends.torch_sdpa import SDPAImplBase, SDPAMetadata, SDPAMetadataBuilderBase
 from tandem.core.attention import (
     AttentionBackend,
     AttentionImpl,
@@ -38,16 +33,17 @@ from tandem.core.attention import (
 
 @dataclass
 class CPUPagedMetadata(SDPAMetadata):
-    seq_lens: torch.Tensor  # [S] int64: cached + new tokens
+    seq_lens_t: torch.Tensor  # [S] int64: cached + new tokens
     cross_seq_lens_t: torch.Tensor  # [S] int64: encoder positions each sequence reads
 
 
 class CPUPagedMetadataBuilder(SDPAMetadataBuilderBase):
     def build(self, inputs) -> CPUPagedMetadata:
         common, _, _ = self.common_fields(inputs, view_starts=False)
-        return CPUPagedMetadata(
+        return CPUPagedMetadata.from_inputs(
+            inputs,
             **common,
-            seq_lens=torch.tensor(inputs.seq_lens, dtype=torch.long),
+            seq_lens_t=torch.tensor(inputs.seq_lens, dtype=torch.long),
             cross_seq_lens_t=torch.tensor(inputs.cross_seq_lens, dtype=torch.long),
         )
 
@@ -64,7 +60,7 @@ class CPUPagedImpl(SDPAImplBase):
             self._op(query, kv_cache, out, md.decode_rows, md.decode_seqs, md.cross_seq_lens_t,
                      md.cross_block_tables, self.scale)
         else:
-            self._op(query, kv_cache, out, md.decode_rows, md.decode_seqs, md.seq_lens, md.block_tables, self.scale)
+            self._op(query, kv_cache, out, md.decode_rows, md.decode_seqs, md.seq_lens_t, md.block_tables, self.scale)
 
 
 class CPUPagedBackend(AttentionBackend):
@@ -92,10 +88,7 @@ class CPUPagedBackend(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, device, dtype, head_size, attn_types, block_size, kv_cache_dtype) -> list[str]:
-        reasons = []
-        if device.type != "cpu":
-            reasons.append(f"device {device.type!r} is not cpu")
-        reasons += sdpa_dtype_reasons(dtype, kv_cache_dtype, block_size)
+        reasons = super().unsupported_reasons(device, dtype, head_size, attn_types, block_size, kv_cache_dtype)
         if not reasons:  # build (or load) the op only where it would serve
             try:
                 ops.load()

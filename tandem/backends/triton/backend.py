@@ -21,6 +21,7 @@ from tandem.core.attention import (
     AttentionMetadataBuilder,
     AttentionType,
     BackendCapabilities,
+    SizeRule,
 )
 
 _KERNELS = "tandem.backends.triton.kernels"
@@ -41,11 +42,9 @@ def _interpreting() -> bool:
 
 @dataclass
 class TritonMetadata(AttentionMetadata):
-    query_start_loc: torch.Tensor  # [S + 1] int32
-    seq_lens: torch.Tensor  # [S] int32, cached + new tokens
-    cross_seq_lens: torch.Tensor  # [S] int32, encoder positions each sequence reads
-    block_tables: torch.Tensor  # [S, max_blocks]
-    cross_block_tables: torch.Tensor  # [S, max_cross_blocks]
+    query_start_loc_i32: torch.Tensor  # [S + 1] int32
+    seq_lens_i32: torch.Tensor  # [S] int32, cached + new tokens
+    cross_seq_lens_i32: torch.Tensor  # [S] int32, encoder positions each sequence reads
     # Varlen launch: (sequence, first query row within it) of each BLOCK_M-row tile.
     tile_seq: torch.Tensor
     tile_row: torch.Tensor
@@ -95,16 +94,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         def on_dev(t: torch.Tensor) -> torch.Tensor:
             return t.to(dev, non_blocking=True)
 
-        return TritonMetadata(
-            num_decoder_tokens=int(inputs.input_ids.shape[0]),
-            slot_mapping=inputs.slot_mapping,
-            cross_slot_mapping=inputs.cross_slot_mapping,
-            num_encoder_tokens=int(inputs.encoder_positions.shape[0]),
-            query_start_loc=inputs.query_start_loc.to(dev, torch.int32),
-            seq_lens=on_dev(torch.tensor(inputs.seq_lens, dtype=torch.int32)),
-            cross_seq_lens=on_dev(torch.tensor(inputs.cross_seq_lens, dtype=torch.int32)),
-            block_tables=inputs.block_tables,
-            cross_block_tables=inputs.cross_block_tables,
+        return TritonMetadata.from_inputs(
+            inputs,
+            query_start_loc_i32=inputs.query_start_loc.to(dev, torch.int32),
+            seq_lens_i32=on_dev(torch.tensor(inputs.seq_lens, dtype=torch.int32)),
+            cross_seq_lens_i32=on_dev(torch.tensor(inputs.cross_seq_lens, dtype=torch.int32)),
             tile_seq=on_dev(tile_seq),
             tile_row=on_dev(tile_row),
             decode_only=decode_only,
@@ -141,16 +135,16 @@ class TritonImpl(AttentionImpl):
             )
             return out
         cross = attn_type is AttentionType.ENCODER_DECODER
-        lens = md.cross_seq_lens if cross else md.seq_lens
+        lens = md.cross_seq_lens_i32 if cross else md.seq_lens_i32
         tables = md.cross_block_tables if cross else md.block_tables
         if md.decode_only:
             self._k.decode_attention(
-                query, kv_cache, out, md.query_start_loc[:-1], lens, tables, scale=self.scale,
+                query, kv_cache, out, md.query_start_loc_i32[:-1], lens, tables, scale=self.scale,
                 num_splits=md.cross_splits if cross else md.self_splits,
             )
         else:
             self._k.varlen_attention(
-                query, kv_cache, None, out, md.tile_seq, md.tile_row, md.query_start_loc, lens,
+                query, kv_cache, None, out, md.tile_seq, md.tile_row, md.query_start_loc_i32, lens,
                 scale=self.scale, causal=not cross, block_table=tables,
             )
         return out
@@ -162,8 +156,8 @@ class TritonBackend(AttentionBackend):
     capabilities = BackendCapabilities(
         devices=("cuda", "cpu"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
-        block_sizes="any >= 1 (keys are addressed per token through the block table)",
-        head_sizes=f"any up to {MAX_HEAD_SIZE}",
+        block_sizes=SizeRule(note="keys are addressed per token through the block table"),
+        head_sizes=SizeRule(max=MAX_HEAD_SIZE),
         requires=("triton",),
         notes="cpu only in Triton's interpreter (TRITON_INTERPRET=1 before first use): "
         "exact but slow, for tests; chosen automatically on cuda only",
@@ -182,30 +176,18 @@ class TritonBackend(AttentionBackend):
         return cls.priority if device.type == "cuda" else None
 
     @classmethod
-    def unsupported_reasons(cls, device, dtype, head_size, attn_types, block_size, kv_cache_dtype) -> list[str]:
+    def extra_unsupported_reasons(cls, device, dtype, head_size, attn_types, block_size,
+                                  kv_cache_dtype) -> list[str]:
         reasons = []
         if importlib.util.find_spec("triton") is None:
             reasons.append("the triton package is not installed (pip install 'tandem-engine[triton]')")
-        if device.type == "cpu":
-            if not _interpreting():
-                reasons.append(
-                    "device cpu: tandem's Triton kernels compile for CUDA; on CPU they run only in "
-                    "Triton's interpreter (set TRITON_INTERPRET=1 before the backend is first used; "
-                    "slow, meant for tests)"
-                )
-        elif device.type == "cuda":
-            if _interpreting():
-                reasons.append("TRITON_INTERPRET=1 was set when the kernels loaded: they run interpreted, "
-                               "not compiled for cuda")
-        else:
-            reasons.append(f"device {device.type!r} is not cuda (or cpu under Triton's interpreter)")
-        floats = (torch.float32, torch.float16, torch.bfloat16)
-        if dtype not in floats:
-            reasons.append(f"dtype {dtype} is not float32, float16 or bfloat16")
-        if kv_cache_dtype != dtype:
-            reasons.append(f"KV-cache dtype {kv_cache_dtype} differs from the model dtype {dtype}")
-        if not 1 <= head_size <= MAX_HEAD_SIZE:
-            reasons.append(f"head size {head_size} is not in 1..{MAX_HEAD_SIZE}")
-        if block_size < 1:
-            reasons.append(f"block_size {block_size} is not >= 1")
+        if device.type == "cpu" and not _interpreting():
+            reasons.append(
+                "device cpu: tandem's Triton kernels compile for CUDA; on CPU they run only in "
+                "Triton's interpreter (set TRITON_INTERPRET=1 before the backend is first used; "
+                "slow, meant for tests)"
+            )
+        elif device.type == "cuda" and _interpreting():
+            reasons.append("TRITON_INTERPRET=1 was set when the kernels loaded: they run interpreted, "
+                           "not compiled for cuda")
         return reasons

@@ -81,12 +81,13 @@ class ModelRunner:
         query_lens = [len(s.token_ids) for s in seqs]
         seq_lens = [s.num_computed_tokens + q for s, q in zip(seqs, query_lens)]
         cross_lens = [g.num_encoder_positions for g in out.scheduled for _ in g.seqs]
-        block_tables = self.tables.gather(rows, -(-max(seq_lens) // bs))
-        cross_tables = self.cross_tables.gather(cross_rows, -(-max(cross_lens) // bs))
+        max_query_len, max_seq_len, max_cross_len = max(query_lens), max(seq_lens), max(cross_lens)
+        block_tables = self.tables.gather(rows, -(-max_seq_len // bs))
+        cross_tables = self.cross_tables.gather(cross_rows, -(-max_cross_len // bs))
 
         q_lens = torch.tensor(query_lens, dtype=torch.long)
         computed = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.long)
-        if all(q == 1 for q in query_lens):  # decodes only: one token at each sequence's end
+        if max_query_len == 1:  # decodes only: one token at each sequence's end
             run, positions = torch.arange(len(seqs)), computed
         else:
             run, positions = _packed_positions(computed, q_lens)
@@ -109,9 +110,10 @@ class ModelRunner:
             encoder_input = torch.tensor(enc_tokens, dtype=torch.long)
         e_lens = torch.tensor(enc_lens, dtype=torch.long)
         e_run, enc_positions = _packed_positions(torch.zeros_like(e_lens), e_lens)
+        max_enc_len = max(enc_lens, default=0)
         if encoders:
             enc_rows = torch.tensor([self.cross_tables.row(g.request_id) for g in encoders], dtype=torch.long)
-            enc_tables = self.cross_tables.gather(enc_rows, -(-max(enc_lens) // bs))
+            enc_tables = self.cross_tables.gather(enc_rows, -(-max_enc_len // bs))
             cross_slots = _slots(enc_tables, e_run, enc_positions, bs)
         else:
             cross_slots = e_run
@@ -137,6 +139,10 @@ class ModelRunner:
             cross_seq_lens=cross_lens,
             cross_block_tables=cross_tables.to(dev, non_blocking=True),
             logits_indices=(query_start_loc[1:] - 1).to(dev, non_blocking=True),
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            max_encoder_seq_len=max_enc_len,
+            max_cross_seq_len=max_cross_len,
         )
 
     def execute(self, out: SchedulerOutput, kv_caches: list[torch.Tensor]) -> torch.Tensor:
