@@ -74,7 +74,9 @@ class EngineCore:
     def abort(self, request_ids: set[str]) -> list[RequestResult]:
         """Drop the requests and free their blocks; returns their final (aborted) results."""
         results = self.scheduler.abort(request_ids)
-        self._after_change()
+        # No pool check here: an abort may be the cleanup after an error (a step that
+        # could not progress), which must reach the caller as it is; the next step checks.
+        self._after_change(check_blocks=False)
         return results
 
     def stop(self, stops: dict[str, dict[int, str]]) -> None:
@@ -142,9 +144,10 @@ class EngineCore:
             self.faults.check_alive()  # raises EngineDeadError
         return failed
 
-    def _after_change(self) -> None:
+    def _after_change(self, check_blocks: bool = True) -> None:
         if not self.scheduler.groups:
-            self._check_no_blocks_held()
+            if check_blocks:
+                self._check_no_blocks_held()
             self.scheduler.clear()
         self._publish()
 

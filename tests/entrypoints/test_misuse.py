@@ -105,8 +105,13 @@ def test_a_step_that_cannot_make_progress_is_an_error_not_a_spin(bart_dir):
     held = bm.pools[Device.DEVICE].allocate(17)  # blocks lost outside any request
     with pytest.raises(RuntimeError, match=r"cannot admit request .* needs \d+ KV blocks.* 3 of 20 blocks are free"):
         llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
-    # With no request left, the engine takes the lost blocks back.
-    assert held and bm.num_free_blocks() == 20
+    # Lost blocks are an accounting bug: never taken back behind the caller's back
+    # (a step that ends with no request left says so: test_core_outputs.py), and the
+    # engine keeps refusing with the same clear error rather than spinning.
+    assert held and bm.num_free_blocks() == 3
+    with pytest.raises(RuntimeError, match=r"cannot admit request .* 3 of 20 blocks are free"):
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    bm.pools[Device.DEVICE].decref(held)  # returned by their owner: the engine serves again
     outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     assert all(o.error is None for o in outs)
 
@@ -223,7 +228,7 @@ def test_engine_start_is_logged_once_with_what_was_chosen(bart_dir, caplog):
     chosen = "cpu_paged (the highest priority (15)" if ops.available() else "torch_sdpa (the highest priority (10)"
     assert f"attention backend {chosen} of those that can serve cpu/float32; passed over: " in line
     # Each backend passed over, with why: the operator sees why flash_attn did not run here.
-    assert "flash_attn (priority 40): device 'cpu': FlashAttention kernels run on cuda only" in line
+    assert "flash_attn (priority 40): device 'cpu' is not cuda" in line
     assert "triton: chosen only when asked for by name on cpu/float32" in line
     assert "KV pool 50 blocks x 16 tokens" in line
     cpu_blocks = llm.engine.block_manager.num_total_blocks(Device.HOST)
