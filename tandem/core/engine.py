@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,17 +38,17 @@ from tandem.core.strategies.prompt_slot import PromptSlot, PromptSlotStrategy
 from tandem.core.strategies.sampling import SamplingStrategy
 from tandem.core.worker import Worker
 
-if TYPE_CHECKING:
-    from tandem.registry import AttentionBackendRegistry, ModelRegistry
 
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, model_registry: "ModelRegistry", backend_registry: "AttentionBackendRegistry"
+        self, config: EngineConfig, model_registry, backend_registry
     ) -> None:
-        """The registries come from the caller (``LLM`` fills them from the plugins)."""
+        """The registries come from the caller (``LLM`` fills them from the plugins):
+        ``model_registry.resolve(architectures)`` and ``backend_registry.select(...)``
+        (``tandem.registry``; core imports nothing above it)."""
         self.config = config
         self.scheduler_config = SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode

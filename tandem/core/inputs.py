@@ -23,8 +23,6 @@ from typing_extensions import NotRequired
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-    from tandem.core.model import EncoderDecoderModel
-
 
 class TextPrompt(TypedDict):
     prompt: str
@@ -102,7 +100,7 @@ class InputProcessor:
     def __init__(
         self,
         hf_config: "PretrainedConfig",
-        model_cls: type["EncoderDecoderModel"],
+        model_cls: type,  # an EncoderDecoderModel subclass (core/model.py imports this module)
         tokenizer: "PreTrainedTokenizerBase | None",
     ) -> None:
         self.hf_config = hf_config

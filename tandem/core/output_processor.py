@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from tandem.core.core_outputs import RequestInfo, RequestResult
 from tandem.core.outputs import CompletionOutput, RequestOutput
-from tandem.core.sampling_params import RequestOutputKind, SamplingParams
+from tandem.core.sampling_params import RequestOutputKind
 
 
 class IncrementalDetokenizer:

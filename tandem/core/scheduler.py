@@ -19,10 +19,9 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 from tandem.core.block_manager import AllocStatus, BlockManager
-from tandem.core.config import PreemptionMode, SchedulerConfig  # noqa: F401 - SchedulerConfig is imported from here too
+from tandem.core.config import SchedulerConfig  # noqa: F401 - also imported from here
 from tandem.core.core_outputs import CompletionDelta, RequestResult
 from tandem.core.scheduler_output import (
     ModelRunnerOutput,

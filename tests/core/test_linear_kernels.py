@@ -14,8 +14,8 @@ from tandem.core.layers.linear_kernels import (
     Int8DynamicKernel,
     PackedCPUKernel,
     packed_gemm_unsupported,
-    prepare_linear_kernels,
 )
+from tandem.core.layers.kernel_setup import prepare_linear_kernels
 
 CPU = torch.device("cpu")
 needs_packed = pytest.mark.skipif(bool(packed_gemm_unsupported(CPU, torch.float32)),

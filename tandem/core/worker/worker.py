@@ -17,7 +17,7 @@ import torch
 from tandem.core.attention import AttentionBackend, KVCacheSpec
 from tandem.core.config import EngineConfig
 from tandem.core.faults import KVTransferError
-from tandem.core.layers.linear_kernels import prepare_linear_kernels
+from tandem.core.layers.kernel_setup import prepare_linear_kernels
 from tandem.core.worker.host_malloc import keep_freed_memory
 from tandem.core.loader import load_model
 from tandem.core.model import EncoderDecoderModel
