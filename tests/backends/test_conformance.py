@@ -14,16 +14,29 @@ from tandem.plugins import default_backend_registry
 CPU = torch.device("cpu")
 
 
+def _device(name) -> torch.device:
+    """CPU for a backend that serves it, else CUDA (xformers, flash_attn: GPU kernels only)."""
+    backend = default_backend_registry().load(name)
+    cpu_ok = not backend.unsupported_reasons(CPU, torch.float32, D, frozenset(AttentionType), 16, torch.float32)
+    return CPU if cpu_ok else torch.device("cuda")
+
+
 def _backends():
+    # A backend that refuses the CPU runs these on CUDA, as a gpu test: on CPU they
+    # could only ever skip.
     reg = default_backend_registry()
-    return [pytest.param(name, id=name) for name in reg.names()]
+    return [pytest.param(name, id=name, marks=() if _device(name) == CPU else pytest.mark.gpu)
+            for name in reg.names()]
 
 
 def _load(name, head_size=D, block_size=16, dtype=torch.float32):
     backend = default_backend_registry().load(name)
-    reasons = backend.unsupported_reasons(CPU, dtype, head_size, frozenset(AttentionType), block_size, dtype)
+    device = _device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    reasons = backend.unsupported_reasons(device, dtype, head_size, frozenset(AttentionType), block_size, dtype)
     if reasons:
-        pytest.skip(f"{name} cannot run on cpu/{dtype}: {'; '.join(reasons)}")
+        pytest.skip(f"{name} cannot run on {device.type}/{dtype}: {'; '.join(reasons)}")
     return backend
 
 
@@ -38,19 +51,23 @@ def test_tandem_registers_at_least_its_own_backend():
 @pytest.mark.parametrize("seed", range(2))
 def test_three_attention_kinds_match_float64_and_write_their_cache(name, heads, block_size, mix, seed):
     num_kv_heads, head_size = heads
-    check_backend(_load(name, head_size, block_size), seed, block_size, num_kv_heads, head_size, mix)
+    check_backend(_load(name, head_size, block_size), seed, block_size, num_kv_heads, head_size, mix,
+                  device=_device(name))
 
 
 @pytest.mark.parametrize("name", _backends())
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("seed", range(2))
 def test_bfloat16_within_its_measured_tolerance(name, block_size, seed):
-    check_backend(_load(name, 64, block_size, torch.bfloat16), seed, block_size, 2, 64, "mixed", dtype=torch.bfloat16)
+    check_backend(_load(name, 64, block_size, torch.bfloat16), seed, block_size, 2, 64, "mixed", dtype=torch.bfloat16,
+                  device=_device(name))
 
 
-@pytest.mark.parametrize("name", _backends())
+@pytest.mark.parametrize("name", default_backend_registry().names())
 def test_swap_and_copy_move_exactly_the_listed_blocks(name):
-    backend = _load(name)
+    # The cache ops are torch indexing on any device: checked on CPU for every backend,
+    # those whose kernels refuse the CPU included.
+    backend = default_backend_registry().load(name)
     g = torch.Generator().manual_seed(0)
     dim = backend.kv_cache_block_dim
     dev = [backend.allocate_kv_cache(10, 4, 2, D, torch.float32, CPU) for _ in range(2)]
