@@ -297,4 +297,5 @@ def test_core_imports_no_backend_model_registry_plugin_or_frontend(tandem_graph)
 def test_entrypoints_import_no_model_and_no_audio_code(tandem_graph):
     files, graph = tandem_graph
     bad = forbidden_imports(graph, files, "tandem.entrypoints", ENTRYPOINTS_FORBIDDEN)
-    assert not bad, f"{len(bad)} imports from tandem.entrypoints into {', '.join(ENTRYPOINTS_FORBIDDEN)}:\n" + "\n".join(bad)
+    into = ", ".join(ENTRYPOINTS_FORBIDDEN)
+    assert not bad, f"{len(bad)} imports from tandem.entrypoints into {into}:\n" + "\n".join(bad)

@@ -232,7 +232,8 @@ def _draw_rows(seeded: bool, num_draws: int) -> dict[str, torch.Tensor]:
 
 
 # A seeded row draws from its own generator, one call per row: fewer draws keep it fast.
-@pytest.mark.parametrize("seeded, num_draws", [(False, DRAWS), (True, DRAWS // 4)], ids=["engine-stream", "seeded-rows"])
+@pytest.mark.parametrize("seeded, num_draws", [(False, DRAWS), (True, DRAWS // 4)],
+                         ids=["engine-stream", "seeded-rows"])
 def test_draws_follow_the_exact_probabilities(seeded, num_draws):
     draws = _draw_rows(seeded, num_draws)
     delta = FALSE_FAILURE / len(DRAW_CASES)
