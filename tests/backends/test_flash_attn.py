@@ -8,6 +8,7 @@ kernels run under ``-m gpu``."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 
@@ -93,7 +94,11 @@ def kernel(request, monkeypatch):
     else:
         import torch.nn.attention.varlen as varlen
 
-        monkeypatch.setattr(varlen, "varlen_attn", fake_torch_varlen)
+        # torch ships varlen_attn on CPU too (its kernel is CUDA-only): each call must
+        # bind to the real signature, so a renamed or dropped argument fails here.
+        real_sig = inspect.signature(varlen.varlen_attn)
+        monkeypatch.setattr(varlen, "varlen_attn",
+                            lambda *a, **kw: real_sig.bind(*a, **kw) and fake_torch_varlen(*a, **kw))
     monkeypatch.setattr(fa, "pick_kernel", lambda device: KERNEL[name])
     calls = []
     real = getattr(fa, KERNEL[name].call)

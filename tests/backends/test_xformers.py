@@ -6,6 +6,7 @@ layouts. The kernels run under ``-m gpu``."""
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import pytest
@@ -50,6 +51,25 @@ def reference_kernel(monkeypatch):
 def test_plumbing_matches_float64_with_the_materialized_masks(heads, block_size, mix, seed, reference_kernel):
     check_backend(XFormersBackend, seed, block_size, heads[0], heads[1], mix)
     assert {"BlockDiagonalCausalFromBottomRightMask", "BlockDiagonalMask"} <= set(reference_kernel)
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_the_kernel_call_binds_to_xformers_own_signature(mix, monkeypatch):
+    """``_fmha`` itself, on CPU: xFormers' Python API imports without its kernels, so the
+    call must bind to the real ``memory_efficient_attention`` (then the reference runs)."""
+    import xformers.ops
+
+    real_sig = inspect.signature(xformers.ops.memory_efficient_attention)
+    calls = []
+
+    def bound(*a, **kw):
+        args = real_sig.bind(*a, **kw).arguments
+        calls.append(sorted(args))
+        return reference_fmha(args["query"], args["key"], args["value"], args["attn_bias"], args["scale"])
+
+    monkeypatch.setattr(xformers.ops, "memory_efficient_attention", bound)
+    check_backend(XFormersBackend, 0, 4, 2, 8, mix)
+    assert calls and all(c == ["attn_bias", "key", "query", "scale", "value"] for c in calls)
 
 
 @pytest.mark.parametrize("seed", range(4))
