@@ -315,8 +315,9 @@ def _model_class(args):
     from tandem.core.loader import load_hf_config
     from tandem.plugins import default_model_registry
 
+    registry = default_model_registry()  # first: plugins may teach AutoConfig the checkpoint's model_type
     config = load_hf_config(args.model, trust_remote_code=getattr(args, "trust_remote_code", False))
-    return default_model_registry().resolve(getattr(config, "architectures", None))
+    return registry.resolve(getattr(config, "architectures", None))
 
 
 def _subtitles(segments: list[dict], fmt: str) -> str:
