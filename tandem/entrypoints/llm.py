@@ -150,20 +150,23 @@ class LLM:
 
         Other ``generate`` / ``session`` calls wait until the block ends. When it ends
         (an exception included), the session's unfinished requests are aborted and
-        their blocks freed, as ``generate`` does. Not reentrant: opening a session
-        inside one on the same thread is a ``RuntimeError`` (it would wait forever)."""
-        me = threading.get_ident()
-        if getattr(self, "_session_thread", None) == me:
-            raise RuntimeError("LLM.session() is already open on this thread: finish it before opening another, "
-                               "or calling generate()")
+        their blocks freed, as ``generate`` does. Not reentrant: opening a session (or calling
+        ``generate``) inside one on the same thread is a ``RuntimeError``, not a deadlock."""
+        self._check_no_session("LLM.session()")
         with self._lock:
-            self._session_thread = me
+            self._session_thread = threading.get_ident()
             s = LLMSession(self.llm_engine, self._ids)
             try:
                 yield s
             finally:
                 self._session_thread = None
                 s._close()
+
+    def _check_no_session(self, what: str) -> None:
+        # The lock is not reentrant: waiting for it inside one's own session would wait forever.
+        if getattr(self, "_session_thread", None) == threading.get_ident():
+            raise RuntimeError(f"{what} inside an LLM.session() block on the same thread: the session holds the "
+                               "engine until the block ends; use the session's add_request / step")
 
     def get_stats(self) -> dict[str, int]:
         """Counters since construction: encoder tokens computed and reused, preemptions,
@@ -185,6 +188,7 @@ class LLM:
         freed, so the engine is as it was before the call."""
         prompts = _prompt_list(prompts)
         params = _params_list(sampling_params, len(prompts))
+        self._check_no_session("generate()")
         with self._lock:
             return self._run(prompts, params, use_tqdm)
 

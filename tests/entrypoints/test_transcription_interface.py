@@ -74,9 +74,11 @@ def test_session_is_exclusive_and_not_reentrant(llm):
         done.set()
 
     with llm.session() as s:
-        with pytest.raises(RuntimeError, match="already open on this thread"):
+        with pytest.raises(RuntimeError, match=r"LLM.session\(\) inside an LLM.session\(\) block"):
             with llm.session():
                 pass
+        with pytest.raises(RuntimeError, match=r"generate\(\) inside an LLM.session\(\) block"):
+            llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
         t = threading.Thread(target=other)
         t.start()
         s.add_request(PROMPTS[1], GREEDY)

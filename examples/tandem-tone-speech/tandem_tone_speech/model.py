@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
-from tandem import EncoderDecoderModel, KVCacheSpec, SamplingParams
+from tandem import EncoderDecoderModel, KVCacheSpec, RequestOutputKind, SamplingParams
 from tandem.core.inputs import EncoderInputs
-from tandem.core.sampling_params import RequestOutputKind
 from tandem.core.transcription import (
     Transcription,
     TranscriptionContext,
