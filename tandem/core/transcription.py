@@ -85,12 +85,11 @@ class TranscriptionContext:
     hf_config: "PretrainedConfig"
     generation_config: Any
     tokenizer: Any
-    architecture: str = ""
 
     @classmethod
     def from_engine(cls, engine) -> "TranscriptionContext":
         """The context of an ``LLMEngine``."""
-        return cls(engine.hf_config, engine.generation_defaults.hf, engine.tokenizer, engine.architecture)
+        return cls(engine.hf_config, engine.generation_defaults.hf, engine.tokenizer)
 
 
 @dataclass(frozen=True)
