@@ -202,13 +202,15 @@ def test_audio_transcriptions_endpoint(installed, checkpoint, clips):
                 files = {"file": ("a.wav", buf.getvalue())}
                 plain = await c.post("/v1/audio/transcriptions", files=files,
                                      data={"temperature": "0", "response_format": "verbose_json"})
+                streamed = await c.post("/v1/audio/transcriptions", files=files,
+                                        data={"temperature": "0", "stream": "true"})
                 translated = await c.post("/v1/audio/translations", files=files)
-                return plain, translated
+                return plain, streamed, translated
         finally:
             await engine.shutdown(timeout=60)
 
     # The endpoint has no max_tokens field: the windows run to the checkpoint's max_length.
-    plain, translated = asyncio.run(run())
+    plain, streamed, translated = asyncio.run(run())
     assert plain.status_code == 200, plain.text
     body = plain.json()
     assert body["language"] == "en" and body["duration"] == pytest.approx(CLIPS[3])
@@ -217,4 +219,10 @@ def test_audio_transcriptions_endpoint(installed, checkpoint, clips):
     assert [s["tokens"] for s in body["segments"]] == full
     assert body["text"] == tok.decode([t for w in full for t in w], skip_special_tokens=True).strip()
     assert body["text"]
+    # Streamed: a delta per window as the model's session reports it, then the whole text.
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    deltas = [e for e in events if e["type"] == "transcript.text.delta"]
+    assert [d["segments"][0]["token_ids"] for d in deltas] == full
+    assert events[-1] == {"type": "transcript.text.done", "text": body["text"]}
+    assert streamed.text.rstrip().endswith("data: [DONE]")
     assert translated.status_code == 400 and "tone speech only transcribes" in translated.json()["error"]["message"]
