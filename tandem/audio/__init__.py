@@ -16,7 +16,7 @@ from tandem.audio.features import (
     mel_filter_bank,
     pad_or_trim,
 )
-from tandem.audio.io import AudioError, AudioTooLongError, load_audio
+from tandem.audio.io import AudioError, AudioTooLongError, load_audio, require_audio_extra
 
 __all__ = [
     "AudioError",
@@ -30,4 +30,5 @@ __all__ = [
     "log_mel_spectrogram",
     "mel_filter_bank",
     "pad_or_trim",
+    "require_audio_extra",
 ]

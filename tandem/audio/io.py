@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tandem.core.transcription import AudioTooLongError as TooLong
+
 SAMPLE_RATE = 16000
 
 _MIN_RATE = 1000
@@ -40,13 +42,38 @@ class AudioError(ValueError):
     """Audio that cannot be loaded or turned into features; the message names the bad value."""
 
 
-class AudioTooLongError(AudioError):
+class AudioTooLongError(AudioError, TooLong):
     """Audio longer than the ``max_seconds`` it was loaded with (``seconds`` is what was
-    declared or decoded before stopping, ``limit`` the limit)."""
+    declared or decoded before stopping, ``limit`` the limit). A
+    :class:`tandem.core.transcription.AudioTooLongError` too, which servers catch."""
 
     def __init__(self, message: str, seconds: float, limit: float) -> None:
-        super().__init__(message)
-        self.seconds, self.limit = seconds, limit
+        TooLong.__init__(self, message, seconds, limit)
+
+
+# What ``pip install 'tandem-engine[audio]'`` brings: soundfile decodes files, soxr resamples.
+AUDIO_EXTRA_MODULES = ("soundfile", "soxr")
+
+
+def require_audio_extra() -> None:
+    """Raise ImportError naming the audio extra and each of its modules that does not
+    import, so ``tandem transcribe`` says so before it loads a model rather than
+    failing every file on the first missing module, then on the next."""
+    import importlib
+
+    missing = []
+    for name in AUDIO_EXTRA_MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError:
+            missing.append(name)
+        except (ImportError, OSError) as e:  # installed but broken, e.g. soundfile without its libsndfile
+            missing.append(f"{name} ({type(e).__name__}: {e})")
+    if missing:
+        raise ImportError(
+            f"transcribing files needs the audio extra: pip install 'tandem-engine[audio]' "
+            f"(missing: {', '.join(missing)})"
+        )
 
 
 def load_audio(source, sampling_rate: int | None = None, *, max_seconds: float | None = None) -> torch.Tensor:

@@ -134,23 +134,19 @@ class InputProcessor:
         if ready is not None:
             encoder_inputs = ready
         elif audio is not None:
-            encoder_inputs = self.model_cls.get_audio_encoder_inputs(self.hf_config, audio)
+            encoder_inputs = self.model_cls.get_audio_encoder_inputs(self.hf_config, *audio)
         else:
             encoder_inputs = self.model_cls.get_encoder_inputs(self.hf_config, enc_ids)
         return EncoderDecoderInputs(enc_ids, dec_ids, enc_text, dec_text, encoder_inputs, decoder is None)
 
     @staticmethod
-    def _audio(prompt: dict) -> "torch.Tensor":
-        """An audio prompt, ``{"audio": array | tensor | path, "sampling_rate": int}``, as a
-        16 kHz mono waveform; ``AudioError`` (a ``ValueError``) names what is wrong."""
+    def _audio(prompt: dict) -> tuple[Any, int | None]:
+        """An audio prompt, ``{"audio": array | tensor | path, "sampling_rate": int}``, as the
+        model class's ``get_audio_encoder_inputs`` takes it (the model reads the audio)."""
         unknown = set(prompt) - {"audio", "sampling_rate"}
         if unknown:
             raise ValueError(f"unknown keys {sorted(unknown)} in audio prompt (has 'audio', 'sampling_rate')")
-        try:
-            from tandem.audio import load_audio
-        except ImportError as e:
-            raise ValueError(f"audio prompts need tandem's audio extra: pip install 'tandem-engine[audio]' ({e})") from e
-        return load_audio(prompt["audio"], prompt.get("sampling_rate"))
+        return prompt["audio"], prompt.get("sampling_rate")
 
     def _singleton(self, prompt: Any, where: str, is_encoder: bool) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -92,10 +92,12 @@ class EncoderDecoderModel(nn.Module, ABC):
         return EncoderInputs.from_token_ids(token_ids)
 
     @classmethod
-    def get_audio_encoder_inputs(cls, config: "PretrainedConfig", waveform: torch.Tensor) -> EncoderInputs:
-        """Turn a 16 kHz mono float32 waveform (an audio encoder prompt, already read,
-        mixed down and resampled) into this model's encoder inputs (``features`` set).
-        Audio models override this; the default says the model takes no audio."""
+    def get_audio_encoder_inputs(cls, config: "PretrainedConfig", audio: Any, sampling_rate: int | None) -> EncoderInputs:
+        """Turn an audio encoder prompt (``{"audio": ..., "sampling_rate": ...}``: a file
+        path, a file's bytes, or samples with their rate) into this model's encoder inputs
+        (``features`` set), through the model's own audio processing; ``ValueError``
+        names what is wrong. Audio models override this; the default says the model
+        takes no audio."""
         raise ValueError(f"{cls.__name__} takes no audio encoder prompt")
 
     @classmethod

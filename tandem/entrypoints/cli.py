@@ -75,8 +75,9 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     gen.add_argument("--json", action="store_true", help="one JSON object per line")
     gen.add_argument("prompts", nargs="+", help="encoder prompts; '-' reads one per line from stdin")
 
-    tr = sub.add_parser("transcribe", help="transcribe audio files with a Whisper checkpoint", formatter_class=fmt)
-    tr.add_argument("model", help="local Whisper checkpoint directory")
+    tr = sub.add_parser("transcribe", help="transcribe audio files with a Whisper checkpoint (or another speech "
+                        "model that supports transcription)", formatter_class=fmt)
+    tr.add_argument("model", help="local checkpoint directory (Whisper, or a plugin's speech model)")
     tr.add_argument("files", nargs="+", help="audio files (WAV, FLAC, OGG, MP3; other containers with PyAV)")
     add_cli_args(tr)
     tr.add_argument("--language", default=None, help="language code or name (default: detected per file)")
@@ -218,9 +219,11 @@ def cmd_generate(args) -> int:
 def cmd_transcribe(args) -> int:
     from pathlib import Path
 
-    from tandem.entrypoints.transcribe import require_audio_extra
+    from tandem.core.transcription import check_transcription
 
-    require_audio_extra()  # before the model loads
+    model_cls, architecture = _model_class(args)
+    check_transcription(model_cls, architecture)
+    model_cls.check_audio_support()  # before the model loads
     subtitles = args.format in ("srt", "vtt")
     if subtitles and len(args.files) > 1 and args.output_dir is None:
         raise ValueError(f"--format {args.format} with {len(args.files)} files: give --output-dir")
@@ -254,6 +257,17 @@ def cmd_transcribe(args) -> int:
         else:
             print(body)
     return 1 if failed else 0
+
+
+def _model_class(args):
+    """The model class and architecture that serve ``args.model``, from its config.json
+    alone (nothing loaded): what the engine will resolve."""
+    from tandem.core.loader import load_hf_config
+    from tandem.plugins import default_model_registry
+
+    registry = default_model_registry()  # first: plugins may teach AutoConfig the checkpoint's model_type
+    config = load_hf_config(args.model, trust_remote_code=getattr(args, "trust_remote_code", False))
+    return registry.resolve(getattr(config, "architectures", None))
 
 
 def _subtitles(segments: list[dict], fmt: str) -> str:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
@@ -16,6 +19,9 @@ from tandem.core.inputs import PromptType, preview
 from tandem.core.outputs import RequestOutput
 from tandem.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from tandem.plugins import default_backend_registry, default_model_registry
+
+if TYPE_CHECKING:
+    from tandem.core.strategies import PromptSlot
 
 
 class LLM:
@@ -77,8 +83,9 @@ class LLM:
         logprob_threshold: float | None = None,
         **sampling,
     ) -> list:
-        """Transcribe (or, ``task="translate"``, translate to English) audio with a Whisper
-        checkpoint, as HF's Whisper ``generate`` does. ``audio``: one input or a list;
+        """Transcribe (or, ``task="translate"``, translate to English) audio with a model
+        that supports transcription (``tandem.core.transcription``), such as Whisper (as
+        HF's Whisper ``generate`` does). ``audio``: one input or a list;
         each a file path, samples (array or tensor, with ``sampling_rate``) or
         ``{"audio": ..., "sampling_rate": ...}``, of any length (over 30 s: HF's
         sequential long-form decoding, window by window, inputs concurrently).
@@ -88,7 +95,7 @@ class LLM:
         ``logprob_threshold``; ``condition_on_previous_text`` prompts each window with
         the previous text. ``**sampling``: other SamplingParams fields (the rest come
         from the checkpoint's generation config).
-        Returns one :class:`tandem.entrypoints.transcribe.Transcription` per input, in
+        Returns one :class:`tandem.core.transcription.Transcription` per input, in
         order; an input that cannot be served has ``error`` set and the others go on."""
         from tandem.entrypoints.transcribe import transcribe
 
@@ -98,6 +105,36 @@ class LLM:
             compression_ratio_threshold=compression_ratio_threshold, logprob_threshold=logprob_threshold,
             **sampling,
         )
+
+    @contextmanager
+    def session(self) -> Iterator["LLMSession"]:
+        """Exclusive use of the engine, to drive requests step by step (what
+        ``transcribe`` does: each finished window decides the next request):
+
+        >>> with llm.session() as s:
+        ...     rid = s.add_request(prompt, params)
+        ...     while s.has_unfinished_requests():
+        ...         for out in s.step(): ...
+
+        Other ``generate`` / ``session`` calls wait until the block ends. When it ends
+        (an exception included), the session's unfinished requests are aborted and
+        their blocks freed, as ``generate`` does. Not reentrant: opening a session (or calling
+        ``generate``) inside one on the same thread is a ``RuntimeError``, not a deadlock."""
+        self._check_no_session("LLM.session()")
+        with self._lock:
+            self._session_thread = threading.get_ident()
+            s = LLMSession(self.llm_engine, self._ids)
+            try:
+                yield s
+            finally:
+                self._session_thread = None
+                s._close()
+
+    def _check_no_session(self, what: str) -> None:
+        # The lock is not reentrant: waiting for it inside one's own session would wait forever.
+        if getattr(self, "_session_thread", None) == threading.get_ident():
+            raise RuntimeError(f"{what} inside an LLM.session() block on the same thread: the session holds the "
+                               "engine until the block ends; use the session's add_request / step")
 
     def get_stats(self) -> dict[str, int]:
         """Counters since construction: encoder tokens computed and reused, preemptions,
@@ -119,6 +156,7 @@ class LLM:
         freed, so the engine is as it was before the call."""
         prompts = _prompt_list(prompts)
         params = _params_list(sampling_params, len(prompts))
+        self._check_no_session("generate()")
         with self._lock:
             return self._run(prompts, params, use_tqdm)
 
@@ -148,6 +186,51 @@ class LLM:
         finally:
             bar.close()
         return [results[r] for r in order]
+
+
+class LLMSession:
+    """Requests on an ``LLM``'s engine, from :meth:`LLM.session` (exclusive while open)."""
+
+    def __init__(self, engine: LLMEngine, ids) -> None:
+        self._engine, self._ids = engine, ids
+        self._unfinished: set[str] = set()
+        self._open = True
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
+                    prompt_slot: "PromptSlot | None" = None) -> str:
+        """Queue a request; returns its id. ``ValueError`` / ``TypeError`` name what is
+        wrong with it (nothing is queued). ``params=None``: the generation config's defaults."""
+        if not self._open:
+            raise RuntimeError("this LLM session has ended: open a new one with LLM.session()")
+        rid = str(next(self._ids))
+        self._engine.add_request(rid, prompt, params, prompt_slot=prompt_slot)
+        self._unfinished.add(rid)
+        return rid
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step: the outputs of this session's requests that advanced."""
+        if not self._open:
+            raise RuntimeError("this LLM session has ended: open a new one with LLM.session()")
+        outs = self._engine.step()
+        for out in outs:
+            if out.finished:
+                self._unfinished.discard(out.request_id)
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        # The engine's answer too: while the session is open, its requests are the engine's only ones.
+        return bool(self._unfinished) and self._engine.has_unfinished_requests()
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self._engine.abort_request(ids)
+        self._unfinished.difference_update(ids)
+
+    def _close(self) -> None:
+        self._open = False
+        if self._unfinished:
+            self._engine.abort_request(sorted(self._unfinished))
+            self._unfinished.clear()
 
 
 _PROMPT_FORMS = (

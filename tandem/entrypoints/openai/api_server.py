@@ -1,7 +1,8 @@
 """``tandem serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over ``AsyncLLM``.
 
 Endpoints: ``POST /v1/completions`` (plain or streamed as server-sent events),
-``POST /v1/audio/transcriptions`` and ``/translations`` (Whisper),
+``POST /v1/audio/transcriptions`` and ``/translations`` (models that support
+transcription, ``tandem.core.transcription``: Whisper, or a plugin's),
 ``GET /v1/models``, ``/health``, ``/version``, ``/metrics`` (Prometheus) and
 ``/openapi.json``. Errors have OpenAI's shape: 400 for a bad request (naming the
 value), 401 for a wrong or missing API key, 413 for a body (or audio) over its
@@ -39,6 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.core.transcription import AudioTooLongError, Transcription, supports_transcription
 from tandem.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from tandem.entrypoints.openai.completions import complete, first_outputs, stream_completion
 from tandem.entrypoints.openai.guard import BodyTooLarge, Guard
@@ -140,9 +142,9 @@ def build_app(
     """The server's app. ``app.state.drain_cut`` is the event that, once set, cuts
     the running requests off (JSON 503; streams end with an error event):
     ``serve`` sets it when ``--drain-timeout`` has passed after SIGTERM."""
-    from tandem.model_zoo.whisper import WhisperForConditionalGeneration
-
-    if issubclass(engine.engine.model_cls, WhisperForConditionalGeneration):
+    model_cls = engine.engine.model_cls
+    is_audio = supports_transcription(model_cls)
+    if is_audio:
         import importlib.util
 
         if importlib.util.find_spec("multipart") is None and importlib.util.find_spec("python_multipart") is None:
@@ -174,8 +176,6 @@ def build_app(
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         return error(400, _validation_message(exc.errors()))
-
-    is_audio = issubclass(engine.engine.model_cls, WhisperForConditionalGeneration)
 
     @app.exception_handler(StarletteHTTPException)
     async def _starlette_http(request: Request, exc: StarletteHTTPException):
@@ -251,11 +251,9 @@ def build_app(
         return form, data
 
     async def _audio(request: Request, task: str):
-        from tandem.audio import AudioTooLongError, load_audio
-        from tandem.model_zoo.whisper import WhisperForConditionalGeneration
-
-        if not issubclass(engine.engine.model_cls, WhisperForConditionalGeneration):
-            raise HTTPError(400, f"{engine.engine.architecture} takes no audio: the audio endpoints need Whisper")
+        if not is_audio:
+            raise HTTPError(400, f"{engine.engine.architecture} takes no audio: the audio endpoints need a model "
+                                  "that supports transcription, such as Whisper")
         form, data = await _read_form(request)
         model_name = form.get("model")
         if model_name not in (None, "", served_model_name):
@@ -285,7 +283,8 @@ def build_app(
                     raise ValueError("prompt: the model has no tokenizer to encode it")
                 options["prompt_ids"] = tok(" " + prompt.strip(), add_special_tokens=False)["input_ids"]
             # Decoding is CPU work (and bounded by max_audio_seconds): off the event loop.
-            waveform = await asyncio.to_thread(load_audio, data, max_seconds=max_audio_seconds)
+            waveform = await asyncio.to_thread(model_cls.load_transcription_audio, data,
+                                               max_seconds=max_audio_seconds)
         except AudioTooLongError as e:
             raise HTTPError(413, f"{e}: this server takes at most {max_audio_seconds:g} s of audio "
                                   "(--max-audio-seconds)") from None
@@ -295,7 +294,7 @@ def build_app(
         if engine.errored:
             raise HTTPError(503, "the engine is not running")
         rid = f"audio-{uuid.uuid4().hex}"
-        duration = waveform.numel() / 16000
+        duration = waveform.numel() / model_cls.transcription_sample_rate
         meter = AudioMeter(engine, metrics)  # the engine, as transcribe_async sees it: each window counted
         gen = _transcribe(meter, waveform, rid, options)
         if stream:
@@ -429,8 +428,6 @@ async def _transcribe(engine, waveform, rid, options):
 async def _audio_stream(gen, rid, cut, meter: AudioMeter, duration: float):
     """Server-sent events: a ``transcript.text.delta`` per finished window's text,
     then ``transcript.text.done`` with the whole text, then ``[DONE]``."""
-    from tandem.entrypoints.transcribe import Transcription
-
     queue: asyncio.Queue = asyncio.Queue()
     end = object()
 

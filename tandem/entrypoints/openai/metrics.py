@@ -77,7 +77,7 @@ class AudioMeter:
 
     def __init__(self, engine, metrics: ServerMetrics) -> None:
         self._async, self.metrics = engine, metrics
-        self.engine = engine.engine  # the LLMEngine, which transcribe_async's Transcriber reads
+        self.engine = engine.engine  # the LLMEngine, whose model class transcribe_async asks for a session
         self.encoder_positions = int(self.engine.model_cls.max_encoder_len(self.engine.hf_config))
         self.start = time.monotonic()
         self.prompt_tokens = self.generated = self.windows = 0

@@ -1,9 +1,9 @@
 """Whisper: audio in, text out, on the same scheduler, block manager and backends as BART.
 
-The encoder input is audio: ``get_audio_encoder_inputs`` pads or trims a 16 kHz
-waveform to the 30 s window and the model computes its log-mel features on the
-engine's device, batched over the groups whose encoder runs this step
-(``tandem.audio.log_mel_spectrogram``, equal to HF's ``WhisperFeatureExtractor``).
+The encoder input is audio: ``get_audio_encoder_inputs`` reads an audio prompt
+and pads its 16 kHz waveform to the 30 s window, and the model computes its
+log-mel features on the engine's device, batched over the groups whose encoder
+runs this step (``audio.log_mel``, equal to HF's ``WhisperFeatureExtractor``).
 Then two convolutions (the second with stride 2: 3000 frames -> 1500
 positions), fixed sinusoidal positions and pre-LN transformer layers. The
 1500 encoder positions are the request's cross-attention length; the decoder
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,92 +28,14 @@ from tandem.core.inputs import EncoderInputs
 from tandem.core.layers import VocabParallelEmbedding
 from tandem.core.model import EncoderDecoderModel, KVCacheSpec, ModelContext
 from tandem.core.strategies import PromptSlot
+from tandem.core.transcription import TranscriptionContext, TranscriptionOptions, TranscriptionSession
 from tandem.core.weight_loading import load_checkpoint
 from tandem.model_zoo.bart import BartDecoderLayer, BartEncoderLayer, BartVariant
-
-TASKS = ("transcribe", "translate")
+from tandem.model_zoo.whisper.audio import load_waveform, log_mel, pad_to_window
+from tandem.model_zoo.whisper.constants import SAMPLE_RATE, TASKS, WINDOW_SAMPLES, WINDOW_SECONDS
+from tandem.model_zoo.whisper.prompts import WhisperPrompts
 
 PRE_LN = BartVariant(normalize_before=True, layernorm_embedding=False, final_layer_norm=True, position_offset=0)
-SAMPLE_RATE = 16000
-WINDOW_SAMPLES = 30 * SAMPLE_RATE
-
-
-@dataclass(frozen=True)
-class WhisperPrompts:
-    """The special tokens of a Whisper checkpoint's generation config."""
-
-    start: int
-    lang_to_id: dict[str, int]  # "<|en|>" -> id
-    task_to_id: dict[str, int]
-    no_timestamps: int | None
-    multilingual: bool
-    eos: int
-    prev_sot: int | None
-    max_initial_timestamp_index: int | None
-
-    @classmethod
-    def from_model(cls, model_dir: str, hf_config) -> "WhisperPrompts":
-        from transformers import GenerationConfig
-
-        try:
-            gen = GenerationConfig.from_pretrained(model_dir)
-        except OSError as e:
-            raise ValueError(f"{model_dir}: transcribe needs the checkpoint's generation_config.json ({e})") from e
-        return cls.from_generation_config(gen, hf_config)
-
-    @classmethod
-    def from_generation_config(cls, gen, hf_config) -> "WhisperPrompts":
-        start = gen.decoder_start_token_id if gen.decoder_start_token_id is not None else hf_config.decoder_start_token_id
-        lang = dict(getattr(gen, "lang_to_id", None) or {})
-        eos = gen.eos_token_id if gen.eos_token_id is not None else hf_config.eos_token_id
-        return cls(
-            int(start), lang, dict(getattr(gen, "task_to_id", None) or {}),
-            getattr(gen, "no_timestamps_token_id", None),
-            bool(getattr(gen, "is_multilingual", bool(lang))) and bool(lang),
-            int(eos[0] if isinstance(eos, (list, tuple)) else eos),
-            getattr(gen, "prev_sot_token_id", None),
-            getattr(gen, "max_initial_timestamp_index", None),
-        )
-
-    @property
-    def timestamp_begin(self) -> int:
-        return self.no_timestamps + 1
-
-    def language_id(self, language: str) -> int:
-        from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
-
-        key = language.lower()
-        if key in TO_LANGUAGE_CODE:
-            key = TO_LANGUAGE_CODE[key]
-        token = key if key.startswith("<|") else f"<|{key}|>"
-        if token not in self.lang_to_id:
-            known = ", ".join(sorted(t.strip("<|>") for t in self.lang_to_id)) or "none (English-only model)"
-            raise ValueError(f"language={language!r} is not one of this checkpoint's languages: {known}")
-        return self.lang_to_id[token]
-
-    def language_code(self, token_id: int) -> str | None:
-        for token, i in self.lang_to_id.items():
-            if i == token_id:
-                return token.strip("<|>")
-        return None
-
-    def decoder_prompt(self, language: str | None, task: str, timestamps: bool) -> tuple[list[int], PromptSlot | None]:
-        """The decoder prompt, and the slot the model fills when the language is to be detected."""
-        if task not in TASKS:
-            raise ValueError(f"task={task!r}: must be one of {', '.join(TASKS)}")
-        tail = [] if timestamps or self.no_timestamps is None else [self.no_timestamps]
-        if not self.multilingual:  # English-only: no language or task tokens
-            if task != "transcribe" or (language is not None and language.lower() not in ("en", "english")):
-                raise ValueError(
-                    f"language={language!r}, task={task!r}: this checkpoint is English-only (it transcribes English)"
-                )
-            return [self.start, *tail], None
-        if task not in self.task_to_id:
-            raise ValueError(f"task={task!r}: this checkpoint's generation config has no token for it")
-        tail = [self.task_to_id[task], *tail]
-        if language is None:
-            return [self.start], PromptSlot(tuple(self.lang_to_id.values()), tuple(tail))
-        return [self.start, self.language_id(language), *tail], None
 
 
 class WhisperEncoder(nn.Module):
@@ -131,12 +53,10 @@ class WhisperEncoder(nn.Module):
         """Log-mel ``[G, n_mels, 3000]`` from the groups' inputs: padded waveforms
         ``[G, 480000]`` (the log-mel computed here, batched on the device), ready
         log-mel windows ``[G, n_mels, 3000]`` (long-form), or a list mixing both."""
-        from tandem.audio import log_mel_spectrogram
-
         if isinstance(inputs, list):
             return torch.cat([self.features(x.unsqueeze(0)) for x in inputs])
         if inputs.dim() == 2:
-            return log_mel_spectrogram(inputs.float(), self.num_mel_bins)
+            return log_mel(inputs, self.num_mel_bins)
         return inputs.float()
 
     def forward(self, inputs, attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -242,16 +162,16 @@ class WhisperForConditionalGeneration(EncoderDecoderModel):
         )
 
     @classmethod
-    def get_audio_encoder_inputs(cls, config, waveform: torch.Tensor) -> EncoderInputs:
-        """A 16 kHz mono waveform of at most 30 s, padded to the window."""
+    def get_audio_encoder_inputs(cls, config, audio: Any, sampling_rate: int | None) -> EncoderInputs:
+        """Audio of at most 30 s (read, mixed down and resampled to 16 kHz by
+        ``tandem.audio.load_audio``), padded to the window; the log-mel runs in the encoder."""
+        waveform = load_waveform(audio, sampling_rate)
         if waveform.numel() > WINDOW_SAMPLES:
             raise ValueError(
                 f"audio of {waveform.numel() / SAMPLE_RATE:.2f} s is longer than Whisper's 30 s window; "
                 "use LLM.transcribe for long-form audio"
             )
-        padded = torch.zeros(WINDOW_SAMPLES, dtype=torch.float32)
-        padded[: waveform.numel()] = waveform.float()
-        return EncoderInputs(num_positions=int(config.max_source_positions), features=padded)
+        return EncoderInputs(num_positions=int(config.max_source_positions), features=pad_to_window(waveform))
 
     @classmethod
     def get_default_decoder_prompt(cls, config) -> list[int]:
@@ -265,17 +185,43 @@ class WhisperForConditionalGeneration(EncoderDecoderModel):
         slot) on multilingual checkpoints, ``<|notimestamps|>``."""
         if generation_config is None:
             return cls.get_default_decoder_prompt(config), None
-        p = WhisperPrompts.from_generation_config(generation_config, config)
-        tail = (p.no_timestamps,) if p.no_timestamps is not None else ()
-        if p.multilingual:
-            return [p.start], PromptSlot(tuple(p.lang_to_id.values()), tail)
-        return [p.start, *tail], None
+        return WhisperPrompts.from_generation_config(generation_config, config).default_prompt()
 
     @classmethod
     def process_decoder_prompt(cls, config, token_ids: list[int]) -> list[int]:
         """An explicit decoder prompt is used as given (it may open with
         ``<|startofprev|>`` and previous text before ``<|startoftranscript|>``)."""
         return list(token_ids) if token_ids else cls.get_default_decoder_prompt(config)
+
+    # -- transcription (tandem.core.transcription.SupportsTranscription) ----------------
+    supports_transcription = True
+    transcription_tasks = TASKS
+    transcription_sample_rate = SAMPLE_RATE
+
+    @classmethod
+    def transcription_languages(cls, ctx: TranscriptionContext) -> tuple[str, ...]:
+        return WhisperPrompts.from_generation_config(ctx.generation_config, ctx.hf_config).languages()
+
+    @classmethod
+    def transcription_window_seconds(cls, config) -> float:
+        return float(WINDOW_SECONDS)
+
+    @classmethod
+    def check_audio_support(cls) -> None:
+        from tandem.audio import require_audio_extra
+
+        require_audio_extra()
+
+    @classmethod
+    def load_transcription_audio(cls, source: Any, sampling_rate: int | None = None, *,
+                                 max_seconds: float | None = None) -> torch.Tensor:
+        return load_waveform(source, sampling_rate, max_seconds=max_seconds)
+
+    @classmethod
+    def transcription_session(cls, ctx: TranscriptionContext, options: TranscriptionOptions) -> TranscriptionSession:
+        from tandem.model_zoo.whisper.transcription import WhisperTranscription
+
+        return WhisperTranscription(cls, ctx, options)
 
     # -- the forward pass -----------------------------------------------------------
     def forward(self, input_ids, positions, encoder_input_ids, encoder_positions, kv_caches, attn_metadata):

@@ -1,0 +1,218 @@
+"""Whisper's transcription session: HF's Whisper ``generate``, window by window.
+
+Each input is decoded window by window (HF's sequential algorithm). A window is
+one request: 30 s of audio as the encoder prompt, and the decoder prompt HF
+builds from the engine's generation config: ``<|startoftranscript|>``, the
+language, the task and, without timestamps, ``<|notimestamps|>`` (after
+``<|startofprev|>`` and the previous windows' text with
+``condition_on_previous_text``). With ``language=None`` on a multilingual
+checkpoint the first window's language is a prompt slot: that request's first
+step picks the language token the model scores highest among the languages
+(HF's ``detect_language``), then the task token follows, all in one request
+with one encoder run; later windows reuse the language.
+
+Short audio (<= 30 s) without timestamps is one window, its waveform the encoder
+input (the log-mel runs batched on the device). With timestamps, or for longer
+audio, the log-mel of the whole input is computed once (floored at the whole
+input's max, as HF's extractor with ``truncation=False``), the windows are
+slices of it, and after each window the input seeks to its last complete
+timestamp segment (or past the window), as HF's ``_retrieve_segment``. With
+several ``temperature`` values, a window whose compression ratio or average
+log-probability crosses its threshold is decoded again at the next temperature
+(HF's fallback).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.core.inputs import EncoderInputs
+from tandem.core.sampling_params import RequestOutputKind, SamplingParams
+from tandem.core.transcription import (
+    Transcription,
+    TranscriptionContext,
+    TranscriptionOptions,
+    TranscriptionSession,
+    WindowOutcome,
+    WindowRequest,
+)
+from tandem.model_zoo.whisper.audio import log_mel, num_frames
+from tandem.model_zoo.whisper.constants import FRAME_SECONDS, SAMPLE_RATE, WINDOW_FRAMES, WINDOW_SAMPLES
+from tandem.model_zoo.whisper.prompts import WhisperPrompts
+from tandem.model_zoo.whisper.timestamps import TimestampRules, retrieve_segments
+
+
+def compression_ratio(tokens: list[int], vocab_size: int) -> float:
+    """HF's ``_retrieve_compression_ratio``: token bytes over their zlib size."""
+    width = int(math.log2(vocab_size) / 8) + 1
+    data = b"".join(t.to_bytes(width, "little") for t in tokens)
+    return len(data) / len(zlib.compress(data)) if data else 0.0
+
+
+@dataclass
+class _Input:
+    """One input's progress through its windows."""
+
+    waveform: torch.Tensor
+    features: torch.Tensor | None = None  # log-mel of the whole input (windowed decoding)
+    max_frames: int = WINDOW_FRAMES
+    seek: int = 0
+    language: int | None = None  # the language token, once known
+    segments: list[dict] = field(default_factory=list)
+    fallback: int = 0  # index into the temperatures of the window in flight
+    windows: int = 0
+    condition: bool = False  # the next window is conditioned on the previous text
+
+
+class WhisperTranscription(TranscriptionSession):
+    """The window-by-window state machine of one ``transcribe`` call."""
+
+    def __init__(self, model_cls, ctx: TranscriptionContext, options: TranscriptionOptions) -> None:
+        self.ctx, cfg = ctx, ctx.hf_config
+        self.prompts = prompts = WhisperPrompts.from_generation_config(ctx.generation_config, cfg)
+        o = options
+        if o.timestamps and prompts.no_timestamps is None:
+            raise ValueError("timestamps=True: the generation config has no no_timestamps_token_id")
+        prompts.decoder_prompt(o.language, o.task, o.timestamps)  # checks language and task up front
+        sampling = dict(o.sampling)
+        temperatures = sampling.pop("temperature", None)
+        self.temperatures = list(temperatures) if isinstance(temperatures, (list, tuple)) else [temperatures]
+        if not self.temperatures:
+            raise ValueError("temperature=(): give at least one temperature")
+        self.base = SamplingParams(**sampling) if sampling else SamplingParams()
+        self.language, self.task, self.timestamps = o.language, o.task, o.timestamps
+        self.condition_on_previous_text = o.condition_on_previous_text
+        self.ratio_threshold, self.logprob_threshold = o.compression_ratio_threshold, o.logprob_threshold
+        self.prompt_ids = list(o.prompt_ids)
+        self.rules = TimestampRules(prompts) if prompts.no_timestamps is not None else None
+        self.cut_off = model_cls.max_decoder_len(cfg) // 2 - 1
+        self.vocab_size = model_cls.vocab_size(cfg)
+        self.n_mels = int(cfg.num_mel_bins)
+        self.num_positions = int(cfg.max_source_positions)
+
+    def start(self, waveform: torch.Tensor) -> _Input:
+        return _Input(waveform)
+
+    def windowed(self, inp: _Input) -> bool:
+        return self.timestamps or inp.waveform.numel() > WINDOW_SAMPLES
+
+    def _params(self, inp: _Input, long: bool) -> SamplingParams:
+        t = self.temperatures[inp.fallback]
+        changes: dict = {"output_kind": RequestOutputKind.FINAL_ONLY}
+        if t is not None:
+            changes["temperature"] = t
+            if t > 0:
+                changes["num_beams"] = 1
+        if self.logprob_threshold is not None and self.base.logprobs is None:
+            changes["logprobs"] = 0
+        if long and self.rules is not None:
+            changes["logits_processors"] = (*self.base.logits_processors, self.rules)
+        return self.base.replace(**changes)
+
+    def _encoder_prompt(self, inp: _Input, long: bool):
+        if not long:
+            return {"audio": inp.waveform, "sampling_rate": SAMPLE_RATE}
+        if inp.features is None:
+            wave = inp.waveform
+            if wave.numel() <= WINDOW_SAMPLES:  # short audio: HF pads it to the 30 s window
+                wave = torch.nn.functional.pad(wave, (0, WINDOW_SAMPLES - wave.numel()))
+                inp.max_frames = WINDOW_FRAMES
+            else:
+                inp.max_frames = num_frames(wave.numel())
+            inp.features = log_mel(wave, self.n_mels)[0]
+        num = min(WINDOW_FRAMES, inp.max_frames - inp.seek)
+        window = inp.features[:, inp.seek : inp.seek + num]
+        window = torch.nn.functional.pad(window, (0, WINDOW_FRAMES - window.shape[1]))
+        return EncoderInputs(num_positions=self.num_positions, features=window)
+
+    def next_window(self, inp: _Input) -> WindowRequest:
+        prompts = self.prompts
+        long = self.windowed(inp)
+        init, slot = prompts.decoder_prompt(self.language, self.task, long)
+        if inp.language is not None and slot is not None:  # detected in an earlier window
+            init, slot = [init[0], inp.language, *slot.then], None
+        encoder = self._encoder_prompt(inp, long)
+        prev = None
+        if inp.condition and inp.segments:  # HF: <|startofprev|> + earlier windows' tokens
+            prev = []
+            for seg in inp.segments:
+                toks = seg["tokens"]
+                prev += toks[:-1] if len(toks) > 2 and toks[-2] >= prompts.timestamp_begin else toks
+        elif self.prompt_ids and not inp.segments:
+            prev = self.prompt_ids
+        decoder = list(init)
+        if prev is not None:
+            start = [prompts.prev_sot] if prompts.prev_sot is not None else []
+            decoder = start + prev[-self.cut_off:] + decoder
+        inp.windows += 1
+        prompt = {"encoder_prompt": encoder, "decoder_prompt": {"prompt_token_ids": decoder}}
+        return WindowRequest(prompt, self._params(inp, long), slot)
+
+    def take(self, inp: _Input, out) -> WindowOutcome:
+        prompts = self.prompts
+        c = out.outputs[0]
+        tokens = list(c.token_ids)
+        if inp.language is None and prompts.multilingual and self.language is None:
+            pos = prompts.language_position(out.prompt_token_ids)
+            inp.language = out.prompt_token_ids[pos] if pos is not None else None
+        if self._needs_fallback(tokens, c) and inp.fallback < len(self.temperatures) - 1:
+            inp.fallback += 1
+            return WindowOutcome(done=False)
+        # HF conditions the next window only after a low-temperature decode.
+        used = self.temperatures[inp.fallback]
+        inp.condition = self.condition_on_previous_text and (used is None or used < 0.5)
+        inp.fallback = 0
+        if tokens and tokens[-1] == prompts.eos:
+            tokens = tokens[:-1]
+        if not self.windowed(inp):
+            inp.segments = [{"start": 0.0, "end": inp.waveform.numel() / SAMPLE_RATE, "tokens": tokens}]
+            return WindowOutcome(done=True)
+        num = min(WINDOW_FRAMES, inp.max_frames - inp.seek)
+        if tokens:
+            segments, advance = retrieve_segments(tokens, prompts.timestamp_begin, inp.seek * FRAME_SECONDS, num)
+        else:
+            segments, advance = [], num
+        inp.segments += segments
+        inp.seek += advance
+        return WindowOutcome(inp.seek >= inp.max_frames, [self._segment(s) for s in segments])
+
+    def _needs_fallback(self, tokens: list[int], completion) -> bool:
+        """HF's ``_need_fallback`` on compression ratio and average log-probability."""
+        if self.ratio_threshold is not None and compression_ratio(tokens, self.vocab_size) > self.ratio_threshold:
+            return True
+        if self.logprob_threshold is not None and completion.logprobs:
+            chosen = [step[t] for step, t in zip(completion.logprobs, tokens)]
+            text = [lp for lp, t in zip(chosen, tokens) if t != self.prompts.eos]
+            if sum(text) / (len(text) + 1) < self.logprob_threshold:
+                return True
+        return False
+
+    def _segment(self, seg: dict) -> dict:
+        return {"start": round(seg["start"], 3), "end": round(seg["end"], 3), "text": self._text(seg["tokens"]),
+                "token_ids": list(seg["tokens"])}
+
+    def result(self, inp: _Input) -> Transcription:
+        prompts = self.prompts
+        tokens = [t for seg in inp.segments for t in seg["tokens"]]
+        if prompts.multilingual:
+            if inp.language is not None:
+                lang = prompts.language_code(inp.language)
+            else:
+                lang = prompts.language_code(prompts.language_id(self.language)) if self.language is not None else None
+        else:
+            lang = "en"
+        segments = [self._segment(s) for s in inp.segments] if self.timestamps else None
+        return Transcription(text=self._text(tokens), token_ids=tokens, language=lang, segments=segments,
+                             windows=inp.windows)
+
+    def _text(self, ids: list[int]) -> str:
+        tokenizer = self.ctx.tokenizer
+        if tokenizer is None:
+            return ""
+        if self.prompts.no_timestamps is not None:
+            ids = [t for t in ids if t < self.prompts.timestamp_begin]
+        return tokenizer.decode(ids, skip_special_tokens=True).strip()
