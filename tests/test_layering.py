@@ -31,8 +31,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tandem"
 CORE_FORBIDDEN = ("tandem.backends", "tandem.model_zoo", "tandem.registry", "tandem.entrypoints", "tandem.plugins")
 ENTRYPOINTS_FORBIDDEN = ("tandem.model_zoo", "tandem.audio")
 
-V3_IN_PROGRESS = pytest.mark.xfail(strict=False, reason="Core v3 in progress")
-
 
 # -- the graph ----------------------------------------------------------------------
 
@@ -275,7 +273,6 @@ def test_the_graph_of_tandem_is_read(tandem_graph):
 # -- the rules ---------------------------------------------------------------------------
 
 
-@V3_IN_PROGRESS
 def test_no_import_cycles(tandem_graph):
     files, graph = tandem_graph
     report = _cycle_report(graph, files)
@@ -286,14 +283,12 @@ def test_no_import_cycles(tandem_graph):
     )
 
 
-@V3_IN_PROGRESS
 def test_core_imports_no_backend_model_registry_plugin_or_frontend(tandem_graph):
     files, graph = tandem_graph
     bad = forbidden_imports(graph, files, "tandem.core", CORE_FORBIDDEN)
     assert not bad, f"{len(bad)} imports from tandem.core into {', '.join(CORE_FORBIDDEN)}:\n" + "\n".join(bad)
 
 
-@V3_IN_PROGRESS
 def test_entrypoints_import_no_model_and_no_audio_code(tandem_graph):
     files, graph = tandem_graph
     bad = forbidden_imports(graph, files, "tandem.entrypoints", ENTRYPOINTS_FORBIDDEN)

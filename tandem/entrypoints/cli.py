@@ -220,17 +220,18 @@ def cmd_transcribe(args) -> int:
     from pathlib import Path
 
     from tandem.core.transcription import check_transcription
+    from tandem.entrypoints.transcribe import subtitles
 
     model_cls, architecture = _model_class(args)
     check_transcription(model_cls, architecture)
     model_cls.check_audio_support()  # before the model loads
-    subtitles = args.format in ("srt", "vtt")
-    if subtitles and len(args.files) > 1 and args.output_dir is None:
+    as_subtitles = args.format in ("srt", "vtt")
+    if as_subtitles and len(args.files) > 1 and args.output_dir is None:
         raise ValueError(f"--format {args.format} with {len(args.files)} files: give --output-dir")
     llm = _llm(args, args.model)
     sampling = {k: v for k, v in (("temperature", args.temperature), ("num_beams", args.num_beams)) if v is not None}
     results = llm.transcribe(
-        list(args.files), language=args.language, task=args.task, timestamps=args.timestamps or subtitles,
+        list(args.files), language=args.language, task=args.task, timestamps=args.timestamps or as_subtitles,
         use_tqdm=not args.no_progress, **sampling,
     )
     failed = 0
@@ -238,15 +239,15 @@ def cmd_transcribe(args) -> int:
         failed += r.error is not None
         if r.error is not None:
             line = json.dumps({"file": path, "error": r.error}) if args.format == "json" else f"{path}\t[error] {r.error}"
-            print(line, file=sys.stderr if subtitles else sys.stdout)
+            print(line, file=sys.stderr if as_subtitles else sys.stdout)
             continue
         if args.format == "json":
             record = {"file": path, "error": None, "text": r.text, "language": r.language, "token_ids": r.token_ids}
             if r.segments is not None:
                 record["segments"] = r.segments
             body = json.dumps(record)
-        elif subtitles:
-            body = _subtitles(r.segments, args.format)
+        elif as_subtitles:
+            body = subtitles(r.segments, args.format)
         else:
             body = f"{path}\t{r.text}"
         if args.output_dir is not None:
@@ -268,24 +269,6 @@ def _model_class(args):
     registry = default_model_registry()  # first: plugins may teach AutoConfig the checkpoint's model_type
     config = load_hf_config(args.model, trust_remote_code=getattr(args, "trust_remote_code", False))
     return registry.resolve(getattr(config, "architectures", None))
-
-
-def _subtitles(segments: list[dict], fmt: str) -> str:
-    """SRT or WebVTT cues from transcript segments."""
-
-    def stamp(seconds: float) -> str:
-        ms = max(0, round(seconds * 1000))
-        h, ms = divmod(ms, 3_600_000)
-        m, ms = divmod(ms, 60_000)
-        s, ms = divmod(ms, 1000)
-        sep = "," if fmt == "srt" else "."
-        return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
-
-    cues = []
-    for i, seg in enumerate(segments, 1):
-        timing = f"{stamp(seg['start'])} --> {stamp(seg['end'])}"
-        cues.append(f"{i}\n{timing}\n{seg['text']}\n" if fmt == "srt" else f"{timing}\n{seg['text']}\n")
-    return ("WEBVTT\n\n" if fmt == "vtt" else "") + "\n".join(cues)
 
 
 def cmd_serve(args) -> int:

@@ -13,7 +13,7 @@ flight. An input that fails (bad audio, a rejected window) gets a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tandem.core.transcription import (
     Transcription,
@@ -23,10 +23,7 @@ from tandem.core.transcription import (
     check_transcription,
 )
 
-if TYPE_CHECKING:
-    from tandem.entrypoints.llm import LLM
-
-__all__ = ["Transcription", "transcribe", "transcribe_async"]
+__all__ = ["Transcription", "subtitles", "transcribe", "transcribe_async"]
 
 
 def _session(engine, options: dict[str, Any]) -> TranscriptionSession:
@@ -43,7 +40,7 @@ def _session(engine, options: dict[str, Any]) -> TranscriptionSession:
 
 
 def transcribe(
-    llm: "LLM",
+    llm,  # a tandem.LLM (llm.py imports this module)
     audio: Any,
     *,
     sampling_rate: int | None = None,
@@ -143,3 +140,21 @@ def _bar(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="Transcribing", disable=not enabled, unit="input")
+
+
+def subtitles(segments: list[dict], fmt: str) -> str:
+    """SRT or WebVTT cues from transcript segments."""
+
+    def stamp(seconds: float) -> str:
+        ms = max(0, round(seconds * 1000))
+        h, ms = divmod(ms, 3_600_000)
+        m, ms = divmod(ms, 60_000)
+        s, ms = divmod(ms, 1000)
+        sep = "," if fmt == "srt" else "."
+        return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
+
+    cues = []
+    for i, seg in enumerate(segments, 1):
+        timing = f"{stamp(seg['start'])} --> {stamp(seg['end'])}"
+        cues.append(f"{i}\n{timing}\n{seg['text']}\n" if fmt == "srt" else f"{timing}\n{seg['text']}\n")
+    return ("WEBVTT\n\n" if fmt == "vtt" else "") + "\n".join(cues)

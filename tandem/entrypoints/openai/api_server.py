@@ -328,9 +328,9 @@ def build_app(
         if fmt == "text":
             return PlainTextResponse(result.text)
         if fmt in ("srt", "vtt"):
-            from tandem.entrypoints.cli import _subtitles
+            from tandem.entrypoints.transcribe import subtitles
 
-            return PlainTextResponse(_subtitles(result.segments or [], fmt))
+            return PlainTextResponse(subtitles(result.segments or [], fmt))
         if fmt == "verbose_json":
             segments = [{"id": i, "start": s["start"], "end": s["end"], "text": s["text"], "tokens": s["token_ids"]}
                         for i, s in enumerate(result.segments or [])]
