@@ -189,9 +189,11 @@ class RequestState:
             finished=self.finished, error=self.error,
         )
 
-    def step_output(self) -> RequestOutput | None:
-        """The output the request's kind asks for after a step, or None."""
-        finished = self.finished
+    def step_output(self, finished: bool | None = None) -> RequestOutput | None:
+        """The output the request's kind asks for after a step (``finished``: the
+        request's :attr:`finished` when the caller knows it), or None."""
+        if finished is None:
+            finished = self.finished
         if not finished and (self.params.use_beam_search or self.params.output_kind is RequestOutputKind.FINAL_ONLY):
             return None
         return self.output()
@@ -224,8 +226,9 @@ class OutputProcessor:
             hits = state.update(result)
             if hits:
                 stops[result.request_id] = hits
-            out = state.step_output()
-            if state.finished:
+            finished = state.finished
+            out = state.step_output(finished)
+            if finished:
                 del self.requests[result.request_id]
             if out is not None:
                 outputs.append(out)

@@ -20,6 +20,10 @@ class SequenceStatus(enum.Enum):
     # nothing could be generated, so it ends here rather than emit a banned token.
     FINISHED_NO_TOKEN = "no_allowed_token"
 
+    # Members are singletons compared by identity: hash them in C (Enum's own
+    # __hash__ is a Python call, paid for every status test of every sequence each step).
+    __hash__ = object.__hash__
+
     @property
     def finished(self) -> bool:
         return self in _FINISHED

@@ -45,10 +45,11 @@ class SamplingStrategy(RequestStrategy):
             token, top = result.token_ids[i], result.top_logprobs[i]
             seq.append_token(token, result.logprobs[i], top)
             ops.check_stop(seq, group)
-            any_finished |= seq.finished
+            reason = finish_reason(seq)
+            any_finished |= reason is not None
             deltas.append(CompletionDelta(
                 seq.index, [token], [top] if top is not None else None, seq.cumulative_logprob,
-                finish_reason(seq), seq.stop_reason,
+                reason, seq.stop_reason,
             ))
         if any_finished:
             ops.release_finished(group)
