@@ -38,6 +38,7 @@ class LLM:
         self._ids = itertools.count()
         # The engine is single-threaded: concurrent generate() calls take turns.
         self._lock = threading.Lock()
+        self._session_thread: int | None = None  # the thread inside session(), if any
 
     # The keywords are EngineConfig's fields: help(LLM) and inspect.signature show them.
     __init__.__signature__ = engine_signature()
@@ -132,7 +133,7 @@ class LLM:
 
     def _check_no_session(self, what: str) -> None:
         # The lock is not reentrant: waiting for it inside one's own session would wait forever.
-        if getattr(self, "_session_thread", None) == threading.get_ident():
+        if self._session_thread == threading.get_ident():
             raise RuntimeError(f"{what} inside an LLM.session() block on the same thread: the session holds the "
                                "engine until the block ends; use the session's add_request / step")
 
