@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 WORDS = (
     "the rain in spain falls mainly on plain a cat sat mat dog ran fast over hill "
@@ -208,3 +211,40 @@ def synth_audio(seconds: float, seed: int = 0, sr: int = 16000):
     x *= 0.5 + 0.5 * np.sin(2 * np.pi * rng.uniform(0.2, 2) * t)
     x += 0.01 * rng.standard_normal(t.shape)
     return x.astype(np.float32)
+
+
+@contextmanager
+def installed_example(name: str, module: str, work_dir: Path, config_types: tuple[str, ...] = ()):
+    """pip-install ``examples/<name>`` (a plugin package) for the block, then uninstall it;
+    the plugin registries and the package's modules (and the transformers config
+    types it registers) are forgotten on both sides, so every test sees the truth."""
+    import importlib
+    import shutil
+    import subprocess
+    import sys
+
+    from tandem.plugins import reset_registries
+
+    def pip(*args: str) -> None:
+        subprocess.run([sys.executable, "-m", "pip", *args], check=True)
+
+    def forget() -> None:
+        from transformers import CONFIG_MAPPING
+
+        reset_registries()
+        importlib.invalidate_caches()
+        for config_type in config_types:
+            getattr(CONFIG_MAPPING, "_extra_content", {}).pop(config_type, None)
+        for loaded in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
+            del sys.modules[loaded]
+
+    # Build from a copy so setuptools' build/ and *.egg-info never land in the source tree.
+    src = work_dir / name
+    shutil.copytree(EXAMPLES / name, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    pip("install", "--no-deps", "--no-build-isolation", "-q", str(src))
+    forget()
+    try:
+        yield
+    finally:
+        pip("uninstall", "-y", "-q", name)
+        forget()

@@ -1,9 +1,7 @@
 """The out-of-tree ``tandem-marian`` package: installed with pip, found through its entry
 point, and equal to HF ``MarianMTModel.generate`` token for token in float32."""
 
-import importlib
 import random
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,37 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY_DIMS, hf_generate
+from helpers import TINY_DIMS, hf_generate, installed_example
 from tandem import LLM, SamplingParams
 from tandem.plugins import default_model_registry, plugin_manager, reset_registries
 
-PACKAGE = Path(__file__).resolve().parents[2] / "examples" / "tandem-marian"
 VOCAB, PAD, EOS = 96, 95, 0  # OPUS-MT layout: </s>=0, <pad>=last id, decoder start = pad
-
-
-def _pip(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", *args], check=True)
-
-
-def _forget_plugin() -> None:
-    reset_registries()
-    importlib.invalidate_caches()
-    for name in [m for m in sys.modules if m == "tandem_marian" or m.startswith("tandem_marian.")]:
-        del sys.modules[name]
 
 
 @pytest.fixture(scope="module")
 def marian_installed(tmp_path_factory):
-    # Build from a copy so setuptools' build/ and *.egg-info never land in the source tree.
-    src = tmp_path_factory.mktemp("pkg") / "tandem-marian"
-    shutil.copytree(PACKAGE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    _pip("install", "--no-deps", "--no-build-isolation", "-q", str(src))
-    _forget_plugin()
-    try:
+    with installed_example("tandem-marian", "tandem_marian", tmp_path_factory.mktemp("pkg"), ()):
         yield
-    finally:
-        _pip("uninstall", "-y", "-q", "tandem-marian")
-        _forget_plugin()
 
 
 @pytest.fixture(scope="module")

@@ -5,25 +5,21 @@ transcribe`` and ``/v1/audio/transcriptions`` with no change in tandem. The orac
 features computed here with numpy, one window at a time."""
 
 import asyncio
-import importlib
 import io
 import json
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
 
-from helpers import make_tokenizer, synth_audio
+from helpers import installed_example, make_tokenizer, synth_audio
 from tandem import LLM, AsyncLLM
 from tandem.core.transcription import TranscriptionContext, supports_transcription
-from tandem.plugins import default_model_registry, plugin_manager, reset_registries
+from tandem.plugins import default_model_registry, plugin_manager
 
-PACKAGE = Path(__file__).resolve().parents[2] / "examples" / "tandem-tone-speech"
 ARCH = "ToneSpeechForConditionalGeneration"
 VOCAB, START, EOS = 64, 0, 2  # make_tokenizer's <s> starts, </s> ends
 POSITIONS, BANDS, MAX_NEW = 50, 16, 10  # a 1 s window of 100 frames of 10 ms
@@ -31,32 +27,10 @@ WINDOW = 2 * POSITIONS * 160
 CLIPS = [0.45, 2.5, 1.0, 3.2]  # seconds: one window, three (the last partial), exactly one, four
 
 
-def _pip(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", *args], check=True)
-
-
-def _forget_plugin() -> None:
-    from transformers import CONFIG_MAPPING
-
-    reset_registries()
-    importlib.invalidate_caches()
-    getattr(CONFIG_MAPPING, "_extra_content", {}).pop("tone_speech", None)
-    for name in [m for m in sys.modules if m == "tandem_tone_speech" or m.startswith("tandem_tone_speech.")]:
-        del sys.modules[name]
-
-
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    # Build from a copy so setuptools' build/ and *.egg-info never land in the source tree.
-    src = tmp_path_factory.mktemp("pkg") / "tandem-tone-speech"
-    shutil.copytree(PACKAGE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    _pip("install", "--no-deps", "--no-build-isolation", "-q", str(src))
-    _forget_plugin()
-    try:
+    with installed_example("tandem-tone-speech", "tandem_tone_speech", tmp_path_factory.mktemp("pkg"), ("tone_speech",)):
         yield
-    finally:
-        _pip("uninstall", "-y", "-q", "tandem-tone-speech")
-        _forget_plugin()
 
 
 @pytest.fixture(scope="module")
