@@ -349,8 +349,6 @@ class LLMEngine:
             self.core.fail({rid: why})
             self.output_processor.forget(rid)
             outputs.append(RequestOutput(rid, None, [], None, [], [], True, error=why))
-        if failed:
-            self.core.stop({})  # nothing to stop: publishes the counters after the failures
         return outputs
 
     def health(self) -> EngineHealth:

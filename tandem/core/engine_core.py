@@ -128,6 +128,8 @@ class EngineCore:
             for res in self.scheduler.abort({rid}):
                 failed.append(RequestResult(rid, res.completions, True, error=why))
                 self.num_requests_finished += 1
+        if why_by_id:
+            self._after_change()
         return failed
 
     def _step_failed(self, sched, e: Exception) -> list[RequestResult]:
@@ -139,7 +141,6 @@ class EngineCore:
                      self.faults.health.consecutive_step_failures, "; the engine is dead" if dead else "",
                      describe(e), exc_info=e)
         failed = self.fail(dict.fromkeys(sorted(ids), f"the step serving it failed: {describe(e)}"))
-        self._after_change()
         if dead:
             self.faults.check_alive()  # raises EngineDeadError
         return failed
