@@ -55,24 +55,49 @@ def test_mixed_batches_take_the_varlen_kernel_and_decode_batches_the_decode_kern
     assert not built[0].decode_only and built[2].decode_only  # [1], [3]: each later, encoder-free step
 
 
+@needs_interpreter
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_targets_launch_configurations_compute_the_same(arch, dtype, monkeypatch):
+    # The tiles each target launches on a GPU (64-row 16-bit tiles for every varlen
+    # step here, 8-warp float32 tiles for 256-wide heads), run interpreted against
+    # float64: a tile or mask bug that only a wide configuration has shows here.
+    from tandem.backends.triton import configs
+
+    monkeypatch.setattr(triton_backend, "INTERPRETER_ARCH", arch)
+    monkeypatch.setattr(configs, "WIDE_TILE_MIN_ROWS", 1)
+    launched = []
+    real = configs.varlen
+    monkeypatch.setattr(configs, "varlen", lambda *a: launched.append(real(*a)) or launched[-1])
+    check_backend(TritonBackend, 1, 4, num_kv_heads=2, mix="mixed", dtype=dtype)
+    check_backend(TritonBackend, 2, 16, num_kv_heads=1, head_size=256, mix="mixed", dtype=dtype)
+    rows = {c.block_m for c in launched}
+    assert rows == ({16} if dtype == torch.float32 else {64})
+    if dtype == torch.float32:
+        assert {c.num_warps for c in launched} == {4, 8}
+
+
 @pytest.mark.parametrize("seed", range(5))
-def test_query_tiles_cover_every_row_once(seed):
+@pytest.mark.parametrize("rows", [16, 64])
+def test_query_tiles_cover_every_row_once(seed, rows):
     import random
 
     seqs, _ = random_layout(random.Random(seed), 4)
     inputs = step_inputs(seqs, 4)
     builder = triton_backend.TritonMetadataBuilder(4, CPU, KVCacheSpec(1, 2, 8))
     md = builder.build(inputs)
-    rows = builder.rows_per_tile
     covered = []
-    for s, r in zip(md.tile_seq.tolist(), md.tile_row.tolist()):
+    tile_seq, tile_row = md.tiles(False, rows)
+    for s, r in zip(tile_seq.tolist(), tile_row.tolist()):
         start = int(md.query_start_loc[s])
         covered += [start + j for j in range(r, min(r + rows, inputs.query_lens[s]))]
     assert sorted(covered) == list(range(sum(inputs.query_lens)))
     enc = []
-    for s, r in zip(md.encoder_tile_seq.tolist(), md.encoder_tile_row.tolist()):
+    tile_seq, tile_row = md.tiles(True, rows)
+    for s, r in zip(tile_seq.tolist(), tile_row.tolist()):
         enc += [int(md.encoder_start_loc[s]) + j for j in range(r, min(r + rows, inputs.encoder_seq_lens[s]))]
     assert sorted(enc) == list(range(sum(inputs.encoder_seq_lens)))
+    assert md.tiles(False, rows)[0] is md.tiles(False, rows)[0]  # built once per step
 
 
 def test_cpu_without_the_interpreter_is_refused_with_the_reason(monkeypatch):

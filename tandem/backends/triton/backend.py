@@ -10,7 +10,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,7 @@ from tandem.core.attention import (
     BackendCapabilities,
     SizeRule,
 )
+from tandem.backends.triton import configs
 
 _KERNELS = "tandem.backends.triton.kernels"
 MAX_HEAD_SIZE = 256  # the head dimension lives in registers, padded to a power of two
@@ -45,19 +46,27 @@ class TritonMetadata(AttentionMetadata):
     query_start_loc_i32: torch.Tensor  # [S + 1] int32
     seq_lens_i32: torch.Tensor  # [S] int32, cached + new tokens
     cross_seq_lens_i32: torch.Tensor  # [S] int32, encoder positions each sequence reads
-    # Varlen launch: (sequence, first query row within it) of each BLOCK_M-row tile.
-    tile_seq: torch.Tensor
-    tile_row: torch.Tensor
     # Every sequence has exactly one new token: the decode kernel runs instead,
     # its keys split over this many programs per sequence and KV head.
     decode_only: bool
     self_splits: int
     cross_splits: int
-    # Encoder runs this step, packed: [G + 1] starts, [G] lengths, and their tiles.
+    # Encoder runs this step, packed: [G + 1] starts, [G] lengths.
     encoder_start_loc: torch.Tensor
     encoder_lens: torch.Tensor
-    encoder_tile_seq: torch.Tensor
-    encoder_tile_row: torch.Tensor
+    # Varlen launches: (sequence, first query row within it) of each tile, per
+    # (encoder?, rows per tile), built on first use: the tile height is the
+    # launch configuration's, chosen per target, dtype and head size.
+    _tiles: dict = field(default_factory=dict, repr=False)
+
+    def tiles(self, encoder: bool, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (encoder, rows)
+        if key not in self._tiles:
+            lens = self.encoder_seq_lens if encoder else self.query_lens
+            seq, row = _tiles(torch.tensor(lens, dtype=torch.int32), rows)
+            dev = self.encoder_lens.device
+            self._tiles[key] = (seq.to(dev, non_blocking=True), row.to(dev, non_blocking=True))
+        return self._tiles[key]
 
 
 def _tiles(lens: torch.Tensor, rows_per_tile: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +84,6 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
     # one program per (sequence, KV head) walking it alone while the GPU idles.
     split_kv_tokens = 512
     max_splits = 16
-    rows_per_tile = 16  # = kernels.BLOCK_M
 
     def _splits(self, lens: list[int]) -> int:
         longest = max(lens, default=0)
@@ -83,10 +91,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
 
     def build(self, inputs) -> TritonMetadata:
         dev = self.device
-        q_lens = torch.tensor(inputs.query_lens, dtype=torch.int32)
         enc_lens = torch.tensor(inputs.encoder_seq_lens, dtype=torch.int32)
-        tile_seq, tile_row = _tiles(q_lens, self.rows_per_tile)
-        enc_tile_seq, enc_tile_row = _tiles(enc_lens, self.rows_per_tile)
         enc_start = torch.zeros(len(inputs.encoder_seq_lens) + 1, dtype=torch.int32)
         torch.cumsum(enc_lens, 0, out=enc_start[1:])
         decode_only = bool(inputs.query_lens) and all(q == 1 for q in inputs.query_lens)
@@ -99,15 +104,11 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             query_start_loc_i32=inputs.query_start_loc.to(dev, torch.int32),
             seq_lens_i32=on_dev(torch.tensor(inputs.seq_lens, dtype=torch.int32)),
             cross_seq_lens_i32=on_dev(torch.tensor(inputs.cross_seq_lens, dtype=torch.int32)),
-            tile_seq=on_dev(tile_seq),
-            tile_row=on_dev(tile_row),
             decode_only=decode_only,
             self_splits=self._splits(inputs.seq_lens) if decode_only else 1,
             cross_splits=self._splits(inputs.cross_seq_lens) if decode_only else 1,
             encoder_start_loc=on_dev(enc_start),
             encoder_lens=on_dev(enc_lens),
-            encoder_tile_seq=on_dev(enc_tile_seq),
-            encoder_tile_row=on_dev(enc_tile_row),
         )
 
 
@@ -128,26 +129,54 @@ class TritonImpl(AttentionImpl):
         md = attn_metadata
         self.write_new_kv(key, value, kv_cache, md, attn_type)
         out = torch.empty_like(query)
+        arch = target_arch(query.device)
         if attn_type is AttentionType.ENCODER:
+            cfg = configs.varlen(arch, query.dtype, self.head_size, md.max_encoder_seq_len)
+            tile_seq, tile_row = md.tiles(True, cfg.block_m)
             self._k.varlen_attention(
-                query, key, value, out, md.encoder_tile_seq, md.encoder_tile_row, md.encoder_start_loc,
-                md.encoder_lens, scale=self.scale, causal=False, kv_start=md.encoder_start_loc,
+                query, key, value, out, tile_seq, tile_row, md.encoder_start_loc, md.encoder_lens,
+                scale=self.scale, causal=False, config=cfg, kv_start=md.encoder_start_loc,
             )
             return out
         cross = attn_type is AttentionType.ENCODER_DECODER
         lens = md.cross_seq_lens_i32 if cross else md.seq_lens_i32
         tables = md.cross_block_tables if cross else md.block_tables
         if md.decode_only:
+            cfg = configs.decode(arch, query.dtype, self.head_size, self.num_heads // self.num_kv_heads)
             self._k.decode_attention(
                 query, kv_cache, out, md.query_start_loc_i32[:-1], lens, tables, scale=self.scale,
-                num_splits=md.cross_splits if cross else md.self_splits,
+                num_splits=md.cross_splits if cross else md.self_splits, config=cfg,
             )
         else:
+            cfg = configs.varlen(arch, query.dtype, self.head_size, md.max_query_len)
+            tile_seq, tile_row = md.tiles(False, cfg.block_m)
             self._k.varlen_attention(
-                query, kv_cache, None, out, md.tile_seq, md.tile_row, md.query_start_loc_i32, lens,
-                scale=self.scale, causal=not cross, block_table=tables,
+                query, kv_cache, None, out, tile_seq, tile_row, md.query_start_loc_i32, lens,
+                scale=self.scale, causal=not cross, config=cfg, block_table=tables,
             )
         return out
+
+
+# The target whose launch configurations the interpreter runs (it has none of its
+# own; tests set 90 to run Hopper's tiles interpreted).
+INTERPRETER_ARCH = 80
+_ARCHS: dict[int, int] = {}
+
+
+def target_arch(device: torch.device) -> int:
+    """``major * 10 + minor`` of the GPU the kernels compile for: Triton's own
+    target for ``device`` (so a stand-in driver's target drives ahead-of-time
+    compiles), or :data:`INTERPRETER_ARCH` when the kernels run interpreted."""
+    if _interpreting():
+        return INTERPRETER_ARCH
+    index = device.index if device.index is not None else (
+        torch.cuda.current_device() if device.type == "cuda" else -1)
+    arch = _ARCHS.get(index)
+    if arch is None:
+        from triton.runtime import driver
+
+        arch = _ARCHS[index] = int(driver.active.get_current_target().arch)
+    return arch
 
 
 class TritonBackend(AttentionBackend):

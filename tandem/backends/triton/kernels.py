@@ -17,7 +17,8 @@ Paged K/V are read in place: key ``n`` of a sequence lives in slot
 so any block size works and nothing is gathered into a padded batch.
 
 Whether the kernels run compiled (CUDA) or in Triton's interpreter (CPU, for
-tests) is fixed when this module is imported, from ``TRITON_INTERPRET``.
+tests) is fixed when this module is imported, from ``TRITON_INTERPRET``. Launch
+configurations (tiles, warps, stages) come from ``configs`` per target.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from tandem.backends.triton.configs import LaunchConfig, block_d
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
@@ -217,9 +220,8 @@ def _combine_splits(
 
 
 # -- launchers ---------------------------------------------------------------
-
-BLOCK_M = 16  # query rows per program (tl.dot's smallest tile on GPUs)
-BLOCK_N = 64  # keys per inner-loop tile
+# Tile sizes, warps and pipeline depth come from ``configs`` per target, dtype and
+# head size; the caller passes the chosen ``LaunchConfig``.
 
 
 def _dot_mode(dtype: torch.dtype) -> tuple[bool, str | None]:
@@ -231,22 +233,19 @@ def _dot_mode(dtype: torch.dtype) -> tuple[bool, str | None]:
     return INTERPRETED, "ieee" if INTERPRETED else None
 
 
-def _block_d(head_size: int) -> int:
-    return max(16, triton.next_power_of_2(head_size))
-
-
 def varlen_attention(
     query: torch.Tensor,  # [T, H, D]
     key: torch.Tensor,  # [2, num_blocks, PAGE, H_kv, D] cache when paged; [E, H_kv, D] packed keys when not
     value: torch.Tensor | None,  # None when paged (the cache holds both); [E, H_kv, D] when not
     out: torch.Tensor,  # [T, H, D]
-    tile_seq: torch.Tensor,
-    tile_row: torch.Tensor,
+    tile_seq: torch.Tensor,  # [num_tiles] sequence of each config.block_m-row tile
+    tile_row: torch.Tensor,  # [num_tiles] its first query row within the sequence
     q_start: torch.Tensor,
     kv_lens: torch.Tensor,
     *,
     scale: float,
     causal: bool,
+    config: LaunchConfig,
     block_table: torch.Tensor | None = None,
     kv_start: torch.Tensor | None = None,
 ) -> None:
@@ -271,9 +270,10 @@ def varlen_attention(
         stride_slot, stride_kvh, stride_tab,
         scale * LOG2E,
         QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_SIZE=head_size,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=_block_d(head_size),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d(head_size),
         PAGE=page, PAGED=block_table is not None, CAUSAL=causal,
         DOT_F32=dot_f32, PRECISION=precision,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
@@ -287,6 +287,7 @@ def decode_attention(
     *,
     scale: float,
     num_splits: int,
+    config: LaunchConfig,
 ) -> None:
     batch = q_rows.shape[0]
     if batch == 0:
@@ -294,6 +295,9 @@ def decode_attention(
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
     per_kv = num_heads // num_kv_heads
+    if config.block_m < per_kv:
+        raise ValueError(f"decode config holds {config.block_m} query heads per program, "
+                         f"fewer than the {per_kv} that share a KV head")
     dot_f32, precision = _dot_mode(query.dtype)
     if num_splits > 1:
         part_o = torch.empty(batch, num_heads, num_splits, head_size, dtype=torch.float32, device=query.device)
@@ -306,12 +310,13 @@ def decode_attention(
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         scale * LOG2E, num_heads,
         QUERIES_PER_KV=per_kv, HEAD_SIZE=head_size,
-        BLOCK_H=max(16, triton.next_power_of_2(per_kv)), BLOCK_N=BLOCK_N, BLOCK_D=_block_d(head_size),
+        BLOCK_H=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d(head_size),
         PAGE=page, NUM_SPLITS=num_splits, DOT_F32=dot_f32, PRECISION=precision,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
         _combine_splits[(batch, num_heads)](
             part_o, part_lse, out, q_rows, out.stride(0), out.stride(1), num_heads,
-            HEAD_SIZE=head_size, BLOCK_D=_block_d(head_size), NUM_SPLITS=num_splits,
+            HEAD_SIZE=head_size, BLOCK_D=block_d(head_size), NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
         )

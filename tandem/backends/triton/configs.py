@@ -1,0 +1,114 @@
+"""Launch configurations of the triton backend's kernels, chosen per GPU target,
+dtype and head size, and the targets' resource limits they must fit.
+
+A configuration fixes the tile sizes (``block_m`` query rows, ``block_n`` keys per
+inner-loop step), the warps per program and the software-pipelining depth
+(``num_stages``: K/V tiles in flight in shared memory). Shared memory grows with
+``block_n * padded head size * element size * 2 (K and V) * num_stages``; a
+configuration that exceeds the target's per-block limit fails with
+``OutOfResources`` at the first launch, so every one chosen here is compiled for
+each target in CI (``tests/backends/test_triton_compile.py``) and checked against
+:data:`TARGETS` -- no GPU needed.
+
+The choices, and why:
+
+- 16-bit prefill / chunk / encoder tiles on Hopper (sm90+): 64 query rows on 4
+  warps, the shape Triton lowers to Hopper's warpgroup MMA (``wgmma``), which
+  ``mma.sync`` (all Ampere has) reaches only a fraction of. On Ampere the same
+  64-row tile runs ``mma.sync`` with four warps sharing it instead of one 16-row
+  strip per program. Steps whose longest query run is short (decodes mixed with
+  short chunks) keep 16-row tiles: a 64-row tile would mostly compute padding.
+- float32 is computed in IEEE float32 on the CUDA cores (not TF32, so float32
+  means float32): no tensor cores; for heads over 128 the key tile is halved
+  and spread over 8 warps, so the K/V stages fit and nothing goes to the stack.
+- Decode: 16 rows are the query heads of one KV head (GQA fills them); keys in
+  tiles of 64 (float32 as above), two stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a CUDA compute capability allows one program (thread block): from the CUDA
+    C++ Programming Guide's table of technical specifications per compute capability."""
+
+    arch: int  # major * 10 + minor
+    name: str
+    max_shared_bytes: int  # shared memory per block, opt-in maximum
+    max_regs_per_thread: int = 255
+    regs_per_block: int = 65536  # the register file a block may take (64K 32-bit registers)
+
+
+TARGETS: dict[int, Target] = {t.arch: t for t in (
+    Target(80, "A100 (sm80)", 163 * 1024),
+    Target(86, "RTX 30xx / A10 (sm86)", 99 * 1024),
+    Target(89, "L4 / RTX 40xx (sm89)", 99 * 1024),
+    Target(90, "H100 / H200 (sm90)", 227 * 1024),
+    Target(100, "B200 (sm100)", 227 * 1024),
+    Target(120, "RTX 50xx (sm120)", 99 * 1024),
+)}
+
+
+def target(arch: int) -> Target:
+    """The limits for ``arch``; an arch between table rows takes the row below it."""
+    known = [a for a in TARGETS if a <= arch]
+    if not known:
+        raise ValueError(f"compute capability {arch // 10}.{arch % 10}: the triton backend needs 8.0 or newer")
+    return TARGETS[max(known)]
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int  # query rows (varlen) or query heads (decode) per program
+    block_n: int  # keys per inner-loop tile
+    num_warps: int
+    num_stages: int
+
+
+# A step's longest query run from which the wide (64-row) tiles pay.
+WIDE_TILE_MIN_ROWS = 64
+
+
+# float32 on the CUDA cores: 16 x 64 tiles on 4 warps up to d = 128 (128 registers,
+# no stack); over 128 the key tile halves and 8 warps share it, else ptxas keeps the
+# dot's operands in 5-8 KB of per-thread stack (and 4 x 64 x 256 x 4 B K/V stages
+# overflow sm90's 227 KB: the T1 defect).
+_FLOAT32 = LaunchConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+_FLOAT32_WIDE_HEAD = LaunchConfig(block_m=16, block_n=32, num_warps=8, num_stages=2)
+
+
+def block_d(head_size: int) -> int:
+    """The head dimension as the kernels hold it: padded to a power of two, at least 16."""
+    return max(16, 1 << (head_size - 1).bit_length())
+
+
+def varlen(arch: int, dtype: torch.dtype, head_size: int, longest_query: int) -> LaunchConfig:
+    """The ``_varlen_attn`` launch (prefill, chunks, mixed steps, cross attention of
+    a mixed step, the encoder) for a step whose longest query run is ``longest_query``."""
+    d = block_d(head_size)
+    if dtype == torch.float32:
+        return _FLOAT32_WIDE_HEAD if d > 128 else _FLOAT32
+    wide = longest_query >= WIDE_TILE_MIN_ROWS
+    if not wide:
+        return LaunchConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+    if arch >= 90:
+        # 64 x 64 (or 64 x 32 at d = 256) wgmma tiles; three stages fit 227 KB up to d = 128.
+        return LaunchConfig(block_m=64, block_n=32 if d > 128 else 64, num_warps=4,
+                            num_stages=2 if d > 128 else 3)
+    # Ampere-class shared memory (99-163 KB): two stages; d = 256 halves the key tile.
+    return LaunchConfig(block_m=64, block_n=32 if d > 128 else 64, num_warps=4, num_stages=2)
+
+
+def decode(arch: int, dtype: torch.dtype, head_size: int, queries_per_kv: int) -> LaunchConfig:
+    """The ``_decode_attn`` launch (one query token per sequence, split-K)."""
+    d = block_d(head_size)
+    rows = max(16, 1 << (queries_per_kv - 1).bit_length())
+    if dtype == torch.float32:
+        base = _FLOAT32_WIDE_HEAD if d > 128 else _FLOAT32
+        return LaunchConfig(block_m=rows, block_n=base.block_n, num_warps=base.num_warps, num_stages=2)
+    return LaunchConfig(block_m=rows, block_n=64, num_warps=4, num_stages=2)
