@@ -402,8 +402,8 @@ def test_an_import_failing_for_any_other_cause_is_quoted(monkeypatch, fresh_impo
     assert xf._import_ops.cache_info().currsize == 0
     reasons = XFormersBackend.unsupported_reasons(CUDA, torch.float16, 64, ALL_KINDS, 16, torch.float16)
     assert len(reasons) == 1
-    assert reasons[0].startswith("import xformers.ops fails (ModuleNotFoundError: import of xformers.ops halted; None in "
-                                 "sys.modules); installed: flash-attn (none), flash-attn-4 (none); xformers ")
+    assert reasons[0].startswith("import xformers.ops fails (ModuleNotFoundError: import of xformers.ops halted; "
+                                 "None in sys.modules); installed: flash-attn (none), flash-attn-4 (none); xformers ")
     with pytest.raises(BackendUnavailableError, match=re.escape(reasons[0])):
         default_backend_registry().select("xformers", device=CUDA, dtype=torch.float16, head_size=64,
                                           attn_types=ALL_KINDS, block_size=16)
