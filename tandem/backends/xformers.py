@@ -17,13 +17,28 @@ step's K/V per layer. GQA goes through xFormers' 5-D ``[B, M, G, H, D]`` form
 with the KV heads broadcast, not copied.
 
 The layout is the default ``[2, num_blocks, block_size, H_kv, D]`` with core's
-write/swap/copy ops. xformers is imported only when the backend is first used.
+write/swap/copy ops.
+
+``import xformers.ops`` raises when a ``flash_attn`` package it cannot use is
+installed (a flash-attn 2 outside the range xFormers' ``ops/fmha/flash.py``
+enforces, or flash-attn-4's ``flash_attn.cute`` without flash-attn 2). The
+capability check says so before anything imports: it mirrors that check from
+the installed packages' metadata and sources (cheap), and only where the
+backend would otherwise serve does it import ``xformers.ops`` itself (about
+1.5 s on CPU, once per process), so a selected backend has imported already
+and its builder is never the first to fail.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import importlib.util
+import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -46,18 +61,132 @@ MAX_HEAD_SIZE = 256
 HEAD_ALIGN = 8
 
 
+INSTALL_HINT = "pip install 'tandem-engine[xformers]'"
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _package_dirs(name: str) -> list[Path]:
+    """Where top-level package ``name`` would import from, found without importing it."""
+    spec = importlib.util.find_spec(name)
+    return [Path(p) for p in (spec.submodule_search_locations or ())] if spec is not None else []
+
+
+def flash_attn_range() -> tuple[str, str] | None:
+    """The flash-attn versions (lowest, highest; inclusive) the installed xFormers imports
+    with, read from its own check (``FLASH_VER_MIN`` / ``FLASH_VER_LAST`` in
+    ``xformers/ops/fmha/flash.py``) without importing it; None where that cannot be read."""
+    for root in _package_dirs("xformers"):
+        try:
+            text = (root / "ops" / "fmha" / "flash.py").read_text()
+        except OSError:
+            continue
+        lo, hi = (re.search(rf"{var}\s*=\s*parse_version\(\s*[\"']([^\"']+)", text)
+                  for var in ("FLASH_VER_MIN", "FLASH_VER_LAST"))
+        if lo and hi:
+            return lo.group(1), hi.group(1)
+    return None
+
+
+def _flash_attn_version(dirs: list[Path]) -> str | None:
+    """``flash_attn.__version__`` as xFormers reads it, from the source (importing
+    flash_attn would load its CUDA extension); the distribution's version otherwise."""
+    for root in dirs:
+        try:
+            found = re.search(r"^__version__\s*=\s*[\"']([^\"']+)", (root / "__init__.py").read_text(), re.M)
+        except OSError:
+            continue
+        if found:
+            return found.group(1)
+    return _dist_version("flash-attn")
+
+
+def installed_flash_attn() -> str:
+    """The installed flash-attn packages and the range xFormers accepts, for messages."""
+    fa2, fa4 = _dist_version("flash-attn"), _dist_version("flash-attn-4")
+    rng = flash_attn_range()
+    return (f"installed: flash-attn {fa2 or '(none)'}, flash-attn-4 {fa4 or '(none)'}; xformers "
+            f"{_dist_version('xformers') or '?'} imports with no flash-attn or with flash-attn "
+            + (f"{rng[0]} to {rng[1]}" if rng else "in the range its ops/fmha/flash.py names"))
+
+
+def predicted_import_error() -> str | None:
+    """Why ``import xformers.ops`` will raise, found without importing anything: xFormers'
+    own flash-attn check (``ops/fmha/flash.py``) replayed on what is installed. None
+    where it will pass that check (the import itself may still fail otherwise)."""
+    dirs = _package_dirs("flash_attn")
+    if not dirs:
+        return None  # xFormers then uses the FlashAttention inside PyTorch
+    if not any((d / "flash_attn_interface.py").is_file() for d in dirs):
+        # flash-attn-4 installs flash_attn/cute only, a namespace package xFormers still finds.
+        return ("import xformers.ops fails: a flash_attn package without flash_attn_interface (flash-attn-4 "
+                "without flash-attn 2?) is installed, and xFormers imports flash_attn.flash_attn_interface "
+                f"whenever flash_attn exists ({installed_flash_attn()})")
+    if os.environ.get("XFORMERS_IGNORE_FLASH_VERSION_CHECK", "0") == "1":
+        return None
+    version, rng = _flash_attn_version(dirs), flash_attn_range()
+    if version is None or rng is None:
+        return None  # nothing to compare: the import decides
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        inside = Version(rng[0]) <= Version(version) <= Version(rng[1])
+    except InvalidVersion:
+        return None
+    if inside:
+        return None
+    return (f"import xformers.ops fails: flash_attn {version} is installed and xFormers requires "
+            f"{rng[0]} to {rng[1]} ({installed_flash_attn()}); install 'flash-attn>={rng[0]},<={rng[1]}' "
+            "or uninstall flash-attn (xFormers then uses the FlashAttention inside PyTorch)")
+
+
+@functools.cache
+def _import_ops() -> tuple[ModuleType | None, Exception | None]:
+    """``xformers.ops``, imported once per process (a failed import would otherwise be
+    retried at every call), or the exception its import raised."""
+    try:
+        import xformers.ops
+    except Exception as e:  # ImportError, or whatever a broken CUDA extension raises
+        return None, e
+    return xformers.ops, None
+
+
+def import_error() -> str | None:
+    """Why the xformers backend cannot import its kernels here, or None when it can.
+    Imports ``xformers.ops`` (once per process) unless the cause is already known."""
+    if importlib.util.find_spec("xformers") is None:
+        return f"the xformers package is not installed ({INSTALL_HINT})"
+    predicted = predicted_import_error()
+    if predicted:
+        return predicted
+    _, error = _import_ops()
+    if error is None:
+        return None
+    quoted = " ".join(f"{type(error).__name__}: {error}".split())
+    return f"import xformers.ops fails ({quoted}); {installed_flash_attn()}"
+
+
+def _ops() -> ModuleType:
+    """``xformers.ops``, or an ImportError naming why it does not import."""
+    reason = import_error()
+    if reason:
+        raise ImportError(f"the xformers attention backend cannot run: {reason}")
+    return _import_ops()[0]
+
+
 def _fmha(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: Any, scale: float) -> torch.Tensor:
     """The kernel call: ``[1, M, G, H, D]`` queries over ``[1, N, G, H, D]`` keys and
     values under ``attn_bias`` (tests replace this with a float64 reference)."""
-    from xformers.ops import memory_efficient_attention
-
-    return memory_efficient_attention(query, key, value, attn_bias=attn_bias, scale=scale)
+    return _ops().memory_efficient_attention(query, key, value, attn_bias=attn_bias, scale=scale)
 
 
 def _bias_classes():
-    from xformers.ops.fmha import attn_bias
-
-    return attn_bias
+    return _ops().fmha.attn_bias
 
 
 @dataclass
@@ -72,6 +201,10 @@ class XFormersMetadata(AttentionMetadata):
 
 
 class XFormersMetadataBuilder(AttentionMetadataBuilder):
+    def __init__(self, block_size: int, device: torch.device, kv_spec) -> None:
+        super().__init__(block_size, device, kv_spec)
+        _ops()  # an install xFormers cannot import fails here, at engine construction, naming why
+
     def build(self, inputs) -> XFormersMetadata:
         ab = _bias_classes()
         dev = self.device
@@ -153,5 +286,15 @@ class XFormersBackend(AttentionBackend):
     def extra_unsupported_reasons(cls, device, dtype, head_size, attn_types, block_size,
                                   kv_cache_dtype) -> list[str]:
         if importlib.util.find_spec("xformers") is None:
-            return ["the xformers package is not installed (pip install 'tandem-engine[xformers]')"]
-        return []
+            return [f"the xformers package is not installed ({INSTALL_HINT})"]
+        predicted = predicted_import_error()
+        return [predicted] if predicted else []
+
+    @classmethod
+    def unsupported_reasons(cls, device, dtype, head_size, attn_types, block_size, kv_cache_dtype) -> list[str]:
+        reasons = super().unsupported_reasons(device, dtype, head_size, attn_types, block_size, kv_cache_dtype)
+        if not reasons:  # import xformers.ops (once per process) only where it would serve
+            error = import_error()
+            if error:
+                reasons.append(error)
+        return reasons
