@@ -262,6 +262,28 @@ class XFormersImpl(AttentionImpl):
         return self._attend(query, k, v, md.cross_bias if cross else md.self_bias)
 
 
+def _device_capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def float32_operator_reasons(capability: tuple[int, int] | None) -> list[str]:
+    """float32 runs only on xFormers' CUTLASS forward operator; it is built up to a
+    highest compute capability (9.0 in 0.0.35), read from the installed xformers."""
+    if capability is None:
+        return []
+    from xformers.ops.fmha import cutlass
+
+    op = cutlass.FwOp
+    highest = getattr(op, "CUDA_MAXIMUM_COMPUTE_CAPABILITY", None)
+    if torch.float32 in op.SUPPORTED_DTYPES and highest is not None and tuple(capability) > tuple(highest):
+        return [f"dtype torch.float32: xFormers runs float32 only on its CUTLASS operator, built for compute "
+                f"capability <= {highest[0]}.{highest[1]}; this GPU is {capability[0]}.{capability[1]} "
+                "(use float16/bfloat16, or attention_backend='triton' / 'torch_sdpa')"]
+    return []
+
+
 class XFormersBackend(AttentionBackend):
     name = "xformers"
     priority = 30
@@ -297,4 +319,6 @@ class XFormersBackend(AttentionBackend):
             error = import_error()
             if error:
                 reasons.append(error)
+            elif dtype == torch.float32:
+                reasons += float32_operator_reasons(_device_capability(device))
         return reasons

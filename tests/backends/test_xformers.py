@@ -439,3 +439,18 @@ def test_x1_in_a_fresh_interpreter(tmp_path):
     assert lines.get("tandem", "").startswith(
         "BackendUnavailableError attention_backend='xformers' cannot serve this model: import xformers.ops fails: "
         "flash_attn 2.6.3 is installed and xFormers requires 2.7.1 to 2.8.4"), out
+
+
+def test_float32_on_a_gpu_newer_than_cutlass_builds_for_is_refused_with_the_reason():
+    # xFormers' CUTLASS operator (its only float32 one) declares the highest compute
+    # capability it is built for; tandem reads it rather than keeping its own copy.
+    from xformers.ops.fmha import cutlass
+
+    from tandem.backends import xformers as xf
+
+    highest = cutlass.FwOp.CUDA_MAXIMUM_COMPUTE_CAPABILITY
+    assert xf.float32_operator_reasons(highest) == []
+    assert xf.float32_operator_reasons(None) == []
+    newer = (highest[0] + 1, 0)
+    (reason,) = xf.float32_operator_reasons(newer)
+    assert "torch.float32" in reason and f"{newer[0]}.0" in reason and f"{highest[0]}.{highest[1]}" in reason
