@@ -200,6 +200,9 @@ def check_backend(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    num_heads: int = NUM_HEADS,
+    tolerances: tuple[float, float, float] | None = None,
+    layout: tuple[list[Seq], int] | None = None,
 ) -> None:
     """Run the three attention kinds through ``backend`` (its metadata builder, its
     impl behind the ``Attention`` layer, one cache per layer from its own
@@ -207,21 +210,24 @@ def check_backend(
     random layout; compare the outputs with float64 computed from the dense K/V,
     and the cache afterwards with the new K/V at their slots. On ``device`` in
     ``dtype`` (inputs are rounded to ``dtype`` first; the reference is float64 on
-    the rounded values)."""
+    the rounded values). ``num_heads`` query heads; ``tolerances`` (absolute,
+    relative, norm-wise) replace the float32 / bfloat16 bars; ``layout`` (sequences
+    and pool size) replaces the random one."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
-    seqs, num_blocks = random_layout(rng, block_size, mix)
+    seqs, num_blocks = random_layout(rng, block_size, mix) if layout is None else layout
     dev = torch.device(device)
     builder = backend.get_metadata_builder_cls()(block_size, dev, KVCacheSpec(1, num_kv_heads, head_size))
     md = builder.build(to_device(step_inputs(seqs, block_size), dev))
     scale = head_size**-0.5
-    layers = {t: Attention(NUM_HEADS, head_size, scale, backend, t, num_kv_heads) for t in AttentionType}
+    layers = {t: Attention(num_heads, head_size, scale, backend, t, num_kv_heads) for t in AttentionType}
     impl = layers[AttentionType.DECODER].impl
     cache = backend.allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, dev)
     assert backend.kv_cache_block_bytes(block_size, num_kv_heads, head_size, dtype) * num_blocks == (
         cache.numel() * cache.element_size()
     )
-    atol, rtol, rel = (ATOL, RTOL, REL_FP32) if dtype == torch.float32 else (ATOL_BF16, RTOL_BF16, REL_BF16)
+    atol, rtol, rel = tolerances or ((ATOL, RTOL, REL_FP32) if dtype == torch.float32 else
+                                     (ATOL_BF16, RTOL_BF16, REL_BF16))
 
     def rand(n, heads):  # dtype values held in float64: backend and reference see the same inputs
         return torch.randn(n, heads, head_size, generator=g).to(dtype).double()
@@ -234,7 +240,7 @@ def check_backend(
     ck_new, cv_new, enc, want_enc = [], [], [], []
     for s in seqs:
         total = s.ctx + s.q_len
-        k, v, q = rand(total, num_kv_heads), rand(total, num_kv_heads), rand(s.q_len, NUM_HEADS)
+        k, v, q = rand(total, num_kv_heads), rand(total, num_kv_heads), rand(s.q_len, num_heads)
         # Tokens cached by earlier steps, through the backend's own slot write.
         impl.write_kv_cache(k[: s.ctx].to(dev, dtype), v[: s.ctx].to(dev, dtype), cache,
                             slots_on(s.table, range(s.ctx)))
@@ -243,7 +249,7 @@ def check_backend(
             ck, cv = rand(s.enc_len, num_kv_heads), rand(s.enc_len, num_kv_heads)
             if s.run_encoder:
                 ck_new.append(ck), cv_new.append(cv)
-                eq, ek, ev = rand(s.enc_len, NUM_HEADS), rand(s.enc_len, num_kv_heads), rand(s.enc_len, num_kv_heads)
+                eq, ek, ev = rand(s.enc_len, num_heads), rand(s.enc_len, num_kv_heads), rand(s.enc_len, num_kv_heads)
                 enc.append((eq, ek, ev)), want_enc.append(reference(eq, ek, ev, scale))
             else:
                 impl.write_kv_cache(ck.to(dev, dtype), cv.to(dev, dtype), cache, slots_on(s.cross, range(s.enc_len)))
