@@ -233,11 +233,18 @@ def interface_problem(kernel: Kernel) -> str | None:
                     f"tandem follows: pip install -U '{FA4_REQUIREMENT}'")
     file, function = kernel.interface
     if not file:
+        # Read from the module's source, not imported: torch.nn.attention.varlen imports
+        # torch._dynamo (and with it triton), seconds that a capability check must not cost.
         try:
-            module = importlib.import_module(kernel.module)
-            params = list(inspect.signature(getattr(module, function)).parameters.values())
-        except (ImportError, AttributeError) as e:
-            return f"{kernel.module}.{function} cannot be read: {e}"
+            spec = importlib.util.find_spec(kernel.module)
+        except (ImportError, ValueError) as e:
+            return f"{kernel.module} cannot be found: {e}"
+        origin = Path(spec.origin) if spec is not None and spec.origin else None
+        if origin is None or not origin.is_file():
+            return f"{kernel.module} is not installed"
+        params = parameters_from_source(origin.read_text(encoding="utf-8"), function)
+        if params is None:
+            return f"{origin} defines no {function}"
         where = f"{kernel.module}.{function}"
     else:
         path = next((d / file for d in _package_dirs("flash_attn") if (d / file).is_file()), None)

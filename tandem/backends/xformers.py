@@ -262,6 +262,10 @@ class XFormersImpl(AttentionImpl):
         return self._attend(query, k, v, md.cross_bias if cross else md.self_bias)
 
 
+def _device_present(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.is_available()
+
+
 def _device_capability(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
@@ -315,7 +319,9 @@ class XFormersBackend(AttentionBackend):
     @classmethod
     def unsupported_reasons(cls, device, dtype, head_size, attn_types, block_size, kv_cache_dtype) -> list[str]:
         reasons = super().unsupported_reasons(device, dtype, head_size, attn_types, block_size, kv_cache_dtype)
-        if not reasons:  # import xformers.ops (once per process) only where it would serve
+        # import xformers.ops (once per process) only where it would serve, on a GPU that
+        # is there: asking about cuda on a machine without one imports nothing.
+        if not reasons and _device_present(device):
             error = import_error()
             if error:
                 reasons.append(error)

@@ -459,14 +459,26 @@ def test_call_problem_names_what_does_not_bind():
     assert P("def g(): pass", "f") is None
 
 
-def test_torch_varlen_attn_takes_tandems_call(monkeypatch):
-    """The real torch function (it exists on CPU builds): no stand-in."""
-    fk.interface_problem.cache_clear()
-    assert fk.interface_problem(KERNEL["torch"]) is None
+def test_torch_varlen_attn_takes_tandems_call(monkeypatch, tmp_path):
+    """The real torch function (it exists on CPU builds): no stand-in. Its signature is
+    read from the module's source (importing it would import torch._dynamo)."""
+    import importlib.machinery
+    import inspect
+
     import torch.nn.attention.varlen as varlen
 
-    monkeypatch.setattr(varlen, "varlen_attn", lambda query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
-                        scale=None, window_size=(-1, -1), enable_gqa=False: None)  # a torch without paging
+    fk.interface_problem.cache_clear()
+    assert fk.interface_problem(KERNEL["torch"]) is None
+    real = inspect.signature(varlen.varlen_attn).parameters
+    read = fk.parameters_from_source(Path(varlen.__file__).read_text(), "varlen_attn")
+    assert [(p.name, p.kind) for p in read] == [(p.name, p.kind) for p in real.values()]
+
+    old = tmp_path / "varlen.py"  # a torch without paging
+    old.write_text("def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,\n"
+                   "                scale=None, window_size=(-1, -1), enable_gqa=False):\n    pass\n")
+    real_find = fk.importlib.util.find_spec
+    monkeypatch.setattr(fk.importlib.util, "find_spec", lambda name, *a: importlib.machinery.ModuleSpec(
+        name, None, origin=str(old)) if name == "torch.nn.attention.varlen" else real_find(name, *a))
     fk.interface_problem.cache_clear()
     assert fk.interface_problem(KERNEL["torch"]) == \
         "torch.nn.attention.varlen.varlen_attn has no block_table, seqused_k"
