@@ -122,14 +122,18 @@ def _flac(seconds: float, rate: int = 16000, unknown_length: bool = False) -> by
 
 def _slow_steps(monkeypatch, engine: AsyncLLM, seconds: float = 0.05) -> None:
     """Each engine step takes at least ``seconds``: a long request stays running
-    while the test looks, however fast the machine."""
-    step = engine.engine.step
+    while the test looks, however fast the machine. (The engine thread runs
+    ``step_core``; patching ``step`` would slow nothing.)"""
+    step = engine.engine.step_core
+    calls = []
 
     def slow():
+        calls.append(1)
         time.sleep(seconds)
         return step()
 
-    monkeypatch.setattr(engine.engine, "step", slow)
+    monkeypatch.setattr(engine.engine, "step_core", slow)
+    return calls
 
 
 async def _wait_for(cond, what: str, timeout: float = WAIT) -> None:
@@ -416,7 +420,7 @@ async def test_a_forced_cut_answers_audio_with_json(whisper_engine, monkeypatch)
 
     from tandem.entrypoints.openai.shutdown import FORCED
 
-    _slow_steps(monkeypatch, whisper_engine, 0.05)
+    slowed = _slow_steps(monkeypatch, whisper_engine, 0.05)
     app = build_app(whisper_engine, served_model_name="w")
     sch = whisper_engine.engine.scheduler
     wav = _wav((synth_audio(60.0, seed=2) * 32767).astype(np.int16), 16000)  # two 30 s windows
@@ -440,6 +444,7 @@ async def test_a_forced_cut_answers_audio_with_json(whisper_engine, monkeypatch)
         await _wait_for(lambda: not sch.has_unfinished(), "the cut windows to be aborted")
         metrics = (await c.get("/metrics")).text  # this app's own counters: both counted as aborted
         assert _metric(metrics, 'tandem:request_success_total{finished_reason="abort"}') == 2
+    assert slowed, "the engine thread's steps were not slowed"
 
 
 # ------------------------------------------------------------------ a real server
