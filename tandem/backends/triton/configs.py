@@ -19,10 +19,12 @@ The choices, and why:
   strip per program. Steps whose longest query run is short (decodes mixed with
   short chunks) keep 16-row tiles: a 64-row tile would mostly compute padding.
 - float32 is computed in IEEE float32 on the CUDA cores (not TF32, so float32
-  means float32): no tensor cores; for heads over 128 the key tile is halved
-  and spread over 8 warps, so the K/V stages fit and nothing goes to the stack.
-- Decode: 16 rows are the query heads of one KV head (GQA fills them); keys in
-  tiles of 64 (float32 as above), two stages.
+  means float32): no tensor cores; the tile is sized by its elements per
+  thread (``_float32``), so the operands stay in registers and nothing goes to
+  the stack.
+- 16-bit key tiles are 64 keys, 32 for heads over 128 and for padded heads.
+- Decode: the rows are the query heads of one KV head (GQA fills them; 16 at
+  least), two stages.
 """
 
 from __future__ import annotations
@@ -74,12 +76,30 @@ class LaunchConfig:
 WIDE_TILE_MIN_ROWS = 64
 
 
-# float32 on the CUDA cores: 16 x 64 tiles on 4 warps up to d = 128 (128 registers,
-# no stack); over 128 the key tile halves and 8 warps share it, else ptxas keeps the
-# dot's operands in 5-8 KB of per-thread stack (and 4 x 64 x 256 x 4 B K/V stages
-# overflow sm90's 227 KB: the T1 defect).
-_FLOAT32 = LaunchConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
-_FLOAT32_WIDE_HEAD = LaunchConfig(block_m=16, block_n=32, num_warps=8, num_stages=2)
+# float32 on the CUDA cores: the dot operands live in registers spread over the
+# program's threads, so a tile is sized by its elements per thread, rows * block_n *
+# padded head / (32 * warps): up to 512 (256 for a head padded to the next power of
+# two, whose masked lanes cost the same registers) stays in registers; 1024 and more
+# went to 5-8 KB of per-thread stack (and 64 x 256 x 4 B K/V stages, 3 deep, overflowed
+# sm90's 227 KB: the T1 defect).
+_FLOAT32_BUDGET = 512
+
+
+def _float32(rows: int, head_size: int) -> LaunchConfig:
+    d = block_d(head_size)
+    budget = _FLOAT32_BUDGET if d == head_size else _FLOAT32_BUDGET // 2
+    for warps, n in ((4, 64), (8, 64), (8, 32), (8, 16)):
+        if rows * n * d <= budget * 32 * warps:
+            return LaunchConfig(block_m=rows, block_n=n, num_warps=warps, num_stages=2)
+    return LaunchConfig(block_m=rows, block_n=16, num_warps=8, num_stages=2)
+
+
+def _key_tile_16bit(head_size: int) -> int:
+    """Keys per tile for 16-bit dots: 64, halved for heads over 128 and for padded heads
+    (72, 80, 96, ...), whose K/V tiles and address registers otherwise crowd out the
+    accumulator (ptxas spilled them at 255 registers)."""
+    d = block_d(head_size)
+    return 32 if (d > 128 or d != head_size) else 64
 
 
 def block_d(head_size: int) -> int:
@@ -90,25 +110,21 @@ def block_d(head_size: int) -> int:
 def varlen(arch: int, dtype: torch.dtype, head_size: int, longest_query: int) -> LaunchConfig:
     """The ``_varlen_attn`` launch (prefill, chunks, mixed steps, cross attention of
     a mixed step, the encoder) for a step whose longest query run is ``longest_query``."""
-    d = block_d(head_size)
     if dtype == torch.float32:
-        return _FLOAT32_WIDE_HEAD if d > 128 else _FLOAT32
-    wide = longest_query >= WIDE_TILE_MIN_ROWS
-    if not wide:
-        return LaunchConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
-    if arch >= 90:
-        # 64 x 64 (or 64 x 32 at d = 256) wgmma tiles; three stages fit 227 KB up to d = 128.
-        return LaunchConfig(block_m=64, block_n=32 if d > 128 else 64, num_warps=4,
-                            num_stages=2 if d > 128 else 3)
-    # Ampere-class shared memory (99-163 KB): two stages; d = 256 halves the key tile.
-    return LaunchConfig(block_m=64, block_n=32 if d > 128 else 64, num_warps=4, num_stages=2)
+        return _float32(16, head_size)
+    block_n = _key_tile_16bit(head_size)
+    if longest_query < WIDE_TILE_MIN_ROWS:
+        return LaunchConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=2)
+    # 64-row tiles: wgmma on sm90+ (three stages fit 227 KB up to d = 128), mma.sync on
+    # Ampere-class parts (99-163 KB of shared memory: two stages).
+    stages = 3 if (arch >= 90 and block_d(head_size) <= 128) else 2
+    return LaunchConfig(block_m=64, block_n=block_n, num_warps=4, num_stages=stages)
 
 
 def decode(arch: int, dtype: torch.dtype, head_size: int, queries_per_kv: int) -> LaunchConfig:
-    """The ``_decode_attn`` launch (one query token per sequence, split-K)."""
-    d = block_d(head_size)
+    """The ``_decode_attn`` launch (one query token per sequence, split-K): the rows are
+    the query heads that share one KV head, at least 16 (the smallest dot tile)."""
     rows = max(16, 1 << (queries_per_kv - 1).bit_length())
     if dtype == torch.float32:
-        base = _FLOAT32_WIDE_HEAD if d > 128 else _FLOAT32
-        return LaunchConfig(block_m=rows, block_n=base.block_n, num_warps=base.num_warps, num_stages=2)
-    return LaunchConfig(block_m=rows, block_n=64, num_warps=4, num_stages=2)
+        return _float32(rows, head_size)
+    return LaunchConfig(block_m=rows, block_n=_key_tile_16bit(head_size), num_warps=4, num_stages=2)
