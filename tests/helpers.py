@@ -248,3 +248,32 @@ def installed_example(name: str, module: str, work_dir: Path, config_types: tupl
     finally:
         pip("uninstall", "-y", "-q", name)
         forget()
+
+
+def hub_cache(src: Path, cache: Path, repo_id: str, refs: tuple[str, ...] = ("main",), files=None) -> Path:
+    """Put checkpoint directory ``src`` into a Hugging Face Hub cache at ``cache`` as
+    huggingface_hub lays a download out: ``models--ORG--NAME/blobs/<sha256>`` holds each file
+    once, ``snapshots/<commit>/<file>`` is a relative symlink to its blob, and each of
+    ``refs/<ref>`` holds the commit hash (the content's, so two checkpoints get two commits).
+    ``files``: only these of ``src`` (a partial download). Returns the snapshot directory."""
+    import hashlib
+    import os
+
+    names = sorted(p.name for p in Path(src).iterdir() if p.is_file() and (files is None or p.name in files))
+    digest = hashlib.sha1()
+    for name in names:
+        digest.update(name.encode() + (Path(src) / name).read_bytes())
+    commit = digest.hexdigest()  # 40 hex digits, as a git commit hash
+    repo = Path(cache) / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        data = (Path(src) / name).read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir(exist_ok=True)
+    for ref in refs:
+        (repo / "refs" / ref).write_text(commit)  # no newline, as huggingface_hub writes it
+    return snapshot

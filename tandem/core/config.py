@@ -46,8 +46,23 @@ class EngineConfig:
     its validation in ``__post_init__``. ``LLM`` / ``AsyncLLM`` keywords and every command's
     engine flags are generated from these fields (``tandem/core/engine_args.py``)."""
 
-    model: str = field(metadata={"help": "local HF checkpoint directory"})
-    tokenizer: str | None = option(None, "tokenizer directory (default: none, the model's directory)")
+    model: str = field(metadata={"help": "local checkpoint directory or Hugging Face Hub repo id (org/name)"})
+    tokenizer: str | None = option(
+        None, "tokenizer directory or Hugging Face Hub repo id (default: none, the model's)"
+    )
+    # core/checkpoint_source.py: a repo id becomes a snapshot directory of the Hub cache.
+    revision: str | None = option(
+        None, "the Hub revision of a model given as a repo id: branch, tag or commit hash (default: none, main)"
+    )
+    tokenizer_revision: str | None = option(
+        None, "the Hub revision of a `tokenizer` given as a repo id (default: none: `revision` when it is the "
+        "model's repo, else main)"
+    )
+    download_dir: str | None = option(
+        None, "where Hub repo ids are downloaded and cached (default: none, Hugging Face's cache: $HF_HUB_CACHE, "
+        "else $HF_HOME/hub, else ~/.cache/huggingface/hub); HF_TOKEN is the token, HF_HUB_OFFLINE=1 serves from "
+        "the cache"
+    )
     # $TANDEM_AUTO_DTYPE, when set, overrides what "auto" means; with int8 "auto" is float32 (core/dtype.py).
     dtype: str | torch.dtype = option(
         "auto",
@@ -115,9 +130,21 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, (str, Path)) or not Path(self.model).is_dir():
-            raise ValueError(f"model={self.model!r}: not a local checkpoint directory")
-        self.model = str(self.model)
+        for name in ("revision", "tokenizer_revision"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name}={value!r}: must be None or a branch, tag or commit hash")
+        dd = self.download_dir
+        if dd is not None and (not isinstance(dd, (str, Path)) or not str(dd) or Path(dd).is_file()):
+            raise ValueError(f"download_dir={dd!r}: must be None or a directory (created if missing)")
+        self.download_dir = None if dd is None else str(dd)
+        if self.tokenizer is not None and not isinstance(self.tokenizer, (str, Path)):
+            raise ValueError(f"tokenizer={self.tokenizer!r}: must be None, a local directory or a Hub repo id")
+        if self.tokenizer is None and self.tokenizer_revision is not None:
+            raise ValueError(
+                f"tokenizer_revision={self.tokenizer_revision!r} without a tokenizer: the model's tokenizer comes "
+                "at `revision`; tokenizer_revision is for a tokenizer given as a Hub repo id"
+            )
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: must be 'auto' or one of {sorted(_DTYPES)}")
         if not isinstance(self.dtype, str) and self.dtype not in _DTYPES.values():
@@ -138,9 +165,7 @@ class EngineConfig:
         auto_dtype_override()
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization={self.quantization!r}: must be None or 'int8'")
-        if self.dtype == "auto":
-            self.torch_dtype, self.dtype_reason = resolve_auto_dtype(self.model, self.torch_device, self.quantization)
-        else:
+        if self.dtype != "auto":
             self.torch_dtype = _DTYPES[self.dtype] if isinstance(self.dtype, str) else self.dtype
             self.dtype_reason = "asked for"
             if self.quantization == "int8" and self.torch_dtype != torch.float32:
@@ -177,6 +202,31 @@ class EngineConfig:
         self.generation_config = str(gc)
         # The scheduler's limits are checked by SchedulerConfig (below), at construction too.
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.preemption_mode)
+        self._resolve_checkpoints()
+        if self.dtype == "auto":
+            self.torch_dtype, self.dtype_reason = resolve_auto_dtype(
+                self.model_path, self.torch_device, self.quantization
+            )
+
+    def _resolve_checkpoints(self) -> None:
+        """``model_path`` / ``tokenizer_path``: the local directories the engine reads, a repo id's
+        snapshot in the Hub cache; last, so no bad option waits for a download. ``model`` and
+        ``tokenizer`` stay as given, for display (the served model name, logs)."""
+        from tandem.core.checkpoint_source import resolve_checkpoint
+
+        if isinstance(self.model, Path):
+            self.model = str(self.model)
+        self.model_path = resolve_checkpoint(
+            self.model, "model", revision=self.revision, download_dir=self.download_dir
+        )
+        self.tokenizer_path = None
+        if self.tokenizer is not None:
+            self.tokenizer = str(self.tokenizer)
+            same_repo = self.tokenizer == self.model and self.model_path != self.model
+            revision = self.tokenizer_revision or (self.revision if same_repo else None)
+            self.tokenizer_path = resolve_checkpoint(
+                self.tokenizer, "tokenizer", revision=revision, download_dir=self.download_dir, weights=False
+            )
 
 
 PreemptionMode = Literal["recompute", "swap"]

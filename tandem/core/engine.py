@@ -55,19 +55,19 @@ class LLMEngine:
         )
 
         trust = config.trust_remote_code
-        self.hf_config = load_hf_config(config.model, trust_remote_code=trust)
+        self.hf_config = load_hf_config(config.model_path, trust_remote_code=trust)
         self.model_cls, self.architecture = model_registry.resolve(getattr(self.hf_config, "architectures", None))
         device, dtype = config.torch_device, config.torch_dtype
         # Before anything is built from it: sizes, head divisibility, parameters vs weights and memory.
-        check_model_config(self.model_cls, self.hf_config, config.model, dtype, device)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model, trust_remote_code=trust)
+        check_model_config(self.model_cls, self.hf_config, config.model_path, dtype, device)
+        self.tokenizer = load_tokenizer(config.tokenizer_path or config.model_path, trust_remote_code=trust)
         spec = self.model_cls.kv_cache_spec(self.hf_config)
         selection = backend_registry.select(
             config.attention_backend, device=device, dtype=dtype, head_size=spec.head_size,
             attn_types=frozenset(AttentionType), block_size=config.block_size, kv_cache_dtype=dtype,
         )
         self.attn_backend, self._backend_reason = selection.backend, selection.reason
-        self.generation_defaults = load_generation_defaults(config.model, self.hf_config, config.generation_config)
+        self.generation_defaults = load_generation_defaults(config.model_path, self.hf_config, config.generation_config)
         eos = self.hf_config.eos_token_id
         if self.generation_defaults.eos_token_ids is not None:  # HF generate stops on the generation config's
             eos = list(self.generation_defaults.eos_token_ids)

@@ -69,7 +69,7 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     fmt = _HelpFormatter
 
     gen = sub.add_parser("generate", help="generate for each prompt and print the outputs", formatter_class=fmt)
-    gen.add_argument("--model", required=True, help="local HF checkpoint directory")
+    gen.add_argument("--model", required=True, help="local checkpoint directory or Hugging Face Hub repo id (org/name)")
     add_cli_args(gen)
     _sampling_args(gen)
     gen.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -77,7 +77,8 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
 
     tr = sub.add_parser("transcribe", help="transcribe audio files with a Whisper checkpoint (or another speech "
                         "model that supports transcription)", formatter_class=fmt)
-    tr.add_argument("model", help="local checkpoint directory (Whisper, or a plugin's speech model)")
+    tr.add_argument("model", help="local checkpoint directory or Hugging Face Hub repo id (Whisper, or a plugin's "
+                    "speech model)")
     tr.add_argument("files", nargs="+", help="audio files (WAV, FLAC, OGG, MP3; other containers with PyAV)")
     add_cli_args(tr)
     tr.add_argument("--language", default=None, help="language code or name (default: detected per file)")
@@ -96,7 +97,7 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     tr.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     sv = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API", formatter_class=fmt)
-    sv.add_argument("model", help="local HF checkpoint directory")
+    sv.add_argument("model", help="local checkpoint directory or Hugging Face Hub repo id (org/name)")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     sv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     sv.add_argument("--api-key", default=None,
@@ -266,8 +267,12 @@ def _model_class(args):
     from tandem.core.loader import load_hf_config
     from tandem.plugins import default_model_registry
 
+    from tandem.core.checkpoint_source import resolve_checkpoint
+
     registry = default_model_registry()  # first: plugins may teach AutoConfig the checkpoint's model_type
-    config = load_hf_config(args.model, trust_remote_code=getattr(args, "trust_remote_code", False))
+    # The same directory LLM will read (a Hub id's snapshot; fetched once, then the engine finds it cached).
+    model_dir = resolve_checkpoint(args.model, "model", revision=args.revision, download_dir=args.download_dir)
+    config = load_hf_config(model_dir, trust_remote_code=getattr(args, "trust_remote_code", False))
     return registry.resolve(getattr(config, "architectures", None))
 
 

@@ -25,9 +25,10 @@ if TYPE_CHECKING:
 
 
 class LLM:
-    """Generate with an encoder/decoder model from a local HF checkpoint directory.
+    """Generate with an encoder/decoder model from a local checkpoint directory or a
+    Hugging Face Hub repo id (downloaded once into the Hub cache, served from it offline).
 
-    >>> llm = LLM(model="path/to/bart", dtype="float32")
+    >>> llm = LLM(model="path/to/bart", dtype="float32")  # or LLM("facebook/bart-large-cnn")
     >>> llm.generate(["The rain in spain"], SamplingParams(temperature=0.0, max_tokens=32))
     """
 
@@ -43,7 +44,7 @@ class LLM:
     # The keywords are EngineConfig's fields: help(LLM) and inspect.signature show them.
     __init__.__signature__ = engine_signature()
     __init__.__doc__ = (
-        "Build the engine for the checkpoint directory ``model``. Engine options (each also a flag of the "
+        "Build the engine for ``model``, a checkpoint directory or a Hub repo id. Engine options (each also a flag of the "
         "``tandem`` commands that build an engine: ``--max-num-seqs`` for ``max_num_seqs``):\n\n"
         + describe_options()
     )

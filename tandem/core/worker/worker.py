@@ -74,7 +74,7 @@ class Worker:
         # Before the weights: loading allocates them, and every step's tensors follow.
         self.host_malloc = (keep_freed_memory(self.config.cpu_malloc) if self.device.type == "cpu"
                             else "host malloc: system settings (device is not cpu)")
-        self.model = load_model(self.model_cls, self.hf_config, self.config.model, self.backend, self.dtype, self.device)
+        self.model = load_model(self.model_cls, self.hf_config, self.config.model_path, self.backend, self.dtype, self.device)
         self.linear_kernels = prepare_linear_kernels(
             self.model, device=self.device, dtype=self.dtype, gemm=self.config.cpu_gemm,
             quantization=self.config.quantization, batch_hint=min(self.config.max_num_seqs, 128),
