@@ -5,5 +5,8 @@ model modules are imported only when a checkpoint names one of their architectur
 _CONDITIONAL_GENERATION_MODELS: dict[str, tuple[str, str]] = {
     "BartModel": ("bart", "BartForConditionalGeneration"),
     "BartForConditionalGeneration": ("bart", "BartForConditionalGeneration"),
+    "MBartForConditionalGeneration": ("bart_family", "MBartForConditionalGeneration"),
+    "M2M100ForConditionalGeneration": ("bart_family", "M2M100ForConditionalGeneration"),
+    "PegasusForConditionalGeneration": ("bart_family", "PegasusForConditionalGeneration"),
     "WhisperForConditionalGeneration": ("whisper", "WhisperForConditionalGeneration"),
 }

@@ -1,4 +1,5 @@
-"""BART and the models that share its shape (mBART, Marian, Pegasus follow as flags).
+"""BART and the models that share its shape (``BartVariant`` flags: mBART, M2M100 / NLLB and
+Pegasus in ``bart_family.py``, Marian in the ``tandem-marian`` example plugin).
 
 Class structure: ``BartForConditionalGeneration`` (weights, logits) ->
 ``BartModel`` (shared embeddings, encoder, decoder) -> ``BartEncoder`` /
@@ -36,6 +37,12 @@ from tandem.core.layers import (
 )
 from tandem.core.model import EncoderDecoderModel, KVCacheSpec, ModelContext
 from tandem.core.weight_loading import load_checkpoint
+from tandem.model_zoo.positions import (  # noqa: F401  (sinusoidal_table: re-exported for plugins)
+    BartLearnedPositionalEmbedding,
+    BartSinusoidalPositionalEmbedding,
+    make_position_embedding,
+    sinusoidal_table,
+)
 
 
 @dataclass(frozen=True)
@@ -47,51 +54,11 @@ class BartVariant:
     final_layer_norm: bool = False  # LN after the last encoder/decoder layer (mBART, Pegasus)
     position_offset: int = 2  # learned positions are stored shifted by 2 in BART
     sinusoidal_positions: bool = False  # fixed sin/cos table instead of learned positions (Marian, Pegasus)
+    fairseq_positions: bool = False  # M2M100's sin/cos table, from pad_token_id + 1 (position_offset unused)
 
-
-class BartLearnedPositionalEmbedding(nn.Embedding):
-    def __init__(self, num_positions: int, dim: int, offset: int) -> None:
-        super().__init__(num_positions + offset, dim)
-        self.offset = offset
-
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return super().forward(positions + self.offset)
-
-
-def sinusoidal_table(num_positions: int, dim: int) -> torch.Tensor:
-    """``[num_positions, dim]`` float32: sines in the first half of each row, cosines in the second.
-
-    The same numerics as transformers' ``MarianSinusoidalPositionalEmbedding.create_weight``
-    (angles and sin/cos in float64 numpy, one rounding to float32), so the table is
-    bit-identical to HF's.
-    """
-    import numpy as np
-
-    div = np.array([np.power(10000, 2 * (j // 2) / dim) for j in range(dim)])  # [dim]
-    angles = np.arange(num_positions)[:, None] / div[None, :]  # [num_positions, dim], C order as in HF
-    half = (dim + 1) // 2
-    out = torch.empty(num_positions, dim, dtype=torch.float32)
-    out[:, :half] = torch.from_numpy(np.sin(angles[:, 0::2])).to(torch.float32)
-    out[:, half:] = torch.from_numpy(np.cos(angles[:, 1::2])).to(torch.float32)
-    return out
-
-
-class BartSinusoidalPositionalEmbedding(nn.Module):
-    """Fixed sinusoidal positions. The table is computed, not learned: the model is built on
-    the meta device, so ``load_weights`` fills it (:meth:`reset_table`); a checkpoint that
-    carries ``embed_positions.weight`` (older HF saves) overwrites it with the same values."""
-
-    def __init__(self, num_positions: int, dim: int, offset: int) -> None:
-        super().__init__()
-        self.offset = offset
-        self.register_buffer("weight", torch.empty(num_positions + offset, dim), persistent=False)
-
-    @torch.no_grad()
-    def reset_table(self) -> None:
-        self.weight.copy_(sinusoidal_table(*self.weight.shape))
-
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        return nn.functional.embedding(positions + self.offset, self.weight)
+    def __post_init__(self) -> None:
+        if self.sinusoidal_positions and self.fairseq_positions:
+            raise ValueError("BartVariant: sinusoidal_positions and fairseq_positions exclude each other")
 
 
 class _SelfAttention(nn.Module):
@@ -218,15 +185,12 @@ class _Stack(nn.Module):
         dim = config.d_model
         self.embed_scale = math.sqrt(dim) if config.scale_embedding else 1.0
         self.embed_tokens = embed_tokens
-        positions_cls = (
-            BartSinusoidalPositionalEmbedding if variant.sinusoidal_positions else BartLearnedPositionalEmbedding
-        )
-        self.embed_positions = positions_cls(config.max_position_embeddings, dim, variant.position_offset)
+        self.embed_positions = make_position_embedding(config, variant)
         self.layernorm_embedding = nn.LayerNorm(dim) if variant.layernorm_embedding else None
         self.layer_norm = nn.LayerNorm(dim) if variant.final_layer_norm else None
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids) * self.embed_scale + self.embed_positions(positions)
+        h = self.embed_tokens(input_ids) * self.embed_scale + self.embed_positions(positions, input_ids)
         return self.layernorm_embedding(h) if self.layernorm_embedding is not None else h
 
     def finish(self, h: torch.Tensor) -> torch.Tensor:
@@ -324,7 +288,8 @@ class BartForConditionalGeneration(EncoderDecoderModel):
 
         var = cls.variant
         norm, attn = 2 * d, 4 * linear(d, d)  # self-attention: q, k, v, out; cross: q, kv (2), out
-        stack = 0 if var.sinusoidal_positions else (config.max_position_embeddings + var.position_offset) * d
+        computed = var.sinusoidal_positions or var.fairseq_positions
+        stack = 0 if computed else (config.max_position_embeddings + var.position_offset) * d
         stack += norm * (var.layernorm_embedding + var.final_layer_norm)
         encoder_layer = attn + ffn(config.encoder_ffn_dim) + 2 * norm
         decoder_layer = 2 * attn + ffn(config.decoder_ffn_dim) + 3 * norm

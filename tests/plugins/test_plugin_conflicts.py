@@ -64,7 +64,8 @@ def report(*eps):
 def test_the_plugin_that_registers_second_is_broken_and_tandems_stay_healthy(obj, hook, kind, name, target):
     infos = report(ep("aaa-evil", f"test_plugin_conflicts:{obj}"), TANDEM_MODELS, TANDEM_SDPA)
     assert infos["tandem-models"].error is None
-    assert infos["tandem-models"].models == ["BartForConditionalGeneration", "BartModel",
+    assert infos["tandem-models"].models == ["BartForConditionalGeneration", "BartModel", "M2M100ForConditionalGeneration",
+                                             "MBartForConditionalGeneration", "PegasusForConditionalGeneration",
                                              "WhisperForConditionalGeneration"]
     assert infos["tandem-torch-sdpa"].error is None and infos["tandem-torch-sdpa"].backends == ["torch_sdpa"]
     tandem_plugin = "tandem-models" if kind == "model architecture" else "tandem-torch-sdpa"
@@ -152,7 +153,8 @@ def test_cli_blames_the_conflicting_packages_not_tandem(conflicting_install):
     assert res.returncode == 1, res.stderr
     out = res.stdout
     assert ("tandem-models  (tandem.model_zoo.plugin, from tandem-engine)\n"
-            "    models:   BartForConditionalGeneration, BartModel, WhisperForConditionalGeneration") in out
+            "    models:   BartForConditionalGeneration, BartModel, M2M100ForConditionalGeneration, "
+            "MBartForConditionalGeneration, PegasusForConditionalGeneration, WhisperForConditionalGeneration") in out
     assert "tandem-torch-sdpa  (tandem.backends.plugin:torch_sdpa, from tandem-engine)\n    backends: torch_sdpa" in out
     assert ("aaa-bart  (evil_model_plugin, from evilmodels)  BROKEN: failed in tandem_register_models: model "
             "architecture 'BartForConditionalGeneration' is registered twice: by plugin 'tandem-models' "
