@@ -23,6 +23,9 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from tandem.backends.installed import dist_version as _version
+from tandem.backends.installed import package_dirs as _package_dirs
+
 MAX_HEAD_SIZE = 256
 HEAD_ALIGN = 8  # 16 bytes of a 16-bit dtype: what every FlashAttention build asks of the head dim
 FA2_PAGE_MULTIPLE = 256  # mha_varlen_fwd's rule for block_table, in flash-attn 2 and in torch's build
@@ -142,22 +145,6 @@ def fa4_head_size_problem(capability: tuple[int, int], head_size: int) -> str | 
 
 
 # -- what is installed ----------------------------------------------------------------
-
-
-def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _package_dirs(package: str) -> list[Path]:
-    """Where a top-level package's files are, found without importing it."""
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        return []
-    return [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
 
 
 def parameters_from_source(source: str, function: str) -> list[inspect.Parameter] | None:

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from tandem.backends.installed import dist_version as _dist_version
+from tandem.backends.installed import package_dirs as _package_dirs
 from tandem.core.attention import (
     AttentionBackend,
     AttentionImpl,
@@ -62,19 +64,6 @@ HEAD_ALIGN = 8
 
 
 INSTALL_HINT = "pip install 'tandem-engine[xformers]'"
-
-
-def _dist_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _package_dirs(name: str) -> list[Path]:
-    """Where top-level package ``name`` would import from, found without importing it."""
-    spec = importlib.util.find_spec(name)
-    return [Path(p) for p in (spec.submodule_search_locations or ())] if spec is not None else []
 
 
 def flash_attn_range() -> tuple[str, str] | None:
