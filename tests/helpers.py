@@ -129,6 +129,24 @@ def assert_preempted(llm, mode: str) -> None:
         assert stats["swapped_out_blocks"] > 0 and stats["swapped_in_blocks"] == stats["swapped_out_blocks"]
 
 
+def generate_preempted_and_ample(model_dir: Path, prompts, params, mode: str, num_kv_blocks: int = 60):
+    """The same greedy batch through a KV pool of ``num_kv_blocks`` blocks of 4 (asserted
+    to preempt in ``mode`` and to end with every block free) and through an ample one
+    (asserted not to preempt): both outputs."""
+    from tandem import LLM
+
+    llm = LLM(model=str(model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=num_kv_blocks,
+              preemption_mode=mode)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert_preempted(llm, mode)
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks() == bm.num_total_blocks()
+    ample = LLM(model=str(model_dir), dtype="float32", device="cpu", block_size=4)
+    ref = ample.generate(prompts, params, use_tqdm=False)
+    assert ample.get_stats()["num_preemptions"] == 0
+    return outs, ref
+
+
 def hf_search(model_dir: Path, encoder_ids: list[int], decoder_ids: list[int] | None, **kwargs):
     """HF ``generate`` on one prompt with ``kwargs`` (beam or greedy): per returned
     sequence, its new tokens (after ``decoder_ids``, or after HF's own start token)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from helpers import WORDS, assert_preempted, hf_greedy
+from helpers import WORDS, generate_preempted_and_ample, hf_greedy
 from tandem import LLM, SamplingParams
 
 
@@ -104,20 +104,12 @@ def test_block_sizes_and_min_tokens_match_hf(bart_dir, block_size):
 def test_preemption_keeps_outputs_identical(bart_dir, mode):
     prompts = _prompts(2, 16)
     params = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=40)
-    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=60,
-              preemption_mode=mode)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert_preempted(llm, mode)
-    ample = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=4)
-    ref = ample.generate(prompts, params, use_tqdm=False)
-    assert ample.get_stats()["num_preemptions"] == 0
+    outs, ref = generate_preempted_and_ample(bart_dir, prompts, params, mode)
     for o, r in zip(outs, ref):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
         assert len(o.outputs[0].token_ids) == 40
     # and the unpreempted run is itself HF's answer
     _check_against_hf(bart_dir, ref[:4], 40, 40)
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks() == bm.num_total_blocks()
 
 
 @pytest.mark.parametrize("zero_logits_bias", [True, False])

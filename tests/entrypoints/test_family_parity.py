@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY_DIMS, assert_preempted, hf_greedy, hf_search
+from helpers import TINY_DIMS, generate_preempted_and_ample, hf_greedy, hf_search
 from tandem import LLM, SamplingParams
 
 VOCAB = 96
@@ -195,19 +195,12 @@ def test_preemption_keeps_outputs_identical(family, mode):
     name, path = family
     prompts = _prompts(name, 3, 12)
     params = SamplingParams(temperature=0.0, num_beams=1, max_tokens=30, min_tokens=30)
-    llm = LLM(model=str(path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=60, preemption_mode=mode)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert_preempted(llm, mode)
-    ample = LLM(model=str(path), dtype="float32", device="cpu", block_size=4)
-    ref = ample.generate(prompts, params, use_tqdm=False)
-    assert ample.get_stats()["num_preemptions"] == 0
+    outs, ref = generate_preempted_and_ample(path, prompts, params, mode)
     for o, r in zip(outs, ref):
         assert o.error is None, o.error
         assert o.outputs[0].token_ids == r.outputs[0].token_ids and len(r.outputs[0].token_ids) == 30
     for r in ref[:4]:  # and the unpreempted run is HF's answer
         assert r.outputs[0].token_ids == hf_greedy(path, r.encoder_prompt_token_ids, r.prompt_token_ids, 30, 30)
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks() == bm.num_total_blocks()
 
 
 def test_nllb_pad_tokens_take_hfs_padding_position(tmp_path):
