@@ -242,6 +242,12 @@ class T5ForConditionalGeneration(EncoderDecoderModel):
                 f"config.json: relative_attention_num_buckets={config.relative_attention_num_buckets} "
                 "must be at least 4 (half exact, half log-spaced, in each direction)"
             )
+        exact = config.relative_attention_num_buckets // 2  # the causal stack's exact buckets
+        if config.relative_attention_max_distance <= exact:
+            raise ValueError(
+                f"config.json: relative_attention_max_distance={config.relative_attention_max_distance} must "
+                f"exceed relative_attention_num_buckets // 2 = {exact} (the log-spaced buckets span the rest)"
+            )
         eps = getattr(config, "layer_norm_epsilon", None)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
             raise ValueError(f"config.json: layer_norm_epsilon={eps!r} must be a positive number")
