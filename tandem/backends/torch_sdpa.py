@@ -3,6 +3,10 @@
 Runs on CPU and CUDA. Sequences with several new tokens (prefills) run one
 SDPA call each over 4-D views; single-token sequences (decodes) run batched,
 their keys gathered from the paged cache and padded under a length mask.
+
+Serves the ``"relative_position_bias"`` feature (T5): the bias of each encoder run,
+prefill and the decode batch becomes SDPA's additive mask, computed from positions
+once per stack (:meth:`RelativePositionBias.memo`) and read by every layer.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from tandem.core.attention import (
     BackendCapabilities,
 )
 from tandem.core.kv.cache_ops import GatherWorkspace, gather_from_paged_cache
+from tandem.core.relative_position import FEATURE as RELATIVE_POSITION_BIAS
+from tandem.core.relative_position import RelativePositionBias
 
 
 @dataclass
@@ -48,6 +54,7 @@ class SDPAMetadata(AttentionMetadata):
 class TorchSDPAMetadata(SDPAMetadata):
     # Decodes run batched over gathered, padded K/V.
     decode_mask: torch.Tensor  # [D, 1, 1, decode_blocks * block_size] self keys to attend
+    decode_lens: torch.Tensor  # [D] cached + new tokens of each decoding sequence
     decode_blocks: int  # block-table columns the decodes need (gathers stop there)
     # (query row, first slot, encoder length) of decodes whose cross K/V is read
     # through a view of the cache; the rest gather.
@@ -143,6 +150,7 @@ class TorchSDPAMetadataBuilder(SDPAMetadataBuilderBase):
             inputs,
             **common,
             decode_mask=_length_mask(decode_lens, decode_blocks * bs),
+            decode_lens=decode_lens,
             decode_blocks=decode_blocks,
             decode_cross_views=views,
             decode_cross_gather=gather_t,
@@ -150,6 +158,11 @@ class TorchSDPAMetadataBuilder(SDPAMetadataBuilderBase):
             decode_cross_mask=_length_mask(gather_cross_lens, cross_blocks * bs),
             decode_cross_blocks=cross_blocks,
         )
+
+
+def _with_causal(bias: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """``bias`` ``[H, q, k]`` with ``-inf`` where a key comes after its query."""
+    return bias.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -169,15 +182,21 @@ class SDPAImplBase(AttentionImpl):
         kv_cache: torch.Tensor | None,  # None for ENCODER
         attn_metadata: SDPAMetadata,
         attn_type: AttentionType,
+        position_bias: RelativePositionBias | None = None,
     ) -> torch.Tensor:
         md = attn_metadata
+        pb = position_bias
         self.write_new_kv(key, value, kv_cache, md, attn_type)
         out = torch.empty_like(query)
         gqa = self.num_kv_heads != self.num_heads
         if attn_type is AttentionType.ENCODER:
             for start, n in md.encoder_runs:
                 q, k, v = (_heads_first(t[start : start + n]) for t in (query, key, value))
-                o = F.scaled_dot_product_attention(q, k, v, scale=self.scale, enable_gqa=gqa)
+                mask = None
+                if pb is not None:  # positions 0..n-1 on both sides
+                    pos = torch.arange(n, device=query.device)
+                    mask = pb.memo(("encoder", start), lambda: pb.bias(pos, pos).to(query.dtype)[None])
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
                 out[start : start + n] = o[0].transpose(0, 1)
             return out
 
@@ -203,6 +222,12 @@ class SDPAImplBase(AttentionImpl):
                 key_pos = torch.arange(seq_len, device=query.device)
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
                 mask, causal = key_pos[None, :] <= q_pos[:, None], False
+            if pb is not None and not is_cross:  # the bias, -inf above the diagonal, as one float mask
+                key_pos = torch.arange(seq_len, device=query.device)
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+                mask = pb.memo(("prefill", i), lambda: _with_causal(pb.bias(q_pos, key_pos), q_pos, key_pos)
+                               .to(query.dtype)[None])
+                causal = False
             o = F.scaled_dot_product_attention(
                 q, _heads_first(k), _heads_first(v), attn_mask=mask, is_causal=causal,
                 scale=self.scale, enable_gqa=gqa,
@@ -210,7 +235,10 @@ class SDPAImplBase(AttentionImpl):
             out[start : start + q_len] = o[0].transpose(0, 1)
 
         if md.num_decodes:
-            self.forward_decodes(query, kv_cache, md, is_cross, out)
+            if pb is not None and not is_cross:
+                self.forward_decodes(query, kv_cache, md, is_cross, out, position_bias=pb)
+            else:
+                self.forward_decodes(query, kv_cache, md, is_cross, out)
         return out
 
     @abstractmethod
@@ -234,7 +262,7 @@ class SDPAImplBase(AttentionImpl):
 
 
 class TorchSDPAImpl(SDPAImplBase):
-    def forward_decodes(self, query, kv_cache, md: TorchSDPAMetadata, is_cross, out) -> None:
+    def forward_decodes(self, query, kv_cache, md: TorchSDPAMetadata, is_cross, out, position_bias=None) -> None:
         gqa = self.num_kv_heads != self.num_heads
         if is_cross:
             for row, first, n in md.decode_cross_views:
@@ -251,7 +279,19 @@ class TorchSDPAImpl(SDPAImplBase):
                                      out, gqa, md.workspace)
             return
         tables = md.block_tables.index_select(0, md.decode_seqs)[:, : md.decode_blocks]
-        self._batched_decode(query, kv_cache, tables, md.decode_mask, md.decode_rows, out, gqa, md.workspace)
+        mask = md.decode_mask
+        if position_bias is not None:
+            mask = position_bias.memo(("decode",), lambda: self._decode_bias(position_bias, md, query.dtype))
+        self._batched_decode(query, kv_cache, tables, mask, md.decode_rows, out, gqa, md.workspace)
+
+    @staticmethod
+    def _decode_bias(pb: RelativePositionBias, md: TorchSDPAMetadata, dtype: torch.dtype) -> torch.Tensor:
+        """``[D, H, 1, L]``: each decode's query at ``seq_len - 1`` over keys ``0..L-1``,
+        ``-inf`` past its length."""
+        width = md.decode_mask.shape[-1]
+        key_pos = torch.arange(width, device=md.decode_lens.device).expand(md.num_decodes, width)
+        bias = pb.bias((md.decode_lens - 1)[:, None], key_pos)  # [D, H, 1, L]
+        return bias.to(dtype).masked_fill(~md.decode_mask, float("-inf"))
 
     def _batched_decode(self, query, kv_cache, tables, mask, rows, out, gqa, workspace) -> None:
         """One SDPA call for single-token queries over keys gathered and padded."""
@@ -269,6 +309,7 @@ class TorchSDPABackend(AttentionBackend):
     capabilities = BackendCapabilities(
         devices=("cpu", "cuda"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        attn_features=frozenset({RELATIVE_POSITION_BIAS}),
         notes="prefills one SDPA call per sequence; decodes batched over gathered, padded K/V",
     )
 

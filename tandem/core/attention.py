@@ -158,6 +158,10 @@ class AttentionImpl(ABC):
     ``[num_tokens, num_heads, head_size]``. :meth:`write_new_kv` does the write
     in one line; it stores through :meth:`write_kv_cache`, which serves the
     default layout and is what a backend with its own layout overrides.
+
+    A backend that declares the ``"relative_position_bias"`` feature also takes a
+    ``position_bias`` keyword (:class:`tandem.core.relative_position.RelativePositionBias`)
+    for self-attention layers, and adds its ``bias(query_pos, key_pos)`` to the scores.
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
@@ -334,11 +338,15 @@ class BackendCapabilities:
             served = [t.value for t in AttentionType if t in self.attn_types]
             reasons.append(f"attention {_plural('kind', missing)} not served (it serves "
                            f"{', '.join(served) or 'none'})")
+        return reasons + self.feature_reasons(attn_features)
+
+    def feature_reasons(self, attn_features: Iterable[str]) -> list[str]:
+        """One reason naming the ``attn_features`` not declared here; empty when all are."""
         features = sorted(set(attn_features) - self.attn_features)
-        if features:
-            reasons.append(f"attention {_plural('feature', features)} not served (it serves "
-                           f"{', '.join(sorted(self.attn_features)) or 'none'})")
-        return reasons
+        if not features:
+            return []
+        return [f"attention {_plural('feature', features)} not served (it serves "
+                f"{', '.join(sorted(self.attn_features)) or 'none'})"]
 
     def describe(self) -> dict[str, str]:
         """Each field as one line of text."""
@@ -462,6 +470,17 @@ class AttentionBackend(ABC):
                                                        kv_cache_dtype)
         return reasons + cls.extra_unsupported_reasons(device, dtype, head_size, attn_types, block_size,
                                                        kv_cache_dtype)
+
+    @classmethod
+    def feature_reasons(cls, attn_features: frozenset[str]) -> list[str]:
+        """Why this backend cannot serve a model that needs ``attn_features`` (e.g.
+        ``"relative_position_bias"``): one reason naming those it does not declare in
+        ``capabilities.attn_features``. Asked apart from :meth:`unsupported_reasons`, so
+        backends that override that keep their signature; the registry asks both."""
+        if not attn_features:
+            return []
+        served = cls.capabilities.attn_features if cls.capabilities is not None else frozenset()
+        return BackendCapabilities(devices=(), dtypes=(), attn_features=served).feature_reasons(attn_features)
 
     @classmethod
     def extra_unsupported_reasons(

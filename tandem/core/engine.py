@@ -65,6 +65,7 @@ class LLMEngine:
         selection = backend_registry.select(
             config.attention_backend, device=device, dtype=dtype, head_size=spec.head_size,
             attn_types=frozenset(AttentionType), block_size=config.block_size, kv_cache_dtype=dtype,
+            attn_features=self.model_cls.attn_features(self.hf_config),
         )
         self.attn_backend, self._backend_reason = selection.backend, selection.reason
         self.generation_defaults = load_generation_defaults(config.model_path, self.hf_config, config.generation_config)

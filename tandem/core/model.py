@@ -69,6 +69,14 @@ class EncoderDecoderModel(nn.Module, ABC):
     @abstractmethod
     def kv_cache_spec(cls, config: "PretrainedConfig") -> KVCacheSpec: ...
 
+    @classmethod
+    def attn_features(cls, config: "PretrainedConfig") -> frozenset[str]:
+        """Attention features beyond plain scaled dot-product attention this model needs
+        from its backend (``BackendCapabilities.attn_features``), e.g.
+        ``{"relative_position_bias"}`` (T5). Backends that do not declare them are passed
+        over; naming one is an error that says so. None by default."""
+        return frozenset()
+
     # Integer config fields that set the model's size; size errors name them with their values.
     config_size_fields: tuple[str, ...] = ()
 

@@ -8,5 +8,7 @@ _CONDITIONAL_GENERATION_MODELS: dict[str, tuple[str, str]] = {
     "MBartForConditionalGeneration": ("bart_family", "MBartForConditionalGeneration"),
     "M2M100ForConditionalGeneration": ("bart_family", "M2M100ForConditionalGeneration"),
     "PegasusForConditionalGeneration": ("bart_family", "PegasusForConditionalGeneration"),
+    "T5ForConditionalGeneration": ("t5", "T5ForConditionalGeneration"),
+    "MT5ForConditionalGeneration": ("t5", "T5ForConditionalGeneration"),
     "WhisperForConditionalGeneration": ("whisper", "WhisperForConditionalGeneration"),
 }

@@ -58,13 +58,17 @@ class AttentionBackendRegistry(LazyRegistry[AttentionBackend]):
         attn_types: frozenset[AttentionType],
         block_size: int,
         kv_cache_dtype: torch.dtype | None = None,
+        attn_features: frozenset[str] = frozenset(),
     ) -> BackendSelection:
         """Explicit name, then ``$TANDEM_ATTENTION_BACKEND``, then the highest-priority
-        backend that can serve (ties by name)."""
+        backend that can serve (ties by name). ``attn_features``: the attention features
+        the model needs (``EncoderDecoderModel.attn_features``); a backend that does not
+        declare them cannot serve."""
         kv_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
 
         def reasons_of(backend: type[AttentionBackend]) -> list[str]:
-            return backend.unsupported_reasons(device, dtype, head_size, attn_types, block_size, kv_dtype)
+            reasons = backend.unsupported_reasons(device, dtype, head_size, attn_types, block_size, kv_dtype)
+            return reasons + backend.feature_reasons(frozenset(attn_features))
 
         name = requested or os.environ.get(ENV_VAR) or None
         if name is not None:

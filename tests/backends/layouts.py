@@ -8,13 +8,16 @@ metadata builder), so the check depends on the backend interface only.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from tandem.core.attention import AttentionBackend, AttentionType, KVCacheSpec, StepInputs
 from tandem.core.layers import Attention
+from tandem.core.relative_position import RelativePositionBias
 
 NUM_HEADS = 4
 D = 8  # default head size
@@ -147,11 +150,44 @@ def step_inputs(seqs: list[Seq], block_size: int) -> StepInputs:
     )
 
 
-def reference(q, k, v, scale, causal_offset=None):
-    """float64 attention of q [q_len, H, D] over k, v [L, KVH, D] (KV heads repeated for GQA)."""
+# The relative position bias cases (``check_backend(..., bias=True)``): T5's bucketing
+# with few buckets and a short max distance, so exact, log-spaced and clipped buckets all
+# occur at the layouts' lengths (up to ~120).
+BIAS_BUCKETS, BIAS_MAX_DISTANCE = 16, 24
+
+
+def bucket_of(rel: int, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
+    """T5's bucket of one ``key_pos - query_pos``, written from Mesh TensorFlow's
+    definition one scalar at a time (the log in float32, as T5 computes it)."""
+    offset = 0
+    if bidirectional:
+        num_buckets //= 2
+        offset = num_buckets if rel > 0 else 0
+        n = abs(rel)
+    else:
+        n = max(-rel, 0)
+    max_exact = num_buckets // 2
+    if n < max_exact:
+        return offset + n
+    f32 = np.float32
+    scaled = np.log(f32(n) / f32(max_exact)) / f32(math.log(max_distance / max_exact)) * f32(num_buckets - max_exact)
+    return offset + min(max_exact + int(scaled), num_buckets - 1)
+
+
+def reference_bias(table: torch.Tensor, q_pos: range, k_pos: range, bidirectional: bool) -> torch.Tensor:
+    """``[H, q, k]`` float64 bias from ``table`` ``[num_buckets, H]``."""
+    rows = [[bucket_of(k - q, bidirectional, table.shape[0], BIAS_MAX_DISTANCE) for k in k_pos] for q in q_pos]
+    return table.double()[torch.tensor(rows, dtype=torch.long).reshape(len(q_pos), len(k_pos))].permute(2, 0, 1)
+
+
+def reference(q, k, v, scale, causal_offset=None, bias=None):
+    """float64 attention of q [q_len, H, D] over k, v [L, KVH, D] (KV heads repeated for GQA),
+    ``bias`` [H, q_len, L] added to the scaled scores."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if bias is not None:
+        scores = scores + bias
     if causal_offset is not None:
         qpos = torch.arange(q.shape[0])[:, None] + causal_offset
         scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > qpos, float("-inf"))
@@ -203,6 +239,7 @@ def check_backend(
     num_heads: int = NUM_HEADS,
     tolerances: tuple[float, float, float] | None = None,
     layout: tuple[list[Seq], int] | None = None,
+    bias: bool = False,
 ) -> None:
     """Run the three attention kinds through ``backend`` (its metadata builder, its
     impl behind the ``Attention`` layer, one cache per layer from its own
@@ -212,7 +249,9 @@ def check_backend(
     ``dtype`` (inputs are rounded to ``dtype`` first; the reference is float64 on
     the rounded values). ``num_heads`` query heads; ``tolerances`` (absolute,
     relative, norm-wise) replace the float32 / bfloat16 bars; ``layout`` (sequences
-    and pool size) replaces the random one."""
+    and pool size) replaces the random one. ``bias``: the ``"relative_position_bias"``
+    feature too, a random table handed to the encoder (bidirectional) and decoder
+    self-attention (causal) layers, none to cross attention."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     seqs, num_blocks = random_layout(rng, block_size, mix) if layout is None else layout
@@ -232,6 +271,16 @@ def check_backend(
     def rand(n, heads):  # dtype values held in float64: backend and reference see the same inputs
         return torch.randn(n, heads, head_size, generator=g).to(dtype).double()
 
+    table = torch.randn(BIAS_BUCKETS, num_heads, generator=g).to(dtype).double() if bias else None
+
+    def bias_of(bidirectional):  # one per stack and step, as a model makes them
+        if table is None:
+            return None
+        return RelativePositionBias(table.to(dev, dtype), BIAS_BUCKETS, BIAS_MAX_DISTANCE, bidirectional)
+
+    def ref_bias(q_pos, k_pos, bidirectional):
+        return None if table is None else reference_bias(table, q_pos, k_pos, bidirectional)
+
     def slots_on(table, positions):
         return slots(table, positions, block_size).to(dev)
 
@@ -250,11 +299,14 @@ def check_backend(
             if s.run_encoder:
                 ck_new.append(ck), cv_new.append(cv)
                 eq, ek, ev = rand(s.enc_len, num_heads), rand(s.enc_len, num_kv_heads), rand(s.enc_len, num_kv_heads)
-                enc.append((eq, ek, ev)), want_enc.append(reference(eq, ek, ev, scale))
+                enc.append((eq, ek, ev))
+                want_enc.append(reference(eq, ek, ev, scale,
+                                          bias=ref_bias(range(s.enc_len), range(s.enc_len), True)))
             else:
                 impl.write_kv_cache(ck.to(dev, dtype), cv.to(dev, dtype), cache, slots_on(s.cross, range(s.enc_len)))
         qs.append(q), k_new.append(k[s.ctx :]), v_new.append(v[s.ctx :])
-        want_self.append(reference(q, k, v, scale, causal_offset=s.ctx))
+        want_self.append(reference(q, k, v, scale, causal_offset=s.ctx,
+                                   bias=ref_bias(range(s.ctx, total), range(total), False)))
         want_cross.append(reference(q, ck, cv, scale))
 
     def packed(ts):  # [n, heads, D] pieces -> dtype [N, heads, D] on the device
@@ -269,7 +321,9 @@ def check_backend(
 
     q, k, v = packed(qs), packed(k_new), packed(v_new)
     before = cache.clone()
-    check(layers[AttentionType.DECODER](q.flatten(1), k.flatten(1), v.flatten(1), cache, md), want_self)
+    decoder_bias = bias_of(False)
+    check(layers[AttentionType.DECODER](q.flatten(1), k.flatten(1), v.flatten(1), cache, md,
+                                        position_bias=decoder_bias), want_self)
     _check_write(backend, impl, before, cache, k, v, md.slot_mapping, block_size)
 
     before = cache.clone()
@@ -293,7 +347,9 @@ def check_backend(
     if enc:
         eq, ek, ev = (packed([e[i] for e in enc]).flatten(1) for i in range(3))
         before = cache.clone()
-        check(layers[AttentionType.ENCODER](eq, ek, ev, None, md), want_enc)
+        check(layers[AttentionType.ENCODER](eq, ek, ev, None, md, position_bias=bias_of(True)), want_enc)
         assert torch.equal(cache, before), "encoder self-attention wrote the cache"
-    # The decoder again over the same step: it reads back what it wrote.
-    check(layers[AttentionType.DECODER](q.flatten(1), k.flatten(1), v.flatten(1), cache, md), want_self)
+    # The decoder again over the same step: it reads back what it wrote (and, with a bias,
+    # a second layer of the stack reads the same bias object).
+    check(layers[AttentionType.DECODER](q.flatten(1), k.flatten(1), v.flatten(1), cache, md,
+                                        position_bias=decoder_bias), want_self)

@@ -96,8 +96,8 @@ def test_attention_features_are_checked_against_the_declared_ones():
     caps = Narrow.capabilities
     assert caps.unsupported_reasons(CUDA, F16, 64, ALL - {AttentionType.ENCODER_DECODER}, 16, F16,
                                     frozenset({"relative_position_bias"})) == []
-    plain = TorchSDPABackend.capabilities
-    assert plain.attn_features == frozenset()
+    assert TorchSDPABackend.capabilities.attn_features == frozenset({"relative_position_bias"})
+    plain = dataclasses.replace(TorchSDPABackend.capabilities, attn_features=frozenset())
     assert plain.unsupported_reasons(CPU, F32, 64, ALL, 16, F32, frozenset({"relative_position_bias", "alibi"})) == [
         "attention features alibi, relative_position_bias are not served (it serves none)"
     ]
@@ -126,6 +126,34 @@ def test_selection_reports_declared_reasons_and_still_honours_an_overriding_chec
     with pytest.raises(BackendUnavailableError, match=r"'undeclared' cannot serve this model: Undeclared declares "
                        r"no capabilities"):
         reg.select("undeclared", **serve)
+
+
+class Fast(TorchSDPABackend):
+    """Ranks above torch_sdpa and declares no attention feature."""
+
+    name = "fast"
+    priority = 50
+    capabilities = dataclasses.replace(TorchSDPABackend.capabilities, attn_features=frozenset())
+
+
+def test_a_model_needing_a_feature_passes_over_backends_without_it_and_refuses_them_by_name():
+    reg = AttentionBackendRegistry()
+    for cls in (Fast, TorchSDPABackend, OwnCheck):
+        reg.register_backend(cls.name, cls)
+    serve = dict(device=CPU, dtype=F32, head_size=64, attn_types=ALL, block_size=16)
+    assert reg.select(None, **serve).backend is Fast  # no feature asked for: the fastest
+    bias = dict(serve, attn_features=frozenset({"relative_position_bias"}))
+    sel = reg.select(None, **bias)
+    assert sel.backend is TorchSDPABackend
+    assert ("passed over: fast (priority 50): attention feature relative_position_bias is not served "
+            "(it serves none)") in sel.reason
+    with pytest.raises(BackendUnavailableError, match=r"^attention_backend='fast' cannot serve this model: "
+                       r"attention feature relative_position_bias is not served \(it serves none\)$"):
+        reg.select("fast", **bias)
+    # A backend that overrides unsupported_reasons (the old signature) is asked about features apart.
+    assert reg.select("own_check", **dict(bias, head_size=80)).backend is OwnCheck
+    assert Fast.feature_reasons(frozenset()) == [] and Undeclared.feature_reasons(frozenset({"x"})) == [
+        "attention feature x is not served (it serves none)"]
 
 
 def test_size_rules_state_what_they_allow():

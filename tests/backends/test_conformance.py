@@ -68,6 +68,32 @@ def test_bfloat16_within_its_measured_tolerance(name, block_size, seed):
     check_backend(_load(name, 64, block_size, torch.bfloat16), seed, block_size, 2, 64, "mixed", dtype=torch.bfloat16)
 
 
+def _serves_bias(name) -> None:
+    reasons = default_backend_registry().load(name).feature_reasons(frozenset({"relative_position_bias"}))
+    if reasons:
+        pytest.skip(f"{name}: {'; '.join(reasons)}")
+
+
+@pytest.mark.parametrize("name", _backends())
+@pytest.mark.parametrize("heads", [(4, 8), (1, 64)], ids=["mha", "mqa-d64"])  # (num_kv_heads, D)
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("seed", range(2))
+def test_relative_position_bias_matches_float64(name, heads, block_size, mix, seed):
+    """Backends that declare the feature: T5's bucketed bias, bidirectional over encoder runs,
+    causal over prefills, chunks and decodes from the paged cache, none in cross attention."""
+    _serves_bias(name)
+    num_kv_heads, head_size = heads
+    check_backend(_load(name, head_size, block_size), seed, block_size, num_kv_heads, head_size, mix, bias=True)
+
+
+@pytest.mark.parametrize("name", _backends())
+@pytest.mark.parametrize("seed", range(2))
+def test_relative_position_bias_bfloat16(name, seed):
+    _serves_bias(name)
+    check_backend(_load(name, 64, 16, torch.bfloat16), seed, 16, 2, 64, "mixed", dtype=torch.bfloat16, bias=True)
+
+
 @pytest.mark.parametrize("name", default_backend_registry().names())
 def test_swap_and_copy_move_exactly_the_listed_blocks(name):
     # The cache ops are torch indexing on any device: checked on CPU for every backend,

@@ -65,7 +65,8 @@ def test_the_plugin_that_registers_second_is_broken_and_tandems_stay_healthy(obj
     infos = report(ep("aaa-evil", f"test_plugin_conflicts:{obj}"), TANDEM_MODELS, TANDEM_SDPA)
     assert infos["tandem-models"].error is None
     assert infos["tandem-models"].models == ["BartForConditionalGeneration", "BartModel", "M2M100ForConditionalGeneration",
-                                             "MBartForConditionalGeneration", "PegasusForConditionalGeneration",
+                                             "MBartForConditionalGeneration", "MT5ForConditionalGeneration",
+                                             "PegasusForConditionalGeneration", "T5ForConditionalGeneration",
                                              "WhisperForConditionalGeneration"]
     assert infos["tandem-torch-sdpa"].error is None and infos["tandem-torch-sdpa"].backends == ["torch_sdpa"]
     tandem_plugin = "tandem-models" if kind == "model architecture" else "tandem-torch-sdpa"
@@ -154,7 +155,8 @@ def test_cli_blames_the_conflicting_packages_not_tandem(conflicting_install):
     out = res.stdout
     assert ("tandem-models  (tandem.model_zoo.plugin, from tandem-engine)\n"
             "    models:   BartForConditionalGeneration, BartModel, M2M100ForConditionalGeneration, "
-            "MBartForConditionalGeneration, PegasusForConditionalGeneration, WhisperForConditionalGeneration") in out
+            "MBartForConditionalGeneration, MT5ForConditionalGeneration, PegasusForConditionalGeneration, "
+            "T5ForConditionalGeneration, WhisperForConditionalGeneration") in out
     assert "tandem-torch-sdpa  (tandem.backends.plugin:torch_sdpa, from tandem-engine)\n    backends: torch_sdpa" in out
     assert ("aaa-bart  (evil_model_plugin, from evilmodels)  BROKEN: failed in tandem_register_models: model "
             "architecture 'BartForConditionalGeneration' is registered twice: by plugin 'tandem-models' "

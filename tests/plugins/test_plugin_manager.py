@@ -38,7 +38,8 @@ def _fresh_registries():
 def test_builtins_come_through_the_entry_point_group():
     infos = plugin_manager().plugins
     assert infos["tandem-models"].models == ["BartForConditionalGeneration", "BartModel", "M2M100ForConditionalGeneration",
-                                             "MBartForConditionalGeneration", "PegasusForConditionalGeneration",
+                                             "MBartForConditionalGeneration", "MT5ForConditionalGeneration",
+                                             "PegasusForConditionalGeneration", "T5ForConditionalGeneration",
                                              "WhisperForConditionalGeneration"]
     assert infos["tandem-torch-sdpa"].backends == ["torch_sdpa"]
     assert infos["tandem-models"].distribution == "tandem-engine"

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from tandem.core.attention import AttentionBackend, AttentionMetadata, AttentionType
+from tandem.core.relative_position import RelativePositionBias
 
 
 class Attention(nn.Module):
@@ -16,6 +17,10 @@ class Attention(nn.Module):
     ``key``/``value`` ``[num_kv_tokens, num_kv_heads * head_size]``. For
     ``ENCODER_DECODER`` layers, pass ``key=value=None`` on steps where no
     encoder ran: the cross-attention cache is then the only source of K/V.
+
+    ``position_bias`` (self-attention of models that declare the
+    ``"relative_position_bias"`` feature, e.g. T5) goes to the impl as its
+    ``position_bias`` keyword; only backends that declare the feature get one.
     """
 
     def __init__(
@@ -41,9 +46,13 @@ class Attention(nn.Module):
         value: torch.Tensor | None,
         kv_cache: torch.Tensor | None,
         attn_metadata: AttentionMetadata,
+        position_bias: RelativePositionBias | None = None,
     ) -> torch.Tensor:
         q = query.view(-1, self.num_heads, self.head_size)
         k = key.view(-1, self.num_kv_heads, self.head_size) if key is not None else None
         v = value.view(-1, self.num_kv_heads, self.head_size) if value is not None else None
-        out = self.impl.forward(q, k, v, kv_cache, attn_metadata, self.attn_type)
+        if position_bias is None:
+            out = self.impl.forward(q, k, v, kv_cache, attn_metadata, self.attn_type)
+        else:  # a keyword only backends with the feature take (the registry chose one)
+            out = self.impl.forward(q, k, v, kv_cache, attn_metadata, self.attn_type, position_bias=position_bias)
         return out.reshape(-1, self.num_heads * self.head_size)
