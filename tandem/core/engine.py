@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -37,6 +38,7 @@ from tandem.core.strategies.beam import BeamSearchStrategy
 from tandem.core.strategies.prompt_slot import PromptSlot, PromptSlotStrategy
 from tandem.core.strategies.sampling import SamplingStrategy
 from tandem.core.structured_output.manager import StructuredOutputManager
+from tandem.core.structured_output.params import StructuredOutputsParams
 from tandem.core.worker import Worker
 
 
@@ -234,6 +236,14 @@ class LLMEngine:
                  else inputs.encoder_inputs.token_ids or ()),
             inputs.prompt, list(inputs.prompt_token_ids),
         )
+
+    def compile_structured_outputs(self, so: StructuredOutputsParams) -> Future:
+        """A future of ``so``'s compiled grammar, for a frontend that wants a bad spec
+        refused before it queues the request (a server's 400): it fails with a
+        ``ValueError`` (``GrammarCompileError``) naming the field and the cause. The
+        compile is cached, so the request that follows reuses it. Thread-safe; raises
+        ``ImportError`` naming the ``structured`` extra without xgrammar."""
+        return self.structured.grammar(so)
 
     def max_new_tokens(self, prompt: PromptType) -> int:
         """Tokens the model's decoder positions leave after this prompt's decoder prompt;

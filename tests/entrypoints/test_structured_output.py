@@ -273,6 +273,20 @@ def test_identical_specs_compile_once(llm, monkeypatch):
     assert calls == [so]
 
 
+def test_a_frontend_can_check_a_spec_before_queueing_it(llm):
+    """The server's hook: a bad spec fails its future with the field and the cause, a
+    good one compiles (and the request that follows reuses the compile)."""
+    from tandem.core.structured_output.backend import GrammarCompileError
+
+    bad = llm.engine.compile_structured_outputs(SO(json={"type": "object", "properties": {"a": {"type": 5}}}))
+    with pytest.raises(GrammarCompileError, match=r"^StructuredOutputsParams.json: cannot be compiled: ") as e:
+        bad.result(timeout=60)
+    assert isinstance(e.value, ValueError)
+    good = KINDS["grammar"]
+    assert llm.engine.compile_structured_outputs(good).result(timeout=60) is not None
+    assert llm.engine.compile_structured_outputs(SO(grammar=GRAMMAR)) is llm.engine.compile_structured_outputs(good)
+
+
 def test_ignore_eos_still_ends_where_the_grammar_ends(llm):
     so = KINDS["choice"]
     outs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -43,6 +44,9 @@ class StructuredOutputManager:
         self._backend: XgrammarBackend | None = None
         self._executor: cf.ThreadPoolExecutor | None = None
         self._cache: OrderedDict[tuple, cf.Future] = OrderedDict()
+        # grammar() may be called from a frontend thread (a server checking a spec before
+        # it queues the request) while the engine thread adds requests.
+        self._lock = threading.Lock()
         self._bitmask = None  # reused across steps, grown on demand: [rows, ceil(vocab / 32)]
         self._batch = None  # xgrammar's BatchGrammarMatcher
 
@@ -58,31 +62,35 @@ class StructuredOutputManager:
     # -- requests ------------------------------------------------------------
     def grammar(self, so: "StructuredOutputsParams") -> cf.Future:
         """A future of ``so``'s compiled grammar (failing with ``GrammarCompileError``);
-        the compile starts now unless one for an equal spec is done or under way."""
-        backend = self.backend
+        the compile starts now unless one for an equal spec is done or under way.
+        Thread-safe."""
         key = so.cache_key
-        future = self._cache.get(key)
-        if future is not None and not (future.done() and future.exception() is not None):
-            self._cache.move_to_end(key)
+        with self._lock:
+            backend = self.backend
+            future = self._cache.get(key)
+            if future is not None and not (future.done() and future.exception() is not None):
+                self._cache.move_to_end(key)
+                return future
+            if self._executor is None:
+                self._executor = cf.ThreadPoolExecutor(self._max_workers, thread_name_prefix="tandem-grammar")
+            future = self._executor.submit(backend.compile, so)
+            self._cache[key] = future
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
             return future
-        if self._executor is None:
-            self._executor = cf.ThreadPoolExecutor(self._max_workers, thread_name_prefix="tandem-grammar")
-        future = self._executor.submit(backend.compile, so)
-        self._cache[key] = future
-        while len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
-        return future
 
     def strategy(self, so: "StructuredOutputsParams", inner) -> StructuredStrategy:
         """The request's strategy: ``inner`` (plain sampling), constrained to ``so``."""
         return StructuredStrategy(self.grammar(so), self.backend.matcher, inner)
 
     def has_pending(self) -> bool:
-        return any(not f.done() for f in self._cache.values())
+        with self._lock:
+            return any(not f.done() for f in self._cache.values())
 
     def wait(self, timeout: float) -> None:
         """Block until a compile under way finishes, or ``timeout`` seconds."""
-        pending = [f for f in self._cache.values() if not f.done()]
+        with self._lock:
+            pending = [f for f in self._cache.values() if not f.done()]
         if pending:
             cf.wait(pending, timeout, return_when=cf.FIRST_COMPLETED)
 
