@@ -40,6 +40,43 @@ def make_tokenizer(vocab_size: int):
     )
 
 
+# Multi-character tokens of the byte-level test tokenizer, as BPE merges, so grammars
+# see tokens that span several grammar symbols ('{"', '":', 'true', ' "').
+BYTE_MERGES = (("{", '"'), ('"', ":"), ("t", "r"), ("u", "e"), ("tr", "ue"), ("Ġ", '"'), ("a", "t"), ("c", "at"),
+               ("1", "2"), ("\"", ","))
+
+
+def make_byte_tokenizer():
+    """A byte-level BPE tokenizer as BART's (every byte a token, ``BYTE_MERGES`` on top)
+    with BART's special ids: <s>=0 <pad>=1 </s>=2 <unk>=3; 256 + 4 + len(BYTE_MERGES) ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(["<s>", "<pad>", "</s>", "<unk>"])}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    for a, b in BYTE_MERGES:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, list(BYTE_MERGES)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def make_bart_bytes(path: Path, seed: int = 0, head_padding: int = 8, **overrides) -> Path:
+    """A tiny random BART with the byte-level tokenizer (text of any characters), its
+    LM head ``head_padding`` ids wider than the tokenizer's vocabulary."""
+    tok = make_byte_tokenizer()
+    make_bart(path, seed=seed, with_tokenizer=False, vocab_size=len(tok.get_vocab()) + head_padding, **overrides)
+    tok.save_pretrained(path)
+    return Path(path)
+
+
 # Dimensions of every tiny test checkpoint (BART and its relatives), dropout off.
 TINY_DIMS = dict(
     d_model=32,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -36,6 +37,8 @@ from tandem.core.sequence import Sequence, SequenceGroup
 from tandem.core.strategies.beam import BeamSearchStrategy
 from tandem.core.strategies.prompt_slot import PromptSlot, PromptSlotStrategy
 from tandem.core.strategies.sampling import SamplingStrategy
+from tandem.core.structured_output.manager import StructuredOutputManager
+from tandem.core.structured_output.params import StructuredOutputsParams
 from tandem.core.worker import Worker
 
 
@@ -84,11 +87,13 @@ class LLMEngine:
         self.block_manager = BlockManager(config.block_size, num_blocks, num_cpu_blocks)
         self._seq_ids = itertools.count()
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.eos_token_ids, self._seq_ids)
+        self.vocab_size = self.model_cls.vocab_size(self.hf_config)
+        # Nothing is imported or built for structured output until a request asks for it.
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.core = EngineCore(self.scheduler_config, self.block_manager, self.worker, self.scheduler,
-                               config.max_consecutive_step_failures)
+                               config.max_consecutive_step_failures, self.structured)
         self.input_processor = InputProcessor(self.hf_config, self.model_cls, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.vocab_size = self.model_cls.vocab_size(self.hf_config)
         # One record (never interleaved with another thread's), one fact per line: a short
         # head, then indented lines; the backends passed over one per line too.
         backend_reason = self._backend_reason.replace(" | ", "\n      | ")
@@ -207,6 +212,10 @@ class LLMEngine:
             strategy = BeamSearchStrategy(params, prompt_len, frozenset(stops))
         else:
             strategy = SamplingStrategy()
+        if params.structured_outputs is not None:
+            # Raises ImportError (no xgrammar) or ValueError (no tokenizer, no EOS) at the door;
+            # the compile itself runs off the step loop and a failure is this request's error.
+            strategy = self.structured.strategy(params.structured_outputs, strategy)
         group.strategy = PromptSlotStrategy(prompt_slot, strategy) if prompt_slot is not None else strategy
         # Every sequence at full length must fit the pool, or it would preempt itself
         # forever (blocks its sequences share count once; the cross table always counts).
@@ -227,6 +236,14 @@ class LLMEngine:
                  else inputs.encoder_inputs.token_ids or ()),
             inputs.prompt, list(inputs.prompt_token_ids),
         )
+
+    def compile_structured_outputs(self, so: StructuredOutputsParams) -> Future:
+        """A future of ``so``'s compiled grammar, for a frontend that wants a bad spec
+        refused before it queues the request (a server's 400): it fails with a
+        ``ValueError`` (``GrammarCompileError``) naming the field and the cause. The
+        compile is cached, so the request that follows reuses it. Thread-safe; raises
+        ``ImportError`` naming the ``structured`` extra without xgrammar."""
+        return self.structured.grammar(so)
 
     def max_new_tokens(self, prompt: PromptType) -> int:
         """Tokens the model's decoder positions leave after this prompt's decoder prompt;

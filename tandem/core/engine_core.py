@@ -21,10 +21,13 @@ from tandem.core.core_outputs import RequestResult
 from tandem.core.faults import EngineHealth, KVTransferError, StepFaults, describe
 from tandem.core.scheduler import Scheduler, SchedulerConfig
 from tandem.core.sequence import SequenceGroup
+from tandem.core.structured_output.manager import StructuredOutputManager
 from tandem.core.worker import Worker
 
 logger = logging.getLogger(__name__)
 _params = attrgetter("sampling_params")
+# How long a step with nothing to run waits for a compiling grammar before it returns.
+_GRAMMAR_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -55,11 +58,14 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager, worker: Worker,
-                 scheduler: Scheduler, max_consecutive_step_failures: int) -> None:
+                 scheduler: Scheduler, max_consecutive_step_failures: int,
+                 structured: StructuredOutputManager | None = None) -> None:
         self.scheduler_config = scheduler_config
         self.block_manager = block_manager
         self.worker = worker
         self.scheduler = scheduler
+        # Compiles requests' grammars off the step loop and masks their rows each step.
+        self.structured = structured
         self.faults = StepFaults(max_consecutive_step_failures)
         self.num_requests_finished = 0
         self.stats = EngineStats()
@@ -103,18 +109,27 @@ class EngineCore:
         failed steps in a row make the engine dead)."""
         self.faults.check_alive()
         sched = self.scheduler.schedule()
+        # Requests that cannot run (a grammar that did not compile) fail alone.
+        cannot_run = self.scheduler.take_failures()
+        if self.structured is not None:
+            sched.grammar, no_mask = self.structured.grammar_bitmask(sched, self.scheduler.groups)
+            cannot_run.update(no_mask)  # their rows run unmasked; their results are dropped
+        failed = self.fail(cannot_run)
         try:
             result = self.worker.execute_model(sched)
         except Exception as e:  # noqa: BLE001 - the forward, a backend, a KV copy: the step's fault
-            return self._step_failed(sched, e)
+            return failed + self._step_failed(sched, e)
         if result is None:
             if not (sched.blocks_to_swap_out or sched.blocks_to_swap_in):
-                self._no_progress()
+                if self.structured is not None and self.structured.has_pending():
+                    self.structured.wait(_GRAMMAR_WAIT_S)  # only grammars compiling are left to admit
+                else:
+                    self._no_progress()
             self._publish()
-            return []
+            return failed
         self.faults.step_ok()
         # Per-request faults in the update (a beam update, say) join the worker's.
-        results = self.scheduler.update_from_output(sched, result)
+        results = failed + self.scheduler.update_from_output(sched, result)
         self.num_requests_finished += sum(r.finished for r in results)
         results += self.fail(result.failed_requests)
         self._after_change()

@@ -142,7 +142,7 @@ def merge_params(defaults: SamplingParams, request: SamplingParams, source: str 
     """The request's explicitly set fields over the defaults (HF's rule: what the
     caller passes wins, the checkpoint's config fills the rest). Where an explicit
     field implies a decoding mode, the defaults of the other mode give way:
-    an explicit ``temperature > 0`` (or explicit stop strings) turns off beam search
+    an explicit ``temperature > 0`` (or explicit stop strings, or structured outputs) turns off beam search
     the caller did not ask for, and an explicit ``num_beams > 1`` turns off
     sampling the caller did not ask for. Raises ``ValueError`` for a
     combination beam search cannot serve, saying which values came from the defaults."""
@@ -152,6 +152,7 @@ def merge_params(defaults: SamplingParams, request: SamplingParams, source: str 
     if "num_beams" not in explicit and values["num_beams"] > 1:
         wants_sampling = "temperature" in explicit and not request.greedy
         wants_sampling |= any(name in explicit and getattr(request, name) != off for name, off in _SAMPLING_FILTERS.items())
+        wants_sampling |= "structured_outputs" in explicit and request.structured_outputs is not None
         if wants_sampling or ("stop" in explicit and request.stop_strings):
             values["num_beams"] = 1
     if values["num_beams"] > 1:

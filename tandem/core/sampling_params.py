@@ -10,6 +10,8 @@ import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tandem.core.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 # torch.Generator.manual_seed reads the seed as a signed or an unsigned 64-bit
 # integer and raises a bare "Overflow when unpacking long long" outside this.
@@ -74,6 +76,12 @@ class SamplingParams:
     then the user's ``logits_processors`` (vLLM's signature: ``fn(output_ids,
     logits)`` or ``fn(prompt_ids, output_ids, logits)``, returning the logits).
 
+    **Structured output.** ``structured_outputs=StructuredOutputsParams(json=...)``
+    (or ``regex``, ``choice``, ``grammar``, ``json_object``) constrains every
+    token to the grammar, before the logits processors; EOS is allowed only where
+    the grammar is complete. Not with beam search. Needs the ``structured`` extra
+    (xgrammar).
+
     **Defaults from the checkpoint.** The engine fills every field the caller
     did not pass from the checkpoint's generation config, as HF ``generate``
     does (``LLM.get_default_sampling_params()`` shows the result); fields
@@ -127,6 +135,8 @@ class SamplingParams:
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # Constrained output (docs/structured_output.md): a JSON schema, regex, choice or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
     # Derived from ``stop``; left out of eq/hash because ``stop`` already decides it.
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -215,6 +225,8 @@ class SamplingParams:
                                     lambda x: lo <= x <= hi))
         if self.early_stopping not in (True, False, "never") or isinstance(self.early_stopping, (int, float)) and not isinstance(self.early_stopping, bool):
             raise _value_error("early_stopping", self.early_stopping, "must be True, False or 'never'")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise _type_error("structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
         self._check_sizes()
         if self.num_beams > 1:
             # Here only against fields the caller set: the others may still come
@@ -258,6 +270,11 @@ class SamplingParams:
         for name, off in (("top_k", -1), ("top_p", 1.0), ("min_p", 0.0)):
             if given(name) and getattr(self, name) != off:
                 raise _value_error(name, getattr(self, name), f"sampling filters do not apply {beams}")
+        if given("structured_outputs") and self.structured_outputs is not None:
+            raise _value_error(
+                "structured_outputs", self.structured_outputs,
+                f"structured output is not supported {beams}: use n samples (greedy or random) instead",
+            )
 
     @property
     def greedy(self) -> bool:

@@ -60,6 +60,7 @@ class Scheduler:
         self._announced: set[str] = set()
         self._finished_requests: list[str] = []
         self._finished_seqs: list[int] = []
+        self._failures: dict[str, str] = {}  # request id -> why it cannot run
 
     # -- queue management --------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -203,7 +204,9 @@ class Scheduler:
 
         # 3. Waiting groups: run the encoder (unless shared) and prefill the decoder prompt.
         while self.waiting and not self.swapped and not preempted:
-            group = self.waiting[0]
+            group = self._first_ready()
+            if group is None:
+                break
             seqs = group.unfinished_seqs()
             run_encoder = not bm.cross_is_live(group)
             tokens = (group.encoder_len if run_encoder else 0) + sum(len(s) for s in seqs)
@@ -213,7 +216,10 @@ class Scheduler:
             if status is not AllocStatus.OK:
                 # NEVER cannot happen for requests the engine validated on entry.
                 break
-            self.waiting.popleft()
+            if self.waiting[0] is group:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(group)
             if bm.allocate(group) != run_encoder:
                 raise RuntimeError(f"request {group.request_id!r}: cross table sharing changed while admitting")
             for seq in seqs:
@@ -246,6 +252,29 @@ class Scheduler:
             finished_request_ids=finished_requests,
             finished_seq_ids=finished_seqs,
         )
+
+    def _first_ready(self) -> SequenceGroup | None:
+        """The oldest waiting group its strategy says may run (one whose grammar is
+        still compiling waits, the others go past it). A group whose readiness check
+        raises leaves the queue: its failure is kept for ``take_failures``."""
+        waiting, i = self.waiting, 0
+        while i < len(waiting):
+            group = waiting[i]
+            try:
+                if group.strategy.ready(group):
+                    return group
+            except Exception as e:  # noqa: BLE001 - this request's own (its grammar did not compile)
+                del waiting[i]
+                self._failures[group.request_id] = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+                continue
+            i += 1
+        return None
+
+    def take_failures(self) -> dict[str, str]:
+        """Requests found unable to run since the last call, with why (the engine fails
+        them; each is out of the queues but still known by id, so ``abort`` frees it)."""
+        failures, self._failures = self._failures, {}
+        return failures
 
     def _metadata(self, group: SequenceGroup, run_encoder: bool) -> ScheduledGroup:
         bm = self.block_manager

@@ -11,10 +11,13 @@ drops it when the request id shows up in ``finished_request_ids``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,17 @@ class ScheduledGroup:
         return self.encoder_inputs is not None
 
 
+@dataclass(frozen=True)
+class GrammarBitmask:
+    """The step's structured-output masks: bit ``t`` of ``bitmask[r]`` (int32
+    ``[>= rows, ceil(vocab / 32)]``) is set where token ``t`` is allowed, for each
+    step row ``r`` in ``rows`` (the worker's rows: the scheduled groups in order,
+    their sequences in order); other rows are not masked."""
+
+    bitmask: "torch.Tensor"
+    rows: list[int]
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledGroup]
@@ -83,6 +97,8 @@ class SchedulerOutput:
     # forgets them (their blocks are already free in the block manager).
     finished_request_ids: list[str] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
+    # Masks of the structured-output rows, applied before the logits processors.
+    grammar: GrammarBitmask | None = None
 
     @property
     def num_seqs(self) -> int:

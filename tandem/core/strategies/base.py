@@ -67,6 +67,12 @@ class RequestStrategy(ABC):
     def max_num_seqs(self, group: "SequenceGroup") -> int:
         """Sequences the request may run at once (reserved at admission)."""
 
+    def ready(self, group: "SequenceGroup") -> bool:
+        """Whether the request may be admitted now; False: it waits while requests
+        behind it are admitted (its grammar still compiling). Raising fails the
+        request alone, with the exception as its ``error``."""
+        return True
+
     def step_mode(self, group: "SequenceGroup") -> StepMode | None:
         """What the worker needs this step; None: sample each row by its params."""
         return None

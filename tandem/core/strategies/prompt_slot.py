@@ -52,6 +52,9 @@ class PromptSlotStrategy(RequestStrategy):
     def blocks_needed_at_most(self, group: "SequenceGroup", full_len: int, block_size: int) -> int | None:
         return self.then.blocks_needed_at_most(group, full_len, block_size)
 
+    def ready(self, group: "SequenceGroup") -> bool:
+        return self.then.ready(group)
+
     def step_mode(self, group: "SequenceGroup") -> SlotStep:
         return SlotStep(self.slot.choices)
 

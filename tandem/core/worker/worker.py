@@ -23,6 +23,7 @@ from tandem.core.loader import load_model
 from tandem.core.model import EncoderDecoderModel
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tandem.core.structured_output.backend import apply_bitmask
 from tandem.core.worker.input_batch import BlockTableRows
 from tandem.core.worker.logits_processors import ProcessorRows, needs_history
 from tandem.core.worker.model_runner import ModelRunner
@@ -130,6 +131,8 @@ class Worker:
         rows = ProcessorRows(params, num_out, seq_lens, lambda idx: self._histories([seq_ids[i] for i in idx]))
         with torch.inference_mode():
             logits = self.runner.execute(out, self.kv_caches)
+            if out.grammar is not None:  # before everything else reads the logits
+                apply_bitmask(logits, out.grammar.bitmask, out.grammar.rows)
             prepared = [mode.prepare(logits, mode_rows) for _, mode, mode_rows in modes]
             claimed = sorted(i for *_, mode_rows in modes for i in mode_rows)
             sampled = self.sampler(logits, rows, generators, claimed)

@@ -1,0 +1,93 @@
+"""Structured output as a mode: another strategy (plain sampling) whose every token
+is one the request's grammar allows.
+
+The request is ready once its grammar compiled (``structured_output.manager``
+compiles it off the step loop); then each of its sequences gets a matcher (the
+``n > 1``: one each). Each step the manager
+fills the masks of the scheduled sequences from their matchers and the worker
+applies them before the logits processors; here each matcher then accepts its
+sequence's sampled token, and a sequence whose matcher terminated (it accepted
+EOS where the grammar is complete) is finished.
+
+The matchers live with the request on the scheduler's side, so preemption
+leaves them as they are: a swapped-out sequence keeps its tokens and its
+matcher, and a recomputed one recomputes the keys and values of the same
+tokens (tandem keeps the generated tokens through a recompute), which the
+matcher has accepted already.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from tandem.core.core_outputs import RequestResult
+from tandem.core.sequence import SequenceStatus
+from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode
+
+if TYPE_CHECKING:
+    from tandem.core.scheduler_output import ModelRunnerOutput, ScheduledGroup
+    from tandem.core.sequence import SequenceGroup
+
+
+class StructuredStrategy(RequestStrategy):
+    def __init__(self, grammar: Future, new_matcher: Callable[[Any], Any], inner: RequestStrategy) -> None:
+        """``grammar``: the future of the compiled grammar; ``new_matcher(compiled)``:
+        a fresh matcher; ``inner``: the strategy whose tokens are constrained."""
+        self.grammar, self.new_matcher, self.inner = grammar, new_matcher, inner
+        self.matchers: dict[int, Any] = {}  # seq id -> its matcher
+
+    def ready(self, group: "SequenceGroup") -> bool:
+        if not self.grammar.done():
+            return False
+        if not self.matchers:
+            compiled = self.grammar.result()  # raises the compile error: the request fails
+            # Every sequence starts from the grammar's start (a fresh matcher is as cheap
+            # as a fork, which xgrammar only has from 0.2).
+            for seq in group.seqs:
+                self.matchers[seq.seq_id] = self.new_matcher(compiled)
+        return True
+
+    def max_num_seqs(self, group: "SequenceGroup") -> int:
+        return self.inner.max_num_seqs(group)
+
+    def blocks_needed_at_most(self, group: "SequenceGroup", full_len: int, block_size: int) -> int | None:
+        return self.inner.blocks_needed_at_most(group, full_len, block_size)
+
+    def step_mode(self, group: "SequenceGroup") -> StepMode | None:
+        return self.inner.step_mode(group)
+
+    def update(
+        self, ops: SchedulerOps, group: "SequenceGroup", sg: "ScheduledGroup", result: "ModelRunnerOutput",
+        rows: dict[int, int],
+    ) -> RequestResult | None:
+        """Each matcher accepts its sequence's token (a token the grammar rejects fails
+        the request: only a user logits processor that revives masked tokens can pick
+        one), then the inner strategy appends them; terminated matchers finish their
+        sequences."""
+        by_id = {s.seq_id: s for s in group.seqs}
+        for ss in sg.seqs:
+            if by_id[ss.seq_id].finished or ss.seq_id in result.no_token_seq_ids:
+                continue
+            token = result.token_ids[rows[ss.seq_id]]
+            if not self.matchers[ss.seq_id].accept_token(token):
+                raise ValueError(
+                    f"sampled token {token}, which its structured output does not allow there (a logits "
+                    "processor gave a masked token a finite score)"
+                )
+        res = self.inner.update(ops, group, sg, result, rows)
+        ended = False
+        for ss in sg.seqs:
+            seq = by_id[ss.seq_id]
+            if not seq.finished and self.matchers[ss.seq_id].is_terminated():
+                # EOS accepted under ignore_eos: the grammar has nothing more to say.
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                ended = True
+        if ended and res is not None:
+            for delta in res.completions:
+                seq = next(s for s in group.seqs if s.index == delta.index)
+                delta.finish_reason = seq.status.value if seq.finished else None
+            ops.release_finished(group)
+            res.finished = group.is_finished
+        return res

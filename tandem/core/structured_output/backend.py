@@ -1,0 +1,146 @@
+"""xgrammar, the one place tandem calls it: the tokenizer's vocabulary as xgrammar
+sees it, compiling a spec, a matcher per sequence, filling and applying masks.
+
+xgrammar is imported on first use (``tandem[structured]``), so tandem imports
+and serves without it until a request asks for structured output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.core.structured_output.params import StructuredOutputsParams
+
+INSTALL_HINT = "pip install 'tandem-engine[structured]'"
+
+
+class GrammarCompileError(ValueError):
+    """A request's spec could not be compiled (its ``error`` names the field and why)."""
+
+
+def import_xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ImportError(
+            f"structured outputs need the xgrammar package, which is not installed ({e}); "
+            f"install the 'structured' extra: {INSTALL_HINT}"
+        ) from e
+    return xgrammar
+
+
+class XgrammarBackend:
+    """One per engine: the tokenizer info (built once, on first use) and a compiler.
+
+    ``vocab_size`` is the LM head's: ids past the tokenizer's vocabulary are never
+    allowed. The tokenizer's special tokens (``<s>``, ``<pad>``, ``<unk>``...) are
+    never grammar text either: a detokenizer skips them, so text made of them would
+    not be the text the grammar matched. ``stop_token_ids`` (the engine's EOS ids)
+    are allowed exactly where the grammar is complete."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        if tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer, and this engine has none")
+        if not stop_token_ids:
+            raise ValueError("structured outputs need an EOS token id, and the model config names none")
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._lock = threading.Lock()
+        self._compiler = None
+        self.tokenizer_info = None
+
+    def compiler(self):
+        """The compiler, made with the tokenizer info on first call (any thread)."""
+        with self._lock:
+            if self._compiler is None:
+                xgr = import_xgrammar()
+                self.tokenizer_info = build_tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=min(8, os.cpu_count() or 1))
+            return self._compiler
+
+    def compile(self, so: "StructuredOutputsParams"):
+        """The compiled grammar of ``so``; raises ``GrammarCompileError`` naming the field."""
+        compiler = self.compiler()
+        kind, spec = so.kind, so.spec
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(spec, any_whitespace=not so.disable_any_whitespace)
+            if kind == "json_object":  # OpenAI's: any JSON object
+                return compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=not so.disable_any_whitespace, strict_mode=False
+                )
+            if kind == "regex":
+                return compiler.compile_regex(spec)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(spec))
+            return compiler.compile_grammar(spec)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the parser's message
+            raise GrammarCompileError(f"StructuredOutputsParams.{kind}: cannot be compiled: {_cause(e)}") from e
+
+    def matcher(self, compiled):
+        return import_xgrammar().GrammarMatcher(compiled)
+
+
+def build_tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    """xgrammar's view of the vocabulary, ``vocab_size`` ids (the LM head's), with the
+    tokenizer's special tokens other than the stop tokens made empty (so never allowed)."""
+    xgr = import_xgrammar()
+    detected = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    encoded = [""] * vocab_size
+    for token, idx in tokenizer.get_vocab().items():
+        if idx < vocab_size:
+            encoded[idx] = token
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    for idx, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            special.add(idx)
+    for idx in special - set(stop_token_ids):
+        if 0 <= idx < vocab_size:
+            encoded[idx] = ""
+    return xgr.TokenizerInfo(encoded, detected.vocab_type, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
+                             add_prefix_space=detected.add_prefix_space)
+
+
+def choice_grammar(choices: tuple[str, ...]) -> str:
+    """An EBNF grammar whose language is exactly ``choices`` (each a quoted literal,
+    JSON's escapes being EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _cause(e: Exception) -> str:
+    # xgrammar prefixes its messages with "[time] /path/file.cc:line: "; keep the message.
+    text = str(e).strip()
+    head, sep, rest = text.partition(": ")
+    if sep and head.startswith("[") and ".cc:" in head:
+        return rest.strip()
+    return text
+
+
+def new_bitmask(rows: int, vocab_size: int) -> "torch.Tensor":
+    """``[rows, ceil(vocab / 32)]`` int32, every token allowed."""
+    return import_xgrammar().allocate_token_bitmask(rows, vocab_size)
+
+
+def fill_bitmask(matchers: list, bitmask: "torch.Tensor", rows: list[int], batch: Any) -> None:
+    """Each matcher's next-token mask into its row (``batch``: an xgrammar
+    ``BatchGrammarMatcher``, one C++ call for all rows; None: one call per row)."""
+    if batch is not None:
+        batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        return
+    for matcher, row in zip(matchers, rows):
+        matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def apply_bitmask(logits: "torch.Tensor", bitmask: "torch.Tensor", rows: list[int]) -> None:
+    """Disallowed tokens of ``rows`` to -inf, in place (xgrammar's CUDA kernel on a GPU)."""
+    xgr = import_xgrammar()
+    if bitmask.device != logits.device:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
