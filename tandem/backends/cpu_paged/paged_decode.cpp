@@ -132,6 +132,7 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
           for (int64_t n = 0; n < len; ++n) mx = std::max(mx, s[n]);
         } else {
           const float* bh = bias + (h0 * group + h) * bias_sh + (bias_w - len);
+#pragma omp simd reduction(max : mx)
           for (int64_t n = 0; n < len; ++n) {
             s[n] += bh[n];
             mx = std::max(mx, s[n]);
