@@ -1,4 +1,5 @@
-"""cpu_paged: its C++ decode op against a float64 reference on realistic shapes,
+"""cpu_paged: its C++ decode op against a float64 reference on realistic shapes
+(with and without a position bias),
 its argument checks, and the fallback to torch_sdpa where the op cannot build.
 (The conformance suite runs it through every attention kind and step mix.)"""
 
@@ -32,14 +33,18 @@ def _layout(lens, num_kv_heads, head_size, block_size, dtype, seed):
     return cache, tables
 
 
-def _reference(q, cache, tables, lens, scale, group):
-    """float64 attention of each query row over its sequence's first ``lens`` keys."""
+def _reference(q, cache, tables, lens, scale, group, bias=None):
+    """float64 attention of each query row over its sequence's first ``lens`` keys;
+    ``bias`` [H, W]: the op's position-bias row, key ``n`` of a length-``L`` sequence
+    at column ``W - L + n`` (its query is at ``L - 1``: the bias is by distance)."""
     block_size = cache.shape[2]
     out = []
     for i, n in enumerate(lens):
         blocks = tables[i, : -(-n // block_size)]
         k, v = (cache[j, blocks].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1) for j in (0, 1))
         w = torch.einsum("hd,lhd->hl", q[i].double(), k) * scale
+        if bias is not None:
+            w = w + bias[:, bias.shape[1] - n :].double()
         out.append(torch.einsum("hl,lhd->hd", w.softmax(-1), v))
     return torch.stack(out)
 
@@ -113,6 +118,48 @@ def test_bfloat16_storage_with_float32_arithmetic():
     # Inputs are the same bf16 values on both sides; what differs is the output's
     # rounding to bf16 (2^-9 relative) over float32 arithmetic.
     torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=2 ** -8)
+
+
+@needs_op
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_position_bias_is_added_by_distance_on_t5_sized_heads(num_heads, num_kv_heads, dtype):
+    """T5-small's decode: 8 heads x 64, no score scaling, a bias row wider than any sequence
+    (the step's longest may be a prefill), read right-aligned by every sequence."""
+    lens = [1, 7, 16, 17, 130, 300]
+    D, width = 64, 320
+    cache, tables = _layout(lens, num_kv_heads, D, 16, dtype, seed=7)
+    g = torch.Generator().manual_seed(8)
+    q = (torch.randn(len(lens), num_heads, D, generator=g) * 0.2).to(dtype)
+    bias = torch.randn(num_heads, width, generator=g) * 3  # T5's learned biases are O(1-10)
+    out = torch.empty_like(q)
+    OP(q, cache, out, torch.arange(len(lens)), torch.arange(len(lens)), torch.tensor(lens), tables, 1.0, bias)
+    ref = _reference(q, cache, tables, lens, 1.0, num_heads // num_kv_heads, bias)
+    if dtype is torch.float32:
+        # As without a bias (float32 sums of <= 300 terms; |v| < ~10): the bias adds one float32
+        # rounding per score, ~6e-8 relative, before the softmax.
+        torch.testing.assert_close(out.double(), ref, atol=5e-5, rtol=1e-4)
+    else:
+        # The same bf16 inputs on both sides; the output's rounding to bf16 (2^-9 relative).
+        torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=2 ** -8)
+    # Without the bias the answer differs: the row is not ignored.
+    plain = torch.empty_like(q)
+    OP(q, cache, plain, torch.arange(len(lens)), torch.arange(len(lens)), torch.tensor(lens), tables, 1.0)
+    assert (plain.double() - ref).abs().max() > 0.1
+
+
+@needs_op
+@pytest.mark.parametrize("bias,message", [
+    (torch.zeros(4, 9, dtype=torch.float64), "position_bias must be a float32"),
+    (torch.zeros(4, 9).t(), "position_bias must be a float32"),
+    (torch.zeros(3, 9), "position_bias has 3 heads, the query 4"),
+    (torch.zeros(4, 8), "sequence 1 has 9 keys, more than position_bias's width 8"),
+], ids=["dtype", "layout", "heads", "width"])
+def test_a_bad_position_bias_raises_naming_the_problem(bias, message):
+    cache, tables = _layout([4, 9], 2, 16, 4, torch.float32, seed=0)
+    with pytest.raises(RuntimeError, match=message):
+        OP(torch.randn(2, 4, 16), cache, torch.empty(2, 4, 16), torch.arange(2), torch.arange(2),
+           torch.tensor([4, 9]), tables, 0.25, bias)
 
 
 @needs_op

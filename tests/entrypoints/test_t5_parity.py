@@ -1,8 +1,9 @@
 """T5 in tandem's model zoo equals HF ``generate`` token for token in float32, greedy,
 batched with mixed lengths and under preemption, for tiny random checkpoints shaped like
 t5-small (v1.0: ReLU FFN, tied head scaled by ``d_model**-0.5``) and flan-t5-base
-(v1.1: gated-GELU FFN, a head of its own, ``tie_word_embeddings: false``); and a T5
-model is refused by a backend that does not declare ``relative_position_bias``.
+(v1.1: gated-GELU FFN, a head of its own, ``tie_word_embeddings: false``), on each CPU
+backend that declares ``relative_position_bias`` (cpu_paged, the automatic choice where its
+C++ op builds, and torch_sdpa); and a T5 model is refused by a backend that does not.
 
 transformers 5 builds T5 tied always; the untied checkpoint is written as the real
 flan-t5 ones are: its config says ``tie_word_embeddings: false`` and it carries an
@@ -24,6 +25,7 @@ import torch
 
 from helpers import _hf_model, assert_preempted, hf_generate
 from tandem import LLM, SamplingParams
+from tandem.backends.cpu_paged import ops
 from tandem.registry import BackendUnavailableError
 
 VOCAB = 96
@@ -109,14 +111,30 @@ def _assert_equal_hf(path: Path, outs, max_new: int, min_new: int = 0) -> None:
     assert cut <= len(outs) // 4, f"{cut} of {len(outs)} prompts hit a near tie: pick another seed"
 
 
-def test_greedy_batched_mixed_lengths_equal_hf(t5):
+# The CPU backends that serve the bias; cpu_paged only where its C++ op builds.
+BACKENDS = [
+    pytest.param("cpu_paged", marks=pytest.mark.skipif(not ops.available(), reason="cpu_paged's C++ op is "
+                                                                                    "unavailable here")),
+    "torch_sdpa",
+]
+
+
+def test_cpu_paged_is_the_automatic_choice_for_t5_on_cpu(t5):
     shape, path = t5
-    llm = LLM(model=str(path), dtype="float32", device="cpu", block_size=4)
-    # torch_sdpa, the one CPU backend that declares the bias; cpu_paged, which ranks above it on
-    # CPU, is passed over with the reason in the start line.
-    assert llm.llm_engine.attn_backend.name == "torch_sdpa"
-    assert "cpu_paged (priority" in llm.llm_engine._backend_reason
-    assert "attention feature relative_position_bias is not served" in llm.llm_engine._backend_reason
+    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    if ops.available():
+        assert llm.llm_engine.attn_backend.name == "cpu_paged"
+    else:  # passed over for its op, not for the bias
+        assert llm.llm_engine.attn_backend.name == "torch_sdpa"
+        assert "cpu_paged (priority 15): its C++ op is unavailable" in llm.llm_engine._backend_reason
+    assert "cpu_paged (priority 15): attention feature" not in llm.llm_engine._backend_reason
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_batched_mixed_lengths_equal_hf(t5, backend):
+    shape, path = t5
+    llm = LLM(model=str(path), dtype="float32", device="cpu", block_size=4, attention_backend=backend)
+    assert llm.llm_engine.attn_backend.name == backend
     prompts = _prompts(0, 16)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, num_beams=1, max_tokens=24), use_tqdm=False)
     for prompt, o in zip(prompts, outs):
@@ -126,12 +144,14 @@ def test_greedy_batched_mixed_lengths_equal_hf(t5):
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) >= 12  # varied, so the comparison says something
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_outputs_equal_to_hf(t5, mode):
+def test_preemption_keeps_outputs_equal_to_hf(t5, mode, backend):
     shape, path = t5
     prompts = _prompts(3, 10)
     params = SamplingParams(temperature=0.0, num_beams=1, max_tokens=30, min_tokens=30)
-    llm = LLM(model=str(path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=50, preemption_mode=mode)
+    llm = LLM(model=str(path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=50, preemption_mode=mode,
+              attention_backend=backend)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert_preempted(llm, mode)
     _assert_equal_hf(path, outs, 30, 30)
@@ -139,7 +159,7 @@ def test_preemption_keeps_outputs_equal_to_hf(t5, mode):
 
 def test_a_backend_without_the_bias_is_refused_by_name(t5):
     shape, path = t5
-    for name in ("triton", "cpu_paged"):
+    for name in ("triton", "flash_attn"):
         with pytest.raises(BackendUnavailableError, match=rf"attention_backend='{name}' cannot serve this model: "
                            r".*attention feature relative_position_bias is not served"):
             LLM(model=str(path), dtype="float32", device="cpu", attention_backend=name)

@@ -9,6 +9,12 @@ instead walks each sequence's blocks where they lie, one task per sequence
 (split into runs of KV heads only for small batches) over torch's intra-op
 threads, in float32 arithmetic.
 
+Serves the ``"relative_position_bias"`` feature (T5): encoder runs and prefills take
+it as torch_sdpa does (SDPA's additive mask); decodes hand the op one float32 row
+``[H, W]`` per stack and step, the bias of a query at ``W - 1`` over keys
+``0..W-1``, which every sequence reads right-aligned (T5's bias depends only on the
+query-to-key distance), added inside the op's softmax.
+
 Uses the default KV layout ``[2, num_blocks, block_size, H_kv, D]`` and core's
 write/swap/copy ops. Chosen automatically on CPU (priority 15, above
 torch_sdpa) when the op builds; if it cannot (no C++ compiler or ninja), the
@@ -29,6 +35,8 @@ from tandem.core.attention import (
     AttentionMetadataBuilder,
     BackendCapabilities,
 )
+from tandem.core.relative_position import FEATURE as RELATIVE_POSITION_BIAS
+from tandem.core.relative_position import RelativePositionBias
 
 
 @dataclass
@@ -53,14 +61,26 @@ class CPUPagedImpl(SDPAImplBase):
         super().__init__(num_heads, head_size, scale, num_kv_heads)
         self._op = ops.load()
 
-    def forward_decodes(self, query, kv_cache, md: CPUPagedMetadata, is_cross, out) -> None:
+    def forward_decodes(self, query, kv_cache, md: CPUPagedMetadata, is_cross, out, position_bias=None) -> None:
         if query.stride(-1) != 1:
             query = query.contiguous()
         if is_cross:
             self._op(query, kv_cache, out, md.decode_rows, md.decode_seqs, md.cross_seq_lens_t,
                      md.cross_block_tables, self.scale)
-        else:
+        elif position_bias is None:
             self._op(query, kv_cache, out, md.decode_rows, md.decode_seqs, md.seq_lens_t, md.block_tables, self.scale)
+        else:
+            pb = position_bias
+            row = pb.memo(("cpu_paged decode",), lambda: self._decode_bias(pb, md.max_seq_len))
+            self._op(query, kv_cache, out, md.decode_rows, md.decode_seqs, md.seq_lens_t, md.block_tables,
+                     self.scale, row)
+
+    @staticmethod
+    def _decode_bias(pb: RelativePositionBias, width: int) -> torch.Tensor:
+        """``[H, width]`` float32: the bias of a query at ``width - 1`` over keys
+        ``0..width-1``; a sequence of length ``L`` reads its last ``L`` columns."""
+        key_pos = torch.arange(width)
+        return pb.bias(key_pos[-1:], key_pos)[:, 0].float().contiguous()
 
 
 class CPUPagedBackend(AttentionBackend):
@@ -69,9 +89,10 @@ class CPUPagedBackend(AttentionBackend):
     capabilities = BackendCapabilities(
         devices=("cpu",),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        attn_features=frozenset({RELATIVE_POSITION_BIAS}),
         requires=("a C++ compiler and ninja (the op builds on first use, then loads from torch's cache)",),
         notes="decodes: one C++ op per layer reading paged K/V in place (float32 arithmetic); "
-        "encoder and prefills: SDPA as torch_sdpa",
+        "encoder and prefills: SDPA as torch_sdpa; relative position bias in both",
     )
 
     @staticmethod

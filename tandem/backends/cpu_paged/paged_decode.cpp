@@ -7,6 +7,12 @@
 // share a KV head, GQA, read it once), a softmax in float32, then one pass over
 // the values. Storage may be float32, float16 or bfloat16;
 // all arithmetic is float32. Tasks are spread over torch's intra-op threads.
+//
+// An optional additive bias (T5's relative position bias) depends only on the
+// distance from the query (the sequence's last position) to each key, so one
+// float32 row [H, W] serves every sequence: the bias of a query at position
+// W - 1 over keys 0..W-1. A sequence of length L adds its right-aligned tail,
+// row[h, W - L + n] for key n; no bias, no extra pass.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -62,7 +68,7 @@ inline float exp_nonpositive(float x) {
 template <typename T>
 void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out,
             const at::Tensor& q_rows, const at::Tensor& seqs, const at::Tensor& kv_lens,
-            const at::Tensor& block_tables, double scale) {
+            const at::Tensor& block_tables, double scale, const float* bias, int64_t bias_sh, int64_t bias_w) {
   const int64_t batch = q_rows.size(0);
   const int64_t num_heads = query.size(1);
   const int64_t head_size = query.size(2);
@@ -118,11 +124,20 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
           for (int64_t h = 0; h < nq; ++h)
             scores[h * len + n0 + j] = dot(&qf[h * head_size], kb + j * c_ss + (h / group) * c_sh, head_size);
       }
-      // Softmax per query head.
+      // Softmax per query head (the bias, if any, added as the max is found).
       for (int64_t h = 0; h < nq; ++h) {
         float* s = scores.data() + h * len;
         float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t n = 0; n < len; ++n) mx = std::max(mx, s[n]);
+        if (bias == nullptr) {
+          for (int64_t n = 0; n < len; ++n) mx = std::max(mx, s[n]);
+        } else {
+          const float* bh = bias + (h0 * group + h) * bias_sh + (bias_w - len);
+#pragma omp simd reduction(max : mx)
+          for (int64_t n = 0; n < len; ++n) {
+            s[n] += bh[n];
+            mx = std::max(mx, s[n]);
+          }
+        }
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t n = 0; n < len; ++n) {
@@ -150,7 +165,8 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
 
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out,
                             const at::Tensor& q_rows, const at::Tensor& seqs, const at::Tensor& kv_lens,
-                            const at::Tensor& block_tables, double scale) {
+                            const at::Tensor& block_tables, double scale,
+                            const c10::optional<at::Tensor>& position_bias) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(),
               "paged_decode_attention: tensors must be on cpu");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "paged_decode_attention: query and out must be [T, H, D]");
@@ -174,10 +190,35 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                 "paged_decode_attention: index tensors must be contiguous along their last dimension");
   }
   TORCH_CHECK(q_rows.size(0) == seqs.size(0), "paged_decode_attention: q_rows and seqs differ in length");
+  const float* bias = nullptr;
+  int64_t bias_sh = 0, bias_w = 0;
+  if (position_bias.has_value()) {
+    const at::Tensor& pb = *position_bias;
+    TORCH_CHECK(pb.device().is_cpu() && pb.scalar_type() == at::kFloat && pb.dim() == 2 && pb.stride(1) == 1,
+                "paged_decode_attention: position_bias must be a float32 [H, W] cpu tensor, contiguous along W; got ",
+                pb.scalar_type(), " ", pb.sizes());
+    TORCH_CHECK(pb.size(0) == query.size(1), "paged_decode_attention: position_bias has ", pb.size(0),
+                " heads, the query ", query.size(1));
+    bias = pb.data_ptr<float>();
+    bias_sh = pb.stride(0);
+    bias_w = pb.size(1);
+    // Every decoding sequence must fit the row (checked here: nothing may throw in the threads).
+    const int64_t* seq_of = seqs.data_ptr<int64_t>();
+    const int64_t* lens = kv_lens.data_ptr<int64_t>();
+    for (int64_t b = 0; b < seqs.size(0); ++b)
+      TORCH_CHECK(lens[seq_of[b]] <= bias_w, "paged_decode_attention: sequence ", seq_of[b], " has ",
+                  lens[seq_of[b]], " keys, more than position_bias's width ", bias_w);
+  }
   switch (query.scalar_type()) {
-    case at::kFloat: decode<float>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale); break;
-    case at::kBFloat16: decode<c10::BFloat16>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale); break;
-    case at::kHalf: decode<c10::Half>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale); break;
+    case at::kFloat:
+      decode<float>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias, bias_sh, bias_w);
+      break;
+    case at::kBFloat16:
+      decode<c10::BFloat16>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias, bias_sh, bias_w);
+      break;
+    case at::kHalf:
+      decode<c10::Half>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias, bias_sh, bias_w);
+      break;
     default: TORCH_CHECK(false, "paged_decode_attention: dtype ", query.scalar_type(), " is not float32, float16 or bfloat16");
   }
 }
@@ -186,7 +227,7 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 
 TORCH_LIBRARY(tandem_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor kv_cache, Tensor(a!) out, Tensor q_rows, Tensor seqs, "
-        "Tensor kv_lens, Tensor block_tables, float scale) -> ()");
+        "Tensor kv_lens, Tensor block_tables, float scale, Tensor? position_bias=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
