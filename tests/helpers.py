@@ -174,6 +174,76 @@ def hf_search(model_dir: Path, encoder_ids: list[int], decoder_ids: list[int] | 
     return results
 
 
+# T5-family shapes, shrunk from the real configs (sizes in each comment). Stacks of different
+# depths cannot be compared: transformers 5.24's generate sizes its decoder cache by
+# num_layers and fails when num_decoder_layers is larger.
+T5_PAD, T5_EOS = 0, 1  # T5's ids: decoding starts from <pad>
+T5_SHAPES = {
+    # t5-small: d_model 512, d_kv 64, 8 heads, d_ff 2048 ReLU, 6 + 6 layers, 32 buckets up to 128, tied
+    "t5-small": dict(d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2, num_decoder_layers=2,
+                     relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                     feed_forward_proj="relu", vocab_size=96),
+    # flan-t5-base: d_model 768, d_kv 64, 12 heads, d_ff 2048 gated-gelu, 12 + 12 layers, untied.
+    # Fewer buckets and a short max distance here, so the prompts reach the clipped bucket.
+    "flan-t5-base": dict(d_model=32, d_kv=16, num_heads=3, d_ff=48, num_layers=2, num_decoder_layers=2,
+                         relative_attention_num_buckets=16, relative_attention_max_distance=24,
+                         feed_forward_proj="gated-gelu", vocab_size=96),
+    # mt5-small (MT5Config, MT5ForConditionalGeneration): d_model 512, d_kv 64, 6 heads (inner 384, not
+    # d_model), d_ff 1024 gated-gelu, 8 + 8 layers, untied, 250112 tokens (here 640: larger than
+    # the others, most of it never in a prompt, as most of mT5's vocabulary is not in any one text)
+    "mt5-small": dict(d_model=32, d_kv=8, num_heads=3, d_ff=40, num_layers=2, num_decoder_layers=2,
+                      relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                      feed_forward_proj="gated-gelu", vocab_size=640),
+    # google/ul2 (T5ForConditionalGeneration): d_model 4096, d_kv 256, 16 heads, d_ff 16384
+    # gated-silu (SwiGLU), 32 + 32 layers, untied
+    "ul2": dict(d_model=32, d_kv=16, num_heads=2, d_ff=64, num_layers=2, num_decoder_layers=2,
+                relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                feed_forward_proj="gated-silu", vocab_size=96),
+}
+T5_TIED = {"t5-small": True, "flan-t5-base": False, "mt5-small": False, "ul2": False}
+
+
+def make_t5(shape: str, path: Path, seed: int = 0, weight_std: float | None = None, **overrides) -> Path:
+    """A tiny random T5-family checkpoint shaped like ``T5_SHAPES[shape]``.
+
+    Wide weights (``weight_std=None``: std 1, the embeddings 0.5, the layer norms random too,
+    where T5 initialises them to ones) keep the outputs varied. ``weight_std``: every matrix at
+    that std and the layer norms at one, so activations stay O(1) (a bfloat16 test).
+
+    transformers 5 builds T5 and mT5 tied always; an untied checkpoint is written as the real
+    flan-t5 / mt5 / ul2 ones are: ``tie_word_embeddings: false`` in its config and an
+    ``lm_head.weight`` of its own, which HF then loads untied."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import MT5Config, MT5ForConditionalGeneration, T5Config, T5ForConditionalGeneration
+
+    config_cls, model_cls = (MT5Config, MT5ForConditionalGeneration) if shape.startswith("mt5") else (
+        T5Config, T5ForConditionalGeneration)
+    dims = {**T5_SHAPES[shape], **overrides}
+    torch.manual_seed(seed)
+    config = config_cls(dropout_rate=0.0, pad_token_id=T5_PAD, eos_token_id=T5_EOS, decoder_start_token_id=T5_PAD,
+                        **dims)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if weight_std is None:
+                p.normal_(0.0, 0.5 if name == "shared.weight" else 1.0)
+            elif p.dim() == 2:
+                p.normal_(0.0, 1.0 if name == "shared.weight" else weight_std)
+    model.save_pretrained(path)
+    if not T5_TIED[shape]:
+        weights = load_file(path / "model.safetensors")
+        head = torch.randn(config.vocab_size, config.d_model, generator=torch.Generator().manual_seed(seed))
+        weights["lm_head.weight"] = head if weight_std is None else head * weight_std
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["tie_word_embeddings"] = False
+        cfg.pop("scale_decoder_outputs", None)  # transformers 5's own field; the real checkpoints lack it
+        (path / "config.json").write_text(json.dumps(cfg))
+    return Path(path)
+
+
 # Special ids of the tiny Whisper checkpoints, at the top of the vocabulary as in a real
 # one; <|notimestamps|> is the last id, so no id is a timestamp token.
 WHISPER_IDS = dict(eos=3, sot=120, en=121, de=122, fr=123, translate=124, transcribe=125, prev=126, notimestamps=127)
