@@ -203,12 +203,14 @@ T5_SHAPES = {
 T5_TIED = {"t5-small": True, "flan-t5-base": False, "mt5-small": False, "ul2": False}
 
 
-def make_t5(shape: str, path: Path, seed: int = 0, weight_std: float | None = None, **overrides) -> Path:
+def make_t5(shape: str, path: Path, seed: int = 0, calm: bool = False, **overrides) -> Path:
     """A tiny random T5-family checkpoint shaped like ``T5_SHAPES[shape]``.
 
-    Wide weights (``weight_std=None``: std 1, the embeddings 0.5, the layer norms random too,
-    where T5 initialises them to ones) keep the outputs varied. ``weight_std``: every matrix at
-    that std and the layer norms at one, so activations stay O(1) (a bfloat16 test).
+    Wide weights (std 1, the embeddings 0.5, the layer norms random too, where T5 initialises
+    them to ones) keep the outputs varied. ``calm``: transformers' own initialisation, which
+    keeps activations and logits O(1) (a bfloat16 test); it folds the ``1/sqrt(d_kv)`` T5's
+    attention leaves out into ``q`` (std ``(d_model * d_kv)**-0.5``), as trained checkpoints
+    learn to, where a uniform std would leave the scores ``sqrt(d_kv)`` times too large.
 
     transformers 5 builds T5 and mT5 tied always; an untied checkpoint is written as the real
     flan-t5 / mt5 / ul2 ones are: ``tie_word_embeddings: false`` in its config and an
@@ -227,15 +229,13 @@ def make_t5(shape: str, path: Path, seed: int = 0, weight_std: float | None = No
     model = model_cls(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if weight_std is None:
+            if not calm:
                 p.normal_(0.0, 0.5 if name == "shared.weight" else 1.0)
-            elif p.dim() == 2:
-                p.normal_(0.0, 1.0 if name == "shared.weight" else weight_std)
     model.save_pretrained(path)
     if not T5_TIED[shape]:
         weights = load_file(path / "model.safetensors")
         head = torch.randn(config.vocab_size, config.d_model, generator=torch.Generator().manual_seed(seed))
-        weights["lm_head.weight"] = head if weight_std is None else head * weight_std
+        weights["lm_head.weight"] = head * config.d_model**-0.5 if calm else head  # calm: O(1) logits
         save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
         cfg = json.loads((path / "config.json").read_text())
         cfg["tie_word_embeddings"] = False
@@ -365,3 +365,65 @@ def hub_cache(src: Path, cache: Path, repo_id: str, refs: tuple[str, ...] = ("ma
     for ref in refs:
         (repo / "refs" / ref).write_text(commit)  # no newline, as huggingface_hub writes it
     return snapshot
+
+
+# test_sampling's bfloat16 bound, for every model built of O(1) activations: bfloat16 rounds
+# at u = 2^-9 = 2e-3 relative; ~6 roundings of O(1) activations per layer over 2 + 2 layers
+# is 24u = 0.05 on O(1) logits at worst, and a log-softmax at most doubles it: 0.1.
+BF16_LOGPROB_TOL = 0.1
+
+
+def hf_logprobs_float64(model_dir: Path, encoder_ids: list[int], decoder_ids: list[int]) -> torch.Tensor:
+    """log_softmax of HF's next-token logits at every decoder position ``[len, vocab]``, in
+    float64, so that the oracle carries no rounding of its own."""
+    model = _hf_model(model_dir, torch.float64)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([encoder_ids]), decoder_input_ids=torch.tensor([decoder_ids])).logits[0]
+    return torch.log_softmax(logits, -1)
+
+
+def assert_bfloat16_agrees(model_dir: Path, prompts, max_tokens: int = 12, tol: float = BF16_LOGPROB_TOL,
+                           stop_after: int | None = None) -> float:
+    """test_sampling's bfloat16 check on ``model_dir`` (the generation config set aside, so the
+    log-probabilities are the model's own): sampled bfloat16 tokens' log-probabilities within
+    ``tol`` of the float64 oracle; greedy bfloat16 tokens equal to float32's wherever the
+    oracle's top two are further apart than ``2 * tol`` (after the first step that is not,
+    the sequences may part). ``stop_after``: a token after which the oracle's one forward pass
+    no longer numbers positions as decoding does (M2M100's <pad>, whose position HF's full
+    forward skips and its generate counts): each sequence is compared up to it, it included.
+    Returns the largest log-probability error seen."""
+    from tandem import LLM, SamplingParams
+
+    bf = LLM(model=str(model_dir), dtype="bfloat16", device="cpu", generation_config="none")
+    assert bf.engine.kv_caches[0].dtype == torch.bfloat16
+    sampled = bf.generate(prompts, SamplingParams(temperature=1.0, seed=3, max_tokens=max_tokens, logprobs=0),
+                          use_tqdm=False)
+    worst = 0.0
+    for o in sampled:
+        assert o.error is None, o.error
+        c = o.outputs[0]
+        ref = hf_logprobs_float64(model_dir, o.encoder_prompt_token_ids, o.prompt_token_ids + c.token_ids)
+        start = len(o.prompt_token_ids) - 1
+        for j, t in enumerate(_upto(c.token_ids, stop_after)):
+            err = abs(c.logprobs[j][t] - float(ref[start + j, t]))
+            worst = max(worst, err)
+            assert err <= tol, (o.encoder_prompt_token_ids, j, t, err)
+    greedy = SamplingParams(temperature=0.0, num_beams=1, max_tokens=max_tokens)
+    f32 = LLM(model=str(model_dir), dtype="float32", device="cpu", generation_config="none")
+    compared = 0
+    for a, b in zip(f32.generate(prompts, greedy, use_tqdm=False), bf.generate(prompts, greedy, use_tqdm=False)):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        ref = hf_logprobs_float64(model_dir, a.encoder_prompt_token_ids, a.prompt_token_ids + ta)
+        start = len(a.prompt_token_ids) - 1
+        for j in range(min(len(_upto(ta, stop_after)), len(tb))):
+            top2 = ref[start + j].topk(2).values
+            if float(top2[0] - top2[1]) <= 2 * tol:
+                break
+            assert tb[j] == ta[j], (a.encoder_prompt_token_ids, j)
+            compared += 1
+    assert compared >= len(prompts)  # the check is not vacuous
+    return worst
+
+
+def _upto(tokens: list[int], stop_after: int | None) -> list[int]:
+    return tokens[: tokens.index(stop_after) + 1] if stop_after in tokens else tokens
