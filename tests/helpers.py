@@ -211,6 +211,76 @@ def hf_search(model_dir: Path, encoder_ids: list[int], decoder_ids: list[int] | 
     return results
 
 
+# T5-family shapes, shrunk from the real configs (sizes in each comment). Stacks of different
+# depths cannot be compared: transformers 5.24's generate sizes its decoder cache by
+# num_layers and fails when num_decoder_layers is larger.
+T5_PAD, T5_EOS = 0, 1  # T5's ids: decoding starts from <pad>
+T5_SHAPES = {
+    # t5-small: d_model 512, d_kv 64, 8 heads, d_ff 2048 ReLU, 6 + 6 layers, 32 buckets up to 128, tied
+    "t5-small": dict(d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2, num_decoder_layers=2,
+                     relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                     feed_forward_proj="relu", vocab_size=96),
+    # flan-t5-base: d_model 768, d_kv 64, 12 heads, d_ff 2048 gated-gelu, 12 + 12 layers, untied.
+    # Fewer buckets and a short max distance here, so the prompts reach the clipped bucket.
+    "flan-t5-base": dict(d_model=32, d_kv=16, num_heads=3, d_ff=48, num_layers=2, num_decoder_layers=2,
+                         relative_attention_num_buckets=16, relative_attention_max_distance=24,
+                         feed_forward_proj="gated-gelu", vocab_size=96),
+    # mt5-small (MT5Config, MT5ForConditionalGeneration): d_model 512, d_kv 64, 6 heads (inner 384, not
+    # d_model), d_ff 1024 gated-gelu, 8 + 8 layers, untied, 250112 tokens (here 640: larger than
+    # the others, most of it never in a prompt, as most of mT5's vocabulary is not in any one text)
+    "mt5-small": dict(d_model=32, d_kv=8, num_heads=3, d_ff=40, num_layers=2, num_decoder_layers=2,
+                      relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                      feed_forward_proj="gated-gelu", vocab_size=640),
+    # google/ul2 (T5ForConditionalGeneration): d_model 4096, d_kv 256, 16 heads, d_ff 16384
+    # gated-silu (SwiGLU), 32 + 32 layers, untied
+    "ul2": dict(d_model=32, d_kv=16, num_heads=2, d_ff=64, num_layers=2, num_decoder_layers=2,
+                relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                feed_forward_proj="gated-silu", vocab_size=96),
+}
+T5_TIED = {"t5-small": True, "flan-t5-base": False, "mt5-small": False, "ul2": False}
+
+
+def make_t5(shape: str, path: Path, seed: int = 0, calm: bool = False, **overrides) -> Path:
+    """A tiny random T5-family checkpoint shaped like ``T5_SHAPES[shape]``.
+
+    Wide weights (std 1, the embeddings 0.5, the layer norms random too, where T5 initialises
+    them to ones) keep the outputs varied. ``calm``: transformers' own initialisation, which
+    keeps activations and logits O(1) (a bfloat16 test); it folds the ``1/sqrt(d_kv)`` T5's
+    attention leaves out into ``q`` (std ``(d_model * d_kv)**-0.5``), as trained checkpoints
+    learn to, where a uniform std would leave the scores ``sqrt(d_kv)`` times too large.
+
+    transformers 5 builds T5 and mT5 tied always; an untied checkpoint is written as the real
+    flan-t5 / mt5 / ul2 ones are: ``tie_word_embeddings: false`` in its config and an
+    ``lm_head.weight`` of its own, which HF then loads untied."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import MT5Config, MT5ForConditionalGeneration, T5Config, T5ForConditionalGeneration
+
+    config_cls, model_cls = (MT5Config, MT5ForConditionalGeneration) if shape.startswith("mt5") else (
+        T5Config, T5ForConditionalGeneration)
+    dims = {**T5_SHAPES[shape], **overrides}
+    torch.manual_seed(seed)
+    config = config_cls(dropout_rate=0.0, pad_token_id=T5_PAD, eos_token_id=T5_EOS, decoder_start_token_id=T5_PAD,
+                        **dims)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not calm:
+                p.normal_(0.0, 0.5 if name == "shared.weight" else 1.0)
+    model.save_pretrained(path)
+    if not T5_TIED[shape]:
+        weights = load_file(path / "model.safetensors")
+        head = torch.randn(config.vocab_size, config.d_model, generator=torch.Generator().manual_seed(seed))
+        weights["lm_head.weight"] = head * config.d_model**-0.5 if calm else head  # calm: O(1) logits
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["tie_word_embeddings"] = False
+        cfg.pop("scale_decoder_outputs", None)  # transformers 5's own field; the real checkpoints lack it
+        (path / "config.json").write_text(json.dumps(cfg))
+    return Path(path)
+
+
 # Special ids of the tiny Whisper checkpoints, at the top of the vocabulary as in a real
 # one; <|notimestamps|> is the last id, so no id is a timestamp token.
 WHISPER_IDS = dict(eos=3, sot=120, en=121, de=122, fr=123, translate=124, transcribe=125, prev=126, notimestamps=127)
@@ -332,3 +402,65 @@ def hub_cache(src: Path, cache: Path, repo_id: str, refs: tuple[str, ...] = ("ma
     for ref in refs:
         (repo / "refs" / ref).write_text(commit)  # no newline, as huggingface_hub writes it
     return snapshot
+
+
+# test_sampling's bfloat16 bound, for every model built of O(1) activations: bfloat16 rounds
+# at u = 2^-9 = 2e-3 relative; ~6 roundings of O(1) activations per layer over 2 + 2 layers
+# is 24u = 0.05 on O(1) logits at worst, and a log-softmax at most doubles it: 0.1.
+BF16_LOGPROB_TOL = 0.1
+
+
+def hf_logprobs_float64(model_dir: Path, encoder_ids: list[int], decoder_ids: list[int]) -> torch.Tensor:
+    """log_softmax of HF's next-token logits at every decoder position ``[len, vocab]``, in
+    float64, so that the oracle carries no rounding of its own."""
+    model = _hf_model(model_dir, torch.float64)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([encoder_ids]), decoder_input_ids=torch.tensor([decoder_ids])).logits[0]
+    return torch.log_softmax(logits, -1)
+
+
+def assert_bfloat16_agrees(model_dir: Path, prompts, max_tokens: int = 12, tol: float = BF16_LOGPROB_TOL,
+                           stop_after: int | None = None) -> float:
+    """test_sampling's bfloat16 check on ``model_dir`` (the generation config set aside, so the
+    log-probabilities are the model's own): sampled bfloat16 tokens' log-probabilities within
+    ``tol`` of the float64 oracle; greedy bfloat16 tokens equal to float32's wherever the
+    oracle's top two are further apart than ``2 * tol`` (after the first step that is not,
+    the sequences may part). ``stop_after``: a token after which the oracle's one forward pass
+    no longer numbers positions as decoding does (M2M100's <pad>, whose position HF's full
+    forward skips and its generate counts): each sequence is compared up to it, it included.
+    Returns the largest log-probability error seen."""
+    from tandem import LLM, SamplingParams
+
+    bf = LLM(model=str(model_dir), dtype="bfloat16", device="cpu", generation_config="none")
+    assert bf.engine.kv_caches[0].dtype == torch.bfloat16
+    sampled = bf.generate(prompts, SamplingParams(temperature=1.0, seed=3, max_tokens=max_tokens, logprobs=0),
+                          use_tqdm=False)
+    worst = 0.0
+    for o in sampled:
+        assert o.error is None, o.error
+        c = o.outputs[0]
+        ref = hf_logprobs_float64(model_dir, o.encoder_prompt_token_ids, o.prompt_token_ids + c.token_ids)
+        start = len(o.prompt_token_ids) - 1
+        for j, t in enumerate(_upto(c.token_ids, stop_after)):
+            err = abs(c.logprobs[j][t] - float(ref[start + j, t]))
+            worst = max(worst, err)
+            assert err <= tol, (o.encoder_prompt_token_ids, j, t, err)
+    greedy = SamplingParams(temperature=0.0, num_beams=1, max_tokens=max_tokens)
+    f32 = LLM(model=str(model_dir), dtype="float32", device="cpu", generation_config="none")
+    compared = 0
+    for a, b in zip(f32.generate(prompts, greedy, use_tqdm=False), bf.generate(prompts, greedy, use_tqdm=False)):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        ref = hf_logprobs_float64(model_dir, a.encoder_prompt_token_ids, a.prompt_token_ids + ta)
+        start = len(a.prompt_token_ids) - 1
+        for j in range(min(len(_upto(ta, stop_after)), len(tb))):
+            top2 = ref[start + j].topk(2).values
+            if float(top2[0] - top2[1]) <= 2 * tol:
+                break
+            assert tb[j] == ta[j], (a.encoder_prompt_token_ids, j)
+            compared += 1
+    assert compared >= len(prompts)  # the check is not vacuous
+    return worst
+
+
+def _upto(tokens: list[int], stop_after: int | None) -> list[int]:
+    return tokens[: tokens.index(stop_after) + 1] if stop_after in tokens else tokens

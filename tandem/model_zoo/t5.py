@@ -7,12 +7,14 @@ layers (bidirectional in the encoder, causal in decoder self-attention, none in 
 attention), which reaches the backend as the ``"relative_position_bias"`` feature
 (:mod:`tandem.core.relative_position`); no ``1/sqrt(d)`` score scaling; no biases in
 any projection; a ReLU FFN (``feed_forward_proj="relu"``, v1.0) or a gated one
-(``"gated-gelu"``: v1.1, Flan, mT5, UL2); decoding starts from the pad token.
+(``"gated-gelu"``: v1.1, Flan, mT5; ``"gated-silu"``: UL2; any ``[gated-]<activation>``
+that transformers' ``ACT2FN`` names, as ``T5Config`` accepts); decoding starts from the pad token.
 
 The head: v1.0 ties it to the embeddings and scales the decoder output by
-``d_model**-0.5`` first; v1.1 / Flan / mT5 save ``tie_word_embeddings: false`` and a
+``d_model**-0.5`` first; v1.1 / Flan / mT5 / UL2 save ``tie_word_embeddings: false`` and a
 head of their own, unscaled. transformers 5 keeps that flag as ``scale_decoder_outputs``
-and always reports ``tie_word_embeddings=True``; :func:`_scaled_head` reads both.
+and always reports ``tie_word_embeddings=True`` (``MT5Config`` keeps neither: mT5 is
+unscaled always); :func:`_scaled_head` reads them.
 
 Module names follow HF's (``encoder.block.{i}.layer.{j}``) so the weight mapping is a
 few renames; q/k/v (cross: k/v) and the gated FFN's ``wi_0``/``wi_1`` are fused.
@@ -49,7 +51,12 @@ DEFAULT_MAX_LEN = 512  # T5's positions are relative: no table bounds them; 512 
 
 
 def _scaled_head(config) -> bool:
-    """Whether the head is v1.0's (tied, decoder output scaled by ``d_model**-0.5``)."""
+    """Whether the head is v1.0's (tied, decoder output scaled by ``d_model**-0.5``).
+    mT5 never is: every mT5 checkpoint has a head of its own, and transformers 5's
+    ``MT5Config`` forgets the flag (it reports ``tie_word_embeddings=True`` and has no
+    ``scale_decoder_outputs``) while its model never scales."""
+    if getattr(config, "model_type", None) == "mt5":
+        return False
     scaled = getattr(config, "scale_decoder_outputs", None)
     if scaled is not None:
         return bool(scaled)

@@ -1,13 +1,15 @@
 """T5 in tandem's model zoo equals HF ``generate`` token for token in float32, greedy,
 batched with mixed lengths and under preemption, for tiny random checkpoints shaped like
-t5-small (v1.0: ReLU FFN, tied head scaled by ``d_model**-0.5``) and flan-t5-base
-(v1.1: gated-GELU FFN, a head of its own, ``tie_word_embeddings: false``), on each CPU
-backend that declares ``relative_position_bias`` (cpu_paged, the automatic choice where its
-C++ op builds, and torch_sdpa); and a T5 model is refused by a backend that does not.
+t5-small (v1.0: ReLU FFN, tied head scaled by ``d_model**-0.5``), flan-t5-base (v1.1:
+gated-GELU FFN, a head of its own, ``tie_word_embeddings: false``), mt5-small (``MT5Config``,
+gated-GELU, untied, a larger vocabulary, ``num_heads * d_kv != d_model``) and UL2
+(gated-SiLU, untied) (``helpers.T5_SHAPES``), on each CPU backend that declares
+``relative_position_bias`` (cpu_paged, the automatic choice where its C++ op builds, and
+torch_sdpa); and a T5 model is refused by a backend that does not.
 
-transformers 5 builds T5 tied always; the untied checkpoint is written as the real
-flan-t5 ones are: its config says ``tie_word_embeddings: false`` and it carries an
-``lm_head.weight`` of its own, which HF then loads untied.
+transformers 5 builds T5 tied always; the untied checkpoints are written as the real
+flan-t5 ones are: the config says ``tie_word_embeddings: false`` and the weights carry an
+``lm_head.weight`` of their own, which HF then loads untied.
 
 Random layer-norm weights (T5's are all ones at init) keep the outputs varied. Where HF's
 top two logits come within ``NEAR_TIE`` of each other, float32 summation order may pick
@@ -23,66 +25,33 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import _hf_model, assert_preempted, hf_generate
+from helpers import T5_EOS as EOS
+from helpers import T5_PAD as PAD
+from helpers import T5_SHAPES as SHAPES
+from helpers import T5_TIED as TIED
+from helpers import _hf_model, assert_bfloat16_agrees, assert_preempted, hf_generate, hf_search, make_t5
 from tandem import LLM, SamplingParams
 from tandem.backends.cpu_paged import ops
 from tandem.registry import BackendUnavailableError
 
-VOCAB = 96
-PAD, EOS = 0, 1  # T5's ids: decoding starts from <pad>
+PROMPT_VOCAB = 96  # prompts draw from the first ids of every shape's vocabulary
 NEAR_TIE = 1e-4  # log-probability gap below which greedy may go either way in float32
-
-SHAPES = {
-    # t5-small: d_model 512, d_kv 64, 8 heads, d_ff 2048, 6 + 6 layers, 32 buckets up to 128
-    "t5-small": dict(d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2, num_decoder_layers=2,
-                     relative_attention_num_buckets=32, relative_attention_max_distance=128,
-                     feed_forward_proj="relu"),
-    # flan-t5-base: d_model 768, d_kv 64, 12 heads, d_ff 2048 gated-gelu, 12 + 12 layers, untied.
-    # Fewer buckets and a short max distance here, so the prompts reach the clipped bucket.
-    # (Stacks of different depths cannot be compared: transformers 5.24's generate sizes its
-    # decoder cache by num_layers and fails when num_decoder_layers is larger.)
-    "flan-t5-base": dict(d_model=32, d_kv=16, num_heads=3, d_ff=48, num_layers=2, num_decoder_layers=2,
-                         relative_attention_num_buckets=16, relative_attention_max_distance=24,
-                         feed_forward_proj="gated-gelu"),
-}
-TIED = {"t5-small": True, "flan-t5-base": False}
-
-
-def make_t5(shape: str, path: Path, seed: int = 0) -> Path:
-    from safetensors.torch import load_file, save_file
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    torch.manual_seed(seed)
-    config = T5Config(vocab_size=VOCAB, dropout_rate=0.0, pad_token_id=PAD, eos_token_id=EOS,
-                      decoder_start_token_id=PAD, **SHAPES[shape])
-    model = T5ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0.0, 0.5 if name == "shared.weight" else 1.0)
-    model.save_pretrained(path)
-    if not TIED[shape]:
-        weights = load_file(path / "model.safetensors")
-        weights["lm_head.weight"] = torch.randn(VOCAB, config.d_model, generator=torch.Generator().manual_seed(seed))
-        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-        cfg = json.loads((path / "config.json").read_text())
-        cfg["tie_word_embeddings"] = False
-        cfg.pop("scale_decoder_outputs", None)  # transformers 5's own field; the real checkpoints lack it
-        (path / "config.json").write_text(json.dumps(cfg))
-    return path
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
 def t5(request, tmp_path_factory) -> tuple[str, Path]:
-    return request.param, make_t5(request.param, tmp_path_factory.mktemp(request.param))
+    # UL2's seed 0 repeats itself on 6 of 16 prompts (SiLU gates); seed 1 is varied
+    seed = 1 if request.param == "ul2" else 0
+    return request.param, make_t5(request.param, tmp_path_factory.mktemp(request.param), seed=seed)
 
 
 def _prompts(seed: int, n: int) -> list:
     rng = random.Random(seed)
     prompts = []
     for i in range(n):
-        enc = {"prompt_token_ids": [rng.randrange(2, VOCAB) for _ in range(rng.choice([1, 2, 5, 13, 30, 70]))] + [EOS]}
+        enc = {"prompt_token_ids": [rng.randrange(2, PROMPT_VOCAB) for _ in range(rng.choice([1, 2, 5, 13, 30, 70]))] + [EOS]}
         if i % 2:
-            dec = [PAD, *(rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 6)))]
+            dec = [PAD, *(rng.randrange(2, PROMPT_VOCAB) for _ in range(rng.randint(1, 6)))]
             prompts.append({"encoder_prompt": enc, "decoder_prompt": {"prompt_token_ids": dec}})
         else:
             prompts.append(enc)  # the default decoder prompt: <pad> alone
@@ -181,13 +150,14 @@ def test_log_probabilities_equal_hfs(t5):
     """Greedy tokens cannot see the tied head's ``d_model**-0.5`` (a uniform scale keeps the
     argmax): the log-probabilities can. Every vocabulary entry of every step, to 1e-4."""
     shape, path = t5
+    vocab = SHAPES[shape]["vocab_size"]
     llm = LLM(model=str(path), dtype="float32", device="cpu", block_size=4)
     prompts = _prompts(5, 4)
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, logprobs=VOCAB), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, logprobs=vocab), use_tqdm=False)
     for o in outs:
         tokens, want = hf_generate(_hf_model(path), o.encoder_prompt_token_ids, o.prompt_token_ids, 8)
         assert o.outputs[0].token_ids == tokens
-        got = torch.tensor([[step[t] for t in range(VOCAB)] for step in o.outputs[0].logprobs])
+        got = torch.tensor([[step[t] for t in range(vocab)] for step in o.outputs[0].logprobs])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -204,3 +174,103 @@ def test_a_config_t5_cannot_run_names_the_field(tmp_path, field, value, message)
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=message):
         LLM(model=str(path), dtype="float32", device="cpu")
+
+
+# Generation configs people run T5 with. t5-small's own generation_config.json names only the
+# special ids (greedy, the tests above); its config's task_specific_params["summarization"] is
+# what the summarization pipeline sets (its lengths shrunk here: max 200, min 30), and a
+# flan-style config of beams with a length penalty below one and the "never" stopping rule.
+GENERATION_CONFIGS = {
+    "summarization": dict(num_beams=4, length_penalty=2.0, early_stopping=True, no_repeat_ngram_size=3,
+                          min_length=8, max_length=30),
+    "flan-beams": dict(num_beams=3, length_penalty=0.6, early_stopping="never", max_new_tokens=20),
+}
+# Beam scores to 1e-4, as in test_beam_search (float32 sums in another order than HF's).
+SCORE_REL, SCORE_ABS = 1e-4, 1e-4
+
+
+@pytest.mark.parametrize("gen_name", list(GENERATION_CONFIGS))
+def test_beam_search_generation_config_equals_hf(t5, gen_name, tmp_path):
+    """A generation_config.json with beams, given as ``generation_config=<directory>``: no
+    SamplingParams, so it decides, as HF ``generate`` with the same settings; batched with
+    mixed lengths; every returned token and the beam score."""
+    from transformers import GenerationConfig
+
+    shape, path = t5
+    gen = GENERATION_CONFIGS[gen_name]
+    if gen_name == "flan-beams" and shape not in ("t5-small", "flan-t5-base"):
+        pytest.skip("one beam configuration on every shape is enough; the second on two of them")
+    GenerationConfig(decoder_start_token_id=PAD, eos_token_id=EOS, pad_token_id=PAD, **gen).save_pretrained(tmp_path)
+    llm = LLM(model=str(path), dtype="float32", device="cpu", block_size=4, generation_config=str(tmp_path))
+    assert llm.get_default_sampling_params().num_beams == gen["num_beams"]
+    rng = random.Random(11)
+    sources = [[rng.randrange(2, PROMPT_VOCAB) for _ in range(rng.choice([1, 3, 9, 20, 45, 80]))] + [EOS]
+               for _ in range(10)]
+    outs = llm.generate([{"prompt_token_ids": s} for s in sources], use_tqdm=False)
+    for source, o in zip(sources, outs):
+        assert o.error is None, o.error
+        (tokens, score), = hf_search(path, source, None, **gen)
+        assert o.prompt_token_ids == [PAD]
+        assert o.outputs[0].token_ids == tokens, (source, gen_name)
+        assert o.outputs[0].cumulative_logprob == pytest.approx(score, rel=SCORE_REL, abs=SCORE_ABS)
+        if "min_length" in gen:  # HF's lengths count the start token
+            assert len(tokens) + 1 >= gen["min_length"]
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) >= 7  # varied, so the comparison says something
+
+
+def _hf_activation(proj: str) -> tuple[str, bool]:
+    from transformers import T5Config
+
+    config = T5Config(feed_forward_proj=proj)
+    return config.dense_act_fn, config.is_gated_act
+
+
+def test_every_feed_forward_proj_hf_accepts_is_served():
+    """Each ``feed_forward_proj`` T5Config accepts (``<act>`` or ``gated-<act>`` for every
+    activation in ``ACT2FN``) becomes the activation and gating HF's T5 runs."""
+    from transformers.activations import ACT2FN
+
+    from tandem.model_zoo.t5 import _activation
+
+    names = [n for n in ACT2FN if "-" not in n]
+    for proj in names + [f"gated-{n}" for n in names]:
+        assert _activation(type("C", (), {"feed_forward_proj": proj})()) == _hf_activation(proj), proj
+
+
+@pytest.mark.parametrize("proj", ["gelu", "gated-relu", "silu", "gelu_new", "gated-gelu_new", "gated-quick_gelu"])
+def test_other_feed_forward_projs_equal_hf(proj, tmp_path):
+    """Beyond the four shapes' (relu, gated-gelu, gated-silu): erf GELU (fused into the
+    linear layer), unfused activations, and gated ones, greedy against HF."""
+    path = make_t5("t5-small", tmp_path / "ckpt", feed_forward_proj=proj)
+    llm = LLM(model=str(path), dtype="float32", device="cpu", block_size=4)
+    outs = llm.generate(_prompts(7, 6), SamplingParams(temperature=0.0, num_beams=1, max_tokens=12), use_tqdm=False)
+    _assert_equal_hf(path, outs, 12)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) >= 4
+
+
+@pytest.mark.parametrize("proj,message", [
+    # malformed: transformers' T5Config refuses it, and the error names the file and the value
+    ("gated-swish-x", r"(?s)cannot read config.json: .*feed_forward_proj`: gated-swish-x is not a valid"),
+    ("relu-gated", r"(?s)cannot read config.json: .*feed_forward_proj`: relu-gated is not a valid"),
+    # well formed, an activation that does not exist: T5Config takes it, tandem names it
+    ("gated-geglu", r"feed_forward_proj='gated-geglu': activation 'geglu' is not one of .*gelu_new"),
+])
+def test_a_feed_forward_proj_nobody_serves_is_named(tmp_path, proj, message):
+    path = make_t5("t5-small", tmp_path / "ckpt")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["feed_forward_proj"] = proj
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(path), dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_bfloat16_agrees_with_the_float64_oracle(shape, tmp_path):
+    """test_sampling's bfloat16 method and bound (helpers.assert_bfloat16_agrees), on
+    checkpoints whose activations stay O(1) (transformers' initialisation: ``make_t5(calm=True)``).
+    T5 adds no rounding BART lacks: its RMS norm sums its squares in float32, and the
+    relative position bias is added to the scores once per layer, as a mask is. Measured
+    worst log-probability errors: 0.018 (t5-small) to 0.036 (mt5-small), of the bound's 0.1."""
+    path = make_t5(shape, tmp_path / "ckpt", calm=True)
+    worst = assert_bfloat16_agrees(path, _prompts(9, 8))
+    print(f"{shape}: worst bfloat16 log-probability error {worst:.4f}")
