@@ -103,7 +103,8 @@ class EngineConfig:
     )
     generation_config: str = option(
         "auto", "request defaults: 'auto' (the checkpoint's generation_config.json, as HF generate reads it), "
-        "'none' (SamplingParams' own), or a directory holding one"
+        "'none' (SamplingParams' own), a directory holding one, or a Hub repo id whose generation_config.json to "
+        "read (fetched as the model is)"
     )
     # core/layers/linear_kernels.py
     cpu_gemm: str = option(
@@ -194,10 +195,10 @@ class EngineConfig:
         if not is_int(self.seed) or not -(2**63) <= self.seed <= 2**64 - 1:
             raise ValueError(f"seed={self.seed!r}: must be an integer in [-2**63, 2**64 - 1], the range torch seeds take")
         gc = self.generation_config
-        if not isinstance(gc, (str, Path)) or (str(gc) not in ("auto", "none") and not Path(gc).is_dir()):
+        if not isinstance(gc, (str, Path)) or not str(gc):
             raise ValueError(
-                f"generation_config={gc!r}: must be 'auto' (the checkpoint's), 'none', or a directory "
-                "holding a generation_config.json"
+                f"generation_config={gc!r}: must be 'auto' (the checkpoint's), 'none', a directory "
+                "holding a generation_config.json, or a Hugging Face Hub repo id"
             )
         self.generation_config = str(gc)
         # The scheduler's limits are checked by SchedulerConfig (below), at construction too.
@@ -226,6 +227,13 @@ class EngineConfig:
             revision = self.tokenizer_revision or (self.revision if same_repo else None)
             self.tokenizer_path = resolve_checkpoint(
                 self.tokenizer, "tokenizer", revision=revision, download_dir=self.download_dir, weights=False
+            )
+        if self.generation_config not in ("auto", "none"):
+            # a directory as it is; a repo id's snapshot (no weights), the model's revision when it is the model
+            same_repo = self.generation_config == self.model and self.model_path != self.model
+            self.generation_config = resolve_checkpoint(
+                self.generation_config, "generation_config", revision=self.revision if same_repo else None,
+                download_dir=self.download_dir, weights=False,
             )
 
 

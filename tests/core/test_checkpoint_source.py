@@ -221,6 +221,27 @@ def test_hub_errors_name_the_id_and_what_to_do():
     assert str(down) == f"model='{REPO}': cannot fetch it from the Hugging Face Hub (HTTP 503): 503 Server Error"
 
 
+def test_a_generation_config_by_repo_id(bart_dir, tmp_path, offline):
+    """``generation_config=<repo id>`` reads that repo's generation_config.json from the cache,
+    as a directory holding the same file does; missing from the cache, the error names it."""
+    gen = tmp_path / "gen"  # another checkpoint's repo: its config.json and generation config
+    gen.mkdir()
+    shutil.copy(bart_dir / "config.json", gen / "config.json")
+    (gen / "generation_config.json").write_text(json.dumps(
+        {"decoder_start_token_id": 2, "eos_token_id": 2, "num_beams": 3, "max_length": 9, "no_repeat_ngram_size": 2}))
+    cache = tmp_path / "cache"
+    snapshot = hub_cache(gen, cache, "org/gen-config")
+    by_id = llm(str(bart_dir), generation_config="org/gen-config", download_dir=str(cache))
+    assert by_id.engine.config.generation_config == str(snapshot)
+    by_dir = llm(str(bart_dir), generation_config=str(gen))
+    defaults = by_id.get_default_sampling_params()
+    assert defaults == by_dir.get_default_sampling_params()
+    assert (defaults.num_beams, defaults.no_repeat_ngram_size) == (3, 2)  # the repo's file, not the checkpoint's
+    assert token_ids(by_id) == token_ids(by_dir)
+    with pytest.raises(ValueError, match=r"generation_config='org/not-cached'.*HF_HUB_OFFLINE"):
+        llm(str(bart_dir), generation_config="org/not-cached", download_dir=str(cache))
+
+
 def _tandem(*args, env):
     return subprocess.run([sys.executable, "-m", "tandem.entrypoints.cli", *args], capture_output=True, text=True,
                           env=env, timeout=300)
