@@ -3,9 +3,12 @@
 Every engine gets the same checkpoint and the same requests in one run, and the
 script prints output tokens per second for each, with the ratio to HF.
 
+Models: BART (``--make-model tiny|base``) and T5 (``--make-model t5-base|flan-t5-base``),
+or any local checkpoint of either family (``--model``).
+
 Workloads (request token ids are random, seeded ids from the vocabulary with
-the special ids left out, wrapped as ``[bos] + ids + [eos]``; the encoder
-lengths below count those two tokens):
+the special ids left out, wrapped as ``[bos] + ids + [eos]``, or ``ids + [eos]``
+for a model without bos (T5); the encoder lengths below count those tokens):
 
   summarization  64 requests, encoder length uniform in [64, 512], 64 new tokens
   translation   256 requests, encoder length uniform in [10, 60],  48 new tokens
@@ -14,9 +17,10 @@ Output lengths are fixed: every request generates exactly its number of new
 tokens (tandem ``min_tokens == max_tokens``, HF ``min_new_tokens ==
 max_new_tokens``, CTranslate2 ``min_decoding_length == max_decoding_length``),
 so EOS never ends a request early and all engines do the same amount of
-decoding. Decoding is greedy. The decoder prompt is BART's default
-``[decoder_start_token_id, bos_token_id]`` (tandem's default; given explicitly
-to the other engines). Only new tokens are counted.
+decoding. Decoding is greedy. The decoder prompt is the model's default,
+``[decoder_start_token_id, bos_token_id]`` for BART and ``[decoder_start_token_id]``
+(the pad token) for T5 (tandem's defaults; given explicitly to the other
+engines). Only new tokens are counted.
 
 Timing: every engine is loaded first, each runs one small warm-up request
 batch, then ``time.perf_counter`` is taken around the single call (or, for HF,
@@ -60,9 +64,14 @@ Examples (from the repository root):
   python benchmarks/throughput.py --model /path/to/bart --workload summarization \\
       --engines tandem,hf --json results.json
 
+  # flan-t5-base-sized random model, all five engines
+  python benchmarks/throughput.py --make-model flan-t5-base \\
+      --engines tandem,tandem-int8,hf,ct2,ct2-int8
+
 No weights are downloaded: without ``--model`` a random
-``BartForConditionalGeneration`` is built with transformers (seeded) and saved
-with ``save_pretrained`` to a temporary directory (or ``--save-model DIR``).
+``BartForConditionalGeneration`` or ``T5ForConditionalGeneration`` is built
+with transformers (seeded) and saved with ``save_pretrained`` to a temporary
+directory (or ``--save-model DIR``).
 """
 
 from __future__ import annotations
@@ -103,20 +112,40 @@ WORKLOADS = {
     "summarization-beam4": Workload("summarization-beam4", 16, 64, 512, 64, num_beams=4),
 }
 
-# Random BART checkpoints built with --make-model.
+@dataclass(frozen=True)
+class ModelSize:
+    """A random checkpoint built with --make-model: its family and config fields."""
+
+    family: str  # "bart" or "t5"
+    config: dict
+    tied: bool = True  # False: a head of its own, saved as the real checkpoint ships it
+
+
 MODEL_SIZES = {
-    "tiny": dict(
+    "tiny": ModelSize("bart", dict(
         d_model=128, encoder_layers=2, decoder_layers=2,
         encoder_attention_heads=4, decoder_attention_heads=4,
         encoder_ffn_dim=512, decoder_ffn_dim=512, vocab_size=1024,
         max_position_embeddings=1024,
-    ),
-    "base": dict(
+    )),
+    "base": ModelSize("bart", dict(
         d_model=768, encoder_layers=6, decoder_layers=6,
         encoder_attention_heads=12, decoder_attention_heads=12,
         encoder_ffn_dim=3072, decoder_ffn_dim=3072, vocab_size=50265,
         max_position_embeddings=1024,
-    ),
+    )),
+    # t5-base (v1.0): ReLU FFN, head tied to the embeddings (scaled by d_model**-0.5).
+    "t5-base": ModelSize("t5", dict(
+        d_model=768, d_kv=64, num_heads=12, d_ff=3072, num_layers=12, num_decoder_layers=12,
+        vocab_size=32128, relative_attention_num_buckets=32, relative_attention_max_distance=128,
+        feed_forward_proj="relu",
+    )),
+    # flan-t5-base (v1.1): gated-GELU FFN, a head of its own.
+    "flan-t5-base": ModelSize("t5", dict(
+        d_model=768, d_kv=64, num_heads=12, d_ff=2048, num_layers=12, num_decoder_layers=12,
+        vocab_size=32128, relative_attention_num_buckets=32, relative_attention_max_distance=128,
+        feed_forward_proj="gated-gelu",
+    ), tied=False),
 }
 
 
@@ -126,7 +155,7 @@ class Requests:
 
     workload: Workload
     encoder_ids: list[list[int]]
-    decoder_prompt: list[int]  # [decoder_start, bos], identical for all
+    decoder_prompt: list[int]  # [decoder_start, bos] (T5: [decoder_start]), identical for all
 
 
 @dataclass
@@ -153,24 +182,72 @@ class Result:
 
 
 def make_model(size: str, out_dir: str, seed: int) -> str:
-    """Build a seeded random BartForConditionalGeneration and save it."""
-    from transformers import BartConfig, BartForConditionalGeneration
+    """Build a seeded random BART or T5 checkpoint of ``MODEL_SIZES[size]`` and save it."""
+    from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
 
-    config = BartConfig(
-        **MODEL_SIZES[size],
-        forced_eos_token_id=None,
-        forced_bos_token_id=None,
-    )
+    spec = MODEL_SIZES[size]
+    if spec.family == "bart":
+        model_cls = BartForConditionalGeneration
+        config = BartConfig(**spec.config, forced_eos_token_id=None, forced_bos_token_id=None)
+    else:
+        model_cls = T5ForConditionalGeneration
+        config = T5Config(**spec.config, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
     torch.manual_seed(seed)
-    model = BartForConditionalGeneration(config).eval()
+    model = model_cls(config).eval()
     model.save_pretrained(out_dir)
+    if not spec.tied:
+        _untie_head(Path(out_dir), config, seed)
     return out_dir
+
+
+def _untie_head(path: Path, config, seed: int) -> None:
+    """Give a saved T5 checkpoint a head of its own, as flan-t5 ships one.
+
+    transformers 5 builds T5 tied always; flan-t5's files say
+    ``tie_word_embeddings: false`` and carry ``lm_head.weight``, which HF then
+    loads untied (and unscaled). The head is drawn as HF initialises an untied
+    T5 head (std 1)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed + 1)
+    weights["lm_head.weight"] = torch.randn(config.vocab_size, config.d_model, generator=gen)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    cfg.pop("scale_decoder_outputs", None)  # transformers 5's own field; the real checkpoints lack it
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def load_config(model_dir: str):
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_dir)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes model_flops and the environment line need, for BART and T5 alike."""
+
+    d_model: int
+    attn_dim: int  # heads x head size (BART: d_model; T5: num_heads * d_kv)
+    heads: int
+    encoder_layers: int
+    decoder_layers: int
+    ffn_dim: int  # the encoder's and the decoder's (T5 shares one)
+    decoder_ffn_dim: int
+    ffn_matrices: int  # 2 (in, out) or 3 (gated: two in, one out)
+    vocab_size: int
+
+
+def model_shape(config) -> Shape:
+    if config.model_type in ("t5", "mt5"):
+        return Shape(config.d_model, config.num_heads * config.d_kv, config.num_heads,
+                     config.num_layers, config.num_decoder_layers, config.d_ff, config.d_ff,
+                     3 if config.is_gated_act else 2, config.vocab_size)
+    return Shape(config.d_model, config.d_model, config.encoder_attention_heads,
+                 config.encoder_layers, config.decoder_layers, config.encoder_ffn_dim,
+                 config.decoder_ffn_dim, 2, config.vocab_size)
 
 
 def special_ids(config) -> set[int]:
@@ -195,13 +272,16 @@ def make_requests(workload: Workload, config, num_requests: int, seed: int) -> R
     rng = random.Random(f"{seed}-{workload.name}")
     excluded = special_ids(config)
     vocab = [i for i in range(config.vocab_size) if i not in excluded]
-    max_len = min(workload.max_encoder_len, config.max_position_embeddings)
+    positions = getattr(config, "max_position_embeddings", None)  # T5: none, its positions are relative
+    max_len = workload.max_encoder_len if positions is None else min(workload.max_encoder_len, positions)
+    # T5 has no bos: its encoder input ends in eos only, its decoder starts from pad alone.
+    bos = [config.bos_token_id] if getattr(config, "bos_token_id", None) is not None else []
     encoder_ids = []
     for _ in range(num_requests):
         length = rng.randint(workload.min_encoder_len, max_len)
-        body = [rng.choice(vocab) for _ in range(length - 2)]
-        encoder_ids.append([config.bos_token_id] + body + [config.eos_token_id])
-    decoder_prompt = [config.decoder_start_token_id, config.bos_token_id]
+        body = [rng.choice(vocab) for _ in range(length - 1 - len(bos))]
+        encoder_ids.append(bos + body + [config.eos_token_id])
+    decoder_prompt = [config.decoder_start_token_id] + bos
     return Requests(workload, encoder_ids, decoder_prompt)
 
 
@@ -238,6 +318,8 @@ class TandemRunner:
             extra["quantization"] = self.quantization
         self.llm = LLM(model=model_dir, dtype=args.dtype, device=args.device,
                        seed=args.seed, **extra)
+        # auto picks per model (T5's relative position bias passes over backends without it)
+        self.attention_backend = self.llm.llm_engine.attn_backend.name
 
     def run(self, requests: Requests) -> list[list[int]]:
         n, beams = requests.workload.new_tokens, requests.workload.num_beams
@@ -258,10 +340,10 @@ class HFRunner:
     name = "hf"
 
     def __init__(self, model_dir: str, args):
-        from transformers import BartForConditionalGeneration
+        from transformers import AutoModelForSeq2SeqLM
 
         self.device = torch.device(args.device)
-        self.model = BartForConditionalGeneration.from_pretrained(
+        self.model = AutoModelForSeq2SeqLM.from_pretrained(
             model_dir, dtype=getattr(torch, args.dtype)).to(self.device).eval()
         self.batch_size = args.hf_batch_size
         self.sort = not args.hf_no_sort
@@ -277,7 +359,7 @@ class HFRunner:
         return GenerationConfig(
             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
             do_sample=False, num_beams=num_beams,
-            bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
+            bos_token_id=getattr(c, "bos_token_id", None), eos_token_id=c.eos_token_id,
             pad_token_id=c.pad_token_id,
             decoder_start_token_id=c.decoder_start_token_id,
             forced_bos_token_id=None, forced_eos_token_id=None,
@@ -353,7 +435,7 @@ class CT2Runner:
         # CTranslate2 starts from decoder_start itself; the rest of the
         # decoder prompt is the target prefix.
         prefix_ids = requests.decoder_prompt[1:]
-        prefix = [[tok[i] for i in prefix_ids]] * len(source)
+        prefix = [[tok[i] for i in prefix_ids]] * len(source) if prefix_ids else None
         # max/min_decoding_length count the target prefix.
         length = n + len(prefix_ids)
         results = self.translator.translate_batch(
@@ -368,8 +450,9 @@ class CT2Runner:
 
 
 def _ct2_vocabulary(config) -> list[str]:
-    names = {config.bos_token_id: "<s>", config.pad_token_id: "<pad>",
+    names = {getattr(config, "bos_token_id", None): "<s>", config.pad_token_id: "<pad>",
              config.eos_token_id: "</s>"}
+    names.pop(None, None)  # T5 has no bos
     unk = getattr(config, "unk_token_id", None)
     if unk is None:
         unk = next(i for i in range(config.vocab_size) if i not in names)
@@ -383,8 +466,10 @@ def _ct2_converter_cls():
     class _Tokenizer:
         def __init__(self, tokens, config):
             self._tokens = tokens
-            self.bos_token = tokens[config.bos_token_id]
+            bos = getattr(config, "bos_token_id", None)  # T5 has none; its loader reads pad instead
+            self.bos_token = None if bos is None else tokens[bos]
             self.eos_token = tokens[config.eos_token_id]
+            self.pad_token = tokens[config.pad_token_id]
             self.unk_token = "<unk>"
 
         def get_vocab(self):
@@ -405,8 +490,14 @@ def _ct2_converter_cls():
             model = super().load_model(model_class, model_name_or_path, **kwargs)
             # transformers 5 dropped BART's always-False normalize_before,
             # which the converter still reads.
-            if not hasattr(model.config, "normalize_before"):
+            if model.config.model_type == "bart" and not hasattr(model.config, "normalize_before"):
                 model.config.normalize_before = False
+            # transformers 5 reports every T5 as tied and keeps whether the head is
+            # scaled in scale_decoder_outputs; the converter scales the decoder output
+            # when tie_word_embeddings is set, which would scale flan-t5's own head.
+            scaled = getattr(model.config, "scale_decoder_outputs", None)
+            if model.config.model_type in ("t5", "mt5") and scaled is not None:
+                model.config.tie_word_embeddings = bool(scaled)
             return model
 
     return Converter
@@ -429,27 +520,29 @@ RUNNERS = {"tandem": TandemRunner, "tandem-int8": TandemInt8Runner, "hf": HFRunn
 
 
 def model_flops(config, requests: Requests) -> float:
-    """FLOPs a BART-shaped model needs for this workload, counted from the config
+    """FLOPs a BART- or T5-shaped model needs for this workload, counted from the config
     and the request lengths (2 per multiply-add): encoder layers over the encoder
     tokens, cross-attention K/V once per request, and every decoder position
     (the decoder prompt and each new token but the last) through the decoder
     layers, the LM head once per new token, and attention's QK^T and PV products
     at their true lengths (the matmul part equals torch.profiler's FLOP count
     of HF ``generate`` on one unpadded request). Padding, recomputation and beams other than the first are not
-    counted: it is the work any engine must do, not what one does."""
-    d, v = config.d_model, config.vocab_size
-    enc_ffn, dec_ffn = config.encoder_ffn_dim, config.decoder_ffn_dim
-    le, ld = config.encoder_layers, config.decoder_layers
+    counted: it is the work any engine must do, not what one does. T5's relative
+    position bias is an addition per score, left out like the softmax."""
+    s = model_shape(config)
+    d, a, v = s.d_model, s.attn_dim, s.vocab_size
+    enc_ffn, dec_ffn = s.ffn_matrices * s.ffn_dim, s.ffn_matrices * s.decoder_ffn_dim
+    le, ld = s.encoder_layers, s.decoder_layers
     w = requests.workload
     total = 0.0
     for ids in requests.encoder_ids:
         n = len(ids)
-        total += le * (n * 2 * d * (4 * d + 2 * enc_ffn) + 4 * n * n * d)  # projections, FFN, attention
-        total += ld * n * 2 * d * 2 * d  # cross-attention K and V of the encoder output
+        total += le * (n * 2 * d * (4 * a + enc_ffn) + 4 * n * n * a)  # projections, FFN, attention
+        total += ld * n * 2 * d * 2 * a  # cross-attention K and V of the encoder output
         positions = len(requests.decoder_prompt) + w.new_tokens - 1
         for t in range(1, positions + 1):
             # self q/k/v/out + cross q/out + FFN, then attention over t self and n cross positions
-            total += ld * (2 * d * (6 * d + 2 * dec_ffn) + 4 * d * (t + n))
+            total += ld * (2 * d * (6 * a + dec_ffn) + 4 * a * (t + n))
         total += w.new_tokens * 2 * d * v  # LM head, once per token chosen
     return total
 
@@ -586,12 +679,13 @@ def format_table(results: list[Result], mm_peak: float) -> str:
 def environment(args, config, model_dir: str) -> dict:
     import transformers
 
+    shape = model_shape(config)
     env = {
-        "model": model_dir if args.model else f"random bart ({args.make_model})",
-        "d_model": config.d_model,
-        "layers": [config.encoder_layers, config.decoder_layers],
-        "heads": config.encoder_attention_heads,
-        "vocab_size": config.vocab_size,
+        "model": model_dir if args.model else f"random {MODEL_SIZES[args.make_model].family} ({args.make_model})",
+        "d_model": shape.d_model,
+        "layers": [shape.encoder_layers, shape.decoder_layers],
+        "heads": shape.heads,
+        "vocab_size": shape.vocab_size,
         "dtype": args.dtype,
         "device": args.device,
         "torch_threads": torch.get_num_threads(),
@@ -635,7 +729,7 @@ def parse_args(argv=None):
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("checkpoint")
-    src.add_argument("--model", help="local BART checkpoint directory")
+    src.add_argument("--model", help="local BART or T5 checkpoint directory")
     src.add_argument("--make-model", choices=sorted(MODEL_SIZES), default="tiny",
                      help="size of the random checkpoint built when --model is "
                           "not given (default: tiny)")
@@ -701,7 +795,7 @@ def parse_args(argv=None):
 
 def available_engines(engines: list[str]) -> list[str]:
     """Drop engines whose package cannot be imported, with a note."""
-    needs = {"tandem": ("tandem", "LLM"), "hf": ("transformers", "BartForConditionalGeneration"),
+    needs = {"tandem": ("tandem", "LLM"), "hf": ("transformers", "AutoModelForSeq2SeqLM"),
              "ct2": ("ctranslate2", "Translator")}
     if any(e.startswith("tandem") for e in engines) and str(REPO_ROOT) not in sys.path:
         # Run from a checkout without `pip install -e .`: import the tree's tandem.
@@ -738,7 +832,8 @@ def main(argv=None) -> int:
         else:
             tmp = tempfile.TemporaryDirectory(prefix="tandem-bench-model-")
             model_dir = tmp.name
-        print(f"building random BART ({args.make_model}) in {model_dir}", flush=True)
+        print(f"building random {MODEL_SIZES[args.make_model].family} ({args.make_model}) in {model_dir}",
+              flush=True)
         make_model(args.make_model, model_dir, args.seed)
 
     config = load_config(model_dir)
@@ -755,6 +850,10 @@ def main(argv=None) -> int:
               "models by 10x or more (try --threads 1 to check)", file=sys.stderr)
 
     runners = load_engines(available_engines(args.engines), model_dir, args)
+    for engine, (runner, _) in runners.items():
+        if hasattr(runner, "attention_backend"):
+            env[f"{engine}_attention_backend"] = runner.attention_backend
+            print(f"{engine}: attention backend {runner.attention_backend}", flush=True)
     results = run_benchmarks(runners, workloads, config, args)
     del runners
     gc.collect()
