@@ -149,6 +149,21 @@ def test_position_bias_is_added_by_distance_on_t5_sized_heads(num_heads, num_kv_
 
 
 @needs_op
+def test_a_one_key_step_takes_a_width_one_row_of_any_stride():
+    """A step whose longest sequence has one key (beam search's first decode from ``[pad]``)
+    builds an ``[H, 1]`` row whose column stride is not 1 (a column of an ``[H, W]`` view);
+    a width-one row has no layout to check, and the op takes it."""
+    cache, tables = _layout([1, 1], 2, 16, 4, torch.float32, seed=0)
+    q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1))
+    row = torch.randn(1, 4, generator=torch.Generator().manual_seed(2)).t()  # [4, 1], strides (1, 4)
+    assert row.stride(1) != 1
+    out = torch.empty_like(q)
+    OP(q, cache, out, torch.arange(2), torch.arange(2), torch.tensor([1, 1]), tables, 1.0, row)
+    ref = _reference(q, cache, tables, [1, 1], 1.0, 2, row.contiguous())
+    torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=1e-5)  # one key: softmax is 1, out = v
+
+
+@needs_op
 @pytest.mark.parametrize("bias,message", [
     (torch.zeros(4, 9, dtype=torch.float64), "position_bias must be a float32"),
     (torch.zeros(4, 9).t(), "position_bias must be a float32"),

@@ -194,7 +194,7 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   int64_t bias_sh = 0, bias_w = 0;
   if (position_bias.has_value()) {
     const at::Tensor& pb = *position_bias;
-    TORCH_CHECK(pb.device().is_cpu() && pb.scalar_type() == at::kFloat && pb.dim() == 2 && pb.stride(1) == 1,
+    TORCH_CHECK(pb.device().is_cpu() && pb.scalar_type() == at::kFloat && pb.dim() == 2 && (pb.size(1) == 1 || pb.stride(1) == 1),
                 "paged_decode_attention: position_bias must be a float32 [H, W] cpu tensor, contiguous along W; got ",
                 pb.scalar_type(), " ", pb.sizes());
     TORCH_CHECK(pb.size(0) == query.size(1), "paged_decode_attention: position_bias has ", pb.size(0),
