@@ -201,7 +201,12 @@ def test_beam_search_generation_config_equals_hf(t5, gen_name, tmp_path):
     if gen_name == "flan-beams" and shape not in ("t5-small", "flan-t5-base"):
         pytest.skip("one beam configuration on every shape is enough; the second on two of them")
     GenerationConfig(decoder_start_token_id=PAD, eos_token_id=EOS, pad_token_id=PAD, **gen).save_pretrained(tmp_path)
-    llm = LLM(model=str(path), dtype="float32", device="cpu", block_size=4, generation_config=str(tmp_path))
+    # torch_sdpa: its float32 sums follow HF's order. Beam search amplifies a near tie among the
+    # candidates of one step into a different final hypothesis: on cpu_paged (its own decode sums)
+    # UL2's summarization beams return HF's second hypothesis for 1 of 10 sources, its score
+    # equal to HF's to 1e-6. cpu_paged's arithmetic is checked by the greedy tests above.
+    llm = LLM(model=str(path), dtype="float32", device="cpu", block_size=4, generation_config=str(tmp_path),
+              attention_backend="torch_sdpa")
     assert llm.get_default_sampling_params().num_beams == gen["num_beams"]
     rng = random.Random(11)
     sources = [[rng.randrange(2, PROMPT_VOCAB) for _ in range(rng.choice([1, 3, 9, 20, 45, 80]))] + [EOS]
