@@ -114,7 +114,7 @@ def test_each_targets_launch_configurations_compute_the_same(arch, dtype, monkey
     monkeypatch.setattr(configs, "WIDE_TILE_MIN_ROWS", 1)
     launched = []
     real = configs.varlen
-    monkeypatch.setattr(configs, "varlen", lambda *a: launched.append(real(*a)) or launched[-1])
+    monkeypatch.setattr(configs, "varlen", lambda *a, **k: launched.append(real(*a, **k)) or launched[-1])
     check_backend(TritonBackend, 1, 4, num_kv_heads=2, mix="mixed", dtype=dtype)
     check_backend(TritonBackend, 2, 16, num_kv_heads=1, head_size=256, mix="mixed", dtype=dtype)
     rows = {c.block_m for c in launched}

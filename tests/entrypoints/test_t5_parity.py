@@ -1,8 +1,9 @@
 """T5 in tandem's model zoo equals HF ``generate`` token for token in float32, greedy,
 batched with mixed lengths and under preemption, for tiny random checkpoints shaped like
 t5-small (v1.0: ReLU FFN, tied head scaled by ``d_model**-0.5``) and flan-t5-base
-(v1.1: gated-GELU FFN, a head of its own, ``tie_word_embeddings: false``); and a T5
-model is refused by a backend that does not declare ``relative_position_bias``.
+(v1.1: gated-GELU FFN, a head of its own, ``tie_word_embeddings: false``); the same
+through the triton backend's kernels; and a T5 model is refused by a backend that does
+not declare ``relative_position_bias``.
 
 transformers 5 builds T5 tied always; the untied checkpoint is written as the real
 flan-t5 ones are: its config says ``tie_word_embeddings: false`` and it carries an
@@ -137,9 +138,25 @@ def test_preemption_keeps_outputs_equal_to_hf(t5, mode):
     _assert_equal_hf(path, outs, 30, 30)
 
 
+def test_greedy_through_triton_equals_hf(t5):
+    """The triton backend's kernels (Triton's interpreter on CPU) with the bias in the
+    encoder, prefills and decodes; a small batch: interpreted kernels are slow."""
+    pytest.importorskip("triton")
+    from tandem.backends.triton import backend as triton_backend
+
+    if torch.cuda.is_available() or not triton_backend._interpreting():
+        pytest.skip("runs the kernels in Triton's interpreter (CPU, TRITON_INTERPRET=1)")
+    shape, path = t5
+    llm = LLM(model=str(path), dtype="float32", device="cpu", block_size=4, attention_backend="triton")
+    assert llm.llm_engine.attn_backend.name == "triton"
+    prompts = _prompts(7, 3)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, num_beams=1, max_tokens=10), use_tqdm=False)
+    _assert_equal_hf(path, outs, 10)
+
+
 def test_a_backend_without_the_bias_is_refused_by_name(t5):
     shape, path = t5
-    for name in ("triton", "cpu_paged"):
+    for name in ("flash_attn", "cpu_paged"):
         with pytest.raises(BackendUnavailableError, match=rf"attention_backend='{name}' cannot serve this model: "
                            r".*attention feature relative_position_bias is not served"):
             LLM(model=str(path), dtype="float32", device="cpu", attention_backend=name)

@@ -161,7 +161,8 @@ class TritonImpl(AttentionImpl):
         out = torch.empty_like(query)
         arch = target_arch(query.device)
         if attn_type is AttentionType.ENCODER:
-            cfg = configs.varlen(arch, query.dtype, self.head_size, md.max_encoder_seq_len)
+            cfg = configs.varlen(arch, query.dtype, self.head_size, md.max_encoder_seq_len,
+                                 bias=position_bias is not None)
             tile_seq, tile_row = md.tiles(True, cfg.block_m)
             bias = None if position_bias is None else relative_bias(position_bias, md.max_encoder_seq_len,
                                                                      query.device)
@@ -183,7 +184,7 @@ class TritonImpl(AttentionImpl):
                 num_splits=md.cross_splits if cross else md.self_splits, config=cfg, bias=bias,
             )
         else:
-            cfg = configs.varlen(arch, query.dtype, self.head_size, md.max_query_len)
+            cfg = configs.varlen(arch, query.dtype, self.head_size, md.max_query_len, bias=bias is not None)
             tile_seq, tile_row = md.tiles(False, cfg.block_m)
             self._k.varlen_attention(
                 query, kv_cache, None, out, tile_seq, tile_row, md.query_start_loc_i32, lens,

@@ -136,9 +136,11 @@ def _varlen_attn(
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= q_pos[:, None])
         if HAS_BIAS:
-            rel = bias_center + offs_n[None, :] - q_pos[:, None]  # in range wherever the row and key exist
-            qk += tl.load(bias_ptr + head * stride_bias + rel, mask=m_mask[:, None] & n_mask[None, :],
-                          other=0.0)
+            # In range wherever the score counts (|key - query| < kv_len <= center + 1); clamped
+            # for the rest, whose scores are masked, rather than masking the loads: the mask's
+            # predicates cost registers the 64-row tiles do not have.
+            rel = tl.minimum(tl.maximum(bias_center + offs_n[None, :] - q_pos[:, None], 0), 2 * bias_center)
+            qk += tl.load(bias_ptr + head * stride_bias + rel)
         m_i, l_i, acc = _online_softmax_step(qk, valid, m_i, l_i, acc, v, DOT_F32, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
