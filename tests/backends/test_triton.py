@@ -1,15 +1,17 @@
 """The triton backend's own paths (kernels interpreted on CPU; compiled on a GPU
-under ``-m gpu``): split-K decode, the query tiling, its capability rules, and
-BART end to end against torch_sdpa."""
+under ``-m gpu``): split-K decode, the query tiling, its capability rules, the
+relative position bias (T5) through each path, and BART end to end against
+torch_sdpa."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from layouts import check_backend, random_layout, step_inputs
+from layouts import BIAS_MAX_DISTANCE, bucket_of, check_backend, random_layout, step_inputs
 from tandem import LLM, SamplingParams
 from tandem.core.attention import AttentionType, KVCacheSpec
+from tandem.core.relative_position import RelativePositionBias
 from tandem.plugins import default_backend_registry
 from tandem.registry import BackendUnavailableError
 
@@ -48,6 +50,50 @@ def test_split_k_decode_matches_float64(seed, block_size, monkeypatch):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("seed", range(2))
+def test_split_k_decode_with_relative_bias_matches_float64(seed, monkeypatch):
+    # Each split adds the bias of its own keys; the merge by log-sum-exp must
+    # then equal one softmax over all of them.
+    monkeypatch.setattr(triton_backend.TritonMetadataBuilder, "split_kv_tokens", 8)
+    built = _built(monkeypatch)
+    check_backend(TritonBackend, seed, 4, num_kv_heads=2, mix="decodes", bias=True)
+    assert built[0].decode_only and built[0].self_splits > 1
+
+
+@needs_interpreter
+@pytest.mark.parametrize("arch", [80, 90])
+def test_relative_bias_under_each_targets_wide_tiles(arch, monkeypatch):
+    # 64-row bfloat16 tiles (prefill, chunks, encoder): rows past a sequence's end
+    # must neither read the bias out of range nor disturb the rows that exist.
+    from tandem.backends.triton import configs
+
+    monkeypatch.setattr(triton_backend, "INTERPRETER_ARCH", arch)
+    monkeypatch.setattr(configs, "WIDE_TILE_MIN_ROWS", 1)
+    check_backend(TritonBackend, 3, 4, num_kv_heads=2, head_size=64, mix="mixed", dtype=torch.bfloat16, bias=True)
+
+
+@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (16, BIAS_MAX_DISTANCE), (8, 20)])
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_relative_bias_column_holds_the_bucket_of_its_distance(num_buckets, max_distance, bidirectional):
+    """Every relative position from -2 * max_distance to 2 * max_distance (each bucket
+    boundary, the log-spaced ones included, and the clipped range past max_distance):
+    the kernels' column for it is the table row of T5's bucket, written here one scalar at
+    a time from the definition (the log in float32), and causal keys after the query read
+    bucket 0."""
+    heads = 3
+    table = torch.randn(num_buckets, heads, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    pb = RelativePositionBias(table, num_buckets, max_distance, bidirectional)
+    longest = 2 * max_distance + 1
+    got = triton_backend.relative_bias(pb, longest, CPU).double() / triton_backend._LOG2E  # [H, 2 * longest - 1]
+    assert got.shape == (heads, 2 * longest - 1) and got.dtype == torch.float64
+    for r in range(-(longest - 1), longest):
+        b = bucket_of(r, bidirectional, num_buckets, max_distance)
+        # stored in float32, then times log2 e in float32: two roundings, < 2 * 2^-24 relative
+        torch.testing.assert_close(got[:, longest - 1 + r], table[b], rtol=2e-7, atol=0)
+    assert triton_backend.relative_bias(pb, longest, CPU) is triton_backend.relative_bias(pb, longest, CPU)
+
+
+@needs_interpreter
 def test_mixed_batches_take_the_varlen_kernel_and_decode_batches_the_decode_kernel(monkeypatch):
     built = _built(monkeypatch)
     check_backend(TritonBackend, 0, 4, num_kv_heads=2, mix="mixed")
@@ -68,7 +114,7 @@ def test_each_targets_launch_configurations_compute_the_same(arch, dtype, monkey
     monkeypatch.setattr(configs, "WIDE_TILE_MIN_ROWS", 1)
     launched = []
     real = configs.varlen
-    monkeypatch.setattr(configs, "varlen", lambda *a: launched.append(real(*a)) or launched[-1])
+    monkeypatch.setattr(configs, "varlen", lambda *a, **k: launched.append(real(*a, **k)) or launched[-1])
     check_backend(TritonBackend, 1, 4, num_kv_heads=2, mix="mixed", dtype=dtype)
     check_backend(TritonBackend, 2, 16, num_kv_heads=1, head_size=256, mix="mixed", dtype=dtype)
     rows = {c.block_m for c in launched}

@@ -4,8 +4,9 @@ code, and checked against each target's limits (``triton_aot.py`` says how).
 
 The default tier compiles a representative matrix (float32 / float16 / bfloat16;
 head sizes 64, 80 -> padded 128, 128 and 256; GQA 8:2; mixed, long-prefill,
-decode and split-K steps; self, cross and encoder attention): about a minute per
-target cold, seconds from Triton's cache. ``-m aot_full`` compiles the full
+decode and split-K steps; self, cross and encoder attention; each with and without
+the relative position bias): about two minutes per target cold, seconds from
+Triton's cache. ``-m aot_full`` compiles the full
 matrix (7 head sizes x MHA / GQA / MQA x block sizes 1, 16, 32) for sm80, sm86,
 sm89, sm90 and sm100."""
 
@@ -78,6 +79,21 @@ def test_no_kernel_keeps_its_tiles_on_the_stack(reports, arch):
     spilled = [f"{_describe(k)}: stack {k['stack']} B, local {k['local']} B" for k in reports[arch]["kernels"]
                if k["stack"] > MAX_STACK_BYTES or k["local"]]
     assert not spilled, "\n".join(spilled)
+
+
+@ARCHS
+def test_every_bias_variant_is_compiled(reports, arch):
+    """The relative position bias (T5) compiles its own variants (``HAS_BIAS``) of every
+    path that takes it: causal paged prefill / chunks at both tile heights, the packed
+    encoder, decodes with and without split-K; never cross attention."""
+    biased = [k["consts"] for k in reports[arch]["kernels"] if k["consts"].get("HAS_BIAS")]
+    varlen = {(c["PAGED"], c["CAUSAL"], c["BLOCK_M"], c["DOT_F32"]) for c in biased if "PAGED" in c}
+    for dot_f32 in (True, False):
+        assert {(True, True, 16, dot_f32), (False, False, 16, dot_f32)} <= varlen
+    assert {(True, True, 64, False), (False, False, 64, False)} <= varlen
+    assert not any(paged and not causal for paged, causal, _, _ in varlen), "a biased cross-attention variant"
+    splits = {c["NUM_SPLITS"] > 1 for c in biased if "NUM_SPLITS" in c and "PAGE" in c}
+    assert splits == {False, True}
 
 
 def test_hopper_prefill_and_encoder_tiles_use_wgmma(reports):

@@ -57,11 +57,12 @@ class Case:
     num_kv_heads: int
     block_size: int
     layout: str  # see LAYOUTS
+    bias: bool = False  # the relative position bias (T5) in self-attention: the HAS_BIAS variants
 
     @property
     def label(self) -> str:
         return (f"{self.dtype}/d{self.head_size}/h{self.num_heads}:{self.num_kv_heads}/"
-                f"b{self.block_size}/{self.layout}")
+                f"b{self.block_size}/{self.layout}" + ("/bias" if self.bias else ""))
 
 
 def _layout(name: str, block_size: int) -> tuple[list[Seq], int, int | None]:
@@ -94,12 +95,13 @@ def matrix(kind: str) -> list[Case]:
         # stress resources (256) and padding (80 -> 128).
         combos = [("float32", 64), ("float32", 256), ("float16", 64), ("float16", 80), ("float16", 256),
                   ("bfloat16", 128)]
-        return [Case(dt, d, 8, 2, 16, lay) for dt, d in combos for lay in LAYOUTS]
+        # Each with and without the relative position bias (its own kernel variants).
+        return [Case(dt, d, 8, 2, 16, lay, bias) for bias in (False, True) for dt, d in combos for lay in LAYOUTS]
     if kind == "full":
         heads = [(8, 8), (8, 2), (32, 1)]
-        return [Case(dt, d, h, kv, bs, lay)
-                for dt, d, (h, kv), bs, lay in itertools.product(
-                    DTYPES, (64, 72, 80, 96, 128, 160, 256), heads, (1, 16, 32), LAYOUTS)]
+        return [Case(dt, d, h, kv, bs, lay, bias)
+                for dt, d, (h, kv), bs, lay, bias in itertools.product(
+                    DTYPES, (64, 72, 80, 96, 128, 160, 256), heads, (1, 16, 32), LAYOUTS, (False, True))]
     raise ValueError(f"unknown matrix {kind!r}")
 
 
@@ -177,6 +179,7 @@ def run_case(case: Case, arch: int, force_varlen=None) -> list[tuple[object, dic
     from tandem.backends.triton import backend as tb
     from tandem.backends.triton import configs
     from tandem.core.attention import AttentionType, KVCacheSpec
+    from tandem.core.relative_position import RelativePositionBias
 
     dtype = DTYPES[case.dtype]
     seqs, num_blocks, split = _layout(case.layout, case.block_size)
@@ -195,19 +198,25 @@ def run_case(case: Case, arch: int, force_varlen=None) -> list[tuple[object, dic
     def rand(n, h):
         return torch.zeros(n, h, case.head_size, dtype=dtype)
 
+    def bias(bidirectional):  # t5-small's bucketing; a fresh one per stack, as the model makes them
+        if not case.bias:
+            return {}
+        return {"position_bias": RelativePositionBias(torch.zeros(32, case.num_heads, dtype=dtype), 32, 128,
+                                                      bidirectional)}
+
     saved = configs.varlen
     if force_varlen is not None:
         configs.varlen = lambda *a, **k: configs.LaunchConfig(*force_varlen)
     start = len(_LAUNCHES)
     try:
         impl.forward(rand(t, case.num_heads), rand(t, case.num_kv_heads), rand(t, case.num_kv_heads), cache, md,
-                     AttentionType.DECODER)
+                     AttentionType.DECODER, **bias(False))
         ck = rand(e, case.num_kv_heads) if e else None
         impl.forward(rand(t, case.num_heads), ck, ck, cache, md, AttentionType.ENCODER_DECODER)
         impl.forward(rand(t, case.num_heads), None, None, cache, later, AttentionType.ENCODER_DECODER)
         if e:
             impl.forward(rand(e, case.num_heads), rand(e, case.num_kv_heads), rand(e, case.num_kv_heads), None, md,
-                         AttentionType.ENCODER)
+                         AttentionType.ENCODER, **bias(True))
     finally:
         configs.varlen = saved
     return _LAUNCHES[start:]

@@ -5,7 +5,8 @@ gated-GELU FFN, a head of its own, ``tie_word_embeddings: false``), mt5-small (`
 gated-GELU, untied, a larger vocabulary, ``num_heads * d_kv != d_model``) and UL2
 (gated-SiLU, untied) (``helpers.T5_SHAPES``), on each CPU backend that declares
 ``relative_position_bias`` (cpu_paged, the automatic choice where its C++ op builds, and
-torch_sdpa); and a T5 model is refused by a backend that does not.
+torch_sdpa; triton's kernels in Triton's interpreter, on two shapes); and a T5 model is
+refused by a backend that does not.
 
 transformers 5 builds T5 tied always; the untied checkpoints are written as the real
 flan-t5 ones are: the config says ``tie_word_embeddings: false`` and the weights carry an
@@ -126,9 +127,27 @@ def test_preemption_keeps_outputs_equal_to_hf(t5, mode, backend):
     _assert_equal_hf(path, outs, 30, 30)
 
 
+def test_greedy_through_triton_equals_hf(t5):
+    """The triton backend's kernels (Triton's interpreter on CPU) with the bias in the
+    encoder, prefills and decodes; a small batch: interpreted kernels are slow."""
+    pytest.importorskip("triton")
+    from tandem.backends.triton import backend as triton_backend
+
+    if torch.cuda.is_available() or not triton_backend._interpreting():
+        pytest.skip("runs the kernels in Triton's interpreter (CPU, TRITON_INTERPRET=1)")
+    shape, path = t5
+    if shape not in ("t5-small", "flan-t5-base"):
+        pytest.skip("interpreted kernels are slow: the tied and the untied v1.1 shapes are enough")
+    llm = LLM(model=str(path), dtype="float32", device="cpu", block_size=4, attention_backend="triton")
+    assert llm.llm_engine.attn_backend.name == "triton"
+    prompts = _prompts(7, 3)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, num_beams=1, max_tokens=10), use_tqdm=False)
+    _assert_equal_hf(path, outs, 10)
+
+
 def test_a_backend_without_the_bias_is_refused_by_name(t5):
     shape, path = t5
-    for name in ("triton", "flash_attn"):
+    for name in ("flash_attn", "xformers"):
         with pytest.raises(BackendUnavailableError, match=rf"attention_backend='{name}' cannot serve this model: "
                            r".*attention feature relative_position_bias is not served"):
             LLM(model=str(path), dtype="float32", device="cpu", attention_backend=name)

@@ -2,7 +2,15 @@
 cross-attention, packed encoder attention) and a split-K decode kernel for
 batches of single-token queries. Uses the default KV layout
 ``[2, num_blocks, block_size, H_kv, D]`` and core's write/swap/copy ops; the
-kernels read blocks in place through the block tables (no gathers)."""
+kernels read blocks in place through the block tables (no gathers).
+
+Serves the ``"relative_position_bias"`` feature (T5) in both kernels: encoder runs
+(bidirectional), prefills and chunks (causal), decodes (split-K included). The
+bias reaches them as one float32 value per head and relative position
+(:func:`relative_bias`), bucketed by the model's own
+:func:`~tandem.core.relative_position.relative_position_bucket` once per stack
+and step, so the kernels never recompute T5's float32 log bucketing (a GPU's
+``log`` could round a boundary distance into the next bucket)."""
 
 from __future__ import annotations
 
@@ -24,6 +32,8 @@ from tandem.core.attention import (
     SizeRule,
 )
 from tandem.backends.triton import configs
+from tandem.core.relative_position import FEATURE as RELATIVE_POSITION_BIAS
+from tandem.core.relative_position import RelativePositionBias
 
 _KERNELS = "tandem.backends.triton.kernels"
 MAX_HEAD_SIZE = 256  # the head dimension lives in registers, padded to a power of two
@@ -112,6 +122,25 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         )
 
 
+_LOG2E = 1.4426950408889634
+
+
+def relative_bias(pb: RelativePositionBias, longest: int, device: torch.device) -> torch.Tensor:
+    """``[H, 2 * longest - 1]`` float32: the bias of each head for relative position
+    ``key_pos - query_pos = r`` at column ``longest - 1 + r``, ``|r| < longest``, in
+    base-2 units (times log2 e, as the kernels' scores are). Computed once per stack
+    and step (memoized on ``pb``) and read by every layer."""
+
+    longest = max(longest, 1)
+
+    def compute() -> torch.Tensor:
+        rel = torch.arange(-(longest - 1), longest, device=pb.table.device)
+        bias = pb.bias(torch.zeros(1, dtype=rel.dtype, device=rel.device), rel)[:, 0]  # [H, 2 * longest - 1]
+        return (bias.to(device, torch.float32) * _LOG2E).contiguous()
+
+    return pb.memo(("triton", longest), compute)
+
+
 class TritonImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
         super().__init__(num_heads, head_size, scale, num_kv_heads)
@@ -125,34 +154,41 @@ class TritonImpl(AttentionImpl):
         kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, H_kv, D]; None for ENCODER
         attn_metadata: TritonMetadata,
         attn_type: AttentionType,
+        position_bias: RelativePositionBias | None = None,  # self-attention of T5-like models
     ) -> torch.Tensor:
         md = attn_metadata
         self.write_new_kv(key, value, kv_cache, md, attn_type)
         out = torch.empty_like(query)
         arch = target_arch(query.device)
         if attn_type is AttentionType.ENCODER:
-            cfg = configs.varlen(arch, query.dtype, self.head_size, md.max_encoder_seq_len)
+            cfg = configs.varlen(arch, query.dtype, self.head_size, md.max_encoder_seq_len,
+                                 bias=position_bias is not None)
             tile_seq, tile_row = md.tiles(True, cfg.block_m)
+            bias = None if position_bias is None else relative_bias(position_bias, md.max_encoder_seq_len,
+                                                                     query.device)
             self._k.varlen_attention(
                 query, key, value, out, tile_seq, tile_row, md.encoder_start_loc, md.encoder_lens,
-                scale=self.scale, causal=False, config=cfg, kv_start=md.encoder_start_loc,
+                scale=self.scale, causal=False, config=cfg, kv_start=md.encoder_start_loc, bias=bias,
             )
             return out
         cross = attn_type is AttentionType.ENCODER_DECODER
+        if cross and position_bias is not None:
+            raise ValueError("relative position bias is for self-attention; cross attention takes none")
+        bias = None if position_bias is None else relative_bias(position_bias, md.max_seq_len, query.device)
         lens = md.cross_seq_lens_i32 if cross else md.seq_lens_i32
         tables = md.cross_block_tables if cross else md.block_tables
         if md.decode_only:
             cfg = configs.decode(arch, query.dtype, self.head_size, self.num_heads // self.num_kv_heads)
             self._k.decode_attention(
                 query, kv_cache, out, md.query_start_loc_i32[:-1], lens, tables, scale=self.scale,
-                num_splits=md.cross_splits if cross else md.self_splits, config=cfg,
+                num_splits=md.cross_splits if cross else md.self_splits, config=cfg, bias=bias,
             )
         else:
-            cfg = configs.varlen(arch, query.dtype, self.head_size, md.max_query_len)
+            cfg = configs.varlen(arch, query.dtype, self.head_size, md.max_query_len, bias=bias is not None)
             tile_seq, tile_row = md.tiles(False, cfg.block_m)
             self._k.varlen_attention(
                 query, kv_cache, None, out, tile_seq, tile_row, md.query_start_loc_i32, lens,
-                scale=self.scale, causal=not cross, config=cfg, block_table=tables,
+                scale=self.scale, causal=not cross, config=cfg, block_table=tables, bias=bias,
             )
         return out
 
@@ -188,6 +224,7 @@ class TritonBackend(AttentionBackend):
         block_sizes=SizeRule(note="keys are addressed per token through the block table"),
         head_sizes=SizeRule(max=MAX_HEAD_SIZE),
         requires=("triton",),
+        attn_features=frozenset({RELATIVE_POSITION_BIAS}),
         notes="cpu only in Triton's interpreter (TRITON_INTERPRET=1 before first use): "
         "exact but slow, for tests; chosen automatically on cuda only",
     )

@@ -25,6 +25,8 @@ The choices, and why:
 - 16-bit key tiles are 64 keys, 32 for heads over 128 and for padded heads.
 - Decode: the rows are the query heads of one KV head (GQA fills them; 16 at
   least), two stages.
+- With the relative position bias (T5), 64-row 16-bit tiles of heads over 128
+  on Ampere-class parts take 8 warps: the bias tile would spill otherwise.
 """
 
 from __future__ import annotations
@@ -107,9 +109,10 @@ def block_d(head_size: int) -> int:
     return max(16, 1 << (head_size - 1).bit_length())
 
 
-def varlen(arch: int, dtype: torch.dtype, head_size: int, longest_query: int) -> LaunchConfig:
+def varlen(arch: int, dtype: torch.dtype, head_size: int, longest_query: int, bias: bool = False) -> LaunchConfig:
     """The ``_varlen_attn`` launch (prefill, chunks, mixed steps, cross attention of
-    a mixed step, the encoder) for a step whose longest query run is ``longest_query``."""
+    a mixed step, the encoder) for a step whose longest query run is ``longest_query``;
+    ``bias``: with the relative position bias (``HAS_BIAS``)."""
     if dtype == torch.float32:
         return _float32(16, head_size)
     block_n = _key_tile_16bit(head_size)
@@ -118,7 +121,11 @@ def varlen(arch: int, dtype: torch.dtype, head_size: int, longest_query: int) ->
     # 64-row tiles: wgmma on sm90+ (three stages fit 227 KB up to d = 128), mma.sync on
     # Ampere-class parts (99-163 KB of shared memory: two stages).
     stages = 3 if (arch >= 90 and block_d(head_size) <= 128) else 2
-    return LaunchConfig(block_m=64, block_n=block_n, num_warps=4, num_stages=stages)
+    # The bias tile (64 x block_n float32 and its addresses) on top of a 64 x 256
+    # accumulator: mma.sync's causal tile went to 144 B of stack at 255 registers on
+    # 4 warps (sm80); on 8 warps it takes 196, no stack. wgmma's fits on 4 (254).
+    warps = 8 if (bias and arch < 90 and block_d(head_size) > 128) else 4
+    return LaunchConfig(block_m=64, block_n=block_n, num_warps=warps, num_stages=stages)
 
 
 def decode(arch: int, dtype: torch.dtype, head_size: int, queries_per_kv: int) -> LaunchConfig:

@@ -16,6 +16,14 @@ Paged K/V are read in place: key ``n`` of a sequence lives in slot
 ``table[n // PAGE] * PAGE + n % PAGE`` of the cache ``[2, num_blocks, PAGE, H_kv, D]``,
 so any block size works and nothing is gathered into a padded batch.
 
+With ``HAS_BIAS`` (T5's relative position bias) both kernels add
+``bias[head, center + key_pos - query_pos]`` to the scores before the softmax:
+``bias`` ``[H, 2 * center + 1]`` holds one float32 value per head and relative
+position (in base-2 units, like the scores), bucketed once per stack and step
+by the model's own rule (``backend.relative_bias``), so a bucket here is the
+bucket the model defines, to the last boundary, whatever a GPU's ``log`` would
+round to. Split-K needs nothing more: each slice's log-sum-exp includes its bias.
+
 Whether the kernels run compiled (CUDA) or in Triton's interpreter (CPU, for
 tests) is fixed when this module is imported, from ``TRITON_INTERPRET``. Launch
 configurations (tiles, warps, stages) come from ``configs`` per target.
@@ -77,12 +85,13 @@ def _varlen_attn(
     kv_len_ptr,  # [S] keys each sequence attends over (cached + new, or encoder length)
     kv_start_ptr,  # [S] packed row of each sequence's first key (unpaged only)
     table_ptr,  # [S, max_blocks] block table (paged only)
+    bias_ptr,  # [H, 2 * bias_center + 1] float32 bias per relative position (HAS_BIAS only)
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_slot, stride_kvh, stride_tab,
+    stride_slot, stride_kvh, stride_tab, stride_bias, bias_center,
     scale_log2,
     QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr,
+    PAGE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -126,6 +135,12 @@ def _varlen_attn(
         valid = n_mask[None, :]
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_BIAS:
+            # In range wherever the score counts (|key - query| < kv_len <= center + 1); clamped
+            # for the rest, whose scores are masked, rather than masking the loads: the mask's
+            # predicates cost registers the 64-row tiles do not have.
+            rel = tl.minimum(tl.maximum(bias_center + offs_n[None, :] - q_pos[:, None], 0), 2 * bias_center)
+            qk += tl.load(bias_ptr + head * stride_bias + rel)
         m_i, l_i, acc = _online_softmax_step(qk, valid, m_i, l_i, acc, v, DOT_F32, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -139,12 +154,13 @@ def _decode_attn(
     q_row_ptr,  # [B] packed row of each sequence's single query
     kv_len_ptr,  # [B]
     table_ptr,  # [B, max_blocks]
+    bias_ptr,  # [H, 2 * bias_center + 1] float32 bias per relative position (HAS_BIAS only)
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kv, stride_slot, stride_kvh, stride_tab,
+    stride_kv, stride_slot, stride_kvh, stride_tab, stride_bias, bias_center,
     scale_log2, num_heads,
     QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -181,6 +197,10 @@ def _decode_attn(
         if DOT_F32:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if HAS_BIAS:  # the query sits at kv_len - 1
+            rel = bias_center + offs_n - (kv_len - 1)
+            qk += tl.load(bias_ptr + heads[:, None] * stride_bias + rel[None, :],
+                          mask=h_mask[:, None] & n_mask[None, :], other=0.0)
         m_i, l_i, acc = _online_softmax_step(qk, n_mask[None, :], m_i, l_i, acc, v, DOT_F32, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -233,6 +253,17 @@ def _dot_mode(dtype: torch.dtype) -> tuple[bool, str | None]:
     return INTERPRETED, "ieee" if INTERPRETED else None
 
 
+def _bias_args(bias: torch.Tensor | None, query: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(tensor, head stride, center column) for a launch; without a bias, a stand-in
+    the kernel never reads."""
+    if bias is None:
+        return query, 0, 0
+    if bias.dtype != torch.float32 or bias.stride(1) != 1 or bias.shape[1] % 2 != 1:
+        raise ValueError(f"relative bias must be float32 [H, 2 * c + 1] with unit column stride, "
+                         f"got {bias.dtype} {tuple(bias.shape)} strides {bias.stride()}")
+    return bias, bias.stride(0), bias.shape[1] // 2
+
+
 def varlen_attention(
     query: torch.Tensor,  # [T, H, D]
     key: torch.Tensor,  # [2, num_blocks, PAGE, H_kv, D] cache when paged; [E, H_kv, D] packed keys when not
@@ -248,6 +279,7 @@ def varlen_attention(
     config: LaunchConfig,
     block_table: torch.Tensor | None = None,
     kv_start: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,  # [H, 2 * c + 1] float32, base 2: position k - q at column c + k - q
 ) -> None:
     num_tiles = tile_seq.shape[0]
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -264,14 +296,15 @@ def varlen_attention(
         assert key.stride() == value.stride()
         stride_slot, stride_kvh = key.stride(0), key.stride(1)
         num_kv_heads, page, table, stride_tab, starts = key.shape[1], 1, kv_lens, 0, kv_start
+    bias_t, stride_bias, center = _bias_args(bias, query)
     _varlen_attn[(num_tiles, num_heads)](
-        query, k_src, v_src, out, tile_seq, tile_row, q_start, kv_lens, starts, table,
+        query, k_src, v_src, out, tile_seq, tile_row, q_start, kv_lens, starts, table, bias_t,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        stride_slot, stride_kvh, stride_tab,
+        stride_slot, stride_kvh, stride_tab, stride_bias, center,
         scale * LOG2E,
         QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_SIZE=head_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d(head_size),
-        PAGE=page, PAGED=block_table is not None, CAUSAL=causal,
+        PAGE=page, PAGED=block_table is not None, CAUSAL=causal, HAS_BIAS=bias is not None,
         DOT_F32=dot_f32, PRECISION=precision,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -288,6 +321,7 @@ def decode_attention(
     scale: float,
     num_splits: int,
     config: LaunchConfig,
+    bias: torch.Tensor | None = None,  # as varlen_attention's
 ) -> None:
     batch = q_rows.shape[0]
     if batch == 0:
@@ -304,14 +338,15 @@ def decode_attention(
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         part_o = part_lse = out  # unused
+    bias_t, stride_bias, center = _bias_args(bias, query)
     _decode_attn[(batch, num_kv_heads, num_splits)](
-        query, kv_cache, out, part_o, part_lse, q_rows, kv_lens, block_table,
+        query, kv_cache, out, part_o, part_lse, q_rows, kv_lens, block_table, bias_t,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0), stride_bias, center,
         scale * LOG2E, num_heads,
         QUERIES_PER_KV=per_kv, HEAD_SIZE=head_size,
         BLOCK_H=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d(head_size),
-        PAGE=page, NUM_SPLITS=num_splits, DOT_F32=dot_f32, PRECISION=precision,
+        PAGE=page, NUM_SPLITS=num_splits, HAS_BIAS=bias is not None, DOT_F32=dot_f32, PRECISION=precision,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
