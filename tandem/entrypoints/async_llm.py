@@ -31,7 +31,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.core.config import EngineConfig
 from tandem.core.engine_args import check_kwargs, signature as engine_signature
@@ -42,6 +42,9 @@ from tandem.core.output_processor import RequestState
 from tandem.core.outputs import RequestOutput
 from tandem.core.faults import EngineDeadError, EngineHealth, describe
 from tandem.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.core.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +195,14 @@ class AsyncLLM:
         finally:
             if not finished:  # the consumer left early (cancelled, disconnected, broke out)
                 self._send(_Abort(rid))
+
+    async def compile_structured_outputs(self, so: StructuredOutputsParams) -> None:
+        """Wait until ``so`` has compiled, so a frontend can refuse a bad spec before it
+        queues the request (the compile is cached: the request that follows reuses it).
+        Raises ``ValueError`` naming the field and the cause, ``ImportError`` naming the
+        ``structured`` extra without xgrammar. Cancelling the wait leaves the compile
+        running (it cannot be stopped) for whoever asks for the same spec next."""
+        await asyncio.shield(asyncio.wrap_future(self.engine.compile_structured_outputs(so)))
 
     def _send(self, cmd) -> None:
         self._commands.put(cmd)

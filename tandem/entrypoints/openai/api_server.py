@@ -1,6 +1,7 @@
 """``tandem serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over ``AsyncLLM``.
 
-Endpoints: ``POST /v1/completions`` (plain or streamed as server-sent events),
+Endpoints: ``POST /v1/completions`` (plain or streamed as server-sent events;
+structured output from ``response_format`` or vLLM's fields, ``structured.py``),
 ``POST /v1/audio/transcriptions`` and ``/translations`` (models that support
 transcription, ``tandem.core.transcription``: Whisper, or a plugin's),
 ``GET /v1/models``, ``/health``, ``/version``, ``/metrics`` (Prometheus) and
@@ -47,6 +48,7 @@ from tandem.entrypoints.openai.guard import BodyTooLarge, Guard
 from tandem.entrypoints.openai.metrics import AudioMeter, ServerMetrics
 from tandem.entrypoints.openai.protocol import CompletionRequest, HTTPError, error_body
 from tandem.entrypoints.openai.shutdown import CUT, CUT_GRACE_SECONDS, DrainCut, make_server, watch
+from tandem.entrypoints.openai.structured import check_compiles, read_structured
 
 logger = logging.getLogger("tandem.serve")
 
@@ -166,12 +168,12 @@ def build_app(
     app.state.engine, app.state.metrics, app.state.drain_cut = engine, metrics, cut
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
-    def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-        return JSONResponse(error_body(status, message), status_code=status, headers=headers)
+    def error(status: int, message: str, headers: dict | None = None, param: str | None = None) -> JSONResponse:
+        return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, exc: HTTPError):
-        return error(exc.status, exc.message, exc.headers)
+        return error(exc.status, exc.message, exc.headers, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -353,11 +355,14 @@ def build_app(
             raise HTTPError(400, why)
         if engine.errored:
             raise HTTPError(503, "the engine is not running")
+        structured = read_structured(req)
         try:
-            params = req.sampling_params()
+            params = req.sampling_params(structured.params if structured is not None else None)
             prompts = req.prompts()
         except (ValueError, TypeError) as e:
             raise HTTPError(400, str(e)) from None
+        if structured is not None:  # a spec that does not compile is a 400 here, never a queued failure
+            await check_compiles(engine, structured, cut)
         # Engine request ids are the server's own: a client's request_id is only
         # echoed (as the response's id) and logged, so no client can collide with,
         # learn or abort another's requests.

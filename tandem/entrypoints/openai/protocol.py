@@ -8,6 +8,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.core.sampling_params import RequestOutputKind, SamplingParams
+from tandem.core.structured_output.params import StructuredOutputsParams
 
 PromptItem = Union[str, list[int], dict[str, Any]]
 
@@ -16,6 +17,43 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``. ``strict`` is taken and changes nothing: the
+    output always follows the schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # BaseModel has a .schema()
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's ``structured_outputs`` object: ``StructuredOutputsParams`` field for field."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # BaseModel has a .json()
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def kwargs(self) -> dict[str, Any]:
+        given = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                 "json_object": self.json_object, "disable_any_whitespace": self.disable_any_whitespace}
+        return {k: v for k, v in given.items() if v is not None}
 
 
 class CompletionRequest(BaseModel):
@@ -59,6 +97,13 @@ class CompletionRequest(BaseModel):
     length_penalty: float | None = None
     bad_words_ids: list[list[int]] | None = None
     allowed_token_ids: list[int] | None = None
+    # Structured output (structured.py reads these; at most one per request)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Echoed as the response's id and logged; the engine's request ids are the
     # server's own, so one client's id never meets another's.
     request_id: str | None = Field(default=None, max_length=256, description="optional id, echoed in the response")
@@ -93,7 +138,8 @@ class CompletionRequest(BaseModel):
             raise ValueError("prompt is empty: give a string, token ids, or a list of them")
         return [{"prompt_token_ids": x} if isinstance(x, list) else x for x in items]
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        """``structured_outputs``: what ``structured.read_structured`` made of this request."""
         given = {name: getattr(self, name) for name in self._SAMPLING if name in self.model_fields_set}
         given = {k: v for k, v in given.items() if v is not None}
         if "logit_bias" in given:
@@ -102,6 +148,8 @@ class CompletionRequest(BaseModel):
             except ValueError as e:
                 raise ValueError(f"logit_bias keys must be token ids: {e}") from e
         kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
+        if structured_outputs is not None:
+            given["structured_outputs"] = structured_outputs
         return SamplingParams(**given, output_kind=kind)
 
 
@@ -125,8 +173,9 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 
 class HTTPError(Exception):
-    """An error answer: its status, message (OpenAI's shape, ``error_body``) and headers."""
+    """An error answer: its status, message (OpenAI's shape, ``error_body``), headers
+    and the request field at fault (``param``), where one is."""
 
-    def __init__(self, status: int, message: str, headers: dict | None = None) -> None:
+    def __init__(self, status: int, message: str, headers: dict | None = None, *, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers or {}
+        self.status, self.message, self.headers, self.param = status, message, headers or {}, param
