@@ -188,3 +188,31 @@ def test_metrics_show_the_engines_speculation_counters(bart):
     assert samples["tandem:spec_decode_num_accepted_tokens_total"] == stats["spec_accepted_tokens"] > 0
     assert samples["tandem:spec_decode_acceptance_rate"] == pytest.approx(stats["spec_acceptance_rate"])
     assert samples["tandem:spec_decode_mean_accepted_length"] == pytest.approx(stats["spec_mean_accepted_length"])
+
+
+def test_structured_requests_beside_speculating_ones_keep_their_masks(tmp_path):
+    """A structured request does not speculate; its mask rows are counted past the
+    speculating requests' several rows per sequence, so it stays in its grammar and
+    both kinds give what they give without speculation."""
+    pytest.importorskip("xgrammar")
+    from helpers import make_bart_bytes
+    from tandem import StructuredOutputsParams
+
+    model = make_bart_bytes(tmp_path / "bytes", seed=0, head_padding=8)
+    regex = r"(ab|c)[0-9]{2,4}-(yes|no)"
+    plain = SamplingParams(temperature=0, max_tokens=24)
+    structured = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=regex))
+    texts = ["abab abab abab", "the rain the rain the rain", "xyz xyz xyz xyz", "cat cat cat"]
+    params = [plain, plain, structured, plain, structured]
+    prompts = (texts * 2)[: len(params)]
+    outs = {}
+    for spec in (None, SPEC):
+        llm = LLM(str(model), device="cpu", dtype="float32", speculative_config=spec)
+        outs[spec is None] = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.get_stats()["spec_accepted_tokens"] > 0
+    for o, r, p in zip(outs[False], outs[True], params):
+        assert o.error is None and o.outputs[0].token_ids == r.outputs[0].token_ids
+        if p is structured:
+            import re
+
+            assert re.fullmatch(regex, o.outputs[0].text)
