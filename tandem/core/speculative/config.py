@@ -6,12 +6,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.core.config import is_int
-
 METHODS = ("ngram",)
 # When not given: suffixes of 3 tokens down to 1 are looked up.
 DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN = 3, 1
 _NGRAM_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+def _is_int(x) -> bool:  # config.is_int's rule; importing it would be a cycle (config imports this)
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class SpeculativeConfig:
             v = value.get(key, default)
             if v is None:
                 raise ValueError(f"speculative_config: {key} is required")
-            if not is_int(v) or not 1 <= v <= 64:
+            if not _is_int(v) or not 1 <= v <= 64:
                 raise ValueError(f"speculative_config: {key}={v!r}: must be an integer in [1, 64]")
             return v
 
