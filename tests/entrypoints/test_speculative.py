@@ -216,3 +216,19 @@ def test_structured_requests_beside_speculating_ones_keep_their_masks(tmp_path):
             import re
 
             assert re.fullmatch(regex, o.outputs[0].text)
+
+
+def test_whisper_language_slot_then_speculation_equals_plain(tmp_path):
+    """Whisper: audio features (no encoder token ids: lookups in the decoder's own
+    tokens only), the language slot filled first, then speculation."""
+    from helpers import make_whisper, synth_audio
+
+    path = make_whisper(tmp_path / "whisper", num_mel_bins=80, seed=80)
+    clips = [synth_audio(s, seed=10 + i) for i, s in enumerate([1.5, 7.0, 12.3])]
+    res = {}
+    for spec in (None, SPEC):
+        llm = LLM(str(path), dtype="float32", device="cpu", speculative_config=spec)
+        res[spec is None] = llm.transcribe(clips, sampling_rate=16000, use_tqdm=False)
+    for a, b in zip(res[False], res[True]):
+        assert (a.language, a.text) == (b.language, b.text)
+    assert llm.get_stats()["spec_draft_tokens"] > 0
