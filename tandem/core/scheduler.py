@@ -369,9 +369,9 @@ class Scheduler:
         self._check_stop(seq, group)
 
     def rollback(self, group: SequenceGroup, seq: Sequence) -> None:
-        if self.block_manager.rollback_slots(seq):
-            # The worker's row still lists the freed ids: the whole table goes next step.
-            self._sent_tables.pop(seq.seq_id, None)
+        # The table may now be shorter than the one the worker was sent: _metadata
+        # then sends it whole (the worker's row still lists the freed ids).
+        self.block_manager.rollback_slots(seq)
 
     def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
         """Stops on token ids and length; stop strings are the output processor's."""
