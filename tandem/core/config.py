@@ -124,6 +124,13 @@ class EngineConfig:
         "auto or float32) (default: none, the checkpoint's weights in `dtype`)",
         choices=("int8",),
     )
+    # core/speculative/: vLLM's shape; a JSON object on the command line.
+    speculative_config: dict | str | None = option(
+        None, 'speculative decoding: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, '
+        '"prompt_lookup_min": m} drafts up to k tokens per step by prompt lookup (the longest suffix of n down to m '
+        'decoder tokens found in the encoder input or the decoder\'s own tokens); greedy outputs are unchanged, '
+        'sampled ones keep their distribution (default: none, no speculation)'
+    )
     # core/faults.py
     max_consecutive_step_failures: int = option(
         3, "failed steps in a row (no good step between) after which the engine declares itself dead (a server's "
@@ -201,6 +208,9 @@ class EngineConfig:
                 "holding a generation_config.json, or a Hugging Face Hub repo id"
             )
         self.generation_config = str(gc)
+        from tandem.core.speculative.config import SpeculativeConfig
+
+        self.speculative = SpeculativeConfig.parse(self.speculative_config)
         # The scheduler's limits are checked by SchedulerConfig (below), at construction too.
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.preemption_mode)
         self._resolve_checkpoints()

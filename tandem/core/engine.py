@@ -37,6 +37,7 @@ from tandem.core.sequence import Sequence, SequenceGroup
 from tandem.core.strategies.beam import BeamSearchStrategy
 from tandem.core.strategies.prompt_slot import PromptSlot, PromptSlotStrategy
 from tandem.core.strategies.sampling import SamplingStrategy
+from tandem.core.strategies.speculative import SpeculativeStrategy, not_speculated_because
 from tandem.core.structured_output.manager import StructuredOutputManager
 from tandem.core.structured_output.params import StructuredOutputsParams
 from tandem.core.worker import Worker
@@ -212,6 +213,9 @@ class LLMEngine:
             strategy = BeamSearchStrategy(params, prompt_len, frozenset(stops))
         else:
             strategy = SamplingStrategy()
+        spec = self.config.speculative
+        if spec is not None and not_speculated_because(params) is None:
+            strategy = SpeculativeStrategy(spec, inputs.encoder_inputs.token_ids, self.scheduler.speculation, strategy)
         if params.structured_outputs is not None:
             # Raises ImportError (no xgrammar) or ValueError (no tokenizer, no EOS) at the door;
             # the compile itself runs off the step loop and a failure is this request's error.

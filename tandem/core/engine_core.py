@@ -21,6 +21,7 @@ from tandem.core.core_outputs import RequestResult
 from tandem.core.faults import EngineHealth, KVTransferError, StepFaults, describe
 from tandem.core.scheduler import Scheduler, SchedulerConfig
 from tandem.core.sequence import SequenceGroup
+from tandem.core.strategies.speculative import verification_stats
 from tandem.core.structured_output.manager import StructuredOutputManager
 from tandem.core.worker import Worker
 
@@ -49,11 +50,19 @@ class EngineStats:
     # The ids of the requests the core holds, and the sampling params of those that
     # wait or are swapped out (an admission limit counts their sequences; params are
     # immutable, so reading them from another thread is safe).
+    # Speculative decoding (tandem/core/strategies/speculative.py): draft tokens
+    # proposed and accepted, sequence steps that verified drafts, and from them
+    # the share accepted and the tokens a verifying step emits on average.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
     live_request_ids: frozenset[str] = frozenset()
     queued_params: tuple = ()
 
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.type == "int"}
+    def as_dict(self) -> dict[str, int | float]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.type in ("int", "float")}
 
 
 class EngineCore:
@@ -190,6 +199,7 @@ class EngineCore:
             num_requests_waiting=len(sch.waiting),
             num_requests_running=len(sch.running),
             num_requests_swapped=len(sch.swapped),
+            **verification_stats(sch.speculation),
             live_request_ids=frozenset(sch.groups),
             # map + attrgetter: no per-group Python frame on the step's path.
             queued_params=(*map(_params, sch.waiting), *map(_params, sch.swapped)),

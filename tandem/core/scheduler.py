@@ -32,6 +32,7 @@ from tandem.core.scheduler_output import (
 )
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tandem.core.strategies.sampling import SamplingStrategy
+from tandem.core.strategies.speculative import SpeculationCounters
 
 class Scheduler:
     def __init__(
@@ -49,6 +50,8 @@ class Scheduler:
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = 0
+        # Draft tokens proposed and accepted (speculative requests add to it).
+        self.speculation = SpeculationCounters()
         # Encoder tokens of admitted groups that ran the encoder, and of those
         # that shared a live cross table of the same input instead.
         self.encoder_tokens_computed = 0
@@ -168,6 +171,9 @@ class Scheduler:
         queue, self.running = self.running, deque()
         while queue:
             group = queue.popleft()
+            # Draft tokens (speculative decoding) only where they fit: never preempt for them.
+            if group.strategy.propose(group) and not bm.can_append_slots(group):
+                self._drop_drafts(group)
             while not bm.can_append_slots(group):
                 victim = queue.pop() if queue else group
                 self._preempt(victim, swap_out)
@@ -176,9 +182,14 @@ class Scheduler:
                     break
             else:
                 seqs = group.get_seqs(SequenceStatus.RUNNING)
+                tokens = sum(s.num_new_tokens for s in seqs)
+                drafts = sum(len(s.spec_token_ids) for s in seqs)
+                if drafts and tokens + drafts > budget:
+                    self._drop_drafts(group)
+                    drafts = 0
                 for seq in seqs:
                     copies += bm.append_slots(seq)
-                budget -= sum(s.num_new_tokens for s in seqs)
+                budget -= tokens + drafts
                 num_seqs += len(seqs)
                 self.running.append(group)
                 scheduled.append(self._metadata(group, run_encoder=False))
@@ -253,6 +264,11 @@ class Scheduler:
             finished_seq_ids=finished_seqs,
         )
 
+    @staticmethod
+    def _drop_drafts(group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            seq.spec_token_ids = []
+
     def _first_ready(self) -> SequenceGroup | None:
         """The oldest waiting group its strategy says may run (one whose grammar is
         still compiling waits, the others go past it). A group whose readiness check
@@ -292,12 +308,13 @@ class Scheduler:
             seqs.append(
                 ScheduledSequence(
                     seq_id=seq.seq_id,
-                    token_ids=seq.token_ids[seq.num_computed_tokens :],
+                    token_ids=seq.token_ids[seq.num_computed_tokens :] + seq.spec_token_ids,
                     num_computed_tokens=seq.num_computed_tokens,
                     block_ids=block_ids,
                     replace_blocks=replace,
                     num_output_tokens=len(seq.output_token_ids),
                     prefix_token_ids=prefix,
+                    num_logits=1 + len(seq.spec_token_ids),
                 )
             )
         return ScheduledGroup(
@@ -350,6 +367,11 @@ class Scheduler:
 
     def check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
         self._check_stop(seq, group)
+
+    def rollback(self, group: SequenceGroup, seq: Sequence) -> None:
+        # The table may now be shorter than the one the worker was sent: _metadata
+        # then sends it whole (the worker's row still lists the freed ids).
+        self.block_manager.rollback_slots(seq)
 
     def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
         """Stops on token ids and length; stop strings are the output processor's."""

@@ -47,6 +47,9 @@ class ScheduledSequence:
     # sequence before although it has computed tokens (a beam forked from
     # another), so processors that read the past have it.
     prefix_token_ids: list[int] | None = None
+    # Positions whose logits the step returns: the last ``num_logits`` of
+    # ``token_ids`` (more than one when draft tokens are verified).
+    num_logits: int = 1
 
 
 @dataclass(frozen=True)

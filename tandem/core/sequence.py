@@ -56,6 +56,9 @@ class Sequence:
         self.cumulative_logprob: float | None = 0.0
         self.output_logprobs: list[dict[int, float]] = []
         self.stop_reason: int | str | None = None
+        # Draft tokens to verify this step (speculative decoding): computed after
+        # ``token_ids`` and given slots, but not the sequence's until accepted.
+        self.spec_token_ids: list[int] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -78,6 +81,7 @@ class Sequence:
 
     def reset_for_recompute(self) -> None:
         self.num_computed_tokens = 0
+        self.spec_token_ids = []
         self.status = SequenceStatus.WAITING
 
     def fork(self, seq_id: int) -> "Sequence":

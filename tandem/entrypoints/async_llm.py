@@ -132,8 +132,8 @@ class AsyncLLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return self.engine.get_default_sampling_params()
 
-    def get_stats(self) -> dict[str, int]:
-        """Engine counters (read from the engine thread's last state; ints, so safe to read)."""
+    def get_stats(self) -> dict[str, int | float]:
+        """Engine counters (read from the snapshot the engine thread publishes)."""
         return self.engine.get_stats()
 
     def start(self) -> None:

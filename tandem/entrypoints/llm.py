@@ -138,9 +138,10 @@ class LLM:
             raise RuntimeError(f"{what} inside an LLM.session() block on the same thread: the session holds the "
                                "engine until the block ends; use the session's add_request / step")
 
-    def get_stats(self) -> dict[str, int]:
+    def get_stats(self) -> dict[str, int | float]:
         """Counters since construction: encoder tokens computed and reused, preemptions,
-        KV blocks in total and free, requests finished."""
+        KV blocks in total and free, requests finished; with ``speculative_config``, draft
+        tokens proposed and accepted, the acceptance rate and the mean accepted length."""
         return self.llm_engine.get_stats()
 
     def generate(

@@ -194,10 +194,12 @@ class BlockManager:
         self._owner[child.seq_id] = rid
 
     def _written(self, seq: Sequence, table: list[int]) -> range:
-        """Indices of the existing table blocks the next forward writes into."""
-        if seq.num_computed_tokens >= len(seq):
+        """Indices of the existing table blocks the next forward writes into (its
+        draft tokens' slots included)."""
+        n = len(seq) + len(seq.spec_token_ids)
+        if seq.num_computed_tokens >= n:
             return range(0)
-        end = min(len(table), blocks_for(len(seq), self.block_size))
+        end = min(len(table), blocks_for(n, self.block_size))
         return range(seq.num_computed_tokens // self.block_size, end)
 
     def _append_need(self, group: SequenceGroup, device: Device) -> int:
@@ -211,7 +213,7 @@ class BlockManager:
             table = self._self.get(seq.seq_id)
             if table is None:
                 continue
-            n, computed = len(seq), seq.num_computed_tokens
+            n, computed = len(seq) + len(seq.spec_token_ids), seq.num_computed_tokens
             full = -(-n // bs)
             if full > len(table):
                 need += full - len(table)
@@ -227,9 +229,10 @@ class BlockManager:
         return self._append_need(group, Device.DEVICE) <= self.pools[Device.DEVICE].num_free
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Make the sequence's self table hold all its tokens, copying each shared
-        block its new tokens go into. Returns the ``(src, dst)`` device blocks the
-        engine must copy before the forward pass."""
+        """Make the sequence's self table hold all its tokens and its draft tokens
+        (``spec_token_ids``), copying each shared block its new tokens go into.
+        Returns the ``(src, dst)`` device blocks the engine must copy before the
+        forward pass."""
         pool, table = self.pools[Device.DEVICE], self._self[seq.seq_id]
         copies: list[tuple[int, int]] = []
         for i in self._written(seq, table):
@@ -238,10 +241,21 @@ class BlockManager:
                 table[i] = pool.allocate(1)[0]
                 pool.decref([old])
                 copies.append((old, table[i]))
-        grow = blocks_for(len(seq), self.block_size) - len(table)
+        grow = blocks_for(len(seq) + len(seq.spec_token_ids), self.block_size) - len(table)
         if grow > 0:
             table.extend(pool.allocate(grow))
         return copies
+
+    def rollback_slots(self, seq: Sequence) -> int:
+        """Free the self-table blocks past what the sequence's tokens need (after
+        rejected draft tokens: blocks that held only those). Returns how many."""
+        table = self._self[seq.seq_id]
+        keep = blocks_for(len(seq) + len(seq.spec_token_ids), self.block_size)
+        extra = table[keep:]
+        if extra:
+            del table[keep:]
+            self.pools[self._location[self._owner[seq.seq_id]]].decref(extra)
+        return len(extra)
 
     # -- swapping ----------------------------------------------------------
     def _distinct_self(self, group: SequenceGroup) -> list[int]:

@@ -45,6 +45,10 @@ class SchedulerOps(Protocol):
         """Free the finished sequences' blocks; retire the group once all are."""
         ...
 
+    def rollback(self, group: "SequenceGroup", seq: "Sequence") -> None:
+        """Free the blocks past what ``seq``'s tokens need (rejected draft tokens')."""
+        ...
+
 
 class StepMode(ABC):
     """Worker side of a mode: plain data sent with a scheduled group (so it can
@@ -56,8 +60,11 @@ class StepMode(ABC):
         ``[S, vocab]``) in place; returns what :meth:`select` needs."""
 
     @abstractmethod
-    def select(self, scores: "torch.Tensor", rows: list[int], params: "SamplingParams", prepared: Any) -> Any:
-        """After the processors: the group's result for this step (plain data)."""
+    def select(self, scores: "torch.Tensor", rows: list[int], params: "SamplingParams", prepared: Any,
+               generator: "torch.Generator | None" = None, default_generator: "torch.Generator | None" = None) -> Any:
+        """After the processors: the group's result for this step (plain data).
+        ``generator``: the request's seeded stream (None: none), ``default_generator``
+        the engine's, for modes that draw."""
 
 
 class RequestStrategy(ABC):
@@ -72,6 +79,11 @@ class RequestStrategy(ABC):
         behind it are admitted (its grammar still compiling). Raising fails the
         request alone, with the exception as its ``error``."""
         return True
+
+    def propose(self, group: "SequenceGroup") -> bool:
+        """Before the step: give running sequences draft tokens to verify
+        (``Sequence.spec_token_ids``); True if any got some. Default: none."""
+        return False
 
     def step_mode(self, group: "SequenceGroup") -> StepMode | None:
         """What the worker needs this step; None: sample each row by its params."""

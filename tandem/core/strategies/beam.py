@@ -43,7 +43,8 @@ class BeamStep(StepMode):
         r = torch.tensor(rows, device=logits.device)
         logits.index_copy_(0, r, torch.log_softmax(logits.index_select(0, r), dim=-1))
 
-    def select(self, scores: torch.Tensor, rows: list[int], params: "SamplingParams", prepared) -> BeamCandidates:
+    def select(self, scores: torch.Tensor, rows: list[int], params: "SamplingParams", prepared, generator=None,
+               default_generator=None) -> BeamCandidates:
         """HF's top-k continuations: processed log-probs plus each beam's running
         score, flattened over (beam, token), the best ``beams_to_keep``."""
         logp = scores.index_select(0, torch.tensor(rows, device=scores.device))

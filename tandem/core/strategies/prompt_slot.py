@@ -38,7 +38,8 @@ class SlotStep(StepMode):
         row = logits[rows[0], list(self.choices)]
         return self.choices[int(row.argmax())]
 
-    def select(self, scores: "torch.Tensor", rows: list[int], params: "SamplingParams", prepared: int) -> int:
+    def select(self, scores: "torch.Tensor", rows: list[int], params: "SamplingParams", prepared: int, generator=None,
+               default_generator=None) -> int:
         return prepared
 
 

@@ -118,8 +118,8 @@ class StructuredOutputManager:
                     matchers.append(strategy.matchers[ss.seq_id])
                     owners.append(sg.request_id)
                     row += 1
-            else:
-                row += len(sg.seqs)
+            else:  # a sequence verifying draft tokens has a row per position
+                row += sum(ss.num_logits for ss in sg.seqs)
         if not rows:
             return None, {}
         bitmask = self._buffer(row)

@@ -138,16 +138,28 @@ class ModelRunner:
             cross_slot_mapping=cross_slots.to(dev, non_blocking=True),
             cross_seq_lens=cross_lens,
             cross_block_tables=cross_tables.to(dev, non_blocking=True),
-            logits_indices=(query_start_loc[1:] - 1).to(dev, non_blocking=True),
+            logits_indices=self._logits_indices(seqs, query_start_loc).to(dev, non_blocking=True),
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             max_encoder_seq_len=max_enc_len,
             max_cross_seq_len=max_cross_len,
         )
 
+    @staticmethod
+    def _logits_indices(seqs, query_start_loc: torch.Tensor) -> torch.Tensor:
+        """Token indices whose logits are returned: each sequence's last ``num_logits``."""
+        ends = query_start_loc[1:]
+        counts = [s.num_logits for s in seqs]
+        if all(c == 1 for c in counts):
+            return ends - 1
+        n = torch.tensor(counts, dtype=torch.long)
+        run, offsets = _packed_positions(torch.zeros_like(n), n)
+        return ends[run] - n[run] + offsets
+
     def execute(self, out: SchedulerOutput, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Run the model; returns float32 logits ``[S, vocab]`` for each scheduled
-        sequence's last token, in the order ``out`` lists them."""
+        """Run the model; returns float32 logits ``[R, vocab]``: each scheduled sequence's
+        last ``num_logits`` positions (usually its last token), in the order ``out``
+        lists them."""
         inputs = self.prepare(out)
         attn_metadata = self.builder.build(inputs)
         hidden = self.model(

@@ -118,17 +118,22 @@ class Worker:
             state = self.requests[group.request_id]
             start = len(params)
             for seq in group.seqs:
-                params.append(state.params)
-                generators.append(state.generator)
-                num_out.append(seq.num_output_tokens)
-                seq_lens.append(seq.num_computed_tokens + len(seq.token_ids))
-                seq_ids.append(seq.seq_id)
-                row_request.append(group.request_id)
+                # One row per position whose logits are returned (several when draft
+                # tokens are verified), each with the lengths it would have in plain decoding.
+                end = seq.num_computed_tokens + len(seq.token_ids)
+                for j in range(seq.num_logits - 1, -1, -1):
+                    params.append(state.params)
+                    generators.append(state.generator)
+                    num_out.append(seq.num_output_tokens + seq.num_logits - 1 - j)
+                    seq_lens.append(end - j)
+                    seq_ids.append(seq.seq_id)
+                    row_request.append(group.request_id)
                 if state.keeps_history:
                     self._record_history(seq)
             if group.mode is not None:
                 modes.append((group.request_id, group.mode, list(range(start, len(params)))))
-        rows = ProcessorRows(params, num_out, seq_lens, lambda idx: self._histories([seq_ids[i] for i in idx]))
+        rows = ProcessorRows(params, num_out, seq_lens,
+                             lambda idx: self._histories([seq_ids[i] for i in idx], [seq_lens[i] for i in idx]))
         with torch.inference_mode():
             logits = self.runner.execute(out, self.kv_caches)
             if out.grammar is not None:  # before everything else reads the logits
@@ -137,7 +142,8 @@ class Worker:
             claimed = sorted(i for *_, mode_rows in modes for i in mode_rows)
             sampled = self.sampler(logits, rows, generators, claimed)
             mode_outputs = {
-                rid: mode.select(sampled.scores, mode_rows, params[mode_rows[0]], prep)
+                rid: mode.select(sampled.scores, mode_rows, params[mode_rows[0]], prep, generators[mode_rows[0]],
+                                 self.sampler.generator)
                 for (rid, mode, mode_rows), prep in zip(modes, prepared)
             }
         plain_ids = seq_ids
@@ -163,10 +169,12 @@ class Worker:
         else:
             raise RuntimeError(f"sequence {seq.seq_id}: no token history and no prefix to start one")
 
-    def _histories(self, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _histories(self, seq_ids: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' decoder tokens, each row's first ``lengths[i]`` (a verified draft
+        position sees the tokens before it, not the drafts after)."""
         h = self.histories
         rows = torch.tensor([h.row(s) for s in seq_ids], dtype=torch.long)
-        lengths = torch.tensor([h.num_blocks(s) for s in seq_ids], dtype=torch.long)
+        lengths = torch.tensor(lengths, dtype=torch.long)
         return h.gather(rows, int(lengths.max())), lengths
 
     def _update_states(self, out: SchedulerOutput) -> None:

@@ -35,6 +35,19 @@ class _EngineCollector:
         c = CounterMetricFamily("tandem:num_preemptions", "Preemptions since start")
         c.add_metric([], stats["num_preemptions"])
         yield c
+        c = CounterMetricFamily("tandem:spec_decode_num_draft_tokens", "Speculative draft tokens proposed")
+        c.add_metric([], stats["spec_draft_tokens"])
+        yield c
+        c = CounterMetricFamily("tandem:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted")
+        c.add_metric([], stats["spec_accepted_tokens"])
+        yield c
+        g = GaugeMetricFamily("tandem:spec_decode_acceptance_rate", "Share of draft tokens accepted (0..1)")
+        g.add_metric([], stats["spec_acceptance_rate"])
+        yield g
+        g = GaugeMetricFamily("tandem:spec_decode_mean_accepted_length",
+                              "Tokens a verifying sequence step emits on average (accepted drafts + 1)")
+        g.add_metric([], stats["spec_mean_accepted_length"])
+        yield g
 
 
 class ServerMetrics:

@@ -1,0 +1,72 @@
+"""``speculative_config``: vLLM's dictionary shape, checked once at construction."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram",)
+# When not given: suffixes of 3 tokens down to 1 are looked up.
+DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN = 3, 1
+_NGRAM_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+def _is_int(x) -> bool:  # config.is_int's rule; importing it would be a cycle (config imports this)
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``num_speculative_tokens`` (k): tokens proposed per sequence per step; the n-gram
+    proposer matches the longest suffix of ``prompt_lookup_max`` down to
+    ``prompt_lookup_min`` decoder tokens."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+    @classmethod
+    def parse(cls, value: Any) -> "SpeculativeConfig | None":
+        """``None``, a dict, or its JSON text (the command line's form) -> a checked config.
+        Errors name the key and the bad value."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config={value!r}: not a JSON object ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config={value!r}: must be None or a dict such as "
+                             '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}')
+        if "model" in value:
+            raise ValueError(
+                f"speculative_config: model={value['model']!r}: draft models are not built yet; use "
+                '{"method": "ngram", ...} (prompt lookup)'
+            )
+        method = value.get("method")
+        if method is None:
+            raise ValueError(f"speculative_config={value!r}: needs 'method' (one of {', '.join(METHODS)})")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config: method={method!r} is not known (known: {', '.join(METHODS)})")
+        unknown = [k for k in value if k not in _NGRAM_KEYS]
+        if unknown:
+            raise ValueError(f"speculative_config: key {unknown[0]!r} is not an option of method 'ngram' "
+                             f"(options: {', '.join(_NGRAM_KEYS)})")
+
+        def positive(key: str, default: int | None) -> int:
+            v = value.get(key, default)
+            if v is None:
+                raise ValueError(f"speculative_config: {key} is required")
+            if not _is_int(v) or not 1 <= v <= 64:
+                raise ValueError(f"speculative_config: {key}={v!r}: must be an integer in [1, 64]")
+            return v
+
+        k = positive("num_speculative_tokens", None)
+        hi = positive("prompt_lookup_max", DEFAULT_LOOKUP_MAX)
+        lo = positive("prompt_lookup_min", min(DEFAULT_LOOKUP_MIN, hi))
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+        return cls(method, k, hi, lo)

@@ -1,0 +1,170 @@
+"""Speculative decoding as a mode: each step a sequence may compute its last token
+and up to ``k`` draft tokens in one forward, and keep the accepted prefix.
+
+Scheduler side (``SpeculativeStrategy``): before the step, the n-gram proposer
+(``tandem/core/speculative/ngram.py``) gives each decoding sequence its drafts
+(``Sequence.spec_token_ids``, which get slots and run as a chunk after its
+last token); after it, the accepted tokens are appended with the usual stops
+(EOS, stop token ids, ``max_tokens``: the first stop truncates what follows),
+the rejected drafts' slots are rolled back (``BlockManager.rollback_slots``)
+and the sequence's computed length counts only what was accepted. A step in
+which no sequence of the request has a draft is a plain step (``inner``).
+
+Worker side (``VerifyStep``): the group's rows are its sequences' ``k_i + 1``
+positions, each processed with the history it would have had
+(``tandem/core/speculative/verify.py`` accepts and samples from them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tandem.core.core_outputs import CompletionDelta, RequestResult
+from tandem.core.sequence import SequenceStatus
+from tandem.core.speculative import ngram
+from tandem.core.speculative.config import SpeculativeConfig
+from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode
+from tandem.core.strategies.sampling import SamplingStrategy, finish_reason
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.core.sampling_params import SamplingParams
+    from tandem.core.scheduler_output import ModelRunnerOutput, ScheduledGroup
+    from tandem.core.sequence import SequenceGroup
+
+
+def not_speculated_because(params: "SamplingParams") -> str | None:
+    """Why a request runs without speculation (None: it speculates). Each of these
+    would make a draft position differ from plain decoding or cannot be verified
+    per position: beam search (its beams are not one sequence's continuation),
+    structured output (its grammar matcher advances one accepted token at a
+    time), and user logits processors (user code, possibly stateful, would be
+    called for positions that are then rejected)."""
+    if params.use_beam_search:
+        return "beam search"
+    if params.structured_outputs is not None:
+        return "structured output"
+    if params.logits_processors:
+        return "user logits processors"
+    return None
+
+
+@dataclass(frozen=True)
+class VerifyStep(StepMode):
+    """``drafts``: each scheduled sequence's draft tokens, in the group's order."""
+
+    drafts: tuple[tuple[int, ...], ...]
+
+    def prepare(self, logits: "torch.Tensor", rows: list[int]) -> None:
+        return None
+
+    def select(self, scores, rows, params, prepared, generator=None, default_generator=None) -> list:
+        from tandem.core.speculative.verify import verify
+
+        return verify(scores, rows, [list(d) for d in self.drafts], params, generator, default_generator)
+
+
+@dataclass
+class SpeculationCounters:
+    """Since the engine started: draft tokens proposed and accepted, and sequence
+    steps that verified at least one draft."""
+
+    proposed: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+
+
+class SpeculativeStrategy(RequestStrategy):
+    def __init__(self, config: SpeculativeConfig, encoder_token_ids: list[int] | None,
+                 counters: SpeculationCounters, inner: RequestStrategy | None = None) -> None:
+        self.config = config
+        self.encoder = None if encoder_token_ids is None else np.asarray(encoder_token_ids, dtype=np.int64)
+        self.counters = counters
+        self.inner = inner if inner is not None else SamplingStrategy()
+
+    def max_num_seqs(self, group: "SequenceGroup") -> int:
+        return self.inner.max_num_seqs(group)
+
+    def propose(self, group: "SequenceGroup") -> bool:
+        c, p = self.config, group.sampling_params
+        any_draft = False
+        for seq in group.seqs:
+            seq.spec_token_ids = []
+            if seq.status is not SequenceStatus.RUNNING or seq.num_new_tokens != 1:
+                continue  # only a decoding sequence (its prompt computed) speculates
+            # Never past max_tokens: the step emits up to k + 1 tokens.
+            k = min(c.num_speculative_tokens, p.max_tokens - len(seq.output_token_ids) - 1)
+            if k <= 0:
+                continue
+            decoder = np.asarray(seq.token_ids, dtype=np.int64)
+            seq.spec_token_ids = ngram.propose(decoder, self.encoder, k, c.prompt_lookup_max, c.prompt_lookup_min)
+            any_draft |= bool(seq.spec_token_ids)
+        return any_draft
+
+    def step_mode(self, group: "SequenceGroup") -> StepMode | None:
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        if not any(s.spec_token_ids for s in seqs):
+            return self.inner.step_mode(group)
+        return VerifyStep(tuple(tuple(s.spec_token_ids) for s in seqs))
+
+    def update(
+        self, ops: SchedulerOps, group: "SequenceGroup", sg: "ScheduledGroup", result: "ModelRunnerOutput",
+        rows: dict[int, int],
+    ) -> RequestResult:
+        verified = result.mode_outputs.get(group.request_id)
+        if verified is None:  # no drafts this step: a plain step
+            return self.inner.update(ops, group, sg, result, rows)
+        by_id = {s.seq_id: s for s in group.seqs}
+        want_logprobs = group.sampling_params.logprobs is not None
+        deltas, any_finished, counters = [], False, self.counters
+        for ss, v in zip(sg.seqs, verified):
+            seq = by_id[ss.seq_id]
+            num_drafts = len(seq.spec_token_ids)
+            seq.spec_token_ids = []
+            if seq.finished:
+                continue
+            if v.error is not None:
+                raise ValueError(v.error)
+            counters.proposed += num_drafts
+            counters.accepted += v.accepted
+            counters.verify_steps += bool(num_drafts)
+            # Keys and values are valid for the last token and the accepted drafts.
+            seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids) - num_drafts + v.accepted
+            emitted, tops = [], []
+            for j, token in enumerate(v.token_ids):
+                top = v.top_logprobs[j] if v.top_logprobs is not None else None
+                seq.append_token(token, v.logprobs[j], top)
+                emitted.append(token)
+                if top is not None:
+                    tops.append(top)
+                ops.check_stop(seq, group)
+                if seq.finished:
+                    break
+            if v.no_token and not seq.finished:
+                seq.status = SequenceStatus.FINISHED_NO_TOKEN
+            if not seq.finished:
+                ops.rollback(group, seq)
+            reason = finish_reason(seq)
+            any_finished |= reason is not None
+            deltas.append(CompletionDelta(
+                seq.index, emitted, tops if want_logprobs else None, seq.cumulative_logprob, reason, seq.stop_reason,
+            ))
+        if any_finished:
+            ops.release_finished(group)
+        return RequestResult(group.request_id, deltas, group.is_finished)
+
+
+def verification_stats(c: SpeculationCounters) -> dict[str, Any]:
+    """The counters and what they mean: the share of draft tokens accepted, and the
+    tokens a verifying sequence step emits on average (accepted drafts + 1)."""
+    return {
+        "spec_draft_tokens": c.proposed,
+        "spec_accepted_tokens": c.accepted,
+        "spec_verify_steps": c.verify_steps,
+        "spec_acceptance_rate": c.accepted / c.proposed if c.proposed else 0.0,
+        "spec_mean_accepted_length": 1 + c.accepted / c.verify_steps if c.verify_steps else 0.0,
+    }
