@@ -86,6 +86,15 @@ class EncoderDecoderModel(nn.Module, ABC):
         from ``config``. Runs before anything is built or allocated: arithmetic only."""
 
     @classmethod
+    def check_size_fields(cls, config: "PretrainedConfig") -> None:
+        """``ValueError`` naming the first of :attr:`config_size_fields` that is not a positive
+        integer; a ``check_config`` override calls it first."""
+        for field in cls.config_size_fields:
+            value = getattr(config, field, None)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"config.json: {field}={value!r} must be a positive integer")
+
+    @classmethod
     def num_parameters(cls, config: "PretrainedConfig") -> int | None:
         """Parameter elements a checkpoint must store for ``config`` (tied weights counted
         once, buffers not at all), or None when unknown. Called after :meth:`check_config`;

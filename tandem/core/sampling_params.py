@@ -10,6 +10,7 @@ import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tandem.core.param_errors import type_error, value_error
 from tandem.core.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
@@ -337,18 +338,12 @@ class BeamSearchParams:
         return SamplingParams(**kwargs)
 
 
-def _show(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
-
-
 def _type_error(name: str, value: object, want: str, got: str | None = None) -> TypeError:
-    got = got or f"not {type(value).__name__}"
-    return TypeError(f"SamplingParams.{name}={_show(value)}: must be {want}, {got}")
+    return type_error("SamplingParams", name, value, want, got, _MAX_SHOWN)
 
 
 def _value_error(name: str, value: object, why: str) -> ValueError:
-    return ValueError(f"SamplingParams.{name}={_show(value)}: {why}")
+    return value_error("SamplingParams", name, value, why, _MAX_SHOWN)
 
 
 def _is_int(value: object) -> bool:

@@ -240,10 +240,7 @@ class T5ForConditionalGeneration(EncoderDecoderModel):
 
     @classmethod
     def check_config(cls, config) -> None:
-        for field in cls.config_size_fields:
-            value = getattr(config, field, None)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"config.json: {field}={value!r} must be a positive integer")
+        cls.check_size_fields(config)
         if config.relative_attention_num_buckets < 4:
             raise ValueError(
                 f"config.json: relative_attention_num_buckets={config.relative_attention_num_buckets} "

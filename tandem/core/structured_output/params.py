@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from tandem.core.param_errors import type_error, value_error
+
 # Bounds on one request's spec, so parsing and hashing it stay cheap at the door;
 # compiling is bounded by the engine running it off the step loop.
 MAX_SPEC_CHARS = 1 << 20
@@ -124,15 +126,9 @@ def _choices(choice: object) -> tuple[str, ...]:
     return tuple(choice)
 
 
-def _show(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
-
-
 def _type_error(name: str, value: object, want: str, got: str | None = None) -> TypeError:
-    got = got or f"not {type(value).__name__}"
-    return TypeError(f"StructuredOutputsParams.{name}={_show(value)}: must be {want}, {got}")
+    return type_error("StructuredOutputsParams", name, value, want, got, _MAX_SHOWN)
 
 
 def _value_error(name: str, value: object, why: str) -> ValueError:
-    return ValueError(f"StructuredOutputsParams.{name}={_show(value)}: {why}")
+    return value_error("StructuredOutputsParams", name, value, why, _MAX_SHOWN)

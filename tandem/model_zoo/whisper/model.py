@@ -114,10 +114,7 @@ class WhisperForConditionalGeneration(EncoderDecoderModel):
 
     @classmethod
     def check_config(cls, config) -> None:
-        for field in cls.config_size_fields:
-            value = getattr(config, field, None)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"config.json: {field}={value!r} must be a positive integer")
+        cls.check_size_fields(config)
         for field in ("encoder_attention_heads", "decoder_attention_heads"):
             if config.d_model % getattr(config, field):
                 raise ValueError(
