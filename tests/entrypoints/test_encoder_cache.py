@@ -186,3 +186,29 @@ def test_whisper_the_same_audio_twice_runs_the_encoder_once_and_equals_hf(whispe
                                            do_sample=False, num_beams=1, max_new_tokens=12)
         assert o.error is None and o.outputs[0].token_ids == ref[0, len(d):].tolist()
     assert llm.get_stats()["encoder_cache_hits"] == 2
+
+
+def test_a_failed_step_keeps_no_table(bart_dir, monkeypatch):
+    # The request's encoder ran in step 1; step 3 fails. Its table is filled, but a failed
+    # step may have torn a swap, so the cache drops every kept table rather than trust one.
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=4)
+    llm.generate(_prompt(DOCS[3], [0, 5]), SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert llm.get_stats()["encoder_cache_blocks"] > 0  # an earlier request's table is kept
+    worker, calls = llm.engine.worker, {"n": 0}
+    real = worker.execute_model
+
+    def failing_third(out):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("the forward failed")
+        return real(out)
+
+    monkeypatch.setattr(worker, "execute_model", failing_third)
+    out = llm.generate(_prompt(DOCS[4], [0, 5]), SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+    assert "the forward failed" in out.error
+    stats = llm.get_stats()
+    # Both went: the earlier request's table and the failed one's (kept as its abort freed it).
+    assert stats["encoder_cache_blocks"] == 0 and stats["encoder_cache_evictions"] == 2 and _all_free(llm)
+    monkeypatch.undo()
+    again = llm.generate(_prompt(DOCS[4], [0, 5]), SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+    assert again.error is None and llm.get_stats()["encoder_runs"] == 3  # nothing was kept: it ran again
