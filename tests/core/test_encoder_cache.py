@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tandem.core.block_manager import AllocStatus, BlockManager, BlockPool, Device, blocks_for
+from tandem.core.block_manager import AllocStatus, BlockManager, BlockPool, Device
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
