@@ -82,6 +82,12 @@ class EngineConfig:
         f"requests need, at most {DEFAULT_KV_CACHE_GIB:g} GiB)"
     )
     swap_space: float = option(1.0, "GiB of CPU memory for swapped-out KV blocks, committed only as blocks are swapped")
+    # core/kv/encoder_cache.py
+    encoder_cache_blocks: int | None = option(
+        None, "device KV blocks that finished requests' cross-attention tables may keep, so a later request with "
+        "the same encoder input skips its encoder; kept tables are evicted (least recently used first) before any "
+        "request waits or is preempted for blocks; 0 turns the cache off (default: none, bounded by the pool)"
+    )
     max_num_seqs: int = option(DEFAULT_MAX_NUM_SEQS, "sequences the scheduler runs at once")
     max_num_batched_tokens: int = option(DEFAULT_MAX_NUM_BATCHED_TOKENS, "tokens one engine step may compute")
     preemption_mode: str | None = option(
@@ -191,6 +197,13 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r}: must be an integer >= 1")
         if self.kv_cache_memory is not None and (not is_real(self.kv_cache_memory) or self.kv_cache_memory <= 0):
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r}: must be a finite, positive number of GiB")
+        if self.encoder_cache_blocks is not None and (
+            not is_int(self.encoder_cache_blocks) or self.encoder_cache_blocks < 0
+        ):
+            raise ValueError(
+                f"encoder_cache_blocks={self.encoder_cache_blocks!r}: must be None (bounded by the pool) or an "
+                "integer >= 0 (0: no encoder cache)"
+            )
         if not is_real(self.swap_space) or self.swap_space < 0:
             raise ValueError(f"swap_space={self.swap_space!r}: must be a finite number of GiB >= 0")
         if not isinstance(self.trust_remote_code, bool):

@@ -37,6 +37,14 @@ class EngineStats:
 
     encoder_tokens_computed: int = 0
     encoder_tokens_reused: int = 0
+    # Admissions that ran the encoder, and those that did not: they shared a live
+    # request's cross table or took one the encoder cache kept (a hit; a miss is a run).
+    encoder_runs: int = 0
+    encoder_runs_saved: int = 0
+    encoder_cache_hits: int = 0
+    encoder_cache_misses: int = 0
+    encoder_cache_evictions: int = 0  # kept tables evicted
+    encoder_cache_blocks: int = 0  # device blocks kept now (counted in kv_blocks_free)
     num_preemptions: int = 0
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
@@ -165,6 +173,10 @@ class EngineCore:
                      self.faults.health.consecutive_step_failures, "; the engine is dead" if dead else "",
                      describe(e), exc_info=e)
         failed = self.fail(dict.fromkeys(sorted(ids), f"the step serving it failed: {describe(e)}"))
+        # A torn swap or forward may have left a cross table half written that the
+        # failed requests' cleanup just kept: keep none.
+        self.block_manager.clear_encoder_cache()
+        self._publish()
         if dead:
             self.faults.check_alive()  # raises EngineDeadError
         return failed
@@ -189,6 +201,12 @@ class EngineCore:
         self.stats = EngineStats(
             encoder_tokens_computed=sch.encoder_tokens_computed,
             encoder_tokens_reused=sch.encoder_tokens_reused,
+            encoder_runs=bm.encoder_runs,
+            encoder_runs_saved=bm.encoder_live_shares + bm.encoder_cache_hits,
+            encoder_cache_hits=bm.encoder_cache_hits,
+            encoder_cache_misses=bm.encoder_runs,
+            encoder_cache_evictions=bm.encoder_cache.evictions,
+            encoder_cache_blocks=bm.num_cached_blocks(),
             num_preemptions=sch.num_preemptions,
             kv_blocks_total=bm.num_total_blocks(),
             kv_blocks_free=bm.num_free_blocks(),

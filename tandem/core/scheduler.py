@@ -9,8 +9,8 @@ tokens), preempting the most recently admitted groups when blocks run out;
 then swapped groups come back; then waiting groups are admitted while the
 token budget, ``max_num_seqs`` and free blocks allow. A group admitted this
 step prefills its decoder prompt and, unless it shares the live cross table
-of an identical encoder input, runs its encoder and fills its cross table in
-the same step. Sequences about to write into shared blocks get copies first
+of an identical encoder input or takes one the encoder cache kept, runs its
+encoder and fills its cross table in the same step. Sequences about to write into shared blocks get copies first
 (``blocks_to_copy``).
 """
 
@@ -219,7 +219,7 @@ class Scheduler:
             if group is None:
                 break
             seqs = group.unfinished_seqs()
-            run_encoder = not bm.cross_is_live(group)
+            run_encoder = not bm.has_encoder_output(group)  # a live or kept cross table
             tokens = (group.encoder_len if run_encoder else 0) + sum(len(s) for s in seqs)
             if num_seqs + group.max_num_seqs > self.config.max_num_seqs or tokens > budget:
                 break

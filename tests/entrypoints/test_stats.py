@@ -1,7 +1,8 @@
 """``LLM.get_stats()`` against the requests that were run (counting identities, as equalities).
 
-Every request admitted runs its encoder or shares a live cross table of the same
-input, so ``encoder_tokens_computed + encoder_tokens_reused`` is the encoder length
+Every request admitted runs its encoder, shares a live cross table of the same
+input or takes one the encoder cache kept, so ``encoder_tokens_computed +
+encoder_tokens_reused`` is the encoder length
 summed over admissions: one per request, plus one per recompute preemption (a
 swapped-out group comes back without a new admission). All five requests below
 have encoders of one length ``L``, so that sum is ``L x admissions``.
@@ -41,9 +42,13 @@ def test_stats_equal_the_work_of_a_batch_without_preemption(bart_dir):
         assert [len(o.encoder_prompt_token_ids) for o in outs] == [L] * 5
         stats = llm.get_stats()
         # The first sharer runs the encoder over DOC and the three others read its cross
-        # table (they are admitted while it runs); the fifth runs its own.
-        assert stats["encoder_tokens_computed"] == batch * 2 * L
-        assert stats["encoder_tokens_reused"] == batch * 3 * L
+        # table (they are admitted while it runs); the fifth runs its own. The second
+        # batch runs no encoder: both tables were kept when the first batch finished.
+        assert stats["encoder_tokens_computed"] == 2 * L
+        assert stats["encoder_tokens_reused"] == 3 * L + (batch - 1) * 5 * L
+        assert (stats["encoder_runs"], stats["encoder_cache_hits"]) == (2, (batch - 1) * 2)
+        assert stats["encoder_runs_saved"] == 3 + (batch - 1) * 5  # 3 live shares a batch, and the hits
+        assert stats["encoder_cache_blocks"] == 2 * L // 4
         assert stats["num_requests_finished"] == batch * 5
         assert stats["num_requests_unfinished"] == 0
         assert stats["num_preemptions"] == 0

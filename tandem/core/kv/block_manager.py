@@ -9,7 +9,11 @@ of tables holding it. Tables share blocks in two ways:
   (copy-on-write: ``append_slots`` returns the ``(src, dst)`` pairs the
   engine copies before the forward pass);
 - groups whose encoder input is identical share one cross table while it is
-  on the device, so the encoder runs once for all of them.
+  on the device, so the encoder runs once for all of them;
+- a filled cross table no group holds any more stays in the encoder cache
+  (``encoder_cache.py``) until a request with the same input takes it back or
+  a request that needs its blocks evicts it. Kept blocks count as free in every
+  check for room here, and each allocation evicts what it needs first.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from tandem.core.kv.block_pool import BlockPool, Device, blocks_for
+from tandem.core.kv.encoder_cache import EncoderCache
 from tandem.core.sequence import Sequence, SequenceGroup
 
 
@@ -37,6 +42,7 @@ class _CrossTable:
     blocks: list[int]
     device: Device
     holders: set[str] = field(default_factory=set)  # request ids
+    filled: bool = False  # a holder's step wrote the encoder's K/V (known when a holder leaves)
 
 
 class BlockManager:
@@ -46,7 +52,15 @@ class BlockManager:
         num_device_blocks: int,
         num_host_blocks: int,
         watermark: float = 0.01,
+        encoder_cache_blocks: int | None = 0,
     ) -> None:
+        """``encoder_cache_blocks``: the most device blocks the encoder cache keeps
+        (None: as many as the pool has; 0: no cache, only live groups share)."""
+        if encoder_cache_blocks is not None and (
+            not isinstance(encoder_cache_blocks, int) or isinstance(encoder_cache_blocks, bool)
+            or encoder_cache_blocks < 0
+        ):
+            raise ValueError(f"encoder_cache_blocks={encoder_cache_blocks!r}: must be None or an integer >= 0")
         self.block_size = block_size
         self.pools = {Device.DEVICE: BlockPool(num_device_blocks), Device.HOST: BlockPool(num_host_blocks)}
         self.watermark_blocks = int(watermark * num_device_blocks)
@@ -58,10 +72,23 @@ class BlockManager:
         # compares the ids, so inputs whose hashes collide never share.
         self._live_cross: dict[tuple[int, ...], _CrossTable] = {}
         self._location: dict[str, Device] = {}  # where each group's self tables live
+        bound = num_device_blocks if encoder_cache_blocks is None else min(encoder_cache_blocks, num_device_blocks)
+        self.encoder_cache = EncoderCache(self.pools[Device.DEVICE], bound)
+        # Admissions: those that ran the encoder, shared a live table, or took a kept one.
+        self.encoder_runs = 0
+        self.encoder_live_shares = 0
+        self.encoder_cache_hits = 0
 
     # -- queries -----------------------------------------------------------
     def num_free_blocks(self, device: Device = Device.DEVICE) -> int:
-        return self.pools[device].num_free
+        """Blocks no table holds: free ones, and on the device those the encoder
+        cache keeps (any allocation evicts them as it needs)."""
+        pool = self.pools[device]
+        return pool.num_free + pool.num_kept
+
+    def num_cached_blocks(self) -> int:
+        """Device blocks the encoder cache keeps."""
+        return self.encoder_cache.num_blocks
 
     def num_total_blocks(self, device: Device = Device.DEVICE) -> int:
         return self.pools[device].num_blocks
@@ -72,7 +99,7 @@ class BlockManager:
         return self.pools[Device.DEVICE].num_blocks - self.watermark_blocks
 
     def refcount(self, device: Device, block: int) -> int:
-        """Tables holding ``block`` of ``device``; 0 iff the block is free."""
+        """Tables holding ``block`` of ``device``; 0 iff the block is free or kept."""
         return self.pools[device].refcount(block)
 
     def tables(self, device: Device) -> list[list[int]]:
@@ -107,14 +134,27 @@ class BlockManager:
         return len(self._distinct_self(group)) + (len(cross.blocks) if cross else 0)
 
     def cross_is_live(self, group: SequenceGroup) -> bool:
-        """Whether a cross table of the same encoder input is on the device, so
-        that allocating the group would share it and not run the encoder."""
+        """Whether a group on the device holds a cross table of the same encoder
+        input, so that allocating the group would share it and not run the encoder."""
         return group.encoder_key in self._live_cross
+
+    def cross_is_cached(self, group: SequenceGroup) -> bool:
+        """Whether the encoder cache keeps a table of the same encoder input (and no
+        live one exists): allocating the group would take it, not run the encoder."""
+        key = group.encoder_key
+        return key not in self._live_cross and key in self.encoder_cache
+
+    def has_encoder_output(self, group: SequenceGroup) -> bool:
+        """Whether allocating the group now would skip its encoder: a cross table
+        of the same input is live or kept on the device."""
+        key = group.encoder_key
+        return key in self._live_cross or key in self.encoder_cache
 
     def blocks_needed(self, group: SequenceGroup, extra_tokens: int = 0, share_cross: bool = False) -> int:
         """Device blocks a fresh allocation of the group needs, with ``extra_tokens``
         more per sequence; shared blocks count once. The cross table counts
-        unless ``share_cross`` and a live one of the same input exists."""
+        unless ``share_cross`` and a live one of the same input exists (a kept
+        one counts: taking it uses up blocks counted as free)."""
         seqs = group.unfinished_seqs()
         shared = self._shared_prompt_blocks(seqs, fresh=extra_tokens == 0)
         cross = 0 if share_cross and self.cross_is_live(group) else blocks_for(group.encoder_len, self.block_size)
@@ -140,7 +180,7 @@ class BlockManager:
         if self.blocks_needed(group) > self.usable_blocks:
             return AllocStatus.NEVER
         needed = self.blocks_needed(group, share_cross=True)
-        if self.pools[Device.DEVICE].num_free - needed >= self.watermark_blocks:
+        if self.num_free_blocks() - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
@@ -148,18 +188,20 @@ class BlockManager:
         """Give the group its cross table and the self tables of its unfinished
         sequences on the device. Returns whether its encoder must run: True if
         it created the cross table, False if it shares a live one (filled in an
-        earlier step, or by its creator earlier in the same forward pass)."""
+        earlier step, or by its creator earlier in the same forward pass) or took
+        one the encoder cache kept."""
         rid = group.request_id
         if rid in self._location or rid in self._cross:
             raise RuntimeError(f"request {rid!r} already holds blocks")
         pool = self.pools[Device.DEVICE]
-        if self.blocks_needed(group, share_cross=True) > pool.num_free:
+        if self.blocks_needed(group, share_cross=True) > self.num_free_blocks():
             raise RuntimeError(f"not enough free blocks to allocate request {rid!r}")
-        run_encoder = self._acquire_cross(group)
+        run_encoder = self._acquire_cross(group)  # first: a kept table it takes is not evicted below
         seqs = group.unfinished_seqs()
         # Every sequence computes its prompt tokens in the first step and writes
         # the same K/V (same tokens, positions and encoder) into the shared slots.
         n_shared = self._shared_prompt_blocks(seqs, fresh=True)
+        self.encoder_cache.make_room(n_shared + sum(blocks_for(len(s), self.block_size) - n_shared for s in seqs))
         shared = pool.allocate(n_shared)
         pool.incref(shared, times=len(seqs) - 1)
         for seq in seqs:
@@ -172,12 +214,19 @@ class BlockManager:
     def _acquire_cross(self, group: SequenceGroup) -> bool:
         rid, key = group.request_id, group.encoder_key
         table = self._live_cross.get(key)
+        created = False
         if table is not None:
             self.pools[Device.DEVICE].incref(table.blocks)
-            created = False
+            self.encoder_live_shares += 1
+        elif (blocks := self.encoder_cache.take(key)) is not None:
+            table = self._live_cross[key] = _CrossTable(key, blocks, Device.DEVICE, filled=True)
+            self.encoder_cache_hits += 1
         else:
-            blocks = self.pools[Device.DEVICE].allocate_run(blocks_for(group.encoder_len, self.block_size))
+            n = blocks_for(group.encoder_len, self.block_size)
+            self.encoder_cache.make_room(n)
+            blocks = self.pools[Device.DEVICE].allocate_run(n)
             table = self._live_cross[key] = _CrossTable(key, blocks, Device.DEVICE)
+            self.encoder_runs += 1
             created = True
         table.holders.add(rid)
         self._cross[rid] = table
@@ -226,7 +275,7 @@ class BlockManager:
         return need + sum(w if pool.refcount(b) > w else w - 1 for b, w in writers.items())
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
-        return self._append_need(group, Device.DEVICE) <= self.pools[Device.DEVICE].num_free
+        return self._append_need(group, Device.DEVICE) <= self.num_free_blocks()
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Make the sequence's self table hold all its tokens and its draft tokens
@@ -238,11 +287,13 @@ class BlockManager:
         for i in self._written(seq, table):
             old = table[i]
             if pool.refcount(old) > 1:
+                self.encoder_cache.make_room(1)
                 table[i] = pool.allocate(1)[0]
                 pool.decref([old])
                 copies.append((old, table[i]))
         grow = blocks_for(len(seq) + len(seq.spec_token_ids), self.block_size) - len(table)
         if grow > 0:
+            self.encoder_cache.make_room(grow)
             table.extend(pool.allocate(grow))
         return copies
 
@@ -280,7 +331,7 @@ class BlockManager:
         # (not a flat spare per sequence: that can exceed the whole pool for a
         # group the engine admitted, which would then never come back).
         need = self._blocks_to_move(group, Device.HOST) + self._append_need(group, Device.HOST)
-        return self.pools[Device.DEVICE].num_free - need >= self.watermark_blocks
+        return self.num_free_blocks() - need >= self.watermark_blocks
 
     def can_swap_out(self, group: SequenceGroup) -> bool:
         return self._blocks_to_move(group, Device.DEVICE) <= self.pools[Device.HOST].num_free
@@ -298,8 +349,11 @@ class BlockManager:
         if self._location.get(rid) is not src:
             raise RuntimeError(f"request {rid!r} is not on {src.value}")
         src_pool, dst_pool = self.pools[src], self.pools[dst]
-        if self._blocks_to_move(group, src) > dst_pool.num_free:
+        n_move = self._blocks_to_move(group, src)
+        if n_move > self.num_free_blocks(dst):
             raise RuntimeError(f"not enough free {dst.value} blocks to move request {rid!r}")
+        if dst is Device.DEVICE:
+            self.encoder_cache.make_room(n_move)
         mapping: list[tuple[int, int]] = []
         cross = self._cross.get(rid)
         if self._cross_moves(group, src):
@@ -339,9 +393,16 @@ class BlockManager:
         table = self._cross.pop(rid, None)
         if table is not None:
             table.holders.discard(rid)
-            self.pools[table.device].decref(table.blocks)
-            if not table.holders:
+            # A group whose step ran holds the encoder's K/V: its own run or its creator's.
+            table.filled |= group.encoder_computed
+            if table.holders:
+                self.pools[table.device].decref(table.blocks)
+            else:
                 self._unlist(table)
+                if table.filled and table.device is Device.DEVICE and table.key not in self._live_cross:
+                    self.encoder_cache.keep(table.key, table.blocks)  # frees it when over the bound
+                else:
+                    self.pools[table.device].decref(table.blocks)
         self._forget_if_empty(group)
 
     def _unlist(self, table: _CrossTable) -> None:
@@ -366,9 +427,14 @@ class BlockManager:
             self.free(seq, group)
         self.free_cross(group)
 
+    def clear_encoder_cache(self) -> None:
+        """Evict every kept cross table."""
+        self.encoder_cache.evict_all()
+
     def reset(self) -> None:
         for pool in self.pools.values():
             pool.reset()
+        self.encoder_cache.clear()
         self._self.clear()
         self._owner.clear()
         self._cross.clear()

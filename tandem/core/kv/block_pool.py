@@ -1,8 +1,10 @@
 """Refcounted KV blocks of one device.
 
 A block's reference count is the number of block tables holding it (self
-tables of decoder sequences, cross tables of groups); a block is free iff its
-count is zero.
+tables of decoder sequences, cross tables of groups). A block with count zero
+is either free or *kept*: part of a cross table the encoder cache keeps
+(``encoder_cache.py``); a kept block is handed out again only through
+``reuse`` (the same table for a later request) or ``evict`` (it becomes free).
 """
 
 from __future__ import annotations
@@ -40,16 +42,24 @@ class BlockPool:
 
     def reset(self) -> None:
         self._refs = np.zeros(self.num_blocks, dtype=np.int64)
-        # Lazily pruned: ids taken as part of a run stay here until popped.
+        self._kept = np.zeros(self.num_blocks, dtype=bool)
+        # Lazily pruned: ids taken as part of a run (or kept) stay here until popped.
         self._heap: list[int] = list(range(self.num_blocks))
-        self.num_free = self.num_blocks
+        self.num_free = self.num_blocks  # free blocks, kept ones not counted
+        self.num_kept = 0
 
     # -- queries -----------------------------------------------------------
     def free_ids(self) -> list[int]:
-        return np.flatnonzero(self._refs == 0).tolist()
+        return np.flatnonzero((self._refs == 0) & ~self._kept).tolist()
+
+    def kept_ids(self) -> list[int]:
+        return np.flatnonzero(self._kept).tolist()
 
     def refcount(self, block: int) -> int:
         return int(self._refs[block])
+
+    def is_kept(self, block: int) -> bool:
+        return bool(self._kept[block])
 
     # -- allocation (each new block has one reference) ----------------------
     def allocate(self, n: int) -> list[int]:
@@ -59,7 +69,7 @@ class BlockPool:
         taken: list[int] = []
         while len(taken) < n:
             b = heapq.heappop(self._heap)
-            if self._refs[b] == 0:
+            if self._refs[b] == 0 and not self._kept[b]:  # a kept one is pushed again when evicted
                 self._refs[b] = 1
                 taken.append(b)
         self.num_free -= n
@@ -72,7 +82,7 @@ class BlockPool:
             raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
         if n == 0:
             return []
-        is_free = (self._refs == 0).view(np.int8)
+        is_free = ((self._refs == 0) & ~self._kept).view(np.int8)
         edges = np.diff(np.concatenate(([0], is_free, [0])))
         starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
         lengths = ends - starts
@@ -114,3 +124,34 @@ class BlockPool:
 
     # Releasing the only reference is freeing.
     free = decref
+
+    # -- kept blocks (the encoder cache's) -------------------------------------
+    def keep(self, blocks: list[int]) -> None:
+        """Drop the last reference to each of ``blocks`` but keep their contents:
+        they are neither free nor held until ``reuse`` or ``evict``."""
+        ids = np.asarray(blocks, dtype=np.int64)
+        if len(set(blocks)) != len(blocks) or (self._refs[ids] != 1).any():
+            raise RuntimeError(f"blocks {blocks} cannot be kept: each must be held once, by the table kept")
+        self._refs[ids] = 0
+        self._kept[ids] = True
+        self.num_kept += len(blocks)
+
+    def reuse(self, blocks: list[int]) -> None:
+        """Kept blocks become held again, one reference each (a cache hit)."""
+        self._unkeep(blocks)
+        self._refs[np.asarray(blocks, dtype=np.int64)] = 1
+
+    def evict(self, blocks: list[int]) -> None:
+        """Kept blocks become free. Only kept blocks (count zero) can be evicted,
+        so eviction never frees a block a table holds."""
+        self._unkeep(blocks)
+        for b in blocks:
+            heapq.heappush(self._heap, b)
+        self.num_free += len(blocks)
+
+    def _unkeep(self, blocks: list[int]) -> None:
+        ids = np.asarray(blocks, dtype=np.int64)
+        if not self._kept[ids].all() or (self._refs[ids] != 0).any():
+            raise RuntimeError(f"a block of {blocks} is not kept")
+        self._kept[ids] = False
+        self.num_kept -= len(blocks)

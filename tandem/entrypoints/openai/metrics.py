@@ -48,6 +48,19 @@ class _EngineCollector:
                               "Tokens a verifying sequence step emits on average (accepted drafts + 1)")
         g.add_metric([], stats["spec_mean_accepted_length"])
         yield g
+        for name, doc in (
+            ("encoder_runs", "Requests whose encoder ran"),
+            ("encoder_runs_saved", "Requests that skipped their encoder (a live or cached cross table)"),
+            ("encoder_cache_hits", "Requests that took a cross table the encoder cache kept"),
+            ("encoder_cache_misses", "Requests that found no live or cached cross table (their encoder ran)"),
+            ("encoder_cache_evictions", "Cross tables evicted from the encoder cache"),
+        ):
+            c = CounterMetricFamily(f"tandem:{name}", doc)
+            c.add_metric([], stats[name])
+            yield c
+        g = GaugeMetricFamily("tandem:encoder_cache_blocks", "KV blocks the encoder cache keeps (evictable)")
+        g.add_metric([], stats["encoder_cache_blocks"])
+        yield g
 
 
 class ServerMetrics:
