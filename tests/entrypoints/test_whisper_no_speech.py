@@ -156,3 +156,36 @@ def test_initial_prompt_needs_a_tokenizer(whisper_ts):
     _, llm = whisper_ts
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.transcribe({"audio": synth_audio(1.0), "sampling_rate": 16000}, initial_prompt="hi", use_tqdm=False)
+
+
+def test_transcribe_command_flags(demo, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    import soundfile as sf
+
+    from tandem.demo_whisper import synthesize
+
+    path, llm = demo
+    audio = synthesize("three one four")
+    wav = tmp_path / "say.wav"
+    sf.write(wav, audio, 16000)
+
+    def run(*flags):
+        res = subprocess.run(
+            [sys.executable, "-m", "tandem.entrypoints.cli", "transcribe", str(path), str(wav), "--format", "json",
+             "--timestamps", "--no-progress", "--dtype", "float32", "--device", "cpu", *flags],
+            capture_output=True, text=True,
+        )
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)
+
+    got = run("--initial-prompt", "three", "--no-speech-threshold", "2", "--logprob-threshold", "0")
+    want = llm.transcribe(str(wav), timestamps=True, initial_prompt="three", no_speech_threshold=2.0,
+                          logprob_threshold=0.0, use_tqdm=False)[0]
+    assert got["token_ids"] == want.token_ids and got["segments"] == want.segments
+    assert got["segments"] and all(0.0 <= s["no_speech_prob"] <= 1.0 for s in got["segments"])
+    # A threshold below every probability, with a log-probability bound every window is under: all skipped.
+    silent = run("--no-speech-threshold", "-1", "--logprob-threshold", "1")
+    assert silent["token_ids"] == [] and silent["text"] == ""
