@@ -51,5 +51,7 @@ class RequestResult:
     finished: bool = False
     # Set when the decoder prompt grew (a prompt slot was filled): the whole new prompt.
     prompt_token_ids: list[int] | None = None
+    # With the filled slot's prompt_token_ids when the slot has a probe: its probability there.
+    probe_prob: float | None = None
     # Set when the request failed; it is finished and has no more output.
     error: str | None = None

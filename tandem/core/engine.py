@@ -199,7 +199,8 @@ class LLMEngine:
             inputs.prompt_token_ids = [self.model_cls.decoder_start_token_id(self.hf_config)]
         prompt_len = len(inputs.prompt_token_ids)
         if prompt_slot is not None:
-            bad = [t for t in (*prompt_slot.choices, *prompt_slot.then) if not 0 <= t < self.vocab_size]
+            probe = () if prompt_slot.probe is None else (prompt_slot.probe,)
+            bad = [t for t in (*prompt_slot.choices, *prompt_slot.then, *probe) if not 0 <= t < self.vocab_size]
             if not prompt_slot.choices or bad:
                 raise ValueError(f"prompt slot {prompt_slot}: needs choices, all in the vocabulary [0, {self.vocab_size})")
             prompt_len += 1 + len(prompt_slot.then)  # the prompt as it will be once completed

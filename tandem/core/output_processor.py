@@ -80,6 +80,7 @@ class RequestState:
         p = info.params
         self.info, self.params, self.tokenizer = info, p, tokenizer
         self.prompt_token_ids = list(info.prompt_token_ids)
+        self.probe_prob: float | None = None
         # Text is followed step by step only when someone reads it before the end;
         # otherwise it is detokenized once, when the sequence finishes.
         self.follow = tokenizer is not None and not p.use_beam_search and (
@@ -104,6 +105,8 @@ class RequestState:
         stops: dict[int, str] = {}
         if result.prompt_token_ids is not None:
             self.prompt_token_ids = list(result.prompt_token_ids)
+        if result.probe_prob is not None:
+            self.probe_prob = result.probe_prob
         if result.error is not None:
             self.error = result.error
         for d in result.completions:
@@ -186,7 +189,7 @@ class RequestState:
             request_id=info.request_id, encoder_prompt=info.encoder_prompt,
             encoder_prompt_token_ids=list(info.encoder_prompt_token_ids), prompt=info.prompt,
             prompt_token_ids=list(self.prompt_token_ids), outputs=outs,
-            finished=self.finished, error=self.error,
+            finished=self.finished, error=self.error, probe_prob=self.probe_prob,
         )
 
     def step_output(self, finished: bool | None = None) -> RequestOutput | None:

@@ -30,3 +30,6 @@ class RequestOutput:
     finished: bool = True
     # Set when the request was rejected; outputs is then empty.
     error: str | None = None
+    # The probability of the prompt slot's probe token at the slot position
+    # (tandem.core.strategies.PromptSlot.probe); None without one.
+    probe_prob: float | None = None

@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 class Transcription:
     """One input's transcript. ``error`` is set (and the rest empty) when the input
     could not be served; ``language`` is the language code (``"en"``), detected or given;
-    ``segments`` (with timestamps): ``[{"start", "end", "text", "token_ids"}, ...]``."""
+    ``segments`` (with timestamps): ``[{"start", "end", "text", "token_ids"}, ...]``, plus
+    ``"no_speech_prob"`` (the window's) with ``no_speech_threshold``."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -71,6 +72,9 @@ class TranscriptionOptions:
     condition_on_previous_text: bool = False
     compression_ratio_threshold: float | None = None
     logprob_threshold: float | None = None
+    # A window whose no-speech probability is above it (and whose average log-probability
+    # is below logprob_threshold, when given) is skipped as silence.
+    no_speech_threshold: float | None = None
     prompt_ids: tuple[int, ...] = ()  # text tokens the first window is prompted with
     sampling: dict = field(default_factory=dict)
 

@@ -94,6 +94,16 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     tr.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: the generation config's)")
     tr.add_argument("--num-beams", type=int, default=None,
                     help="beam search with this many beams (default: the generation config's, else 1, no beams)")
+    tr.add_argument("--no-speech-threshold", type=float, default=None,
+                    help="skip a window as silence when its <|nospeech|> probability is above this and its average "
+                         "log-probability below --logprob-threshold (or above this alone, without one) (default: "
+                         "none, no window skipped)")
+    tr.add_argument("--logprob-threshold", type=float, default=None,
+                    help="the average log-probability below which a window counts as unsure: with "
+                         "--no-speech-threshold, skipped when also likely silence (default: none)")
+    tr.add_argument("--initial-prompt", default=None, metavar="TEXT",
+                    help="text the first window of each file is prompted with (faster-whisper's initial_prompt) "
+                         "(default: none)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     sv = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API", formatter_class=fmt)
@@ -233,7 +243,8 @@ def cmd_transcribe(args) -> int:
     sampling = {k: v for k, v in (("temperature", args.temperature), ("num_beams", args.num_beams)) if v is not None}
     results = llm.transcribe(
         list(args.files), language=args.language, task=args.task, timestamps=args.timestamps or as_subtitles,
-        use_tqdm=not args.no_progress, **sampling,
+        use_tqdm=not args.no_progress, no_speech_threshold=args.no_speech_threshold,
+        logprob_threshold=args.logprob_threshold, initial_prompt=args.initial_prompt, **sampling,
     )
     failed = 0
     for path, r in zip(args.files, results):

@@ -83,6 +83,8 @@ class LLM:
         condition_on_previous_text: bool = False,
         compression_ratio_threshold: float | None = None,
         logprob_threshold: float | None = None,
+        no_speech_threshold: float | None = None,
+        initial_prompt: str | None = None,
         **sampling,
     ) -> list:
         """Transcribe (or, ``task="translate"``, translate to English) audio with a model
@@ -95,7 +97,12 @@ class LLM:
         ``timestamps=True`` adds segments (start, end, text). ``temperature`` may be a
         sequence for HF's fallback, with ``compression_ratio_threshold`` /
         ``logprob_threshold``; ``condition_on_previous_text`` prompts each window with
-        the previous text. ``**sampling``: other SamplingParams fields (the rest come
+        the previous text. ``no_speech_threshold``: a window whose no-speech probability
+        is above it and whose average log-probability is below ``logprob_threshold`` (or
+        above it alone, without one) is skipped as silence (HF's and faster-whisper's
+        rule); each segment then carries its window's ``no_speech_prob``.
+        ``initial_prompt``: text the first window is prompted with (faster-whisper's
+        name; ``prompt_ids=[...]`` gives it as token ids). ``**sampling``: other SamplingParams fields (the rest come
         from the checkpoint's generation config).
         Returns one :class:`tandem.core.transcription.Transcription` per input, in
         order; an input that cannot be served has ``error`` set and the others go on."""
@@ -105,7 +112,7 @@ class LLM:
             self, audio, language=language, task=task, timestamps=timestamps, sampling_rate=sampling_rate,
             use_tqdm=use_tqdm, condition_on_previous_text=condition_on_previous_text,
             compression_ratio_threshold=compression_ratio_threshold, logprob_threshold=logprob_threshold,
-            **sampling,
+            no_speech_threshold=no_speech_threshold, initial_prompt=initial_prompt, **sampling,
         )
 
     @contextmanager

@@ -23,12 +23,29 @@ from tandem.core.transcription import (
     check_transcription,
 )
 
-__all__ = ["Transcription", "subtitles", "transcribe", "transcribe_async"]
+__all__ = ["Transcription", "prompt_ids_of", "subtitles", "transcribe", "transcribe_async"]
+
+
+def prompt_ids_of(tokenizer, text: str) -> list[int]:
+    """A text prompt's token ids as OpenAI's ``prompt`` and faster-whisper's
+    ``initial_prompt`` become: the stripped text after a space, no special tokens."""
+    if not isinstance(text, str):
+        raise TypeError(f"a text prompt (initial_prompt, prompt) must be a str, got {type(text).__name__}: {text!r}")
+    if tokenizer is None:
+        raise ValueError("a text prompt (initial_prompt, prompt): the model has no tokenizer to encode it; give "
+                         "prompt_ids instead")
+    return tokenizer(" " + text.strip(), add_special_tokens=False)["input_ids"]
 
 
 def _session(engine, options: dict[str, Any]) -> TranscriptionSession:
     """The model's session for one call; ``engine`` is the ``LLMEngine``."""
     check_transcription(engine.model_cls, engine.architecture)
+    initial_prompt = options.pop("initial_prompt", None)
+    if initial_prompt is not None:
+        if options.get("prompt_ids") is not None:
+            raise ValueError("initial_prompt and prompt_ids are both given: they are the same prompt (as text and as "
+                             "token ids); give one")
+        options["prompt_ids"] = prompt_ids_of(engine.tokenizer, initial_prompt)
     known = {f for f in TranscriptionOptions.__dataclass_fields__ if f != "sampling"}
     given = {k: options.pop(k) for k in list(options) if k in known}
     if given.get("prompt_ids") is not None:

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from tandem.core.core_outputs import RequestResult
 from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode
 
 if TYPE_CHECKING:
-    import torch
-
     from tandem.core.sampling_params import SamplingParams
     from tandem.core.scheduler_output import ModelRunnerOutput, ScheduledGroup
     from tandem.core.sequence import SequenceGroup
@@ -23,23 +23,34 @@ class PromptSlot:
     token among ``choices`` the model scores highest (argmax over just those, as
     HF's Whisper language detection) joins the prompt, followed by ``then``;
     generation proper starts after them. The whole prompt is known before the
-    first token is generated, so processors and lengths count it as prompt."""
+    first token is generated, so processors and lengths count it as prompt.
+    ``probe``: a token whose probability at the slot position (softmax of the raw
+    logits, before any processor) the request reports as ``RequestOutput.probe_prob``
+    (Whisper's no-speech probability, as HF's ``WhisperNoSpeechDetection`` reads it).
+    A slot with one choice forces that token: a prompt split there just to probe."""
 
     choices: tuple[int, ...]
     then: tuple[int, ...] = ()
+    probe: int | None = None
 
 
 @dataclass(frozen=True)
 class SlotStep(StepMode):
     choices: tuple[int, ...]
+    probe: int | None = None
 
-    def prepare(self, logits: "torch.Tensor", rows: list[int]) -> int:
-        # On the raw logits, before any processor: HF's detect_language does the same.
-        row = logits[rows[0], list(self.choices)]
-        return self.choices[int(row.argmax())]
+    def prepare(self, logits: "torch.Tensor", rows: list[int]) -> tuple[int, float | None]:
+        # On the raw logits, before any processor: HF's detect_language and
+        # WhisperNoSpeechDetection (a re-run of the model on the prompt) read the same.
+        logits_row = logits[rows[0]]  # [vocab] float32
+        token = self.choices[int(logits_row[list(self.choices)].argmax())]
+        prob = None
+        if self.probe is not None:
+            prob = float(torch.softmax(logits_row.float(), dim=-1)[self.probe])
+        return token, prob
 
-    def select(self, scores: "torch.Tensor", rows: list[int], params: "SamplingParams", prepared: int, generator=None,
-               default_generator=None) -> int:
+    def select(self, scores: "torch.Tensor", rows: list[int], params: "SamplingParams",
+               prepared: tuple[int, float | None], generator=None, default_generator=None) -> tuple[int, float | None]:
         return prepared
 
 
@@ -57,7 +68,7 @@ class PromptSlotStrategy(RequestStrategy):
         return self.then.ready(group)
 
     def step_mode(self, group: "SequenceGroup") -> SlotStep:
-        return SlotStep(self.slot.choices)
+        return SlotStep(self.slot.choices, self.slot.probe)
 
     def update(
         self, ops: SchedulerOps, group: "SequenceGroup", sg: "ScheduledGroup", result: "ModelRunnerOutput",
@@ -65,7 +76,8 @@ class PromptSlotStrategy(RequestStrategy):
     ) -> RequestResult:
         """The model chose the slot's token: it and ``then`` extend every sequence's
         decoder prompt (computed next step, with the first token)."""
-        extra = [result.mode_outputs[group.request_id], *self.slot.then]
+        token, prob = result.mode_outputs[group.request_id]
+        extra = [token, *self.slot.then]
         by_id = {s.seq_id: s for s in group.seqs}
         for ss in sg.seqs:
             seq = by_id[ss.seq_id]
@@ -73,4 +85,4 @@ class PromptSlotStrategy(RequestStrategy):
             seq.prompt_token_ids = seq.prompt_token_ids + extra
             seq.token_ids = seq.token_ids + extra
         group.strategy = self.then
-        return RequestResult(group.request_id, prompt_token_ids=list(group.seqs[0].prompt_token_ids))
+        return RequestResult(group.request_id, prompt_token_ids=list(group.seqs[0].prompt_token_ids), probe_prob=prob)

@@ -49,6 +49,7 @@ from tandem.entrypoints.openai.metrics import AudioMeter, ServerMetrics
 from tandem.entrypoints.openai.protocol import CompletionRequest, HTTPError, error_body
 from tandem.entrypoints.openai.shutdown import CUT, CUT_GRACE_SECONDS, DrainCut, make_server, watch
 from tandem.entrypoints.openai.structured import check_compiles, read_structured
+from tandem.entrypoints.transcribe import prompt_ids_of
 
 logger = logging.getLogger("tandem.serve")
 
@@ -280,10 +281,7 @@ def build_app(
                 options["temperature"] = float(temperature)
             prompt = form.get("prompt")
             if prompt:
-                tok = engine.get_tokenizer()
-                if tok is None:
-                    raise ValueError("prompt: the model has no tokenizer to encode it")
-                options["prompt_ids"] = tok(" " + prompt.strip(), add_special_tokens=False)["input_ids"]
+                options["prompt_ids"] = prompt_ids_of(engine.get_tokenizer(), prompt)
             # Decoding is CPU work (and bounded by max_audio_seconds): off the event loop.
             waveform = await asyncio.to_thread(model_cls.load_transcription_audio, data,
                                                max_seconds=max_audio_seconds)

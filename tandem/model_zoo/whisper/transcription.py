@@ -19,19 +19,25 @@ slices of it, and after each window the input seeks to its last complete
 timestamp segment (or past the window), as HF's ``_retrieve_segment``. With
 several ``temperature`` values, a window whose compression ratio or average
 log-probability crosses its threshold is decoded again at the next temperature
-(HF's fallback).
+(HF's fallback). With ``no_speech_threshold`` each window's decoder prompt is
+split at ``<|startoftranscript|>`` (a prompt slot whose one choice is the
+language token, or the languages when detecting): the slot step reads the
+probability of ``<|nospeech|>`` there, on the raw logits, as HF's
+``WhisperNoSpeechDetection``, and a window above the threshold whose average
+log-probability is below ``logprob_threshold`` is skipped as silence.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import RequestOutputKind, SamplingParams
+from tandem.core.strategies import PromptSlot
 from tandem.core.transcription import (
     Transcription,
     TranscriptionContext,
@@ -51,6 +57,20 @@ def compression_ratio(tokens: list[int], vocab_size: int) -> float:
     width = int(math.log2(vocab_size) / 8) + 1
     data = b"".join(t.to_bytes(width, "little") for t in tokens)
     return len(data) / len(zlib.compress(data)) if data else 0.0
+
+
+_ENGLISH_ONLY_NO_SPEECH = (
+    "no_speech_threshold with timestamps (or audio over 30 s) on an English-only checkpoint is not supported yet: "
+    "its decoder prompt ends at <|startoftranscript|>, where the no-speech probability is read"
+)
+
+
+def _threshold(name: str, value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r}: must be a finite number or None")
+    return float(value)
 
 
 @dataclass
@@ -88,6 +108,15 @@ class WhisperTranscription(TranscriptionSession):
         self.condition_on_previous_text = o.condition_on_previous_text
         self.ratio_threshold, self.logprob_threshold = o.compression_ratio_threshold, o.logprob_threshold
         self.prompt_ids = list(o.prompt_ids)
+        self.no_speech_threshold = _threshold("no_speech_threshold", o.no_speech_threshold)
+        self.no_speech_token = None
+        if self.no_speech_threshold is not None:
+            if prompts.no_timestamps is None:
+                raise ValueError("no_speech_threshold: the generation config has no no_timestamps_token_id (HF reads "
+                                 "the no-speech token just before it)")
+            self.no_speech_token = prompts.no_timestamps - 1  # <|nospeech|>, as HF finds it
+            if o.timestamps and not prompts.multilingual:
+                raise ValueError(_ENGLISH_ONLY_NO_SPEECH)
         self.rules = TimestampRules(prompts) if prompts.no_timestamps is not None else None
         self.cut_off = model_cls.max_decoder_len(cfg) // 2 - 1
         self.vocab_size = model_cls.vocab_size(cfg)
@@ -135,6 +164,13 @@ class WhisperTranscription(TranscriptionSession):
         init, slot = prompts.decoder_prompt(self.language, self.task, long)
         if inp.language is not None and slot is not None:  # detected in an earlier window
             init, slot = [init[0], inp.language, *slot.then], None
+        if self.no_speech_token is not None:  # the prompt ends at <|startoftranscript|> for the slot step to probe
+            if slot is not None:
+                slot = replace(slot, probe=self.no_speech_token)
+            elif len(init) > 1:
+                init, slot = init[:1], PromptSlot((init[1],), tuple(init[2:]), self.no_speech_token)
+            else:
+                raise ValueError(_ENGLISH_ONLY_NO_SPEECH)
         encoder = self._encoder_prompt(inp, long)
         prev = None
         if inp.condition and inp.segments:  # HF: <|startofprev|> + earlier windows' tokens
@@ -159,41 +195,67 @@ class WhisperTranscription(TranscriptionSession):
         if inp.language is None and prompts.multilingual and self.language is None:
             pos = prompts.language_position(out.prompt_token_ids)
             inp.language = out.prompt_token_ids[pos] if pos is not None else None
-        if self._needs_fallback(tokens, c) and inp.fallback < len(self.temperatures) - 1:
+        avg_logprob = self._avg_logprob(tokens, c)
+        skip = self._is_silence(out.probe_prob, avg_logprob)
+        if not skip and self._needs_fallback(tokens, avg_logprob) and inp.fallback < len(self.temperatures) - 1:
             inp.fallback += 1
             return WindowOutcome(done=False)
-        # HF conditions the next window only after a low-temperature decode.
+        # HF conditions the next window only after a low-temperature decode (a skipped one too).
         used = self.temperatures[inp.fallback]
         inp.condition = self.condition_on_previous_text and (used is None or used < 0.5)
         inp.fallback = 0
         if tokens and tokens[-1] == prompts.eos:
             tokens = tokens[:-1]
         if not self.windowed(inp):
-            inp.segments = [{"start": 0.0, "end": inp.waveform.numel() / SAMPLE_RATE, "tokens": tokens}]
+            inp.segments = [] if skip else [{"start": 0.0, "end": inp.waveform.numel() / SAMPLE_RATE, "tokens": tokens}]
+            self._mark(inp.segments, out.probe_prob)
             return WindowOutcome(done=True)
         num = min(WINDOW_FRAMES, inp.max_frames - inp.seek)
-        if tokens:
+        if tokens and not skip:  # HF: a skipped window seeks past itself and adds nothing
             segments, advance = retrieve_segments(tokens, prompts.timestamp_begin, inp.seek * FRAME_SECONDS, num)
         else:
             segments, advance = [], num
+        self._mark(segments, out.probe_prob)
         inp.segments += segments
         inp.seek += advance
         return WindowOutcome(inp.seek >= inp.max_frames, [self._segment(s) for s in segments])
 
-    def _needs_fallback(self, tokens: list[int], completion) -> bool:
+    def _avg_logprob(self, tokens: list[int], completion) -> float | None:
+        """HF's ``_retrieve_avg_logprobs``: the text tokens' log-probabilities over their
+        count + 1 (None when the window's logprobs were not asked for)."""
+        if not completion.logprobs:
+            return None
+        chosen = [step[t] for step, t in zip(completion.logprobs, tokens)]
+        text = [lp for lp, t in zip(chosen, tokens) if t != self.prompts.eos]
+        return sum(text) / (len(text) + 1)
+
+    def _needs_fallback(self, tokens: list[int], avg_logprob: float | None) -> bool:
         """HF's ``_need_fallback`` on compression ratio and average log-probability."""
         if self.ratio_threshold is not None and compression_ratio(tokens, self.vocab_size) > self.ratio_threshold:
             return True
-        if self.logprob_threshold is not None and completion.logprobs:
-            chosen = [step[t] for step, t in zip(completion.logprobs, tokens)]
-            text = [lp for lp, t in zip(chosen, tokens) if t != self.prompts.eos]
-            if sum(text) / (len(text) + 1) < self.logprob_threshold:
-                return True
-        return False
+        return self.logprob_threshold is not None and avg_logprob is not None and avg_logprob < self.logprob_threshold
+
+    def _is_silence(self, no_speech_prob: float | None, avg_logprob: float | None) -> bool:
+        """HF's skip: no-speech probability above its threshold and the average
+        log-probability below ``logprob_threshold``; without a ``logprob_threshold``,
+        the probability alone (faster-whisper's rule)."""
+        if self.no_speech_threshold is None or no_speech_prob is None:
+            return False
+        if no_speech_prob <= self.no_speech_threshold:
+            return False
+        return self.logprob_threshold is None or (avg_logprob is not None and avg_logprob < self.logprob_threshold)
+
+    def _mark(self, segments: list[dict], no_speech_prob: float | None) -> None:
+        if self.no_speech_threshold is not None:
+            for seg in segments:
+                seg["no_speech_prob"] = no_speech_prob
 
     def _segment(self, seg: dict) -> dict:
-        return {"start": round(seg["start"], 3), "end": round(seg["end"], 3), "text": self._text(seg["tokens"]),
-                "token_ids": list(seg["tokens"])}
+        out = {"start": round(seg["start"], 3), "end": round(seg["end"], 3), "text": self._text(seg["tokens"]),
+               "token_ids": list(seg["tokens"])}
+        if "no_speech_prob" in seg:
+            out["no_speech_prob"] = seg["no_speech_prob"]
+        return out
 
     def result(self, inp: _Input) -> Transcription:
         prompts = self.prompts
