@@ -39,12 +39,14 @@ class Transcription:
     """One input's transcript. ``error`` is set (and the rest empty) when the input
     could not be served; ``language`` is the language code (``"en"``), detected or given;
     ``segments`` (with timestamps): ``[{"start", "end", "text", "token_ids"}, ...]``, plus
-    ``"no_speech_prob"`` (the window's) with ``no_speech_threshold``."""
+    ``"no_speech_prob"`` (the window's) with ``no_speech_threshold`` and ``"words"`` with
+    ``word_timestamps``; ``words`` (with ``word_timestamps``): ``[{"word", "start", "end"}, ...]``."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     language: str | None = None
     segments: list[dict] | None = None
+    words: list[dict] | None = None
     error: str | None = None
     windows: int = 0  # window requests decoded, fallback re-decodes included
 
@@ -69,6 +71,7 @@ class TranscriptionOptions:
     language: str | None = None
     task: str = "transcribe"
     timestamps: bool = False
+    word_timestamps: bool = False  # each word's start and end (cross-attention alignment)
     condition_on_previous_text: bool = False
     compression_ratio_threshold: float | None = None
     logprob_threshold: float | None = None
@@ -89,11 +92,14 @@ class TranscriptionContext:
     hf_config: "PretrainedConfig"
     generation_config: Any
     tokenizer: Any
+    # run_on_model(fn) -> fn(the loaded model), on the thread that owns the engine; None
+    # where the caller cannot reach the model between steps (options that need it fail).
+    run_on_model: Any = None
 
     @classmethod
-    def from_engine(cls, engine) -> "TranscriptionContext":
+    def from_engine(cls, engine, run_on_model: Any = None) -> "TranscriptionContext":
         """The context of an ``LLMEngine``."""
-        return cls(engine.hf_config, engine.generation_defaults.hf, engine.tokenizer)
+        return cls(engine.hf_config, engine.generation_defaults.hf, engine.tokenizer, run_on_model)
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,9 @@ def prompt_ids_of(tokenizer, text: str) -> list[int]:
     return tokenizer(" " + text.strip(), add_special_tokens=False)["input_ids"]
 
 
-def _session(engine, options: dict[str, Any]) -> TranscriptionSession:
-    """The model's session for one call; ``engine`` is the ``LLMEngine``."""
+def _session(engine, options: dict[str, Any], run_on_model: Any = None) -> TranscriptionSession:
+    """The model's session for one call; ``engine`` is the ``LLMEngine``; ``run_on_model``:
+    see :class:`TranscriptionContext`."""
     check_transcription(engine.model_cls, engine.architecture)
     initial_prompt = options.pop("initial_prompt", None)
     if initial_prompt is not None:
@@ -53,7 +54,7 @@ def _session(engine, options: dict[str, Any]) -> TranscriptionSession:
     else:
         given.pop("prompt_ids", None)
     opts = TranscriptionOptions(**given, sampling=options)
-    return engine.model_cls.transcription_session(TranscriptionContext.from_engine(engine), opts)
+    return engine.model_cls.transcription_session(TranscriptionContext.from_engine(engine, run_on_model), opts)
 
 
 def transcribe(
@@ -68,7 +69,8 @@ def transcribe(
     fields, other keywords are SamplingParams fields)."""
     engine = llm.llm_engine
     model_cls = engine.model_cls
-    session = _session(engine, dict(options))
+    # This thread owns the engine: the model may run between steps.
+    session = _session(engine, dict(options), run_on_model=lambda fn: fn(engine.model))
     items = audio if isinstance(audio, list) else [audio]
     results: list[Transcription | None] = [None] * len(items)
     states: dict[int, Any] = {}

@@ -232,6 +232,16 @@ class WhisperForConditionalGeneration(EncoderDecoderModel):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.decoder.embed_tokens.logits(hidden_states)
 
+    def alignment_attention(self, inputs: torch.Tensor, token_ids: list[int], heads: list[tuple[int, int]],
+                            first_row: int) -> torch.Tensor:
+        """The ``(layer, head)`` pairs' cross-attention probabilities ``[len(heads),
+        len(token_ids) - first_row, 1500]`` for one window (``inputs``: its encoder
+        input, a padded waveform or a log-mel window), recomputed densely
+        (``tandem/model_zoo/whisper/cross_attention.py``)."""
+        from tandem.model_zoo.whisper.cross_attention import alignment_attention
+
+        return alignment_attention(self, inputs, token_ids, heads, first_row)
+
     # -- weights --------------------------------------------------------------------
     def hf_to_tandem_name(self, name: str) -> str | None:
         if name == "proj_out.weight":

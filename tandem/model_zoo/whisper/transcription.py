@@ -46,10 +46,12 @@ from tandem.core.transcription import (
     WindowOutcome,
     WindowRequest,
 )
-from tandem.model_zoo.whisper.audio import log_mel, num_frames
+from tandem.model_zoo.whisper.alignment import alignment_heads, token_timestamps
+from tandem.model_zoo.whisper.audio import log_mel, num_frames, pad_to_window
 from tandem.model_zoo.whisper.constants import FRAME_SECONDS, SAMPLE_RATE, WINDOW_FRAMES, WINDOW_SAMPLES
 from tandem.model_zoo.whisper.prompts import WhisperPrompts
 from tandem.model_zoo.whisper.timestamps import TimestampRules, retrieve_segments
+from tandem.model_zoo.whisper.words import timed_words
 
 
 def compression_ratio(tokens: list[int], vocab_size: int) -> float:
@@ -86,6 +88,9 @@ class _Input:
     fallback: int = 0  # index into the temperatures of the window in flight
     windows: int = 0
     condition: bool = False  # the next window is conditioned on the previous text
+    audio_frames: int = 0  # log-mel frames of the audio itself (HF's attention-mask length)
+    window_input: torch.Tensor | None = None  # the encoder input of the window in flight (word timestamps)
+    last_time: float = 0.0  # the timestamp of the input's last token so far (word timestamps)
 
 
 class WhisperTranscription(TranscriptionSession):
@@ -122,9 +127,16 @@ class WhisperTranscription(TranscriptionSession):
         self.vocab_size = model_cls.vocab_size(cfg)
         self.n_mels = int(cfg.num_mel_bins)
         self.num_positions = int(cfg.max_source_positions)
+        self.word_timestamps = o.word_timestamps
+        if o.word_timestamps:
+            self.alignment_heads = alignment_heads(ctx.generation_config, cfg)
+            self.median_filter_width = int(getattr(cfg, "median_filter_width", 7))
+            if ctx.run_on_model is None:
+                raise ValueError("word_timestamps=True is not available here yet: it recomputes each window's "
+                                 "cross-attention on the model, which only LLM.transcribe reaches for now")
 
     def start(self, waveform: torch.Tensor) -> _Input:
-        return _Input(waveform)
+        return _Input(waveform, audio_frames=num_frames(waveform.numel()))
 
     def windowed(self, inp: _Input) -> bool:
         return self.timestamps or inp.waveform.numel() > WINDOW_SAMPLES
@@ -144,6 +156,8 @@ class WhisperTranscription(TranscriptionSession):
 
     def _encoder_prompt(self, inp: _Input, long: bool):
         if not long:
+            if self.word_timestamps:
+                inp.window_input = pad_to_window(inp.waveform)
             return {"audio": inp.waveform, "sampling_rate": SAMPLE_RATE}
         if inp.features is None:
             wave = inp.waveform
@@ -156,6 +170,7 @@ class WhisperTranscription(TranscriptionSession):
         num = min(WINDOW_FRAMES, inp.max_frames - inp.seek)
         window = inp.features[:, inp.seek : inp.seek + num]
         window = torch.nn.functional.pad(window, (0, WINDOW_FRAMES - window.shape[1]))
+        inp.window_input = window if self.word_timestamps else None
         return EncoderInputs(num_positions=self.num_positions, features=window)
 
     def next_window(self, inp: _Input) -> WindowRequest:
@@ -204,11 +219,13 @@ class WhisperTranscription(TranscriptionSession):
         used = self.temperatures[inp.fallback]
         inp.condition = self.condition_on_previous_text and (used is None or used < 0.5)
         inp.fallback = 0
+        times = self._token_times(inp, out.prompt_token_ids, tokens) if self.word_timestamps and not skip else None
         if tokens and tokens[-1] == prompts.eos:
             tokens = tokens[:-1]
         if not self.windowed(inp):
             inp.segments = [] if skip else [{"start": 0.0, "end": inp.waveform.numel() / SAMPLE_RATE, "tokens": tokens}]
             self._mark(inp.segments, out.probe_prob)
+            self._words(inp, inp.segments, times)
             return WindowOutcome(done=True)
         num = min(WINDOW_FRAMES, inp.max_frames - inp.seek)
         if tokens and not skip:  # HF: a skipped window seeks past itself and adds nothing
@@ -216,9 +233,43 @@ class WhisperTranscription(TranscriptionSession):
         else:
             segments, advance = [], num
         self._mark(segments, out.probe_prob)
+        self._words(inp, segments, times)
         inp.segments += segments
         inp.seek += advance
         return WindowOutcome(inp.seek >= inp.max_frames, [self._segment(s) for s in segments])
+
+    def _token_times(self, inp: _Input, prompt: list[int], generated: list[int]) -> list[float]:
+        """Each generated token's timestamp (seconds in the input), HF's ``return_token_timestamps``:
+        the alignment heads' cross-attention recomputed on the model, then DTW (``alignment.py``)."""
+        if not generated:
+            return []
+        prompt, heads = list(prompt), self.alignment_heads
+        weights = self.ctx.run_on_model(
+            lambda model: model.alignment_attention(inp.window_input, prompt + generated[:-1], heads, len(prompt)))
+        rel = token_timestamps(weights, len(prompt), len(generated), median_filter_width=self.median_filter_width,
+                               num_frames=inp.audio_frames - inp.seek)
+        offset = inp.seek * FRAME_SECONDS
+        return [t + offset for t in rel[len(prompt):]]
+
+    def _words(self, inp: _Input, segments: list[dict], times: list[float] | None) -> None:
+        """Give each segment its tokens' timestamps and its words (HF's pipeline: a text
+        token spans the previous token's timestamp to its own)."""
+        if times is None:
+            return
+        lang = self._language(inp)
+        at = 0
+        for seg in segments:
+            toks = seg["tokens"]
+            seg["token_timestamps"] = seg_times = times[at : at + len(toks)]
+            at += len(toks)
+            text, spans = [], []
+            for t, end in zip(toks, seg_times):
+                if t < self.prompts.eos:
+                    text.append(t)
+                    spans.append((inp.last_time, end))
+                inp.last_time = end
+            # Without a tokenizer there are no words to find: the token timestamps only.
+            seg["words"] = timed_words(self.ctx.tokenizer, text, spans, lang) if self.ctx.tokenizer else None
 
     def _avg_logprob(self, tokens: list[int], completion) -> float | None:
         """HF's ``_retrieve_avg_logprobs``: the text tokens' log-probabilities over their
@@ -255,21 +306,29 @@ class WhisperTranscription(TranscriptionSession):
                "token_ids": list(seg["tokens"])}
         if "no_speech_prob" in seg:
             out["no_speech_prob"] = seg["no_speech_prob"]
+        if "token_timestamps" in seg:
+            if seg["words"] is not None:
+                out["words"] = seg["words"]
+            out["token_timestamps"] = [round(t, 3) for t in seg["token_timestamps"]]
         return out
+
+    def _language(self, inp: _Input) -> str | None:
+        prompts = self.prompts
+        if not prompts.multilingual:
+            return "en"
+        if inp.language is not None:
+            return prompts.language_code(inp.language)
+        return prompts.language_code(prompts.language_id(self.language)) if self.language is not None else None
 
     def result(self, inp: _Input) -> Transcription:
         prompts = self.prompts
         tokens = [t for seg in inp.segments for t in seg["tokens"]]
-        if prompts.multilingual:
-            if inp.language is not None:
-                lang = prompts.language_code(inp.language)
-            else:
-                lang = prompts.language_code(prompts.language_id(self.language)) if self.language is not None else None
-        else:
-            lang = "en"
         segments = [self._segment(s) for s in inp.segments] if self.timestamps else None
-        return Transcription(text=self._text(tokens), token_ids=tokens, language=lang, segments=segments,
-                             windows=inp.windows)
+        words = None
+        if self.word_timestamps and self.ctx.tokenizer is not None:
+            words = [w for seg in inp.segments for w in seg["words"] or ()]
+        return Transcription(text=self._text(tokens), token_ids=tokens, language=self._language(inp),
+                             segments=segments, words=words, windows=inp.windows)
 
     def _text(self, ids: list[int]) -> str:
         tokenizer = self.ctx.tokenizer
