@@ -88,6 +88,8 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
                     help="text: 'FILE<TAB>transcript' per line; json: one object per line (with segments when "
                          "timestamped); srt / vtt: subtitles (timestamps on)")
     tr.add_argument("--timestamps", action="store_true", help="decode timestamps (segments in json)")
+    tr.add_argument("--word-timestamps", action="store_true",
+                    help="each word's start and end (json: 'words'; needs the checkpoint's alignment_heads)")
     tr.add_argument("--output-dir", default=None,
                     help="write one FILE_STEM.<format> per input here (needed for srt/vtt with several files) "
                          "(default: none, print to stdout)")
@@ -243,7 +245,7 @@ def cmd_transcribe(args) -> int:
     sampling = {k: v for k, v in (("temperature", args.temperature), ("num_beams", args.num_beams)) if v is not None}
     results = llm.transcribe(
         list(args.files), language=args.language, task=args.task, timestamps=args.timestamps or as_subtitles,
-        use_tqdm=not args.no_progress, no_speech_threshold=args.no_speech_threshold,
+        word_timestamps=args.word_timestamps, use_tqdm=not args.no_progress, no_speech_threshold=args.no_speech_threshold,
         logprob_threshold=args.logprob_threshold, initial_prompt=args.initial_prompt, **sampling,
     )
     failed = 0
@@ -257,6 +259,8 @@ def cmd_transcribe(args) -> int:
             record = {"file": path, "error": None, "text": r.text, "language": r.language, "token_ids": r.token_ids}
             if r.segments is not None:
                 record["segments"] = r.segments
+            if r.words is not None:
+                record["words"] = r.words
             body = json.dumps(record)
         elif as_subtitles:
             body = subtitles(r.segments, args.format)

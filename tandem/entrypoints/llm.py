@@ -78,6 +78,7 @@ class LLM:
         language: str | None = None,
         task: str = "transcribe",
         timestamps: bool = False,
+        word_timestamps: bool = False,
         sampling_rate: int | None = None,
         use_tqdm: bool = True,
         condition_on_previous_text: bool = False,
@@ -94,7 +95,10 @@ class LLM:
         ``{"audio": ..., "sampling_rate": ...}``, of any length (over 30 s: HF's
         sequential long-form decoding, window by window, inputs concurrently).
         ``language=None`` detects each input's language as HF does.
-        ``timestamps=True`` adds segments (start, end, text). ``temperature`` may be a
+        ``timestamps=True`` adds segments (start, end, text). ``word_timestamps=True``
+        adds ``words`` (``{"word", "start", "end"}``) and each segment's words and token
+        timestamps, HF's cross-attention alignment (the checkpoint's ``alignment_heads``).
+        ``temperature`` may be a
         sequence for HF's fallback, with ``compression_ratio_threshold`` /
         ``logprob_threshold``; ``condition_on_previous_text`` prompts each window with
         the previous text. ``no_speech_threshold``: a window whose no-speech probability
@@ -109,7 +113,8 @@ class LLM:
         from tandem.entrypoints.transcribe import transcribe
 
         return transcribe(
-            self, audio, language=language, task=task, timestamps=timestamps, sampling_rate=sampling_rate,
+            self, audio, language=language, task=task, timestamps=timestamps, word_timestamps=word_timestamps,
+            sampling_rate=sampling_rate,
             use_tqdm=use_tqdm, condition_on_previous_text=condition_on_previous_text,
             compression_ratio_threshold=compression_ratio_threshold, logprob_threshold=logprob_threshold,
             no_speech_threshold=no_speech_threshold, initial_prompt=initial_prompt, **sampling,

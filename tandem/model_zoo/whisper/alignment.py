@@ -87,9 +87,11 @@ def token_timestamps(weights: torch.Tensor, num_prompt: int, num_generated: int,
         # 30 s) has num_frames < 0, and HF's second cut leaves no positions at all, so
         # every token lands one step before the window. Mirrored to stay equal to HF.
         weights = weights[..., : num_frames // 2][..., : num_frames // 2]
-    std = torch.std(weights, dim=-2, keepdim=True, correction=0)
-    mean = torch.mean(weights, dim=-2, keepdim=True)
-    weights = median_filter((weights - mean) / std, median_filter_width).mean(dim=0)
+    if weights.shape[-1]:
+        std = torch.std(weights, dim=-2, keepdim=True, correction=0)
+        mean = torch.mean(weights, dim=-2, keepdim=True)
+        weights = median_filter((weights - mean) / std, median_filter_width)
+    weights = weights.mean(dim=0)
     text, time = dtw(-weights.cpu().double().numpy())
     jumps = np.diff(text, prepend=-1).astype(bool)  # the first cell of each row
     times = (time[jumps] * TIME_PRECISION).tolist()
