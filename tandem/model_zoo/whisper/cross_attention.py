@@ -46,6 +46,10 @@ def alignment_attention(model, inputs: torch.Tensor, token_ids: list[int], heads
     queries at ``token_ids[first_row:]``, the decoder reading ``token_ids`` causally."""
     decoder = model.model.decoder
     last = max(layer for layer, _ in heads)
+    held, total = decoder.layers[0].encoder_attn.attn.num_heads, model.config.decoder_attention_heads
+    if held != total:  # a tensor-parallel shard: the pairs name heads of the whole model
+        raise ValueError(f"word_timestamps=True: this model holds {held} of the {total} decoder heads (tensor "
+                         "parallel); word timestamps need all of them on one process, not built yet")
     with torch.inference_mode():
         enc = encode(model.model.encoder, inputs.to(decoder.layer_norm.weight.device))
         ids = torch.tensor(token_ids, dtype=torch.long, device=enc.device)
