@@ -521,7 +521,9 @@ def test_swap_mode_moves_the_swapped_groups_blocks():
     # that every sequence reads its tokens back through its table after the moves.
     swapped = []
 
-    @settings(max_examples=300, **SETTINGS)
+    # derandomize: the same 300 scenarios every run, so the count asserted below is a property
+    # of the code, not of hypothesis' draw (drawn afresh, a run once came to 29 of 300)
+    @settings(max_examples=300, derandomize=True, database=None, **SETTINGS)
     @given(scenarios(tiny=True, mode="swap", max_groups=6))
     def run(scenario):
         sim = new_sim(*scenario)
@@ -537,7 +539,7 @@ def test_swap_mode_moves_the_swapped_groups_blocks():
 
     run()
     # Tiny pools preempt often and half the scenarios have host space: about a fifth of
-    # the runs swap (67 of 300 seen). Far fewer means the moves above were never checked.
+    # the runs swap (53 of these 300). Far fewer means the moves above were never checked.
     assert sum(swapped) >= len(swapped) // 10, f"{sum(swapped)} of {len(swapped)} runs swapped"
 
 
