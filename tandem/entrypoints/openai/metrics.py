@@ -13,6 +13,28 @@ logger = logging.getLogger("tandem.serve")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 
 
+
+# Engine stats exported as they are: (family, metric name, stats key, help).
+_STAT_METRICS = (
+    (CounterMetricFamily, "spec_decode_num_draft_tokens", "spec_draft_tokens", "Speculative draft tokens proposed"),
+    (CounterMetricFamily, "spec_decode_num_accepted_tokens", "spec_accepted_tokens",
+     "Speculative draft tokens accepted"),
+    (GaugeMetricFamily, "spec_decode_acceptance_rate", "spec_acceptance_rate", "Share of draft tokens accepted (0..1)"),
+    (GaugeMetricFamily, "spec_decode_mean_accepted_length", "spec_mean_accepted_length",
+     "Tokens a verifying sequence step emits on average (accepted drafts + 1)"),
+    (CounterMetricFamily, "encoder_runs", "encoder_runs", "Requests whose encoder ran"),
+    (CounterMetricFamily, "encoder_runs_saved", "encoder_runs_saved",
+     "Requests that skipped their encoder (a live or cached cross table)"),
+    (CounterMetricFamily, "encoder_cache_hits", "encoder_cache_hits",
+     "Requests that took a cross table the encoder cache kept"),
+    (CounterMetricFamily, "encoder_cache_misses", "encoder_cache_misses",
+     "Requests that found no live or cached cross table (their encoder ran)"),
+    (CounterMetricFamily, "encoder_cache_evictions", "encoder_cache_evictions",
+     "Cross tables evicted from the encoder cache"),
+    (GaugeMetricFamily, "encoder_cache_blocks", "encoder_cache_blocks",
+     "KV blocks the encoder cache keeps (evictable)"),
+)
+
 class _EngineCollector:
     """Gauges read at scrape time (running / waiting requests, KV use) from the
     counters the engine thread publishes after each step, never from its live queues."""
@@ -35,32 +57,10 @@ class _EngineCollector:
         c = CounterMetricFamily("tandem:num_preemptions", "Preemptions since start")
         c.add_metric([], stats["num_preemptions"])
         yield c
-        c = CounterMetricFamily("tandem:spec_decode_num_draft_tokens", "Speculative draft tokens proposed")
-        c.add_metric([], stats["spec_draft_tokens"])
-        yield c
-        c = CounterMetricFamily("tandem:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted")
-        c.add_metric([], stats["spec_accepted_tokens"])
-        yield c
-        g = GaugeMetricFamily("tandem:spec_decode_acceptance_rate", "Share of draft tokens accepted (0..1)")
-        g.add_metric([], stats["spec_acceptance_rate"])
-        yield g
-        g = GaugeMetricFamily("tandem:spec_decode_mean_accepted_length",
-                              "Tokens a verifying sequence step emits on average (accepted drafts + 1)")
-        g.add_metric([], stats["spec_mean_accepted_length"])
-        yield g
-        for name, doc in (
-            ("encoder_runs", "Requests whose encoder ran"),
-            ("encoder_runs_saved", "Requests that skipped their encoder (a live or cached cross table)"),
-            ("encoder_cache_hits", "Requests that took a cross table the encoder cache kept"),
-            ("encoder_cache_misses", "Requests that found no live or cached cross table (their encoder ran)"),
-            ("encoder_cache_evictions", "Cross tables evicted from the encoder cache"),
-        ):
-            c = CounterMetricFamily(f"tandem:{name}", doc)
-            c.add_metric([], stats[name])
-            yield c
-        g = GaugeMetricFamily("tandem:encoder_cache_blocks", "KV blocks the encoder cache keeps (evictable)")
-        g.add_metric([], stats["encoder_cache_blocks"])
-        yield g
+        for family, metric, stat, doc in _STAT_METRICS:
+            m = family(f"tandem:{metric}", doc)
+            m.add_metric([], stats[stat])
+            yield m
 
 
 class ServerMetrics:
