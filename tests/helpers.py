@@ -404,7 +404,7 @@ def hub_cache(src: Path, cache: Path, repo_id: str, refs: tuple[str, ...] = ("ma
     return snapshot
 
 
-# test_sampling's bfloat16 bound, for every model built of O(1) activations: bfloat16 rounds
+# The bfloat16 bound, for every model built of O(1) activations: bfloat16 rounds
 # at u = 2^-9 = 2e-3 relative; ~6 roundings of O(1) activations per layer over 2 + 2 layers
 # is 24u = 0.05 on O(1) logits at worst, and a log-softmax at most doubles it: 0.1.
 BF16_LOGPROB_TOL = 0.1

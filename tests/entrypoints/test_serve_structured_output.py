@@ -28,22 +28,10 @@ openai = pytest.importorskip("openai")
 from helpers import make_bart_bytes  # noqa: E402
 from tandem import AsyncLLM, SamplingParams, StructuredOutputsParams as SO  # noqa: E402
 from tandem.entrypoints.openai.api_server import build_app  # noqa: E402
+from structured_specs import CHOICES, REGEX, SCHEMA  # noqa: E402
 
 WAIT = 60.0
 PROMPTS = ["the rain in spain", "a cat sat", "red blue green small big", "fire water"]
-# Bounded everywhere, so the random model can only finish it (its outputs end by the grammar).
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-        "pet": {"enum": ["cat", "dog", "eel"]},
-        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
-    },
-    "required": ["ok", "n", "pet", "tags"],
-}
-REGEX = r"(ab|c)[0-9]{2,4}-(yes|no)"
-CHOICES = ["cat", "dog", 'say "hi"', "tr\u00e9s"]
 GRAMMAR = 'root ::= "(" item ("," item)? ")"\nitem ::= [0-9] | "x" [0-9]'  # bounded: the model must finish
 
 

@@ -28,26 +28,11 @@ jsonschema = pytest.importorskip("jsonschema")
 from helpers import assert_preempted, make_bart_bytes, make_byte_tokenizer  # noqa: E402
 from tandem import LLM, SamplingParams, StructuredOutputsParams as SO  # noqa: E402
 from tandem.core.structured_output.backend import XgrammarBackend  # noqa: E402
+from structured_specs import CHOICES, REGEX, SCHEMA  # noqa: E402
 
 EOS = 2
 HEAD_PADDING = 8  # LM head ids past the tokenizer's vocabulary: never allowed
 PROMPTS = ["the rain in spain", "a cat sat", "red blue green small big", "fire water", "king queen bird fish"]
-
-# Bounded everywhere (enums, booleans, ranged integers, short strings, short arrays), so
-# a random model can only finish it: every output must end by the grammar, not length.
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-        "pet": {"enum": ["cat", "dog", "eel"]},
-        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
-        "name": {"type": "string", "maxLength": 2},
-    },
-    "required": ["ok", "n", "pet", "tags", "name"],
-}
-REGEX = r"(ab|c)[0-9]{2,4}-(yes|no)"
-CHOICES = ["cat", "dog", 'say "hi"', "tr\u00e9s"]
 GRAMMAR = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x" item'
 
 
