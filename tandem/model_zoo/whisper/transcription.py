@@ -132,8 +132,9 @@ class WhisperTranscription(TranscriptionSession):
             self.alignment_heads = alignment_heads(ctx.generation_config, cfg)
             self.median_filter_width = int(getattr(cfg, "median_filter_width", 7))
             if ctx.run_on_model is None:
-                raise ValueError("word_timestamps=True is not available here yet: it recomputes each window's "
-                                 "cross-attention on the model, which only LLM.transcribe reaches for now")
+                raise ValueError("word_timestamps=True: this caller cannot run the model between steps (the "
+                                 "transcription context has no run_on_model), which recomputes each window's "
+                                 "cross-attention")
 
     def start(self, waveform: torch.Tensor) -> _Input:
         return _Input(waveform, audio_frames=num_frames(waveform.numel()))
