@@ -61,12 +61,6 @@ def compression_ratio(tokens: list[int], vocab_size: int) -> float:
     return len(data) / len(zlib.compress(data)) if data else 0.0
 
 
-_ENGLISH_ONLY_NO_SPEECH = (
-    "no_speech_threshold with timestamps (or audio over 30 s) on an English-only checkpoint is not supported yet: "
-    "its decoder prompt ends at <|startoftranscript|>, where the no-speech probability is read"
-)
-
-
 def _threshold(name: str, value) -> float | None:
     if value is None:
         return None
@@ -91,6 +85,7 @@ class _Input:
     audio_frames: int = 0  # log-mel frames of the audio itself (HF's attention-mask length)
     window_input: torch.Tensor | None = None  # the encoder input of the window in flight (word timestamps)
     last_time: float = 0.0  # the timestamp of the input's last token so far (word timestamps)
+    probe_by_model: bool = False  # the window in flight reads its no-speech probability on the model
 
 
 class WhisperTranscription(TranscriptionSession):
@@ -120,8 +115,10 @@ class WhisperTranscription(TranscriptionSession):
                 raise ValueError("no_speech_threshold: the generation config has no no_timestamps_token_id (HF reads "
                                  "the no-speech token just before it)")
             self.no_speech_token = prompts.no_timestamps - 1  # <|nospeech|>, as HF finds it
-            if o.timestamps and not prompts.multilingual:
-                raise ValueError(_ENGLISH_ONLY_NO_SPEECH)
+            if ctx.run_on_model is None and not prompts.multilingual:
+                raise ValueError("no_speech_threshold on an English-only checkpoint: this caller cannot run the "
+                                 "model between steps (the transcription context has no run_on_model), which "
+                                 "reads the no-speech probability of windows with timestamps")
         self.rules = TimestampRules(prompts) if prompts.no_timestamps is not None else None
         self.cut_off = model_cls.max_decoder_len(cfg) // 2 - 1
         self.vocab_size = model_cls.vocab_size(cfg)
@@ -157,7 +154,7 @@ class WhisperTranscription(TranscriptionSession):
 
     def _encoder_prompt(self, inp: _Input, long: bool):
         if not long:
-            if self.word_timestamps:
+            if self.word_timestamps or inp.probe_by_model:
                 inp.window_input = pad_to_window(inp.waveform)
             return {"audio": inp.waveform, "sampling_rate": SAMPLE_RATE}
         if inp.features is None:
@@ -171,7 +168,7 @@ class WhisperTranscription(TranscriptionSession):
         num = min(WINDOW_FRAMES, inp.max_frames - inp.seek)
         window = inp.features[:, inp.seek : inp.seek + num]
         window = torch.nn.functional.pad(window, (0, WINDOW_FRAMES - window.shape[1]))
-        inp.window_input = window if self.word_timestamps else None
+        inp.window_input = window if self.word_timestamps or inp.probe_by_model else None
         return EncoderInputs(num_positions=self.num_positions, features=window)
 
     def next_window(self, inp: _Input) -> WindowRequest:
@@ -185,8 +182,10 @@ class WhisperTranscription(TranscriptionSession):
                 slot = replace(slot, probe=self.no_speech_token)
             elif len(init) > 1:
                 init, slot = init[:1], PromptSlot((init[1],), tuple(init[2:]), self.no_speech_token)
-            else:
-                raise ValueError(_ENGLISH_ONLY_NO_SPEECH)
+        # English-only with timestamps: the prompt ends at <|startoftranscript|>, so the
+        # first generated step reads there (HF takes those scores, before any processor);
+        # the decode path reports no raw logits, so take() recomputes them on the model.
+        inp.probe_by_model = self.no_speech_token is not None and slot is None
         encoder = self._encoder_prompt(inp, long)
         prev = None
         if inp.condition and inp.segments:  # HF: <|startofprev|> + earlier windows' tokens
@@ -212,7 +211,8 @@ class WhisperTranscription(TranscriptionSession):
             pos = prompts.language_position(out.prompt_token_ids)
             inp.language = out.prompt_token_ids[pos] if pos is not None else None
         avg_logprob = self._avg_logprob(tokens, c)
-        skip = self._is_silence(out.probe_prob, avg_logprob)
+        no_speech_prob = self._no_speech_prob(inp, out.prompt_token_ids) if inp.probe_by_model else out.probe_prob
+        skip = self._is_silence(no_speech_prob, avg_logprob)
         if not skip and self._needs_fallback(tokens, avg_logprob) and inp.fallback < len(self.temperatures) - 1:
             inp.fallback += 1
             return WindowOutcome(done=False)
@@ -225,7 +225,7 @@ class WhisperTranscription(TranscriptionSession):
             tokens = tokens[:-1]
         if not self.windowed(inp):
             inp.segments = [] if skip else [{"start": 0.0, "end": inp.waveform.numel() / SAMPLE_RATE, "tokens": tokens}]
-            self._mark(inp.segments, out.probe_prob)
+            self._mark(inp.segments, no_speech_prob)
             self._words(inp, inp.segments, times)
             return WindowOutcome(done=True)
         num = min(WINDOW_FRAMES, inp.max_frames - inp.seek)
@@ -233,11 +233,18 @@ class WhisperTranscription(TranscriptionSession):
             segments, advance = retrieve_segments(tokens, prompts.timestamp_begin, inp.seek * FRAME_SECONDS, num)
         else:
             segments, advance = [], num
-        self._mark(segments, out.probe_prob)
+        self._mark(segments, no_speech_prob)
         self._words(inp, segments, times)
         inp.segments += segments
         inp.seek += advance
         return WindowOutcome(inp.seek >= inp.max_frames, [self._segment(s) for s in segments])
+
+    def _no_speech_prob(self, inp: _Input, prompt: list[int]) -> float:
+        """HF's ``WhisperNoSpeechDetection`` where the prompt ends at ``<|startoftranscript|>``:
+        the probability of ``<|nospeech|>`` in the softmax of the raw logits there."""
+        prompt = list(prompt)
+        logits = self.ctx.run_on_model(lambda model: model.next_token_logits(inp.window_input, prompt))
+        return float(torch.softmax(logits, dim=-1)[self.no_speech_token])
 
     def _token_times(self, inp: _Input, prompt: list[int], generated: list[int]) -> list[float]:
         """Each generated token's timestamp (seconds in the input), HF's ``return_token_timestamps``:
