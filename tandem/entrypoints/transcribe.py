@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from tandem.core.model_call import call_model
-
 from tandem.core.transcription import (
     Transcription,
     TranscriptionContext,

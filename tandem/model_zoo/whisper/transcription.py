@@ -24,7 +24,10 @@ split at ``<|startoftranscript|>`` (a prompt slot whose one choice is the
 language token, or the languages when detecting): the slot step reads the
 probability of ``<|nospeech|>`` there, on the raw logits, as HF's
 ``WhisperNoSpeechDetection``, and a window above the threshold whose average
-log-probability is below ``logprob_threshold`` is skipped as silence.
+log-probability is below ``logprob_threshold`` is skipped as silence. An
+English-only checkpoint with timestamps has nothing after
+``<|startoftranscript|>`` to split at (HF reads its first generated step's raw
+scores): its windows recompute those logits on the model once decoded.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ class _Input:
     windows: int = 0
     condition: bool = False  # the next window is conditioned on the previous text
     audio_frames: int = 0  # log-mel frames of the audio itself (HF's attention-mask length)
-    window_input: torch.Tensor | None = None  # the encoder input of the window in flight (word timestamps)
+    window_input: torch.Tensor | None = None  # the window in flight's encoder input (recomputes)
     last_time: float = 0.0  # the timestamp of the input's last token so far (word timestamps)
     probe_by_model: bool = False  # the window in flight reads its no-speech probability on the model
 
