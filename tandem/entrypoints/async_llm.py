@@ -30,6 +30,7 @@ import itertools
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -97,6 +98,7 @@ class AsyncLLM:
         check_kwargs("AsyncLLM", engine_args)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args), default_model_registry(), default_backend_registry())
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._model_calls: deque[ModelCall] = deque()  # queued by call_on_model, run by the engine thread
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
@@ -244,9 +246,12 @@ class AsyncLLM:
         try:
             while not self._stopping:
                 self._apply_commands()
+                if self._model_calls:  # one per pass: steps go on between queued calls
+                    self._model_calls.popleft().run(engine.model)
                 if not engine.has_unfinished_requests():
-                    self._wake.wait(0.5)
-                    self._wake.clear()
+                    if not self._model_calls:
+                        self._wake.wait(0.5)
+                        self._wake.clear()
                     continue
                 self._deliver(engine.step_core())
         except BaseException as e:  # the loop is dead: every waiting request learns why
@@ -287,7 +292,7 @@ class AsyncLLM:
                 self._streams[cmd.request_id] = cmd.stream
                 cmd.stream.put(info)
             elif isinstance(cmd, ModelCall):
-                cmd.run(engine.model)
+                self._model_calls.append(cmd)
             elif isinstance(cmd, _Stop):
                 engine.core.stop({cmd.request_id: cmd.stops})
                 if cmd.request_id not in engine.scheduler.groups:  # it ended: nothing more to send
@@ -305,6 +310,12 @@ class AsyncLLM:
                 stream.put(res)
 
     def _drain_commands(self, error: BaseException) -> None:
+        while True:  # the caller's thread may drain too (call_on_model): pop, never peek
+            try:
+                call = self._model_calls.popleft()
+            except IndexError:
+                break
+            call.fail(error)
         while True:
             try:
                 cmd = self._commands.get_nowait()

@@ -102,6 +102,34 @@ async def test_model_calls_run_on_the_engine_thread_and_fail_alone(engine):
 
 
 @pytest.mark.asyncio
+async def test_queued_model_calls_take_turns_with_steps(engine, clips, monkeypatch):
+    """Calls queued together run one per pass of the engine loop: while a request is
+    decoding, a step runs between any two of them (the loop is held one call at a time)."""
+    from tandem import RequestOutputKind, SamplingParams
+
+    log = []
+    step = engine.engine.step_core
+
+    def logged_step():
+        log.append("step")
+        return step()
+
+    monkeypatch.setattr(engine.engine, "step_core", logged_step)
+    prompt = {"encoder_prompt": {"audio": clips["short"], "sampling_rate": SR},
+              "decoder_prompt": {"prompt_token_ids": [384, 385, 387, 391]}}  # sot, en, transcribe, notimestamps
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    outs, calls = [], []
+    async for out in engine.generate(prompt, params, "turns"):
+        outs.append(out)
+        if len(outs) == 2:  # decoding: queue three calls at once
+            calls = [engine.call_on_model(lambda m, i=i: log.append(f"call{i}")) for i in range(3)]
+    await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(c) for c in calls)), WAIT)
+    assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 40
+    at = [log.index(f"call{i}") for i in range(3)]
+    assert at == sorted(at) and all(b - a >= 2 for a, b in zip(at, at[1:])), log  # a step between each
+
+
+@pytest.mark.asyncio
 async def test_async_words_equal_llm_transcribe_with_plain_requests_alongside(engine, clips, reference):
     """Word-timestamp and plain requests at once (short and long-form): every one
     served, each equal to ``LLM.transcribe`` with the same options."""
