@@ -121,7 +121,8 @@ def test_english_only_with_timestamps_as_hf(tmp_path, monkeypatch):
     f = _long_features(clip)
     model = _hf(path)
     with torch.no_grad():
-        logits = model(input_features=f.input_features[:, :, :3000], decoder_input_ids=torch.tensor([[I["sot"]]])).logits
+        logits = model(input_features=f.input_features[:, :, :3000],
+                       decoder_input_ids=torch.tensor([[I["sot"]]])).logits
     expected = float(logits[0, 0].float().softmax(-1)[I["notimestamps"] - 1])
     assert measured.segments[0]["no_speech_prob"] == pytest.approx(expected, rel=REL)
     probs = sorted({s["no_speech_prob"] for s in measured.segments})
