@@ -2,7 +2,8 @@
 
 The engine loop runs in a background thread that owns the ``LLMEngine``
 (which is single-threaded): requests, aborts and stop-string hits reach it
-through a command queue, and each step's plain per-request results
+through a command queue (so do functions to run on the model between steps,
+``call_on_model``), and each step's plain per-request results
 (``tandem.core.core_outputs``) go back to the waiting coroutines through their
 own ``asyncio.Queue`` (``loop.call_soon_threadsafe``). Each consumer turns its
 results into ``RequestOutput``s itself (``output_processor.RequestState``:
@@ -29,7 +30,9 @@ import itertools
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +41,7 @@ from tandem.core.engine_args import check_kwargs, signature as engine_signature
 from tandem.core.engine import LLMEngine
 from tandem.core.core_outputs import RequestInfo, RequestResult
 from tandem.core.inputs import PromptType
+from tandem.core.model_call import ModelCall
 from tandem.core.output_processor import RequestState
 from tandem.core.outputs import RequestOutput
 from tandem.core.faults import EngineDeadError, EngineHealth, describe
@@ -94,6 +98,7 @@ class AsyncLLM:
         check_kwargs("AsyncLLM", engine_args)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args), default_model_registry(), default_backend_registry())
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._model_calls: deque[ModelCall] = deque()  # queued by call_on_model, run by the engine thread
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
@@ -204,6 +209,20 @@ class AsyncLLM:
         running (it cannot be stopped) for whoever asks for the same spec next."""
         await asyncio.shield(asyncio.wrap_future(self.engine.compile_structured_outputs(so)))
 
+    def call_on_model(self, fn) -> Future:
+        """Run ``fn(model)`` on the engine thread between two steps (see
+        ``tandem/core/model_call.py``); callable from any thread. The future gets the
+        result, or :class:`~tandem.core.model_call.ModelCallError` (``ValueError`` /
+        ``TypeError`` unchanged) when ``fn`` raises, or ``EngineDeadError``; the engine
+        serves on either way. Cancelling the future before it runs skips it."""
+        self._check_alive()
+        call = ModelCall(fn)
+        self._send(call)
+        if self._dead is not None or self._stopping:  # the loop may have drained its commands already
+            self._drain_commands(EngineDeadError("the engine is shutting down" if self._dead is None
+                                                 else f"the engine loop stopped: {describe(self._dead)}"))
+        return call.future
+
     def _send(self, cmd) -> None:
         self._commands.put(cmd)
         self._wake.set()
@@ -227,9 +246,12 @@ class AsyncLLM:
         try:
             while not self._stopping:
                 self._apply_commands()
+                if self._model_calls:  # one per pass: steps go on between queued calls
+                    self._model_calls.popleft().run(engine.model)
                 if not engine.has_unfinished_requests():
-                    self._wake.wait(0.5)
-                    self._wake.clear()
+                    if not self._model_calls:
+                        self._wake.wait(0.5)
+                        self._wake.clear()
                     continue
                 self._deliver(engine.step_core())
         except BaseException as e:  # the loop is dead: every waiting request learns why
@@ -269,6 +291,8 @@ class AsyncLLM:
                     continue
                 self._streams[cmd.request_id] = cmd.stream
                 cmd.stream.put(info)
+            elif isinstance(cmd, ModelCall):
+                self._model_calls.append(cmd)
             elif isinstance(cmd, _Stop):
                 engine.core.stop({cmd.request_id: cmd.stops})
                 if cmd.request_id not in engine.scheduler.groups:  # it ended: nothing more to send
@@ -286,6 +310,12 @@ class AsyncLLM:
                 stream.put(res)
 
     def _drain_commands(self, error: BaseException) -> None:
+        while True:  # the caller's thread may drain too (call_on_model): pop, never peek
+            try:
+                call = self._model_calls.popleft()
+            except IndexError:
+                break
+            call.fail(error)
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -293,3 +323,5 @@ class AsyncLLM:
                 return
             if isinstance(cmd, _Add):
                 cmd.stream.put(error)
+            elif isinstance(cmd, ModelCall):
+                cmd.fail(error)

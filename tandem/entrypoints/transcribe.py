@@ -12,9 +12,11 @@ flight. An input that fails (bad audio, a rejected window) gets a
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
+from tandem.core.model_call import call_model
 from tandem.core.transcription import (
     Transcription,
     TranscriptionContext,
@@ -70,7 +72,7 @@ def transcribe(
     engine = llm.llm_engine
     model_cls = engine.model_cls
     # This thread owns the engine: the model may run between steps.
-    session = _session(engine, dict(options), run_on_model=lambda fn: fn(engine.model))
+    session = _session(engine, dict(options), run_on_model=lambda fn: call_model(fn, engine.model))
     items = audio if isinstance(audio, list) else [audio]
     results: list[Transcription | None] = [None] * len(items)
     states: dict[int, Any] = {}
@@ -125,7 +127,9 @@ async def transcribe_async(engine, waveform, request_id: str, **options: Any):
     ``AsyncLLM``, window by window (requests ``{request_id}-w0``, ``-w1``...): yields each
     window's new segments as it finishes (when the model reports any), then the final
     :class:`Transcription`."""
-    session = _session(engine.engine, dict(options))
+    # The engine thread runs model calls between steps; ``take`` waits for them on a
+    # worker thread (as its other CPU work), never on the event loop.
+    session = _session(engine.engine, dict(options), run_on_model=lambda fn: engine.call_on_model(fn).result())
     state = session.start(waveform)
     n = 0
     while True:
@@ -136,7 +140,7 @@ async def transcribe_async(engine, waveform, request_id: str, **options: Any):
         n += 1
         if last.error is not None:
             raise ValueError(last.error)
-        outcome = session.take(state, last)
+        outcome = await asyncio.to_thread(session.take, state, last)
         if outcome.segments:
             yield outcome.segments
         if outcome.done:

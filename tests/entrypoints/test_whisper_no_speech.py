@@ -100,6 +100,59 @@ def test_windows_skipped_as_hf_skips_them(whisper_ts, monkeypatch):
     assert r.token_ids != measured.token_ids  # the skipped windows' text is gone
 
 
+def test_english_only_with_timestamps_as_hf(tmp_path, monkeypatch):
+    """An English-only checkpoint with timestamps: the decoder prompt is
+    ``<|startoftranscript|>`` alone, and HF reads the no-speech probability from the
+    first generated step's scores, before any processor (the raw logits there); tandem
+    recomputes those logits on the model. Probabilities and skipped windows equal HF's."""
+    import json
+
+    path = make_whisper(tmp_path / "ckpt", num_mel_bins=80, seed=3, timestamps=True)
+    gen_file = path / "generation_config.json"
+    gen = json.loads(gen_file.read_text())  # as openai/whisper-*.en's: no language or task tokens
+    del gen["lang_to_id"], gen["task_to_id"]
+    gen["is_multilingual"] = False
+    gen_file.write_text(json.dumps(gen))
+    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    clip = _clip()
+    common = dict(timestamps=True, use_tqdm=False, temperature=0.0, logprob_threshold=0.0)
+    measured = llm.transcribe({"audio": clip, "sampling_rate": 16000}, no_speech_threshold=2.0, **common)[0]
+    assert measured.error is None and measured.language == "en"
+    f = _long_features(clip)
+    model = _hf(path)
+    with torch.no_grad():
+        logits = model(input_features=f.input_features[:, :, :3000],
+                       decoder_input_ids=torch.tensor([[I["sot"]]])).logits
+    expected = float(logits[0, 0].float().softmax(-1)[I["notimestamps"] - 1])
+    assert measured.segments[0]["no_speech_prob"] == pytest.approx(expected, rel=REL)
+    probs = sorted({s["no_speech_prob"] for s in measured.segments})
+    assert len(probs) >= 3
+    threshold = (probs[len(probs) // 2 - 1] + probs[len(probs) // 2]) / 2
+
+    decisions = []
+    is_silence = WhisperTranscription._is_silence
+
+    def spy(self, no_speech_prob, avg_logprob):
+        decisions.append((no_speech_prob, is_silence(self, no_speech_prob, avg_logprob)))
+        return decisions[-1][1]
+
+    monkeypatch.setattr(WhisperTranscription, "_is_silence", spy)
+    r = llm.transcribe({"audio": clip, "sampling_rate": 16000}, no_speech_threshold=threshold, **common)[0]
+    assert r.error is None
+    assert any(d for _, d in decisions) and not all(d for _, d in decisions), decisions
+    assert all(abs(p - threshold) > REL * threshold for p, _ in decisions)  # no decision within float noise
+    with torch.no_grad():
+        out = model.generate(f.input_features, attention_mask=f.attention_mask, return_timestamps=True,
+                             return_segments=True, temperature=0.0, no_speech_threshold=threshold,
+                             logprob_threshold=0.0)
+    theirs = [(float(s["start"]), float(s["end"]), s["tokens"].tolist()) for s in out["segments"][0]]
+    assert len(r.segments) == len(theirs) > 0
+    for seg, (start, end, tokens) in zip(r.segments, theirs):
+        assert seg["token_ids"] == tokens
+        assert seg["start"] == pytest.approx(start, abs=1e-3) and seg["end"] == pytest.approx(end, abs=1e-3)
+    assert r.token_ids != measured.token_ids  # the skipped windows' text is gone
+
+
 def test_no_speech_threshold_without_logprob_threshold_skips_on_the_probability(whisper_ts):
     _, llm = whisper_ts
     clip = synth_audio(12.0, seed=5)

@@ -109,3 +109,59 @@ def test_words_group_as_hf_pipeline():
     assert [w["word"] for w in timed] == words
     assert [(w["start"], w["end"]) for w in timed] == [(round(0.02 * i[0], 2), round(0.02 * (i[-1] + 1), 2))
                                                         for i in indices]
+
+
+def _demo_with_heads(path, random_std=None):
+    """The demo checkpoint (a real Whisper tokenizer and feature extractor) with
+    ``alignment_heads``; with ``random_std``, its weights redrawn at random."""
+    import json
+    import shutil
+
+    from tandem.demo_whisper import PATH
+
+    shutil.copytree(PATH, path)
+    gen_file = path / "generation_config.json"
+    gen = json.loads(gen_file.read_text())
+    gen["alignment_heads"] = HEADS
+    if random_std is not None:
+        from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+        torch.manual_seed(0)
+        model = WhisperForConditionalGeneration(WhisperConfig.from_pretrained(path)).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 2 and "embed_positions" not in name:
+                    p.normal_(0.0, random_std)
+        model.save_pretrained(path)
+    gen_file.write_text(json.dumps(gen))  # after save_pretrained, which writes the model's own
+    return path
+
+
+@pytest.mark.parametrize("weights", ["demo", "random"])
+def test_words_equal_hf_pipeline(tmp_path, weights):
+    """End to end against HF's ``pipeline("automatic-speech-recognition",
+    return_timestamps="word")`` (greedy, as ours): the trained demo checkpoint on tone
+    speech, and random weights with the same tokenizer; a short input and a 36 s
+    long-form one. Both sides round to 10 ms, so equal means equal DTW paths."""
+    import numpy as np
+    from transformers import pipeline
+
+    from tandem.demo_whisper import synthesize
+
+    path = _demo_with_heads(tmp_path / "ckpt", None if weights == "demo" else 0.1)
+    gap = np.zeros(16000 * 10, np.float32)
+    clips = [synthesize("three one four hello world", seed=1),
+             np.concatenate([synthesize("one two three", seed=3), gap, synthesize("hello world yes", seed=4), gap,
+                             synthesize("stop go up down", seed=5), gap, synthesize("four five", seed=6)])]
+    ours = LLM(model=str(path), dtype="float32", device="cpu").transcribe(
+        [{"audio": c, "sampling_rate": 16000} for c in clips], language="en", timestamps=True, word_timestamps=True,
+        use_tqdm=False)
+    asr = pipeline("automatic-speech-recognition", model=str(path), device="cpu",
+                   model_kwargs={"attn_implementation": "eager"})
+    for clip, r in zip(clips, ours):
+        theirs = asr({"raw": clip, "sampling_rate": 16000}, return_timestamps="word",
+                     generate_kwargs={"language": "en", "num_beams": 1})
+        assert r.error is None and len(r.words) >= 3
+        assert [(w["word"], w["start"], w["end"]) for w in r.words] == [
+            (c["text"], *c["timestamp"]) for c in theirs["chunks"]]
+    assert ours[1].windows >= 2

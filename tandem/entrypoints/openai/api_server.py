@@ -265,13 +265,20 @@ def build_app(
         if fmt not in ("json", "text", "verbose_json", "srt", "vtt"):
             raise HTTPError(400, f"response_format={fmt!r}: must be json, text, verbose_json, srt or vtt")
         grains = form.getlist("timestamp_granularities[]") or form.getlist("timestamp_granularities")
-        if any(g != "segment" for g in grains):
-            raise HTTPError(400, f"timestamp_granularities={grains!r}: only 'segment' is supported")
+        if any(g not in ("segment", "word") for g in grains):
+            raise HTTPError(400, f"timestamp_granularities={grains!r}: each must be 'segment' or 'word'")
         stream = (form.get("stream") or "false").lower()
         if stream not in ("true", "false"):
             raise HTTPError(400, f"stream={form.get('stream')!r}: must be true or false")
         stream = stream == "true"
-        options: dict = {"task": task, "timestamps": fmt in ("verbose_json", "srt", "vtt") or bool(grains)}
+        words = "word" in grains
+        if words and (fmt != "verbose_json" or stream):  # OpenAI's rule; a stream sends text and segments only
+            raise HTTPError(400, f"timestamp_granularities={grains!r}: 'word' needs response_format=verbose_json "
+                                  f"without stream, got response_format={fmt!r}, stream={str(stream).lower()}")
+        if words and engine.get_tokenizer() is None:
+            raise HTTPError(400, f"timestamp_granularities={grains!r}: this model has no tokenizer to find words with")
+        options: dict = {"task": task, "timestamps": fmt in ("verbose_json", "srt", "vtt") or bool(grains),
+                         "word_timestamps": words}
         language = form.get("language")
         if language and task == "transcribe":
             options["language"] = language
@@ -332,10 +339,14 @@ def build_app(
 
             return PlainTextResponse(subtitles(result.segments or [], fmt))
         if fmt == "verbose_json":
-            segments = [{"id": i, "start": s["start"], "end": s["end"], "text": s["text"], "tokens": s["token_ids"]}
-                        for i, s in enumerate(result.segments or [])]
-            return {"task": "translate" if task == "translate" else "transcribe", "language": result.language,
-                    "duration": duration, "text": result.text, "segments": segments}
+            body = {"task": "translate" if task == "translate" else "transcribe", "language": result.language,
+                    "duration": duration, "text": result.text}
+            if not words or "segment" in grains:  # OpenAI: segments unless only words were asked for
+                body["segments"] = [{"id": i, "start": s["start"], "end": s["end"], "text": s["text"],
+                                     "tokens": s["token_ids"]} for i, s in enumerate(result.segments or [])]
+            if words:
+                body["words"] = result.words
+            return body
         return {"text": result.text}
 
     @app.post("/v1/completions")

@@ -87,8 +87,8 @@ class ServerMetrics:
 class AudioMeter:
     """One audio request (a transcription or translation) counted in the same
     metrics as completions. It stands in for the ``AsyncLLM`` that
-    ``transcribe_async`` drives (``engine``, ``generate``, ``get_tokenizer``), so
-    each 30 s window's engine request is seen as it finishes:
+    ``transcribe_async`` drives (``engine``, ``generate``, ``get_tokenizer``,
+    ``call_on_model``), so each 30 s window's engine request is seen as it finishes:
 
     - prompt tokens: each window's decoder prompt tokens plus the encoder
       positions it ran (``max_encoder_len``: 1500 for Whisper's padded window);
@@ -113,6 +113,9 @@ class AudioMeter:
 
     def get_tokenizer(self):
         return self._async.get_tokenizer()
+
+    def call_on_model(self, fn):
+        return self._async.call_on_model(fn)
 
     async def generate(self, prompt, params=None, request_id=None, *, prompt_slot=None):
         gen = self._async.generate(prompt, params, request_id, prompt_slot=prompt_slot)

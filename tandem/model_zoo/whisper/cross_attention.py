@@ -1,4 +1,5 @@
-"""The alignment heads' cross-attention, recomputed after a window is decoded.
+"""A decoded window recomputed densely: the alignment heads' cross-attention, and
+the logits after a prompt.
 
 Word timestamps need the cross-attention probabilities of a few heads
 (``generation_config.alignment_heads``). The paged decode path never forms
@@ -9,7 +10,10 @@ decoder over the prompt and the generated tokens, up to the last layer that
 holds an alignment head. The hot decode path is untouched, and every backend
 gets the feature. Its cost is about one encoder pass per window (the cross
 K/V in the paged cache is in each backend's own layout, and is freed or kept
-at the encoder cache's will, so it is not read back).
+at the encoder cache's will, so it is not read back). The no-speech
+probability of a window whose decoder prompt ends at ``<|startoftranscript|>``
+(an English-only checkpoint with timestamps) is read from the same
+recomputation run to the logits (:func:`next_token_logits`).
 """
 
 from __future__ import annotations
@@ -39,35 +43,69 @@ def encode(encoder: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     return encoder.layer_norm(h)
 
 
+def _decoder(model, enc: torch.Tensor, token_ids: list[int], num_layers: int, on_probs=None) -> torch.Tensor:
+    """The first ``num_layers`` decoder layers over ``token_ids`` (causal), reading
+    ``enc``: hidden states ``[len(token_ids), d]``. ``on_probs(layer, probs)`` sees each
+    layer's cross-attention probabilities ``[heads, len(token_ids), 1500]``."""
+    decoder = model.model.decoder
+    ids = torch.tensor(token_ids, dtype=torch.long, device=enc.device)
+    h = decoder.embed_tokens(ids) + decoder.embed_positions(torch.arange(len(token_ids), device=enc.device))
+    for i, layer in enumerate(decoder.layers[:num_layers]):
+        h = h + _self_attention(layer.self_attn, layer.self_attn_layer_norm(h), causal=True)
+        cross = layer.encoder_attn
+        n, size = cross.attn.num_heads, cross.attn.head_size
+        q = cross.q_proj(layer.encoder_attn_layer_norm(h)).view(-1, n, size).transpose(0, 1)
+        k, v = (t.view(-1, n, size).transpose(0, 1)
+                for t in cross.kv_proj(enc).split(cross.kv_proj.output_partition_sizes, dim=-1))
+        probs = torch.softmax((q @ k.transpose(1, 2)) * size**-0.5, dim=-1)  # [n, T, 1500]
+        if on_probs is not None:
+            on_probs(i, probs)
+        h = h + cross.out_proj((probs @ v).transpose(0, 1).reshape(-1, n * size))
+        h = h + layer.ffn(layer.final_layer_norm(h))
+    return h
+
+
+def _check_whole(model) -> None:
+    held = model.model.decoder.layers[0].encoder_attn.attn.num_heads
+    total = model.config.decoder_attention_heads
+    if held != total:  # a tensor-parallel shard: it holds some of the heads
+        raise ValueError(f"this model holds {held} of the {total} decoder heads (tensor parallel); recomputing a "
+                         "window needs all of them on one process, not built yet")
+
+
 def alignment_attention(model, inputs: torch.Tensor, token_ids: list[int], heads: list[tuple[int, int]],
                         first_row: int) -> torch.Tensor:
     """Cross-attention probabilities ``[len(heads), len(token_ids) - first_row, 1500]``
     (float32) of the given ``(layer, head)`` pairs, in their order, for the decoder
     queries at ``token_ids[first_row:]``, the decoder reading ``token_ids`` causally."""
-    decoder = model.model.decoder
-    last = max(layer for layer, _ in heads)
-    held, total = decoder.layers[0].encoder_attn.attn.num_heads, model.config.decoder_attention_heads
-    if held != total:  # a tensor-parallel shard: the pairs name heads of the whole model
-        raise ValueError(f"word_timestamps=True: this model holds {held} of the {total} decoder heads (tensor "
-                         "parallel); word timestamps need all of them on one process, not built yet")
+    try:
+        _check_whole(model)
+    except ValueError as e:
+        raise ValueError(f"word_timestamps=True: {e}") from None
+    found: dict[tuple[int, int], torch.Tensor] = {}
+
+    def keep(i: int, probs: torch.Tensor) -> None:
+        for li, hi in heads:
+            if li == i:
+                found[(li, hi)] = probs[hi, first_row:].float()
+
     with torch.inference_mode():
+        decoder = model.model.decoder
         enc = encode(model.model.encoder, inputs.to(decoder.layer_norm.weight.device))
-        ids = torch.tensor(token_ids, dtype=torch.long, device=enc.device)
-        h = decoder.embed_tokens(ids) + decoder.embed_positions(torch.arange(len(token_ids), device=enc.device))
-        found: dict[tuple[int, int], torch.Tensor] = {}
-        for i, layer in enumerate(decoder.layers[: last + 1]):
-            h = h + _self_attention(layer.self_attn, layer.self_attn_layer_norm(h), causal=True)
-            cross = layer.encoder_attn
-            n, size = cross.attn.num_heads, cross.attn.head_size
-            q = cross.q_proj(layer.encoder_attn_layer_norm(h)).view(-1, n, size).transpose(0, 1)
-            k, v = (t.view(-1, n, size).transpose(0, 1)
-                    for t in cross.kv_proj(enc).split(cross.kv_proj.output_partition_sizes, dim=-1))
-            probs = torch.softmax((q @ k.transpose(1, 2)) * size**-0.5, dim=-1)  # [n, T, 1500]
-            for li, hi in heads:
-                if li == i:
-                    found[(li, hi)] = probs[hi, first_row:].float()
-            if i == last:
-                break
-            h = h + cross.out_proj((probs @ v).transpose(0, 1).reshape(-1, n * size))
-            h = h + layer.ffn(layer.final_layer_norm(h))
+        _decoder(model, enc, token_ids, max(layer for layer, _ in heads) + 1, keep)
         return torch.stack([found[(li, hi)] for li, hi in heads])
+
+
+def next_token_logits(model, inputs: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
+    """The raw logits ``[vocab]`` (float32) the model gives after ``token_ids`` for one
+    window (``inputs``: its encoder input), before any processor: Whisper's no-speech
+    probability is read from them where the decode path has no step to read it at."""
+    try:
+        _check_whole(model)
+    except ValueError as e:
+        raise ValueError(f"no_speech_threshold: {e}") from None
+    with torch.inference_mode():
+        decoder = model.model.decoder
+        enc = encode(model.model.encoder, inputs.to(decoder.layer_norm.weight.device))
+        h = _decoder(model, enc, token_ids, len(decoder.layers))
+        return model.compute_logits(decoder.layer_norm(h[-1:]))[0].float()

@@ -242,6 +242,13 @@ class WhisperForConditionalGeneration(EncoderDecoderModel):
 
         return alignment_attention(self, inputs, token_ids, heads, first_row)
 
+    def next_token_logits(self, inputs: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
+        """The raw logits ``[vocab]`` after ``token_ids`` for one window, recomputed densely
+        (``tandem/model_zoo/whisper/cross_attention.py``)."""
+        from tandem.model_zoo.whisper.cross_attention import next_token_logits
+
+        return next_token_logits(self, inputs, token_ids)
+
     # -- weights --------------------------------------------------------------------
     def hf_to_tandem_name(self, name: str) -> str | None:
         if name == "proj_out.weight":

@@ -24,7 +24,10 @@ split at ``<|startoftranscript|>`` (a prompt slot whose one choice is the
 language token, or the languages when detecting): the slot step reads the
 probability of ``<|nospeech|>`` there, on the raw logits, as HF's
 ``WhisperNoSpeechDetection``, and a window above the threshold whose average
-log-probability is below ``logprob_threshold`` is skipped as silence.
+log-probability is below ``logprob_threshold`` is skipped as silence. An
+English-only checkpoint with timestamps has nothing after
+``<|startoftranscript|>`` to split at (HF reads its first generated step's raw
+scores): its windows recompute those logits on the model once decoded.
 """
 
 from __future__ import annotations
@@ -61,12 +64,6 @@ def compression_ratio(tokens: list[int], vocab_size: int) -> float:
     return len(data) / len(zlib.compress(data)) if data else 0.0
 
 
-_ENGLISH_ONLY_NO_SPEECH = (
-    "no_speech_threshold with timestamps (or audio over 30 s) on an English-only checkpoint is not supported yet: "
-    "its decoder prompt ends at <|startoftranscript|>, where the no-speech probability is read"
-)
-
-
 def _threshold(name: str, value) -> float | None:
     if value is None:
         return None
@@ -89,8 +86,9 @@ class _Input:
     windows: int = 0
     condition: bool = False  # the next window is conditioned on the previous text
     audio_frames: int = 0  # log-mel frames of the audio itself (HF's attention-mask length)
-    window_input: torch.Tensor | None = None  # the encoder input of the window in flight (word timestamps)
+    window_input: torch.Tensor | None = None  # the window in flight's encoder input (recomputes)
     last_time: float = 0.0  # the timestamp of the input's last token so far (word timestamps)
+    probe_by_model: bool = False  # the window in flight reads its no-speech probability on the model
 
 
 class WhisperTranscription(TranscriptionSession):
@@ -120,8 +118,10 @@ class WhisperTranscription(TranscriptionSession):
                 raise ValueError("no_speech_threshold: the generation config has no no_timestamps_token_id (HF reads "
                                  "the no-speech token just before it)")
             self.no_speech_token = prompts.no_timestamps - 1  # <|nospeech|>, as HF finds it
-            if o.timestamps and not prompts.multilingual:
-                raise ValueError(_ENGLISH_ONLY_NO_SPEECH)
+            if ctx.run_on_model is None and not prompts.multilingual:
+                raise ValueError("no_speech_threshold on an English-only checkpoint: this caller cannot run the "
+                                 "model between steps (the transcription context has no run_on_model), which "
+                                 "reads the no-speech probability of windows with timestamps")
         self.rules = TimestampRules(prompts) if prompts.no_timestamps is not None else None
         self.cut_off = model_cls.max_decoder_len(cfg) // 2 - 1
         self.vocab_size = model_cls.vocab_size(cfg)
@@ -132,8 +132,9 @@ class WhisperTranscription(TranscriptionSession):
             self.alignment_heads = alignment_heads(ctx.generation_config, cfg)
             self.median_filter_width = int(getattr(cfg, "median_filter_width", 7))
             if ctx.run_on_model is None:
-                raise ValueError("word_timestamps=True is not available here yet: it recomputes each window's "
-                                 "cross-attention on the model, which only LLM.transcribe reaches for now")
+                raise ValueError("word_timestamps=True: this caller cannot run the model between steps (the "
+                                 "transcription context has no run_on_model), which recomputes each window's "
+                                 "cross-attention")
 
     def start(self, waveform: torch.Tensor) -> _Input:
         return _Input(waveform, audio_frames=num_frames(waveform.numel()))
@@ -156,7 +157,7 @@ class WhisperTranscription(TranscriptionSession):
 
     def _encoder_prompt(self, inp: _Input, long: bool):
         if not long:
-            if self.word_timestamps:
+            if self.word_timestamps or inp.probe_by_model:
                 inp.window_input = pad_to_window(inp.waveform)
             return {"audio": inp.waveform, "sampling_rate": SAMPLE_RATE}
         if inp.features is None:
@@ -170,7 +171,7 @@ class WhisperTranscription(TranscriptionSession):
         num = min(WINDOW_FRAMES, inp.max_frames - inp.seek)
         window = inp.features[:, inp.seek : inp.seek + num]
         window = torch.nn.functional.pad(window, (0, WINDOW_FRAMES - window.shape[1]))
-        inp.window_input = window if self.word_timestamps else None
+        inp.window_input = window if self.word_timestamps or inp.probe_by_model else None
         return EncoderInputs(num_positions=self.num_positions, features=window)
 
     def next_window(self, inp: _Input) -> WindowRequest:
@@ -184,8 +185,10 @@ class WhisperTranscription(TranscriptionSession):
                 slot = replace(slot, probe=self.no_speech_token)
             elif len(init) > 1:
                 init, slot = init[:1], PromptSlot((init[1],), tuple(init[2:]), self.no_speech_token)
-            else:
-                raise ValueError(_ENGLISH_ONLY_NO_SPEECH)
+        # English-only with timestamps: the prompt ends at <|startoftranscript|>, so the
+        # first generated step reads there (HF takes those scores, before any processor);
+        # the decode path reports no raw logits, so take() recomputes them on the model.
+        inp.probe_by_model = self.no_speech_token is not None and slot is None
         encoder = self._encoder_prompt(inp, long)
         prev = None
         if inp.condition and inp.segments:  # HF: <|startofprev|> + earlier windows' tokens
@@ -211,7 +214,8 @@ class WhisperTranscription(TranscriptionSession):
             pos = prompts.language_position(out.prompt_token_ids)
             inp.language = out.prompt_token_ids[pos] if pos is not None else None
         avg_logprob = self._avg_logprob(tokens, c)
-        skip = self._is_silence(out.probe_prob, avg_logprob)
+        no_speech_prob = self._no_speech_prob(inp, out.prompt_token_ids) if inp.probe_by_model else out.probe_prob
+        skip = self._is_silence(no_speech_prob, avg_logprob)
         if not skip and self._needs_fallback(tokens, avg_logprob) and inp.fallback < len(self.temperatures) - 1:
             inp.fallback += 1
             return WindowOutcome(done=False)
@@ -224,7 +228,7 @@ class WhisperTranscription(TranscriptionSession):
             tokens = tokens[:-1]
         if not self.windowed(inp):
             inp.segments = [] if skip else [{"start": 0.0, "end": inp.waveform.numel() / SAMPLE_RATE, "tokens": tokens}]
-            self._mark(inp.segments, out.probe_prob)
+            self._mark(inp.segments, no_speech_prob)
             self._words(inp, inp.segments, times)
             return WindowOutcome(done=True)
         num = min(WINDOW_FRAMES, inp.max_frames - inp.seek)
@@ -232,11 +236,18 @@ class WhisperTranscription(TranscriptionSession):
             segments, advance = retrieve_segments(tokens, prompts.timestamp_begin, inp.seek * FRAME_SECONDS, num)
         else:
             segments, advance = [], num
-        self._mark(segments, out.probe_prob)
+        self._mark(segments, no_speech_prob)
         self._words(inp, segments, times)
         inp.segments += segments
         inp.seek += advance
         return WindowOutcome(inp.seek >= inp.max_frames, [self._segment(s) for s in segments])
+
+    def _no_speech_prob(self, inp: _Input, prompt: list[int]) -> float:
+        """HF's ``WhisperNoSpeechDetection`` where the prompt ends at ``<|startoftranscript|>``:
+        the probability of ``<|nospeech|>`` in the softmax of the raw logits there."""
+        prompt = list(prompt)
+        logits = self.ctx.run_on_model(lambda model: model.next_token_logits(inp.window_input, prompt))
+        return float(torch.softmax(logits, dim=-1)[self.no_speech_token])
 
     def _token_times(self, inp: _Input, prompt: list[int], generated: list[int]) -> list[float]:
         """Each generated token's timestamp (seconds in the input), HF's ``return_token_timestamps``:
