@@ -66,7 +66,7 @@ class Chunk:
         return starts
 
     def _region(self, starts: list[int], t: float, end: bool) -> int:
-        x = t * self.sample_rate
+        x = round(t * self.sample_rate)  # whole samples: a boundary given in seconds lands on it exactly
         i = bisect.bisect_left(starts, x) - 1 if end else bisect.bisect_right(starts, x) - 1
         return min(max(i, 0), len(self.regions) - 1)
 
