@@ -106,6 +106,13 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     tr.add_argument("--initial-prompt", default=None, metavar="TEXT",
                     help="text the first window of each file is prompted with (faster-whisper's initial_prompt) "
                          "(default: none)")
+    tr.add_argument("--vad-filter", action="store_true",
+                    help="find the speech with Silero VAD and decode its chunks (at most 30 s each, silence "
+                         "dropped) in parallel, faster-whisper's batched pipeline (needs the vad extra)")
+    tr.add_argument("--vad-parameters", type=_json_object, default=None, metavar="JSON",
+                    help="with --vad-filter: faster-whisper's VadOptions as a JSON object, e.g. "
+                         "'{\"threshold\": 0.6, \"min_silence_duration_ms\": 500}' (default: faster-whisper's "
+                         "batched defaults)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     sv = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API", formatter_class=fmt)
@@ -159,6 +166,16 @@ def _non_negative_seconds(text: str) -> float:
     value = float(text)
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
 
 
@@ -238,6 +255,13 @@ def cmd_transcribe(args) -> int:
     model_cls, architecture = _model_class(args)
     check_transcription(model_cls, architecture)
     model_cls.check_audio_support()  # before the model loads
+    if args.vad_parameters is not None and not args.vad_filter:
+        raise ValueError("--vad-parameters without --vad-filter: give --vad-filter to use them")
+    if args.vad_filter:
+        from tandem.audio.vad import VadOptions, check_vad_support
+
+        check_vad_support()
+        VadOptions.from_dict(args.vad_parameters)  # a bad key or value fails before the model loads
     as_subtitles = args.format in ("srt", "vtt")
     if as_subtitles and len(args.files) > 1 and args.output_dir is None:
         raise ValueError(f"--format {args.format} with {len(args.files)} files: give --output-dir")
@@ -246,7 +270,8 @@ def cmd_transcribe(args) -> int:
     results = llm.transcribe(
         list(args.files), language=args.language, task=args.task, timestamps=args.timestamps or as_subtitles,
         word_timestamps=args.word_timestamps, use_tqdm=not args.no_progress, no_speech_threshold=args.no_speech_threshold,
-        logprob_threshold=args.logprob_threshold, initial_prompt=args.initial_prompt, **sampling,
+        logprob_threshold=args.logprob_threshold, initial_prompt=args.initial_prompt, vad_filter=args.vad_filter,
+        vad_parameters=args.vad_parameters, **sampling,
     )
     failed = 0
     for path, r in zip(args.files, results):

@@ -86,6 +86,8 @@ class LLM:
         logprob_threshold: float | None = None,
         no_speech_threshold: float | None = None,
         initial_prompt: str | None = None,
+        vad_filter=False,
+        vad_parameters: dict | None = None,
         **sampling,
     ) -> list:
         """Transcribe (or, ``task="translate"``, translate to English) audio with a model
@@ -106,7 +108,13 @@ class LLM:
         above it alone, without one) is skipped as silence (HF's and faster-whisper's
         rule); each segment then carries its window's ``no_speech_prob``.
         ``initial_prompt``: text the first window is prompted with (faster-whisper's
-        name; ``prompt_ids=[...]`` gives it as token ids). ``**sampling``: other SamplingParams fields (the rest come
+        name; ``prompt_ids=[...]`` gives it as token ids). ``vad_filter=True``: Silero VAD
+        finds each input's speech (``vad_parameters``: faster-whisper's ``VadOptions``
+        fields), its regions are joined into chunks of at most 30 s, silence dropped, and
+        the chunks are decoded all at once (faster-whisper's batched pipeline), times in
+        the input's; ``vad_filter`` may also be a callable ``(waveform, sample_rate) ->
+        [(start, end), ...]`` (samples) giving the speech regions itself.
+        ``**sampling``: other SamplingParams fields (the rest come
         from the checkpoint's generation config).
         Returns one :class:`tandem.core.transcription.Transcription` per input, in
         order; an input that cannot be served has ``error`` set and the others go on."""
@@ -117,7 +125,8 @@ class LLM:
             sampling_rate=sampling_rate,
             use_tqdm=use_tqdm, condition_on_previous_text=condition_on_previous_text,
             compression_ratio_threshold=compression_ratio_threshold, logprob_threshold=logprob_threshold,
-            no_speech_threshold=no_speech_threshold, initial_prompt=initial_prompt, **sampling,
+            no_speech_threshold=no_speech_threshold, initial_prompt=initial_prompt, vad_filter=vad_filter,
+            vad_parameters=vad_parameters, **sampling,
         )
 
     @contextmanager

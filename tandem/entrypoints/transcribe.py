@@ -8,11 +8,17 @@ asks the model's session for the next, until every input is done. Windows of
 different inputs run concurrently in the engine, one window per input in
 flight. An input that fails (bad audio, a rejected window) gets a
 :class:`Transcription` with ``error`` and the others go on.
+
+With ``vad_filter`` each input is first cut into its speech chunks
+(``vad_batched.py``): each chunk is an input of its own to the session, all of
+them in flight at once, and their transcripts are merged back into the input's
+time.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,78 +65,213 @@ def _session(engine, options: dict[str, Any], run_on_model: Any = None) -> Trans
     return engine.model_cls.transcription_session(TranscriptionContext.from_engine(engine, run_on_model), opts)
 
 
+def _vad_plan(engine, vad_filter: Any, vad_parameters: Any):
+    """The call's :class:`~tandem.entrypoints.vad_batched.VadPlan` (None when off)."""
+    from tandem.entrypoints.vad_batched import VadPlan
+
+    cls = engine.model_cls
+    return VadPlan.create(vad_filter, vad_parameters, cls.transcription_sample_rate,
+                          cls.transcription_window_seconds(engine.hf_config))
+
+
+def _detects_language(engine, options: dict[str, Any]) -> bool:
+    """Whether the model will detect each input's language (none given, several possible)."""
+    if options.get("language") is not None:
+        return False
+    return len(engine.model_cls.transcription_languages(TranscriptionContext.from_engine(engine))) > 1
+
+
+@dataclass
+class _Job:
+    """One input: the waveforms its session inputs are (the whole input, or its speech
+    chunks), their results, and the chunks that wait for the first one's language."""
+
+    units: list[Any]
+    chunks: list | None = None  # None: the whole input is one unit (no VAD)
+    results: list[Transcription | None] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+
+
 def transcribe(
     llm,  # a tandem.LLM (llm.py imports this module)
     audio: Any,
     *,
     sampling_rate: int | None = None,
     use_tqdm: bool = True,
+    vad_filter: Any = False,
+    vad_parameters: dict | None = None,
     **options: Any,
 ) -> list[Transcription]:
     """See :meth:`tandem.LLM.transcribe` (``options``: :class:`TranscriptionOptions`'
     fields, other keywords are SamplingParams fields)."""
     engine = llm.llm_engine
     model_cls = engine.model_cls
-    # This thread owns the engine: the model may run between steps.
-    session = _session(engine, dict(options), run_on_model=lambda fn: call_model(fn, engine.model))
+
+    def run_on_model(fn):  # this thread owns the engine: the model may run between steps
+        return call_model(fn, engine.model)
+
+    session = _session(engine, dict(options), run_on_model=run_on_model)
+    vad = _vad_plan(engine, vad_filter, vad_parameters)
+    detect = vad is not None and _detects_language(engine, options)
+    by_language: dict[str | None, TranscriptionSession] = {}
+
+    def session_for(language: str | None) -> TranscriptionSession:  # the chunks after a detected first one
+        if language not in by_language:
+            by_language[language] = _session(engine, {**options, "language": language}, run_on_model=run_on_model)
+        return by_language[language]
+
     items = audio if isinstance(audio, list) else [audio]
     results: list[Transcription | None] = [None] * len(items)
-    states: dict[int, Any] = {}
+    jobs: dict[int, _Job] = {}
     for i, item in enumerate(items):
         try:
-            states[i] = session.start(model_cls.load_transcription_audio(*_source(item, sampling_rate)))
+            waveform = model_cls.load_transcription_audio(*_source(item, sampling_rate))
+            if vad is None:
+                jobs[i] = _Job([waveform])
+            else:
+                chunks = vad.chunks(waveform)
+                jobs[i] = _Job([c.waveform for c in chunks], chunks, [None] * len(chunks),
+                               list(range(1, len(chunks))) if detect else [])
         except (ValueError, TypeError) as e:
             results[i] = Transcription(error=str(e))
 
     with llm.session() as requests:
-        bar = _bar(len(states), use_tqdm)
-        in_flight: dict[str, int] = {}
+        bar = _bar(len(jobs), use_tqdm)
+        in_flight: dict[str, tuple[int, int]] = {}  # request id -> (input, unit)
+        states: dict[tuple[int, int], tuple[TranscriptionSession, Any]] = {}
 
         def finish(i: int, result: Transcription) -> None:
             results[i] = result
             bar.update(1)
+            stale = [rid for rid, (j, _) in in_flight.items() if j == i]  # a failed input's other chunks
+            if stale:
+                requests.abort_request(stale)
+                for rid in stale:
+                    del in_flight[rid]
 
-        def submit(i: int) -> None:
+        def unit_done(i: int, k: int, result: Transcription) -> None:
+            states.pop((i, k), None)
+            job = jobs[i]
+            if results[i] is not None:  # the input already failed
+                return
+            if job.chunks is None:
+                finish(i, result)
+                return
+            job.results[k] = result
+            if result.error is None and job.waiting:  # the first chunk's language, for the others
+                waiting, job.waiting = job.waiting, []
+                for k2 in waiting:
+                    start(i, k2, session_for(result.language))
+            if result.error is not None or all(r is not None for r in job.results):
+                finish(i, merged(job))
+
+        def merged(job: _Job) -> Transcription:
+            from tandem.entrypoints.vad_batched import merge
+
+            return merge(job.chunks, [r for r in job.results if r is not None],
+                         timestamps=bool(options.get("timestamps")),
+                         word_timestamps=bool(options.get("word_timestamps")), language=options.get("language"))
+
+        def start(i: int, k: int, s: TranscriptionSession) -> None:
             try:
-                w = session.next_window(states[i])
-                in_flight[requests.add_request(w.prompt, w.params, prompt_slot=w.prompt_slot)] = i
+                states[(i, k)] = (s, s.start(jobs[i].units[k]))
             except (ValueError, TypeError) as e:
-                finish(i, Transcription(error=str(e)))
+                unit_done(i, k, Transcription(error=str(e)))
+                return
+            submit(i, k)
+
+        def submit(i: int, k: int) -> None:
+            s, state = states[(i, k)]
+            try:
+                w = s.next_window(state)
+                in_flight[requests.add_request(w.prompt, w.params, prompt_slot=w.prompt_slot)] = (i, k)
+            except (ValueError, TypeError) as e:
+                unit_done(i, k, Transcription(error=str(e)))
 
         try:
-            for i in states:
-                submit(i)
+            for i, job in jobs.items():
+                if job.chunks == []:  # no speech found: nothing to decode
+                    finish(i, merged(job))
+                for k in range(len(job.units)):
+                    if k not in job.waiting:
+                        start(i, k, session)
             while requests.has_unfinished_requests():
                 for out in requests.step():
-                    i = in_flight.pop(out.request_id, None)
-                    if i is None or not out.finished:
+                    if not out.finished:
                         continue
+                    key = in_flight.pop(out.request_id, None)
+                    if key is None:
+                        continue
+                    s, state = states[key]
                     if out.error is not None:
-                        finish(i, Transcription(error=out.error))
+                        unit_done(*key, Transcription(error=out.error))
                         continue
                     try:
-                        done = session.take(states[i], out).done
+                        done = s.take(state, out).done
                         if done:
-                            finish(i, session.result(states[i]))
+                            unit_done(*key, s.result(state))
+                            continue
                     except (ValueError, TypeError) as e:
-                        finish(i, Transcription(error=str(e)))
+                        unit_done(*key, Transcription(error=str(e)))
                         continue
-                    if not done:
-                        submit(i)
+                    submit(*key)
         finally:
             bar.close()
     return results  # type: ignore[return-value]
 
 
-async def transcribe_async(engine, waveform, request_id: str, **options: Any):
+async def transcribe_async(engine, waveform, request_id: str, *, vad_filter: Any = False,
+                           vad_parameters: dict | None = None, **options: Any):
     """One input (a waveform from the model's ``load_transcription_audio``) through an
     ``AsyncLLM``, window by window (requests ``{request_id}-w0``, ``-w1``...): yields each
     window's new segments as it finishes (when the model reports any), then the final
-    :class:`Transcription`."""
+    :class:`Transcription`. With ``vad_filter``: the speech chunks' windows run
+    concurrently (requests ``{request_id}-c{k}-w{n}``) and each chunk's segments are
+    yielded in order (one segment spanning the chunk without timestamps)."""
     # The engine thread runs model calls between steps; ``take`` waits for them on a
     # worker thread (as its other CPU work), never on the event loop.
-    session = _session(engine.engine, dict(options), run_on_model=lambda fn: engine.call_on_model(fn).result())
-    state = session.start(waveform)
+    def run_on_model(fn):
+        return engine.call_on_model(fn).result()
+
+    session = _session(engine.engine, dict(options), run_on_model=run_on_model)
+    vad = _vad_plan(engine.engine, vad_filter, vad_parameters)
+    if vad is None:
+        async for item in _windows(engine, session, session.start(waveform), request_id):
+            yield item
+        return
+    from tandem.entrypoints.vad_batched import chunk_segments, merge
+
+    chunks = await asyncio.to_thread(vad.chunks, waveform)  # the VAD is CPU work: off the event loop
+
+    async def run(k: int, s: TranscriptionSession) -> Transcription:
+        last = None
+        async for item in _windows(engine, s, s.start(chunks[k].waveform), f"{request_id}-c{k}"):
+            last = item
+        return last
+
+    results: list[Transcription] = []
+    tasks: list[asyncio.Future] = []
+    try:
+        if chunks and _detects_language(engine.engine, options):  # the first chunk's language, for the others
+            results.append(await run(0, session))
+            yield chunk_segments(chunks[0], results[0])
+            session = _session(engine.engine, {**options, "language": results[0].language},
+                               run_on_model=run_on_model)
+        tasks = [asyncio.ensure_future(run(k, session)) for k in range(len(results), len(chunks))]
+        for k, task in enumerate(tasks, start=len(results)):
+            results.append(await task)
+            yield chunk_segments(chunks[k], results[-1])
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    yield merge(chunks, results, timestamps=bool(options.get("timestamps")),
+                word_timestamps=bool(options.get("word_timestamps")), language=options.get("language"))
+
+
+async def _windows(engine, session: TranscriptionSession, state: Any, request_id: str):
+    """One session input's windows in turn (requests ``{request_id}-w{n}``): yields each
+    window's new segments, then the :class:`Transcription`."""
     n = 0
     while True:
         w = session.next_window(state)

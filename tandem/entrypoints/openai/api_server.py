@@ -289,6 +289,7 @@ def build_app(
             prompt = form.get("prompt")
             if prompt:
                 options["prompt_ids"] = prompt_ids_of(engine.get_tokenizer(), prompt)
+            options.update(_vad_fields(form))
             # Decoding is CPU work (and bounded by max_audio_seconds): off the event loop.
             waveform = await asyncio.to_thread(model_cls.load_transcription_audio, data,
                                                max_seconds=max_audio_seconds)
@@ -430,6 +431,33 @@ def serve(args) -> int:
                             timeout_graceful_shutdown=args.drain_timeout + CUT_GRACE_SECONDS + 2)
     make_server(config, cut=app.state.drain_cut, drain_timeout=args.drain_timeout).run()
     return 0
+
+
+def _vad_fields(form) -> dict:
+    """The form's ``vad_filter`` (true/false) and ``vad_parameters`` (a JSON object of
+    faster-whisper's VadOptions), checked here: a bad one is a 400."""
+    vad = (form.get("vad_filter") or "false").lower()
+    if vad not in ("true", "false"):
+        raise ValueError(f"vad_filter={form.get('vad_filter')!r}: must be true or false")
+    raw = form.get("vad_parameters")
+    if vad == "false":
+        if raw:
+            raise ValueError("vad_parameters without vad_filter=true: give vad_filter=true to use them")
+        return {}
+    from tandem.audio.vad import VadOptions, check_vad_support
+
+    try:
+        check_vad_support()
+    except ImportError as e:
+        raise ValueError(f"vad_filter=true is not available on this server ({e})") from None
+    params = None
+    if raw:
+        try:
+            params = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"vad_parameters={raw!r}: must be a JSON object ({e})") from None
+        VadOptions.from_dict(params)
+    return {"vad_filter": True, "vad_parameters": params}
 
 
 async def _transcribe(engine, waveform, rid, options):
