@@ -36,7 +36,7 @@ from tandem.core.strategies.sampling import SamplingStrategy
 from tandem.core.strategies.speculative import SpeculationCounters
 
 if TYPE_CHECKING:
-    from tandem.core.speculative.draft import BatchProposer
+    from tandem.core.strategies.base import BatchProposer
 
 class Scheduler:
     def __init__(

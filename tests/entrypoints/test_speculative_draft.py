@@ -221,3 +221,25 @@ def test_bad_drafts_are_refused_at_construction(target, tmp_path):
         build(start)
     with pytest.raises(ValueError, match=r"speculative_config: model='.*missing'"):
         build(tmp_path / "missing")
+
+
+def test_whisper_draft_encodes_the_audio_itself_after_the_language_slot(tmp_path, target):
+    """A Whisper draft for a Whisper target: audio features in, the language slot
+    filled by the target first, then the draft proposes (here the target itself:
+    accepted where the target's suppress-token processors agree with its raw argmax).
+    A token-id draft for an audio target is refused by name."""
+    from helpers import make_whisper, synth_audio
+
+    path = make_whisper(tmp_path / "whisper", num_mel_bins=80, seed=80)
+    clips = [synth_audio(s, seed=10 + i) for i, s in enumerate([1.5, 7.0])]
+    res = {}
+    for draft in (None, path):
+        llm = LLM(str(path), dtype="float32", device="cpu", speculative_config=draft and spec(draft))
+        res[draft] = llm.transcribe(clips, sampling_rate=16000, use_tqdm=False)
+    for a, b in zip(res[None], res[path], strict=True):
+        assert (a.language, a.text) == (b.language, b.text)
+    assert llm.get_stats()["spec_accepted_tokens"] > 0
+    assert_draft_left_nothing(llm)
+    with pytest.raises(ValueError, match=r"the draft \(BartForConditionalGeneration\) reads token ids but the "
+                                         r"target \(Whisper.*\) reads audio features"):
+        LLM(str(path), dtype="float32", device="cpu", speculative_config=spec(target))

@@ -37,7 +37,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from tandem.core.block_manager import AllocStatus, BlockManager
 from tandem.core.faults import describe
@@ -51,16 +51,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0)
-
-
-class BatchProposer(Protocol):
-    """What the scheduler calls: ``propose`` before each step over its running groups
-    (setting ``Sequence.spec_token_ids``), ``release`` when a group stops running
-    (preempted, aborted, finished)."""
-
-    def propose(self, groups: Iterable[SequenceGroup]) -> None: ...
-
-    def release(self, group: SequenceGroup) -> None: ...
 
 
 @dataclass

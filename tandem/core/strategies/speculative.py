@@ -28,14 +28,13 @@ from tandem.core.core_outputs import CompletionDelta, RequestResult
 from tandem.core.sequence import SequenceStatus
 from tandem.core.speculative import ngram
 from tandem.core.speculative.config import SpeculativeConfig
-from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode
+from tandem.core.strategies.base import BatchProposer, RequestStrategy, SchedulerOps, StepMode
 from tandem.core.strategies.sampling import SamplingStrategy, finish_reason
 
 if TYPE_CHECKING:
     import torch
 
     from tandem.core.sequence import Sequence
-    from tandem.core.speculative.draft import DraftProposer
 
     from tandem.core.sampling_params import SamplingParams
     from tandem.core.scheduler_output import ModelRunnerOutput, ScheduledGroup
@@ -86,7 +85,7 @@ class SpeculationCounters:
 class SpeculativeStrategy(RequestStrategy):
     def __init__(self, config: SpeculativeConfig, encoder_token_ids: list[int] | None,
                  counters: SpeculationCounters, inner: RequestStrategy | None = None,
-                 draft: "DraftProposer | None" = None) -> None:
+                 draft: "BatchProposer | None" = None) -> None:
         """``draft``: the engine's draft model, which proposes for this request (None:
         the n-gram proposer)."""
         self.config = config
