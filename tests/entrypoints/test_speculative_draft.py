@@ -166,8 +166,8 @@ def test_requests_that_do_not_speculate_run_unchanged(target, other):
 
     for params in (SamplingParams(max_tokens=12, temperature=0, num_beams=3, n=2),
                    SamplingParams(max_tokens=12, temperature=0, logits_processors=[double_63])):
-        _, ref = run(target, params, count=4)
-        llm, outs = run(target, params, spec(other), count=4)
+        _, ref = run(target, params, count=3)
+        llm, outs = run(target, params, spec(other), count=3)
         assert_same(outs, ref)
         assert llm.get_stats()["spec_draft_tokens"] == 0 and llm.llm_engine.draft.num_requests == 0
 
@@ -177,8 +177,8 @@ def test_sampled_requests_repeat_under_a_seed_and_free_every_block(target, other
     tests/core/test_speculative_distribution.py checks; a greedy draft is a point-mass
     proposal, the case it covers. Here: seeds, lengths, blocks."""
     params = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=7, n=2)
-    llm, outs = run(target, params, spec(target), count=4)
-    again = run(target, params, spec(target), count=4)[1]
+    llm, outs = run(target, params, spec(target), count=3)
+    again = run(target, params, spec(target), count=3)[1]
     for o, a in zip(outs, again):
         assert [c.token_ids for c in o.outputs] == [c.token_ids for c in a.outputs]
         assert all(len(c.token_ids) <= 20 for c in o.outputs)
@@ -231,7 +231,7 @@ def test_whisper_draft_encodes_the_audio_itself_after_the_language_slot(tmp_path
     from helpers import make_whisper, synth_audio
 
     path = make_whisper(tmp_path / "whisper", num_mel_bins=80, seed=80)
-    clips = [synth_audio(s, seed=10 + i) for i, s in enumerate([1.5, 7.0])]
+    clips = [synth_audio(7.0, seed=11)]
     res = {}
     for draft in (None, path):
         llm = LLM(str(path), dtype="float32", device="cpu", speculative_config=draft and spec(draft))

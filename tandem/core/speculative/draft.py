@@ -127,10 +127,15 @@ class DraftProposer:
     def _flush(self) -> None:
         """Tell the draft worker now which requests and sequences to forget (no forward
         runs), so it holds state only for the requests the draft serves."""
-        if self._finished_requests or self._finished_seqs:
-            self.worker.execute_model(SchedulerOutput(
-                [], 0, [], [], finished_request_ids=self._finished_requests, finished_seq_ids=self._finished_seqs))
-            self._finished_requests, self._finished_seqs = [], []
+        if not (self._finished_requests or self._finished_seqs):
+            return
+        out = SchedulerOutput([], 0, [], [], finished_request_ids=self._finished_requests,
+                              finished_seq_ids=self._finished_seqs)
+        self._finished_requests, self._finished_seqs = [], []
+        try:
+            self.worker.execute_model(out)
+        except Exception as e:  # noqa: BLE001 - called from the scheduler's cleanup, which must go on
+            logger.warning("the draft worker could not forget finished requests: %s", describe(e))
 
     def reset(self) -> None:
         """Drop every request's draft state (after a failed draft forward: its cache
