@@ -27,10 +27,13 @@ Usage (from the repository root):
     python tools/train_demo.py --out DIR --steps 2000 --seed 1234
     python tools/train_demo.py --draft --out DIR   # a smaller draft for speculative decoding
 
-``--draft`` trains a smaller model on the same task and vocabulary (d_model 64,
-ffn 256, against the target's 128 and 512; 2 layers each side, 4 heads, 2000
-steps; each unless given): a draft for ``speculative_config={"model": DIR, ...}`` with the
-shipped demo model as the target (``benchmarks/speculative.py --draft DIR``).
+``--draft`` trains a smaller model on the same task and vocabulary (d_model 64
+and ffn 256, against the target's 128 and 512; 2 layers each side, 4 heads,
+2000 steps; each unless given): a draft for ``speculative_config={"model": DIR,
+...}`` with the shipped demo model as the target (``benchmarks/speculative.py
+--draft DIR``). It reached 100% held-out exact match in 641 s on a loaded
+2-core machine. A one-layer decoder (``--decoder-layers 1``) would cost less
+per proposed token but did not learn the reversal in 2000 steps (0%).
 
 Runs on CPU in a few minutes (torch.set_num_threads(2) by default). Nothing is
 downloaded.
@@ -213,7 +216,7 @@ def build_model(args, vocab_size: int):
         max_position_embeddings=64,
         d_model=args.d_model,
         encoder_layers=args.layers,
-        decoder_layers=args.layers,
+        decoder_layers=args.decoder_layers or args.layers,
         encoder_attention_heads=args.heads,
         decoder_attention_heads=args.heads,
         encoder_ffn_dim=args.ffn,
@@ -308,6 +311,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--decoder-layers", type=int, default=None, help="decoder layers (default: --layers)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--ffn", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
@@ -441,7 +445,7 @@ def main(argv=None) -> int:
     command = "python tools/train_demo.py" + (" --draft" if args.draft else "") + ("" if out_dir.resolve() == DEFAULT_OUT.resolve() else f" --out {cmd_out}")
     defaults = p.parse_args([])
     for name in ("seed", "heldout_seed", "heldout_size", "steps", "batch_size", "lr", "warmup",
-                 "d_model", "layers", "heads", "ffn", "threads"):
+                 "d_model", "layers", "decoder_layers", "heads", "ffn", "threads"):
         if getattr(args, name) != getattr(defaults, name):
             command += f" --{name.replace('_', '-')} {getattr(args, name)}"
 
@@ -477,7 +481,7 @@ Command (from the repository root):
 | training time | {train_time:.0f} s on CPU ({platform.processor() or platform.machine()}) |
 | torch / transformers | {torch.__version__} / {transformers.__version__} |
 
-Model: BART, d_model {args.d_model}, {args.layers} encoder + {args.layers} decoder layers,
+Model: BART, d_model {args.d_model}, {args.layers} encoder + {args.decoder_layers or args.layers} decoder layers,
 {args.heads} heads, ffn {args.ffn}, max_position_embeddings 64, dropout 0.1 (training),
 tied input/output embeddings, {n_params:,} parameters, float32 safetensors.
 Files in this folder total {total_bytes / 1e6:.2f} MB.
