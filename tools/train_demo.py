@@ -25,6 +25,15 @@ Usage (from the repository root):
 
     python tools/train_demo.py                 # writes tandem/demo_model/
     python tools/train_demo.py --out DIR --steps 2000 --seed 1234
+    python tools/train_demo.py --draft --out DIR   # a smaller draft for speculative decoding
+
+``--draft`` trains a smaller model on the same task and vocabulary (d_model 64
+and ffn 256, against the target's 128 and 512; 2 layers each side, 4 heads,
+2000 steps; each unless given): a draft for ``speculative_config={"model": DIR,
+...}`` with the shipped demo model as the target (``benchmarks/speculative.py
+--draft DIR``). It reached 100% held-out exact match in 641 s on a loaded
+2-core machine. A one-layer decoder (``--decoder-layers 1``) would cost less
+per proposed token but did not learn the reversal in 2000 steps (0%).
 
 Runs on CPU in a few minutes (torch.set_num_threads(2) by default). Nothing is
 downloaded.
@@ -50,6 +59,10 @@ BOS_ID, PAD_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 DECODER_START_ID = EOS_ID
 
 MIN_WORDS, MAX_WORDS = 3, 8
+# --draft: a smaller model of the same task and vocabulary (each field unless given).
+DRAFT_PRESET = {"d_model": 64, "layers": 2, "heads": 4, "ffn": 256, "steps": 2000}
+# Held-out exact match a trained model must reach (a draft only proposes: less will do).
+MIN_ACCURACY, MIN_DRAFT_ACCURACY = 0.95, 0.5
 MAX_NEW_TOKENS = 12
 
 # A few hundred common lowercase English words (letters only, no duplicates).
@@ -203,7 +216,7 @@ def build_model(args, vocab_size: int):
         max_position_embeddings=64,
         d_model=args.d_model,
         encoder_layers=args.layers,
-        decoder_layers=args.layers,
+        decoder_layers=args.decoder_layers or args.layers,
         encoder_attention_heads=args.heads,
         decoder_attention_heads=args.heads,
         encoder_ffn_dim=args.ffn,
@@ -298,11 +311,22 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--decoder-layers", type=int, default=None, help="decoder layers (default: --layers)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--ffn", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--draft", action="store_true",
+                   help=f"train a smaller draft model for speculative decoding: {DRAFT_PRESET} unless given; "
+                        "needs --out (the shipped demo model is never overwritten by a draft)")
     args = p.parse_args(argv)
+    if args.draft:
+        if args.out.resolve() == DEFAULT_OUT.resolve():
+            p.error("--draft needs --out DIR: the shipped demo model is the draft's target, not its output")
+        defaults = p.parse_args([])
+        for name, value in DRAFT_PRESET.items():
+            if getattr(args, name) == getattr(defaults, name):
+                setattr(args, name, value)
 
     import torch
     import transformers
@@ -418,17 +442,17 @@ def main(argv=None) -> int:
         cmd_out = os.path.relpath(out_dir.resolve(), REPO_ROOT)
     except ValueError:
         cmd_out = str(out_dir)
-    command = "python tools/train_demo.py" + ("" if out_dir.resolve() == DEFAULT_OUT.resolve() else f" --out {cmd_out}")
+    command = "python tools/train_demo.py" + (" --draft" if args.draft else "") + ("" if out_dir.resolve() == DEFAULT_OUT.resolve() else f" --out {cmd_out}")
     defaults = p.parse_args([])
     for name in ("seed", "heldout_seed", "heldout_size", "steps", "batch_size", "lr", "warmup",
-                 "d_model", "layers", "heads", "ffn", "threads"):
+                 "d_model", "layers", "decoder_layers", "heads", "ffn", "threads"):
         if getattr(args, name) != getattr(defaults, name):
             command += f" --{name.replace('_', '-')} {getattr(args, name)}"
 
     demo_lines = "\n".join(
         f"| `{s}` | `{reverse_words(s)}` | `{out}` |" for s, out, ok in demo_examples
     )
-    md = f"""# tandem demo model
+    md = f"""# tandem demo {"draft " if args.draft else ""}model
 
 A tiny `BartForConditionalGeneration` trained from scratch by `tools/train_demo.py`
 to **reverse the order of the words** of a short lowercase English sentence:
@@ -457,7 +481,7 @@ Command (from the repository root):
 | training time | {train_time:.0f} s on CPU ({platform.processor() or platform.machine()}) |
 | torch / transformers | {torch.__version__} / {transformers.__version__} |
 
-Model: BART, d_model {args.d_model}, {args.layers} encoder + {args.layers} decoder layers,
+Model: BART, d_model {args.d_model}, {args.layers} encoder + {args.decoder_layers or args.layers} decoder layers,
 {args.heads} heads, ffn {args.ffn}, max_position_embeddings 64, dropout 0.1 (training),
 tied input/output embeddings, {n_params:,} parameters, float32 safetensors.
 Files in this folder total {total_bytes / 1e6:.2f} MB.
@@ -505,7 +529,7 @@ Used by `tandem demo`; listed in `DEMO_SENTENCES` in `tools/train_demo.py` and i
     for pth in sorted(out_dir.iterdir()):
         print(f"  {pth.name:28s} {pth.stat().st_size:>10,d} bytes")
     print(f"total {sum(q.stat().st_size for q in out_dir.iterdir() if q.is_file()) / 1e6:.2f} MB")
-    return 0 if acc >= 0.95 else 1
+    return 0 if acc >= (MIN_DRAFT_ACCURACY if args.draft else MIN_ACCURACY) else 1
 
 
 if __name__ == "__main__":

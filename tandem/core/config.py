@@ -134,8 +134,9 @@ class EngineConfig:
     speculative_config: dict | str | None = option(
         None, 'speculative decoding: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, '
         '"prompt_lookup_min": m} drafts up to k tokens per step by prompt lookup (the longest suffix of n down to m '
-        'decoder tokens found in the encoder input or the decoder\'s own tokens); greedy outputs are unchanged, '
-        'sampled ones keep their distribution (default: none, no speculation)'
+        'decoder tokens found in the encoder input or the decoder\'s own tokens); {"model": DIR, '
+        '"num_speculative_tokens": k}: a smaller draft checkpoint with the same vocabulary proposes k tokens '
+        'greedily; greedy outputs are unchanged, sampled ones keep their distribution (default: none, no speculation)'
     )
     # core/faults.py
     max_consecutive_step_failures: int = option(

@@ -88,7 +88,15 @@ class LLMEngine:
         self.block_manager = BlockManager(config.block_size, num_blocks, num_cpu_blocks,
                                           encoder_cache_blocks=config.encoder_cache_blocks)
         self._seq_ids = itertools.count()
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.eos_token_ids, self._seq_ids)
+        # speculative_config={"model": DIR, ...}: the draft model, checked against this one.
+        self.draft = None
+        if config.speculative is not None and config.speculative.model is not None:
+            from tandem.core.speculative.draft_checkpoint import load_draft
+
+            self.draft = load_draft(config, self.model_cls, self.hf_config, self.tokenizer, model_registry,
+                                    backend_registry, num_blocks, sorted(self.eos_token_ids))
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.eos_token_ids, self._seq_ids,
+                                   proposer=self.draft)
         self.vocab_size = self.model_cls.vocab_size(self.hf_config)
         # Nothing is imported or built for structured output until a request asks for it.
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
@@ -217,7 +225,8 @@ class LLMEngine:
             strategy = SamplingStrategy()
         spec = self.config.speculative
         if spec is not None and not_speculated_because(params) is None:
-            strategy = SpeculativeStrategy(spec, inputs.encoder_inputs.token_ids, self.scheduler.speculation, strategy)
+            strategy = SpeculativeStrategy(spec, inputs.encoder_inputs.token_ids, self.scheduler.speculation, strategy,
+                                           draft=self.draft)
         if params.structured_outputs is not None:
             # Raises ImportError (no xgrammar) or ValueError (no tokenizer, no EOS) at the door;
             # the compile itself runs off the step loop and a failure is this request's error.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from tandem.core.block_manager import AllocStatus, BlockManager
 from tandem.core.config import SchedulerConfig  # noqa: F401 - also imported from here
@@ -34,6 +35,9 @@ from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tandem.core.strategies.sampling import SamplingStrategy
 from tandem.core.strategies.speculative import SpeculationCounters
 
+if TYPE_CHECKING:
+    from tandem.core.strategies.base import BatchProposer
+
 class Scheduler:
     def __init__(
         self,
@@ -41,8 +45,12 @@ class Scheduler:
         block_manager: BlockManager,
         eos_token_ids: Iterable[int] = (),
         seq_ids: Iterator[int] | None = None,
+        proposer: "BatchProposer | None" = None,
     ) -> None:
         self.config = config
+        # Proposes draft tokens for every running group at once before each step
+        # (speculative/draft.py); told when a group stops running.
+        self.proposer = proposer
         # Ids for sequences made here (forks, and what strategies make).
         self.seq_ids = seq_ids if seq_ids is not None else itertools.count(1 << 40)
         self.block_manager = block_manager
@@ -148,6 +156,8 @@ class Scheduler:
 
     def _forget(self, group: SequenceGroup) -> None:
         self.block_manager.free_group(group)
+        if self.proposer is not None:
+            self.proposer.release(group)
         self.groups.pop(group.request_id, None)
         for seq in group.seqs:
             if self._sent_tables.pop(seq.seq_id, None) is not None:
@@ -169,6 +179,8 @@ class Scheduler:
 
         # 1. Running groups, oldest first; evict from the back when short of blocks.
         queue, self.running = self.running, deque()
+        if self.proposer is not None:
+            self.proposer.propose(queue)
         while queue:
             group = queue.popleft()
             # Draft tokens (speculative decoding) only where they fit: never preempt for them.
@@ -402,6 +414,9 @@ class Scheduler:
 
     def _preempt(self, group: SequenceGroup, swap_out: list[tuple[int, int]]) -> None:
         bm = self.block_manager
+        self._drop_drafts(group)
+        if self.proposer is not None:
+            self.proposer.release(group)
         mode = self.config.preemption_mode
         if mode is None:
             mode = "recompute" if len(group.unfinished_seqs()) == 1 else "swap"

@@ -20,7 +20,7 @@ def test_ngram_config_parses_with_defaults():
 
 
 @pytest.mark.parametrize("value, match", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, r"method='eagle' is not known \(known: ngram\)"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, r"method='eagle' is not known \(known: ngram, draft_model\)"),
     ({"num_speculative_tokens": 2}, "needs 'method'"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens=0: must be an integer in \[1, 64\]"),
@@ -30,13 +30,24 @@ def test_ngram_config_parses_with_defaults():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3},
      "prompt_lookup_min=3 must be <= prompt_lookup_max=2"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "key 'lookahead' is not an option"),
-    ({"model": "/ckpt/draft", "num_speculative_tokens": 2}, "model='/ckpt/draft': draft models are not built yet"),
+    ({"model": "/ckpt/draft"}, "num_speculative_tokens is required"),
+    ({"model": "", "num_speculative_tokens": 2}, "model='': method 'draft_model' needs the draft checkpoint"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model=None: method 'draft_model' needs"),
+    ({"model": "/ckpt/draft", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
+     "key 'prompt_lookup_max' is not an option of method 'draft_model'"),
     ("{not json", "not a JSON object"),
     ([1, 2], r"speculative_config=\[1, 2\]: must be None or a dict"),
 ])
 def test_bad_configs_name_the_key_and_value(value, match):
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig.parse(value)
+
+
+def test_draft_model_config_parses():
+    c = SpeculativeConfig.parse({"model": "/ckpt/draft", "num_speculative_tokens": 3})
+    assert (c.method, c.model, c.num_speculative_tokens) == ("draft_model", "/ckpt/draft", 3)
+    c = SpeculativeConfig.parse('{"method": "draft_model", "model": "org/draft", "num_speculative_tokens": 2}')
+    assert (c.method, c.model, c.num_speculative_tokens) == ("draft_model", "org/draft", 2)
 
 
 def test_cli_flag_takes_json():

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-METHODS = ("ngram",)
+# "draft_model" is vLLM's name for a draft checkpoint; {"model": DIR, ...} without a
+# method means it too.
+METHODS = ("ngram", "draft_model")
 # When not given: suffixes of 3 tokens down to 1 are looked up.
 DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN = 3, 1
-_NGRAM_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_KEYS = {
+    "ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"),
+    "draft_model": ("method", "model", "num_speculative_tokens"),
+}
 
 
 def _is_int(x) -> bool:  # config.is_int's rule; importing it would be a cycle (config imports this)
@@ -18,14 +24,16 @@ def _is_int(x) -> bool:  # config.is_int's rule; importing it would be a cycle (
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """``num_speculative_tokens`` (k): tokens proposed per sequence per step; the n-gram
-    proposer matches the longest suffix of ``prompt_lookup_max`` down to
-    ``prompt_lookup_min`` decoder tokens."""
+    """``num_speculative_tokens`` (k): tokens proposed per sequence per step. ``ngram``:
+    the prompt-lookup proposer matches the longest suffix of ``prompt_lookup_max`` down
+    to ``prompt_lookup_min`` decoder tokens. ``draft_model``: ``model`` (a checkpoint
+    directory or Hub repo id) proposes k tokens greedily (``speculative/draft.py``)."""
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_max: int
-    prompt_lookup_min: int
+    prompt_lookup_max: int = 0
+    prompt_lookup_min: int = 0
+    model: str | None = None
 
     @classmethod
     def parse(cls, value: Any) -> "SpeculativeConfig | None":
@@ -40,21 +48,18 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config={value!r}: not a JSON object ({e})") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config={value!r}: must be None or a dict such as "
-                             '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}')
-        if "model" in value:
-            raise ValueError(
-                f"speculative_config: model={value['model']!r}: draft models are not built yet; use "
-                '{"method": "ngram", ...} (prompt lookup)'
-            )
-        method = value.get("method")
+                             '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} or '
+                             '{"model": "path/to/draft", "num_speculative_tokens": 4}')
+        method = value.get("method", "draft_model" if "model" in value else None)
         if method is None:
-            raise ValueError(f"speculative_config={value!r}: needs 'method' (one of {', '.join(METHODS)})")
+            raise ValueError(f"speculative_config={value!r}: needs 'method' (one of {', '.join(METHODS)}) "
+                             "or 'model' (a draft checkpoint)")
         if method not in METHODS:
             raise ValueError(f"speculative_config: method={method!r} is not known (known: {', '.join(METHODS)})")
-        unknown = [k for k in value if k not in _NGRAM_KEYS]
+        unknown = [k for k in value if k not in _KEYS[method]]
         if unknown:
-            raise ValueError(f"speculative_config: key {unknown[0]!r} is not an option of method 'ngram' "
-                             f"(options: {', '.join(_NGRAM_KEYS)})")
+            raise ValueError(f"speculative_config: key {unknown[0]!r} is not an option of method {method!r} "
+                             f"(options: {', '.join(_KEYS[method])})")
 
         def positive(key: str, default: int | None) -> int:
             v = value.get(key, default)
@@ -65,6 +70,14 @@ class SpeculativeConfig:
             return v
 
         k = positive("num_speculative_tokens", None)
+        if method == "draft_model":
+            model = value.get("model")
+            if isinstance(model, Path):
+                model = str(model)
+            if not isinstance(model, str) or not model.strip():
+                raise ValueError(f"speculative_config: model={model!r}: method 'draft_model' needs the draft "
+                                 "checkpoint: a local directory or a Hugging Face Hub repo id")
+            return cls(method, k, model=model)
         hi = positive("prompt_lookup_max", DEFAULT_LOOKUP_MAX)
         lo = positive("prompt_lookup_min", min(DEFAULT_LOOKUP_MIN, hi))
         if lo > hi:

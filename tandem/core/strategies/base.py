@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
 
     from tandem.core.core_outputs import RequestResult
@@ -48,6 +50,18 @@ class SchedulerOps(Protocol):
     def rollback(self, group: "SequenceGroup", seq: "Sequence") -> None:
         """Free the blocks past what ``seq``'s tokens need (rejected draft tokens')."""
         ...
+
+
+class BatchProposer(Protocol):
+    """Proposes draft tokens for many requests at once (a draft model,
+    ``tandem/core/speculative/draft.py``). The scheduler calls ``propose`` before
+    each step over its running groups (it sets ``Sequence.spec_token_ids`` of the
+    groups whose strategy proposes with it) and ``release`` when a group stops
+    running (preempted, aborted, finished), which frees what it keeps for it."""
+
+    def propose(self, groups: "Iterable[SequenceGroup]") -> None: ...
+
+    def release(self, group: "SequenceGroup") -> None: ...
 
 
 class StepMode(ABC):

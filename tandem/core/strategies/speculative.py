@@ -2,7 +2,9 @@
 and up to ``k`` draft tokens in one forward, and keep the accepted prefix.
 
 Scheduler side (``SpeculativeStrategy``): before the step, the n-gram proposer
-(``tandem/core/speculative/ngram.py``) gives each decoding sequence its drafts
+(``tandem/core/speculative/ngram.py``), or the draft model for every running
+request at once (``tandem/core/speculative/draft.py``, called by the scheduler
+before it walks the running groups), gives each decoding sequence its drafts
 (``Sequence.spec_token_ids``, which get slots and run as a chunk after its
 last token); after it, the accepted tokens are appended with the usual stops
 (EOS, stop token ids, ``max_tokens``: the first stop truncates what follows),
@@ -26,11 +28,13 @@ from tandem.core.core_outputs import CompletionDelta, RequestResult
 from tandem.core.sequence import SequenceStatus
 from tandem.core.speculative import ngram
 from tandem.core.speculative.config import SpeculativeConfig
-from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode
+from tandem.core.strategies.base import BatchProposer, RequestStrategy, SchedulerOps, StepMode
 from tandem.core.strategies.sampling import SamplingStrategy, finish_reason
 
 if TYPE_CHECKING:
     import torch
+
+    from tandem.core.sequence import Sequence
 
     from tandem.core.sampling_params import SamplingParams
     from tandem.core.scheduler_output import ModelRunnerOutput, ScheduledGroup
@@ -80,8 +84,12 @@ class SpeculationCounters:
 
 class SpeculativeStrategy(RequestStrategy):
     def __init__(self, config: SpeculativeConfig, encoder_token_ids: list[int] | None,
-                 counters: SpeculationCounters, inner: RequestStrategy | None = None) -> None:
+                 counters: SpeculationCounters, inner: RequestStrategy | None = None,
+                 draft: "BatchProposer | None" = None) -> None:
+        """``draft``: the engine's draft model, which proposes for this request (None:
+        the n-gram proposer)."""
         self.config = config
+        self.draft = draft
         self.encoder = None if encoder_token_ids is None else np.asarray(encoder_token_ids, dtype=np.int64)
         self.counters = counters
         self.inner = inner if inner is not None else SamplingStrategy()
@@ -89,17 +97,28 @@ class SpeculativeStrategy(RequestStrategy):
     def max_num_seqs(self, group: "SequenceGroup") -> int:
         return self.inner.max_num_seqs(group)
 
-    def propose(self, group: "SequenceGroup") -> bool:
+    def draft_lengths(self, group: "SequenceGroup") -> list[tuple["Sequence", int]]:
+        """The sequences that may get drafts this step, each with how many at most:
+        only a decoding sequence (its prompt computed) speculates, and never past
+        ``max_tokens`` (the step emits up to k + 1 tokens)."""
         c, p = self.config, group.sampling_params
-        any_draft = False
+        out = []
+        for seq in group.seqs:
+            if seq.status is not SequenceStatus.RUNNING or seq.num_new_tokens != 1:
+                continue
+            k = min(c.num_speculative_tokens, p.max_tokens - len(seq.output_token_ids) - 1)
+            if k > 0:
+                out.append((seq, k))
+        return out
+
+    def propose(self, group: "SequenceGroup") -> bool:
+        if self.draft is not None:  # the draft model proposed for every running group already
+            return any(s.spec_token_ids for s in group.seqs)
+        c = self.config
         for seq in group.seqs:
             seq.spec_token_ids = []
-            if seq.status is not SequenceStatus.RUNNING or seq.num_new_tokens != 1:
-                continue  # only a decoding sequence (its prompt computed) speculates
-            # Never past max_tokens: the step emits up to k + 1 tokens.
-            k = min(c.num_speculative_tokens, p.max_tokens - len(seq.output_token_ids) - 1)
-            if k <= 0:
-                continue
+        any_draft = False
+        for seq, k in self.draft_lengths(group):
             decoder = np.asarray(seq.token_ids, dtype=np.int64)
             seq.spec_token_ids = ngram.propose(decoder, self.encoder, k, c.prompt_lookup_max, c.prompt_lookup_min)
             any_draft |= bool(seq.spec_token_ids)
