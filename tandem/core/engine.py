@@ -86,7 +86,8 @@ class LLMEngine:
         self.worker.initialize_cache(num_blocks, num_cpu_blocks)
 
         self.block_manager = BlockManager(config.block_size, num_blocks, num_cpu_blocks,
-                                          encoder_cache_blocks=config.encoder_cache_blocks)
+                                          encoder_cache_blocks=config.encoder_cache_blocks,
+                                          prefix_cache_blocks=config.prefix_cache_blocks)
         self._seq_ids = itertools.count()
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.eos_token_ids, self._seq_ids)
         self.vocab_size = self.model_cls.vocab_size(self.hf_config)
