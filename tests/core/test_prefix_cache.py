@@ -378,7 +378,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 
 PrefixCacheMachine.TestCase.settings = settings(
-    max_examples=200,
+    max_examples=150,
     stateful_step_count=40,
     deadline=None,
     derandomize=True,  # the same scenarios every run

@@ -86,8 +86,6 @@ class BlockManager:
         self.encoder_cache = EncoderCache(self.pools[Device.DEVICE], bound, clock)
         bound = num_device_blocks if prefix_cache_blocks is None else min(prefix_cache_blocks, num_device_blocks)
         self.prefix_cache = PrefixCache(self.pools[Device.DEVICE], block_size, bound, clock)
-        # seq id -> (full prompt blocks registered, the chain's parent for the next)
-        self._registered: dict[int, tuple[int, Hashable]] = {}
         # Admissions: those that ran the encoder, shared a live table, or took a kept one.
         self.encoder_runs = 0
         self.encoder_live_shares = 0
@@ -184,20 +182,11 @@ class BlockManager:
         if share_cross:
             pool = self.pools[Device.DEVICE]
             live_prompt = sum(pool.refcount(b) > 0 for b in self._prefix_hits(group))
-        return cross - live_prompt + shared + sum(blocks_for(len(s) + extra_tokens, self.block_size) - shared for s in seqs)
+        own = sum(blocks_for(len(s) + extra_tokens, self.block_size) - shared for s in seqs)
+        return cross - live_prompt + shared + own
 
     def _prefix_hits(self, group: SequenceGroup) -> list[int]:
-        """Registered blocks holding the first full blocks of the group's decoder
-        prompt (all its sequences have the same one), leaving every sequence at
-        least one token to compute (its logits are needed)."""
-        seqs = group.unfinished_seqs()
-        if not self.prefix_cache.enabled or not seqs:
-            return []
-        prompt = seqs[0].prompt_token_ids
-        if any(s.prompt_token_ids != prompt for s in seqs[1:]):
-            return []
-        limit = min(len(prompt) // self.block_size, *((len(s) - 1) // self.block_size for s in seqs))
-        return self.prefix_cache.match(group.encoder_key, prompt, limit)
+        return self.prefix_cache.lookup(group.encoder_key, group.unfinished_seqs())
 
     def num_prefix_hit_tokens(self, group: SequenceGroup) -> int:
         """Decoder prompt tokens each of the group's sequences would find cached if
@@ -278,33 +267,15 @@ class BlockManager:
                 pre.evict_oldest()
 
     def _register_prompt(self, seq: Sequence, table: list[int]) -> None:
-        """Register the sequence's full, computed decoder-prompt blocks not yet
-        registered (its table is on the device)."""
-        if not self.prefix_cache.enabled:
-            return
-        n = min(seq.num_computed_tokens, len(seq.prompt_token_ids)) // self.block_size
-        done, parent = self._registered.get(seq.seq_id, (0, None))
-        if n <= done:
-            return
-        if done == 0:
-            parent = self._cross[self._owner[seq.seq_id]].key
-        parent = self.prefix_cache.register(parent, seq.prompt_token_ids, table, done, n)
-        self._registered[seq.seq_id] = (n, parent)
+        self.prefix_cache.register_computed(seq, table, self._cross[self._owner[seq.seq_id]].key)
 
     def _release(self, device: Device, blocks: list[int]) -> None:
-        """Drop one reference per entry of ``blocks`` (repeats count); registered
-        device blocks losing their last one are kept by the prefix cache, the
-        table's last blocks first in line for eviction."""
-        pool = self.pools[device]
-        if device is not Device.DEVICE or not self.prefix_cache.enabled:
-            pool.decref(blocks)
-            return
-        counts = Counter(blocks)
-        last = [b for b, c in counts.items() if pool.refcount(b) == c and self.prefix_cache.is_registered(b)]
-        for b in last:
-            counts[b] -= 1
-        pool.decref(list(counts.elements()))
-        self.prefix_cache.keep(reversed(last))
+        """Drop a reference per entry of ``blocks``; on the device, the prefix cache
+        keeps registered blocks that lose their last one."""
+        if device is Device.DEVICE:
+            self.prefix_cache.release(blocks)
+        else:
+            self.pools[device].decref(blocks)
 
     def _acquire_cross(self, group: SequenceGroup) -> bool:
         rid, key = group.request_id, group.encoder_key
@@ -336,8 +307,7 @@ class BlockManager:
         self.pools[self._location[rid]].incref(table)
         self._self[child.seq_id] = list(table)
         self._owner[child.seq_id] = rid
-        if parent.seq_id in self._registered:
-            self._registered[child.seq_id] = self._registered[parent.seq_id]
+        self.prefix_cache.fork(parent.seq_id, child.seq_id)
 
     def _written(self, seq: Sequence, table: list[int]) -> range:
         """Indices of the existing table blocks the next forward writes into (its
@@ -472,7 +442,7 @@ class BlockManager:
         self._release(src, list(counts.elements()))  # registered prompt blocks stay on the device, kept
         for sid in sids:
             self._self[sid] = [to_new[b] for b in self._self[sid]]
-            self._registered.pop(sid, None)  # its blocks are new: registered again once back on the device
+            self.prefix_cache.forget(sid)  # its blocks are new: registered again once back on the device
         mapping += to_new.items()
         self._location[rid] = dst
         return mapping
@@ -486,7 +456,7 @@ class BlockManager:
             if device is Device.DEVICE and group.request_id in self._cross:
                 self._register_prompt(seq, table)  # its last step's prompt blocks too
             del self._owner[seq.seq_id]
-            self._registered.pop(seq.seq_id, None)
+            self.prefix_cache.forget(seq.seq_id)
             self._release(device, table)
         self._forget_if_empty(group)
 
@@ -540,7 +510,6 @@ class BlockManager:
             pool.reset()
         self.encoder_cache.clear()
         self.prefix_cache.clear()
-        self._registered.clear()
         self._self.clear()
         self._owner.clear()
         self._cross.clear()

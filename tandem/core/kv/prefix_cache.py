@@ -26,11 +26,12 @@ checks for room.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 
 from tandem.core.kv.block_pool import BlockPool
+from tandem.core.sequence import Sequence
 
 
 @dataclass(eq=False)
@@ -53,6 +54,8 @@ class PrefixCache:
         self._by_key: dict[tuple, _Entry] = {}
         self._by_block: dict[int, _Entry] = {}  # registered blocks, held or kept
         self._kept: OrderedDict[int, int] = OrderedDict()  # block -> stamp, least recently kept first
+        # seq id -> (full prompt blocks registered, the chain's parent for the next)
+        self._progress: dict[int, tuple[int, Hashable]] = {}
         self.evictions = 0  # blocks evicted
 
     @property
@@ -78,6 +81,18 @@ class PrefixCache:
     def _block_tokens(self, tokens: list[int], i: int) -> tuple[int, ...]:
         return tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
 
+    def lookup(self, encoder_key: Hashable, seqs: list[Sequence]) -> list[int]:
+        """Registered blocks holding the first full blocks of the decoder prompt of
+        ``seqs`` (one group's, all with the same prompt, else none), leaving every
+        sequence at least one token to compute (its logits are needed)."""
+        if not self.enabled or not seqs:
+            return []
+        prompt = seqs[0].prompt_token_ids
+        if any(s.prompt_token_ids != prompt for s in seqs[1:]):
+            return []
+        limit = min(len(prompt) // self.block_size, *((len(s) - 1) // self.block_size for s in seqs))
+        return self.match(encoder_key, prompt, limit)
+
     def match(self, encoder_key: Hashable, tokens: list[int], limit: int) -> list[int]:
         """Registered blocks holding the K/V of ``tokens``' first full blocks over
         ``encoder_key``'s input, at most ``limit``, stopping at the first miss."""
@@ -89,6 +104,25 @@ class PrefixCache:
             found.append(entry.block)
             parent = entry.id
         return found
+
+    def register_computed(self, seq: Sequence, table: list[int], encoder_key: Hashable) -> None:
+        """Register the full, computed decoder-prompt blocks of ``seq`` (``table``:
+        its self table, on the device) not registered yet."""
+        if not self.enabled:
+            return
+        n = min(seq.num_computed_tokens, len(seq.prompt_token_ids)) // self.block_size
+        done, parent = self._progress.get(seq.seq_id, (0, encoder_key))
+        if n > done:
+            parent = self.register(parent, seq.prompt_token_ids, table, done, n)
+            self._progress[seq.seq_id] = (n, parent)
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence's table is gone or moved: the next registration walks from block 0."""
+        self._progress.pop(seq_id, None)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        if parent_id in self._progress:
+            self._progress[child_id] = self._progress[parent_id]
 
     def register(self, parent: Hashable, tokens: list[int], table: list[int], begin: int, end: int) -> Hashable:
         """Register ``table[begin:end]``, full blocks of computed prompt tokens, the
@@ -124,6 +158,20 @@ class PrefixCache:
         self.pool.reuse(sorted(kept))
         self.pool.incref([b for b in blocks if b not in kept])
 
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference per entry of ``blocks`` (repeats count); registered
+        blocks losing their last one are kept, a table's last blocks first in line
+        for eviction."""
+        if not self.enabled:
+            self.pool.decref(blocks)
+            return
+        counts = Counter(blocks)
+        last = [b for b, c in counts.items() if b in self._by_block and self.pool.refcount(b) == c]
+        for b in last:
+            counts[b] -= 1
+        self.pool.decref(list(counts.elements()))
+        self.keep(reversed(last))
+
     def keep(self, blocks: Iterable[int]) -> None:
         """Registered blocks losing their last reference: kept, evicting the least
         recently kept to stay within the bound (evicted first: the first given)."""
@@ -157,3 +205,4 @@ class PrefixCache:
         self._by_key.clear()
         self._by_block.clear()
         self._kept.clear()
+        self._progress.clear()
