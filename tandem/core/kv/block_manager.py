@@ -267,7 +267,9 @@ class BlockManager:
                 pre.evict_oldest()
 
     def _register_prompt(self, seq: Sequence, table: list[int]) -> None:
-        self.prefix_cache.register_computed(seq, table, self._cross[self._owner[seq.seq_id]].key)
+        cross = self._cross.get(self._owner[seq.seq_id])
+        if self.prefix_cache.enabled and cross is not None:  # the chain's root is its key
+            self.prefix_cache.register_computed(seq, table, cross.key)
 
     def _release(self, device: Device, blocks: list[int]) -> None:
         """Drop a reference per entry of ``blocks``; on the device, the prefix cache
@@ -453,7 +455,7 @@ class BlockManager:
         table = self._self.pop(seq.seq_id, None)
         if table is not None:
             device = self._location[group.request_id]
-            if device is Device.DEVICE and group.request_id in self._cross:
+            if device is Device.DEVICE:
                 self._register_prompt(seq, table)  # its last step's prompt blocks too
             del self._owner[seq.seq_id]
             self.prefix_cache.forget(seq.seq_id)
