@@ -160,6 +160,29 @@ def test_eviction_takes_the_least_recently_kept_of_both_caches():
     assert list(bm.encoder_cache.tables()) == [b.encoder_key]
 
 
+def test_the_scheduler_charges_and_sends_only_the_tokens_left():
+    from tandem.core.scheduler import Scheduler, SchedulerConfig
+
+    bm = BlockManager(4, 32, 0, watermark=0.0, prefix_cache_blocks=None)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm)
+    prompt = list(range(100, 111))  # 2 full blocks + 3
+    a = make_group([5] * 4, prompt)
+    sched.add(a)
+    first = sched.schedule()
+    assert first.num_batched_tokens == 4 + 11 and first.scheduled[0].seqs[0].prefix_token_ids is None
+    _run(bm, a)  # the step ran: a's prompt is computed (registered at its next append_slots)
+    a.seqs[0].append_token(50, 0.0, None)
+    b = make_group([5] * 4, prompt[:10] + [999, 998])
+    sched.add(b)
+    out = sched.schedule()
+    sb = next(g for g in out.scheduled if g.request_id == b.request_id)
+    # b shares a's live cross table (no encoder tokens) and its 2 prompt blocks.
+    assert not sb.run_encoder and sb.seqs[0].num_computed_tokens == 8
+    assert sb.seqs[0].token_ids == b.seqs[0].token_ids[8:] and sb.seqs[0].prefix_token_ids == prompt[:8]
+    assert out.num_batched_tokens == 1 + 4  # a's decode token and b's 4 tokens past the cached blocks
+    assert bm.get_block_table(b.seqs[0])[:2] == bm.get_block_table(a.seqs[0])[:2]
+
+
 # -- the state machine ---------------------------------------------------------
 
 
