@@ -88,6 +88,14 @@ class EngineConfig:
         "the same encoder input skips its encoder; kept tables are evicted (least recently used first) before any "
         "request waits or is preempted for blocks; 0 turns the cache off (default: none, bounded by the pool)"
     )
+    # core/kv/prefix_cache.py
+    prefix_cache_blocks: int | None = option(
+        None, "device KV blocks that finished requests' decoder-prompt blocks may keep (full blocks, keyed by the "
+        "encoder input and the prompt up to them), so a later request with the same encoder input and decoder "
+        "prompt prefix skips computing them; live requests share them too; kept blocks are evicted (least recently "
+        "used first) before any request waits or is preempted for blocks; 0 turns prefix caching off (default: "
+        "none, bounded by the pool)"
+    )
     max_num_seqs: int = option(DEFAULT_MAX_NUM_SEQS, "sequences the scheduler runs at once")
     max_num_batched_tokens: int = option(DEFAULT_MAX_NUM_BATCHED_TOKENS, "tokens one engine step may compute")
     preemption_mode: str | None = option(
@@ -204,6 +212,13 @@ class EngineConfig:
             raise ValueError(
                 f"encoder_cache_blocks={self.encoder_cache_blocks!r}: must be None (bounded by the pool) or an "
                 "integer >= 0 (0: no encoder cache)"
+            )
+        if self.prefix_cache_blocks is not None and (
+            not is_int(self.prefix_cache_blocks) or self.prefix_cache_blocks < 0
+        ):
+            raise ValueError(
+                f"prefix_cache_blocks={self.prefix_cache_blocks!r}: must be None (bounded by the pool) or an "
+                "integer >= 0 (0: no prefix cache)"
             )
         if not is_real(self.swap_space) or self.swap_space < 0:
             raise ValueError(f"swap_space={self.swap_space!r}: must be a finite number of GiB >= 0")

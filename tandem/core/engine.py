@@ -86,7 +86,8 @@ class LLMEngine:
         self.worker.initialize_cache(num_blocks, num_cpu_blocks)
 
         self.block_manager = BlockManager(config.block_size, num_blocks, num_cpu_blocks,
-                                          encoder_cache_blocks=config.encoder_cache_blocks)
+                                          encoder_cache_blocks=config.encoder_cache_blocks,
+                                          prefix_cache_blocks=config.prefix_cache_blocks)
         self._seq_ids = itertools.count()
         # speculative_config={"model": DIR, ...}: the draft model, checked against this one.
         self.draft = None

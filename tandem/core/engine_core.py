@@ -45,6 +45,13 @@ class EngineStats:
     encoder_cache_misses: int = 0
     encoder_cache_evictions: int = 0  # kept tables evicted
     encoder_cache_blocks: int = 0  # device blocks kept now (counted in kv_blocks_free)
+    # Decoder prompt tokens of admitted sequences looked up in the prefix cache, those
+    # found there (not computed), their ratio, blocks evicted and blocks kept now.
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    prefix_cache_evictions: int = 0
+    prefix_cache_blocks: int = 0  # counted in kv_blocks_free
     num_preemptions: int = 0
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
@@ -207,6 +214,11 @@ class EngineCore:
             encoder_cache_misses=bm.encoder_runs,
             encoder_cache_evictions=bm.encoder_cache.evictions,
             encoder_cache_blocks=bm.num_cached_blocks(),
+            prefix_cache_queried_tokens=bm.prefix_queried_tokens,
+            prefix_cache_hit_tokens=bm.prefix_hit_tokens,
+            prefix_cache_hit_rate=bm.prefix_hit_tokens / max(1, bm.prefix_queried_tokens),
+            prefix_cache_evictions=bm.prefix_cache.evictions,
+            prefix_cache_blocks=bm.num_prefix_cached_blocks(),
             num_preemptions=sch.num_preemptions,
             kv_blocks_total=bm.num_total_blocks(),
             kv_blocks_free=bm.num_free_blocks(),

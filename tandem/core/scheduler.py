@@ -232,7 +232,8 @@ class Scheduler:
                 break
             seqs = group.unfinished_seqs()
             run_encoder = not bm.has_encoder_output(group)  # a live or kept cross table
-            tokens = (group.encoder_len if run_encoder else 0) + sum(len(s) for s in seqs)
+            cached = bm.num_prefix_hit_tokens(group)  # decoder prompt tokens each sequence skips
+            tokens = (group.encoder_len if run_encoder else 0) + sum(len(s) - cached for s in seqs)
             if num_seqs + group.max_num_seqs > self.config.max_num_seqs or tokens > budget:
                 break
             status = bm.can_allocate(group)

@@ -13,18 +13,25 @@ of tables holding it. Tables share blocks in two ways:
 - a filled cross table no group holds any more stays in the encoder cache
   (``encoder_cache.py``) until a request with the same input takes it back or
   a request that needs its blocks evicts it. Kept blocks count as free in every
-  check for room here, and each allocation evicts what it needs first.
+  check for room here, and each allocation evicts what it needs first;
+- full blocks of computed decoder prompts are registered by content, chained
+  on the encoder key (``prefix_cache.py``): a group admitted with the same
+  encoder input and prompt prefix shares them (live, or kept after their last
+  holder left) and its sequences start computed past them. Eviction takes the
+  least recently kept of both caches first.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from tandem.core.kv.block_pool import BlockPool, Device, blocks_for
 from tandem.core.kv.encoder_cache import EncoderCache
+from tandem.core.kv.prefix_cache import PrefixCache
 from tandem.core.sequence import Sequence, SequenceGroup
 
 
@@ -53,14 +60,16 @@ class BlockManager:
         num_host_blocks: int,
         watermark: float = 0.01,
         encoder_cache_blocks: int | None = 0,
+        prefix_cache_blocks: int | None = 0,
     ) -> None:
         """``encoder_cache_blocks``: the most device blocks the encoder cache keeps
-        (None: as many as the pool has; 0: no cache, only live groups share)."""
-        if encoder_cache_blocks is not None and (
-            not isinstance(encoder_cache_blocks, int) or isinstance(encoder_cache_blocks, bool)
-            or encoder_cache_blocks < 0
-        ):
-            raise ValueError(f"encoder_cache_blocks={encoder_cache_blocks!r}: must be None or an integer >= 0")
+        (None: as many as the pool has; 0: no cache, only live groups share).
+        ``prefix_cache_blocks``: the same for decoder-prompt blocks (0: none are
+        registered, shared across groups or kept)."""
+        for name, value in (("encoder_cache_blocks", encoder_cache_blocks),
+                            ("prefix_cache_blocks", prefix_cache_blocks)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"{name}={value!r}: must be None or an integer >= 0")
         self.block_size = block_size
         self.pools = {Device.DEVICE: BlockPool(num_device_blocks), Device.HOST: BlockPool(num_host_blocks)}
         self.watermark_blocks = int(watermark * num_device_blocks)
@@ -73,11 +82,17 @@ class BlockManager:
         self._live_cross: dict[tuple[int, ...], _CrossTable] = {}
         self._location: dict[str, Device] = {}  # where each group's self tables live
         bound = num_device_blocks if encoder_cache_blocks is None else min(encoder_cache_blocks, num_device_blocks)
-        self.encoder_cache = EncoderCache(self.pools[Device.DEVICE], bound)
+        clock = itertools.count()
+        self.encoder_cache = EncoderCache(self.pools[Device.DEVICE], bound, clock)
+        bound = num_device_blocks if prefix_cache_blocks is None else min(prefix_cache_blocks, num_device_blocks)
+        self.prefix_cache = PrefixCache(self.pools[Device.DEVICE], block_size, bound, clock)
         # Admissions: those that ran the encoder, shared a live table, or took a kept one.
         self.encoder_runs = 0
         self.encoder_live_shares = 0
         self.encoder_cache_hits = 0
+        # Decoder prompt tokens of admitted sequences looked up, and those found cached.
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
 
     # -- queries -----------------------------------------------------------
     def num_free_blocks(self, device: Device = Device.DEVICE) -> int:
@@ -89,6 +104,10 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         """Device blocks the encoder cache keeps."""
         return self.encoder_cache.num_blocks
+
+    def num_prefix_cached_blocks(self) -> int:
+        """Device blocks the prefix cache keeps (no table holds them)."""
+        return self.prefix_cache.num_blocks
 
     def num_total_blocks(self, device: Device = Device.DEVICE) -> int:
         return self.pools[device].num_blocks
@@ -154,11 +173,25 @@ class BlockManager:
         """Device blocks a fresh allocation of the group needs, with ``extra_tokens``
         more per sequence; shared blocks count once. The cross table counts
         unless ``share_cross`` and a live one of the same input exists (a kept
-        one counts: taking it uses up blocks counted as free)."""
+        one counts: taking it uses up blocks counted as free); with
+        ``share_cross``, live decoder-prompt blocks it would share do not count."""
         seqs = group.unfinished_seqs()
         shared = self._shared_prompt_blocks(seqs, fresh=extra_tokens == 0)
         cross = 0 if share_cross and self.cross_is_live(group) else blocks_for(group.encoder_len, self.block_size)
-        return cross + shared + sum(blocks_for(len(s) + extra_tokens, self.block_size) - shared for s in seqs)
+        live_prompt = 0
+        if share_cross:
+            pool = self.pools[Device.DEVICE]
+            live_prompt = sum(pool.refcount(b) > 0 for b in self._prefix_hits(group))
+        own = sum(blocks_for(len(s) + extra_tokens, self.block_size) - shared for s in seqs)
+        return cross - live_prompt + shared + own
+
+    def _prefix_hits(self, group: SequenceGroup) -> list[int]:
+        return self.prefix_cache.lookup(group.encoder_key, group.unfinished_seqs())
+
+    def num_prefix_hit_tokens(self, group: SequenceGroup) -> int:
+        """Decoder prompt tokens each of the group's sequences would find cached if
+        allocated now (it computes that many fewer)."""
+        return len(self._prefix_hits(group)) * self.block_size
 
     def _shared_prompt_blocks(self, seqs: list[Sequence], fresh: bool) -> int:
         """Blocks at the front of the self tables all ``seqs`` share: the full
@@ -189,27 +222,62 @@ class BlockManager:
         sequences on the device. Returns whether its encoder must run: True if
         it created the cross table, False if it shares a live one (filled in an
         earlier step, or by its creator earlier in the same forward pass) or took
-        one the encoder cache kept."""
+        one the encoder cache kept. Sequences whose decoder prompt begins with
+        cached blocks (``prefix_cache.py``) share them and start computed past
+        them (``num_computed_tokens``)."""
         rid = group.request_id
         if rid in self._location or rid in self._cross:
             raise RuntimeError(f"request {rid!r} already holds blocks")
         pool = self.pools[Device.DEVICE]
         if self.blocks_needed(group, share_cross=True) > self.num_free_blocks():
             raise RuntimeError(f"not enough free blocks to allocate request {rid!r}")
-        run_encoder = self._acquire_cross(group)  # first: a kept table it takes is not evicted below
+        # First: kept blocks it takes (prompt blocks, a cross table) are not evicted below.
+        hits = self._prefix_hits(group)
+        self.prefix_cache.acquire(hits)
+        run_encoder = self._acquire_cross(group)
         seqs = group.unfinished_seqs()
         # Every sequence computes its prompt tokens in the first step and writes
         # the same K/V (same tokens, positions and encoder) into the shared slots.
-        n_shared = self._shared_prompt_blocks(seqs, fresh=True)
-        self.encoder_cache.make_room(n_shared + sum(blocks_for(len(s), self.block_size) - n_shared for s in seqs))
-        shared = pool.allocate(n_shared)
+        n_shared = self._shared_prompt_blocks(seqs, fresh=True)  # >= len(hits): hits are full prompt blocks
+        self._make_room(n_shared - len(hits) + sum(blocks_for(len(s), self.block_size) - n_shared for s in seqs))
+        shared = hits + pool.allocate(n_shared - len(hits))
         pool.incref(shared, times=len(seqs) - 1)
         for seq in seqs:
             own = pool.allocate(blocks_for(len(seq), self.block_size) - n_shared)
             self._self[seq.seq_id] = shared + own
             self._owner[seq.seq_id] = rid
+            if self.prefix_cache.enabled:
+                seq.num_computed_tokens = len(hits) * self.block_size
+                self.prefix_queried_tokens += len(seq.prompt_token_ids)
+                self.prefix_hit_tokens += seq.num_computed_tokens
         self._location[rid] = Device.DEVICE
         return run_encoder
+
+    def _make_room(self, n: int) -> None:
+        """Evict kept blocks, the least recently kept of either cache first, until
+        ``n`` device blocks are free (or nothing is kept)."""
+        enc, pre, pool = self.encoder_cache, self.prefix_cache, self.pools[Device.DEVICE]
+        while pool.num_free < n:
+            a, b = enc.oldest_stamp(), pre.oldest_stamp()
+            if a is None and b is None:
+                return
+            if b is None or (a is not None and a < b):
+                enc.evict_oldest()
+            else:
+                pre.evict_oldest()
+
+    def _register_prompt(self, seq: Sequence, table: list[int]) -> None:
+        cross = self._cross.get(self._owner[seq.seq_id])
+        if self.prefix_cache.enabled and cross is not None:  # the chain's root is its key
+            self.prefix_cache.register_computed(seq, table, cross.key)
+
+    def _release(self, device: Device, blocks: list[int]) -> None:
+        """Drop a reference per entry of ``blocks``; on the device, the prefix cache
+        keeps registered blocks that lose their last one."""
+        if device is Device.DEVICE:
+            self.prefix_cache.release(blocks)
+        else:
+            self.pools[device].decref(blocks)
 
     def _acquire_cross(self, group: SequenceGroup) -> bool:
         rid, key = group.request_id, group.encoder_key
@@ -223,7 +291,7 @@ class BlockManager:
             self.encoder_cache_hits += 1
         else:
             n = blocks_for(group.encoder_len, self.block_size)
-            self.encoder_cache.make_room(n)
+            self._make_room(n)
             blocks = self.pools[Device.DEVICE].allocate_run(n)
             table = self._live_cross[key] = _CrossTable(key, blocks, Device.DEVICE)
             self.encoder_runs += 1
@@ -241,6 +309,7 @@ class BlockManager:
         self.pools[self._location[rid]].incref(table)
         self._self[child.seq_id] = list(table)
         self._owner[child.seq_id] = rid
+        self.prefix_cache.fork(parent.seq_id, child.seq_id)
 
     def _written(self, seq: Sequence, table: list[int]) -> range:
         """Indices of the existing table blocks the next forward writes into (its
@@ -283,17 +352,18 @@ class BlockManager:
         Returns the ``(src, dst)`` device blocks the engine must copy before the
         forward pass."""
         pool, table = self.pools[Device.DEVICE], self._self[seq.seq_id]
+        self._register_prompt(seq, table)  # what the last step computed, before new admissions look
         copies: list[tuple[int, int]] = []
         for i in self._written(seq, table):
             old = table[i]
-            if pool.refcount(old) > 1:
-                self.encoder_cache.make_room(1)
+            if pool.refcount(old) > 1:  # never a registered block: those are full and computed
+                self._make_room(1)
                 table[i] = pool.allocate(1)[0]
                 pool.decref([old])
                 copies.append((old, table[i]))
         grow = blocks_for(len(seq) + len(seq.spec_token_ids), self.block_size) - len(table)
         if grow > 0:
-            self.encoder_cache.make_room(grow)
+            self._make_room(grow)
             table.extend(pool.allocate(grow))
         return copies
 
@@ -305,7 +375,7 @@ class BlockManager:
         extra = table[keep:]
         if extra:
             del table[keep:]
-            self.pools[self._location[self._owner[seq.seq_id]]].decref(extra)
+            self._release(self._location[self._owner[seq.seq_id]], extra)
         return len(extra)
 
     # -- swapping ----------------------------------------------------------
@@ -353,7 +423,7 @@ class BlockManager:
         if n_move > self.num_free_blocks(dst):
             raise RuntimeError(f"not enough free {dst.value} blocks to move request {rid!r}")
         if dst is Device.DEVICE:
-            self.encoder_cache.make_room(n_move)
+            self._make_room(n_move)
         mapping: list[tuple[int, int]] = []
         cross = self._cross.get(rid)
         if self._cross_moves(group, src):
@@ -371,9 +441,10 @@ class BlockManager:
         new = dst_pool.allocate(len(counts))
         to_new = dict(zip(counts, new))
         dst_pool.incref([to_new[b] for b, c in counts.items() for _ in range(c - 1)])
-        src_pool.decref(list(counts.elements()))
+        self._release(src, list(counts.elements()))  # registered prompt blocks stay on the device, kept
         for sid in sids:
             self._self[sid] = [to_new[b] for b in self._self[sid]]
+            self.prefix_cache.forget(sid)  # its blocks are new: registered again once back on the device
         mapping += to_new.items()
         self._location[rid] = dst
         return mapping
@@ -383,8 +454,12 @@ class BlockManager:
         """Drop the sequence's self table (a no-op if it holds none)."""
         table = self._self.pop(seq.seq_id, None)
         if table is not None:
+            device = self._location[group.request_id]
+            if device is Device.DEVICE:
+                self._register_prompt(seq, table)  # its last step's prompt blocks too
             del self._owner[seq.seq_id]
-            self.pools[self._location[group.request_id]].decref(table)
+            self.prefix_cache.forget(seq.seq_id)
+            self._release(device, table)
         self._forget_if_empty(group)
 
     def free_cross(self, group: SequenceGroup) -> None:
@@ -428,13 +503,15 @@ class BlockManager:
         self.free_cross(group)
 
     def clear_encoder_cache(self) -> None:
-        """Evict every kept cross table."""
+        """Evict every kept cross table and decoder-prompt block."""
         self.encoder_cache.evict_all()
+        self.prefix_cache.evict_all()
 
     def reset(self) -> None:
         for pool in self.pools.values():
             pool.reset()
         self.encoder_cache.clear()
+        self.prefix_cache.clear()
         self._self.clear()
         self._owner.clear()
         self._cross.clear()

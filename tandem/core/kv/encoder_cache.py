@@ -13,19 +13,23 @@ for room: keeping a table never makes a request wait.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 
 from tandem.core.kv.block_pool import BlockPool
 
 
 class EncoderCache:
-    def __init__(self, pool: BlockPool, max_blocks: int) -> None:
-        """``max_blocks``: the most blocks kept at once (0: nothing is kept)."""
+    def __init__(self, pool: BlockPool, max_blocks: int, clock: Iterator[int] | None = None) -> None:
+        """``max_blocks``: the most blocks kept at once (0: nothing is kept).
+        ``clock``: keep stamps, shared with the prefix cache (``prefix_cache.py``)."""
         self.pool = pool
         self.max_blocks = max_blocks
+        self._clock = clock if clock is not None else itertools.count()
         # Least recently kept first. Keys are compared, not just hashed (EncoderInputs.cache_key).
         self._tables: OrderedDict[Hashable, list[int]] = OrderedDict()
+        self._stamps: dict[Hashable, int] = {}
         self.num_blocks = 0
         self.evictions = 0  # tables evicted (to make room, or past the bound)
 
@@ -52,6 +56,7 @@ class EncoderCache:
             self._evict(next(iter(self._tables)))
         self.pool.keep(blocks)
         self._tables[key] = blocks
+        self._stamps[key] = next(self._clock)
         self.num_blocks += len(blocks)
         return True
 
@@ -59,6 +64,7 @@ class EncoderCache:
         """The kept table of ``key``, held once again (None when there is none)."""
         blocks = self._tables.pop(key, None)
         if blocks is not None:
+            del self._stamps[key]
             self.pool.reuse(blocks)
             self.num_blocks -= len(blocks)
         return blocks
@@ -69,9 +75,17 @@ class EncoderCache:
         while self.pool.num_free < n and self._tables:
             self._evict(next(iter(self._tables)))
 
+    def oldest_stamp(self) -> int | None:
+        """When the least recently kept table was kept (None: nothing is)."""
+        return self._stamps[next(iter(self._tables))] if self._tables else None
+
+    def evict_oldest(self) -> None:
+        self._evict(next(iter(self._tables)))
+
     def clear(self) -> None:
         """Forget every table (the pool was reset under it)."""
         self._tables.clear()
+        self._stamps.clear()
         self.num_blocks = 0
 
     def evict_all(self) -> None:
@@ -80,6 +94,7 @@ class EncoderCache:
 
     def _evict(self, key: Hashable) -> None:
         blocks = self._tables.pop(key)
+        del self._stamps[key]
         self.pool.evict(blocks)
         self.num_blocks -= len(blocks)
         self.evictions += 1

@@ -33,6 +33,16 @@ _STAT_METRICS = (
      "Cross tables evicted from the encoder cache"),
     (GaugeMetricFamily, "encoder_cache_blocks", "encoder_cache_blocks",
      "KV blocks the encoder cache keeps (evictable)"),
+    (CounterMetricFamily, "prefix_cache_queries", "prefix_cache_queried_tokens",
+     "Decoder prompt tokens looked up in the prefix cache at admission"),
+    (CounterMetricFamily, "prefix_cache_hits", "prefix_cache_hit_tokens",
+     "Decoder prompt tokens found in the prefix cache (not computed)"),
+    (GaugeMetricFamily, "prefix_cache_hit_rate", "prefix_cache_hit_rate",
+     "Share of looked-up decoder prompt tokens found cached (0..1)"),
+    (CounterMetricFamily, "prefix_cache_evictions", "prefix_cache_evictions",
+     "Decoder-prompt blocks evicted from the prefix cache"),
+    (GaugeMetricFamily, "prefix_cache_blocks", "prefix_cache_blocks",
+     "KV blocks the prefix cache keeps (evictable)"),
 )
 
 class _EngineCollector:
