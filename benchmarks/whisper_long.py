@@ -161,7 +161,7 @@ def main(argv=None) -> int:
         model_dir = wb.make_model(args.size, tmp.name, args.seed)
     audio = long_file(args.minutes, args.seed)
     warm = long_file(40 / 60, args.seed + 1)
-    from tandem.audio.vad import SileroVad, VadOptions
+    from tandem.entrypoints.vad import SileroVad, VadOptions
 
     t = time.perf_counter()
     regions = SileroVad()(audio, VadOptions())

@@ -258,7 +258,7 @@ def cmd_transcribe(args) -> int:
     if args.vad_parameters is not None and not args.vad_filter:
         raise ValueError("--vad-parameters without --vad-filter: give --vad-filter to use them")
     if args.vad_filter:
-        from tandem.audio.vad import VadOptions, check_vad_support
+        from tandem.entrypoints.vad import VadOptions, check_vad_support
 
         check_vad_support()
         VadOptions.from_dict(args.vad_parameters)  # a bad key or value fails before the model loads

@@ -1,7 +1,7 @@
 """VAD-batched long-form: speech regions become chunks decoded in parallel.
 
 faster-whisper's ``BatchedInferencePipeline``, on the engine's scheduler: a voice
-activity detector finds each input's speech regions (``tandem.audio.vad``, or
+activity detector finds each input's speech regions (``tandem.entrypoints.vad``, or
 a callable the caller gives); consecutive regions are joined, silence between
 them dropped, into chunks of at most the model's window (30 s for Whisper,
 faster-whisper's ``collect_chunks``); every chunk is one input of its own to the
@@ -139,7 +139,7 @@ class VadPlan:
         if vad_filter is not True:
             raise TypeError(f"vad_filter={vad_filter!r}: must be True, False or a callable (waveform, sample_rate) -> "
                             "speech regions")
-        from tandem.audio.vad import SAMPLE_RATE, SileroVad, VadOptions
+        from tandem.entrypoints.vad import SAMPLE_RATE, SileroVad, VadOptions
 
         options = VadOptions.from_dict(vad_parameters, max_speech_duration_s=window_seconds)
         if sample_rate != SAMPLE_RATE:

@@ -157,7 +157,7 @@ def test_no_speech_bad_regions_and_bad_options(whisper_ts, clip):
 
 
 def test_with_the_option_off_no_vad_runs_and_nothing_changes(whisper_ts, clip, monkeypatch):
-    import tandem.audio.vad as vad
+    import tandem.entrypoints.vad as vad
 
     path, llm = whisper_ts
     options = dict(language="en", timestamps=True, temperature=0.0, use_tqdm=False)
@@ -186,7 +186,7 @@ def _islands():
 def test_silero_regions_go_through_the_same_pipeline(whisper_ts):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("silero_vad")
-    from tandem.audio.vad import SileroVad, VadOptions
+    from tandem.entrypoints.vad import SileroVad, VadOptions
 
     path, llm = whisper_ts
     audio = _islands()

@@ -444,7 +444,7 @@ def _vad_fields(form) -> dict:
         if raw:
             raise ValueError("vad_parameters without vad_filter=true: give vad_filter=true to use them")
         return {}
-    from tandem.audio.vad import VadOptions, check_vad_support
+    from tandem.entrypoints.vad import VadOptions, check_vad_support
 
     try:
         check_vad_support()

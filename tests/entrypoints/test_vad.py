@@ -1,4 +1,4 @@
-"""Silero VAD (``tandem.audio.vad``): the speech regions equal silero-vad's and
+"""Silero VAD (``tandem.entrypoints.vad``): the speech regions equal silero-vad's and
 faster-whisper's own post-processing of the same per-frame probabilities; the
 probabilities equal silero's streaming ONNX model frame by frame; the model finds
 synthetic speech islands and not the silence between them; memory is bounded by
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import speechlike_audio
-from tandem.audio.vad import BLOCK_FRAMES, FRAME_SAMPLES, SileroVad, VadOptions, speech_regions_from_probs
+from tandem.entrypoints.vad import BLOCK_FRAMES, FRAME_SAMPLES, SileroVad, VadOptions, speech_regions_from_probs
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("silero_vad")  # its ONNX model file (the package is not imported)
