@@ -242,8 +242,10 @@ class TandemRunner:
                  if getattr(args, key) is not None}
         # int8 computes in float32 (tandem refuses int8 with a 16-bit dtype).
         dtype = "float32" if quantization else args.dtype
+        # encoder_cache_blocks=0: a repeat (or the 1-token run of the encoder share) on the
+        # same clips must compute their encoder again, as HF and CTranslate2 do.
         self.llm = LLM(model=model_dir, dtype=dtype, device=args.device, seed=args.seed,
-                       quantization=quantization, **extra)
+                       quantization=quantization, encoder_cache_blocks=0, **extra)
         if quantization:
             self.name = f"tandem {quantization}"
 
