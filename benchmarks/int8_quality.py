@@ -1,6 +1,6 @@
 """What ``quantization="int8"`` costs in quality: greedy token agreement with float32.
 
-Two checkpoints, both local (nothing is downloaded):
+Checkpoints, all local (nothing is downloaded):
 
   demo        the shipped word-reversal model (tandem/demo_model): held-out
               sentences (tools/train_demo.py's generator, seed 98765); reports
@@ -18,7 +18,11 @@ the top-k token set (logprobs=k) is the same and the mean |difference| of the
 chosen token's logprob: a random checkpoint tends to repeat one dominant token,
 so its equal sequences alone prove little.
 
-  python benchmarks/int8_quality.py [--model /tmp/bench-base] [--num 200]
+  whisper     (--whisper) the shipped demo Whisper (tandem/demo_whisper, trained
+              on tone speech): seeded sentences of its 20 words, synthesized;
+              reports exact transcripts and agreement with fp32 as for demo
+
+  python benchmarks/int8_quality.py [--model /tmp/bench-base] [--num 200] [--whisper]
 """
 
 from __future__ import annotations
@@ -94,12 +98,17 @@ def main() -> None:
     p.add_argument("--num", type=int, default=200)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--topk", type=int, default=5, help="logprobs asked for (the top-k agreement column)")
+    p.add_argument("--whisper", action="store_true",
+                   help="also the demo Whisper (tandem/demo_whisper): int8 on synthesized tone speech")
     args = p.parse_args()
     k = args.topk
     print(f"# torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
           f"quantized engine {torch.backends.quantized.engine}; int8 = every linear layer and the LM head")
     print(f"{'checkpoint':<11} {'requests':>8} {'int8 == fp32':>13} {'tokens before divergence':>25} "
           f"{f'same top-{k}':>10} {'mean |dlogprob|':>16} {'task exact (fp32 / int8)':>25} variant")
+
+    if args.whisper:
+        whisper_rows(args.num, k)
 
     from train_demo import heldout_sentences, reverse_words
 
@@ -135,6 +144,31 @@ def main() -> None:
                   f"{100 * topk:>9.1f}% {drift:>16.4f} {'-':>25} {label}")
         print(f"# bart-base: fp32 outputs hold {distinct:.1f} distinct tokens per request of {n}; mean first "
               "divergence at step " + ", ".join(f"{first[q]:.1f} ({q})" for q in VARIANTS))
+
+def whisper_rows(num: int, k: int) -> None:
+    """``--whisper``: the shipped demo Whisper (trained on tone speech) on seeded
+    sentences of its 20 words (2-8 words, ``synthesize(text, seed=i)``): greedy
+    ``generate`` on the audio with ``transcribe``'s English prompt, int8 against float32."""
+    from tandem import SamplingParams
+    from tandem.demo_whisper import PATH, WORDS, synthesize
+
+    rng = random.Random(4321)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))) for _ in range(num)]
+    from transformers import GenerationConfig
+
+    g = GenerationConfig.from_pretrained(PATH)  # transcribe's prompt: <|sot|> <|en|> <|transcribe|> <|notimestamps|>
+    decoder = [g.decoder_start_token_id, g.lang_to_id["<|en|>"], g.task_to_id["transcribe"], g.no_timestamps_token_id]
+    prompts = [{"encoder_prompt": {"audio": synthesize(t, seed=i), "sampling_rate": 16000},
+                "decoder_prompt": {"prompt_token_ids": decoder}} for i, t in enumerate(texts)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=k)
+    outs = {q: build(str(PATH), q).generate(prompts, params, use_tqdm=False) for q in (None, *VARIANTS)}
+    exact = {q: sum(o.outputs[0].text.strip() == t for o, t in zip(v, texts)) for q, v in outs.items()}
+    for q, label in VARIANTS.items():
+        same, frac, _ = agreement(*([list(o.outputs[0].token_ids) for o in outs[x]] for x in (None, q)))
+        topk, drift = logprob_drift(outs[None], outs[q], k)
+        print(f"{'whisper':<11} {num:>8} {same:>8}/{num:<4} {100 * frac:>24.1f}% "
+              f"{100 * topk:>9.1f}% {drift:>16.4f} {exact[None]:>12} / {exact[q]:<10} {label}")
+
 
 if __name__ == "__main__":
     main()

@@ -234,13 +234,20 @@ def prompt_ids(model_dir: str) -> list[int]:
 class TandemRunner:
     name = "tandem"
 
-    def __init__(self, model_dir: str, args):
+    def __init__(self, model_dir: str, args, quantization: str | None = None):
         from tandem import LLM
 
         extra = {key: getattr(args, key) for key in ("max_num_seqs", "max_num_batched_tokens",
                                                      "kv_cache_memory", "attention_backend")
                  if getattr(args, key) is not None}
-        self.llm = LLM(model=model_dir, dtype=args.dtype, device=args.device, seed=args.seed, **extra)
+        # int8 computes in float32 (tandem refuses int8 with a 16-bit dtype).
+        dtype = "float32" if quantization else args.dtype
+        # encoder_cache_blocks=0: a repeat (or the 1-token run of the encoder share) on the
+        # same clips must compute their encoder again, as HF and CTranslate2 do.
+        self.llm = LLM(model=model_dir, dtype=dtype, device=args.device, seed=args.seed,
+                       quantization=quantization, encoder_cache_blocks=0, **extra)
+        if quantization:
+            self.name = f"tandem {quantization}"
 
     def run(self, clips, new_tokens: int) -> list[list[int]]:
         inputs = [{"audio": c, "sampling_rate": SAMPLING_RATE} for c in clips]
@@ -440,6 +447,18 @@ def run_tandem(model_dir, clips, warmup, args) -> tuple[list[Result], dict]:
     return [full], share
 
 
+def run_tandem_int8(model_dir, clips, warmup, args) -> list[Result]:
+    """``--tandem-int8``: tandem with ``quantization="int8"`` (every linear layer of the
+    encoder and decoder and the LM head; float32 around them), the same clips."""
+    start = time.perf_counter()
+    runner = TandemRunner(model_dir, args, quantization="int8")
+    load = time.perf_counter() - start
+    result = timed(runner, clips, warmup, args.new_tokens, runner.name, load, args.repeats)
+    del runner
+    gc.collect()
+    return [result]
+
+
 def run_simple(cls, model_dir, clips, warmup, args) -> list[Result]:
     start = time.perf_counter()
     runner = cls(model_dir, args)
@@ -582,8 +601,16 @@ def parse_args(argv=None):
     td.add_argument("--max-num-batched-tokens", type=int)
     td.add_argument("--kv-cache-memory", type=float, help="GiB")
     td.add_argument("--attention-backend")
+    td.add_argument("--tandem-int8", action="store_true",
+                    help="also a 'tandem int8' row: quantization='int8' (float32 around it)")
+    import whisper_long_form
+
+    whisper_long_form.add_arguments(p).add_argument(
+        "--long-form", type=float, metavar="SECONDS", default=0.0,
+        help="after the clips, one file of SECONDS decoded sequentially: tandem against faster-whisper")
 
     args = p.parse_args(argv)
+    whisper_long_form.finish_arguments(args)
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in args.engines if e not in ENGINES]
     if unknown:
@@ -657,6 +684,8 @@ def main(argv=None) -> int:
             if engine == "tandem":
                 r, share = run_tandem(model_dir, clips, warmup, args)
                 results += r
+                if args.tandem_int8:
+                    results += run_tandem_int8(model_dir, clips, warmup, args)
             elif engine == "hf":
                 results += run_simple(HFRunner, model_dir, clips, warmup, args)
             else:
@@ -688,12 +717,22 @@ def main(argv=None) -> int:
         print(f"tandem stats: encoder_tokens_computed={s.get('encoder_tokens_computed')} "
               f"encoder_tokens_reused={s.get('encoder_tokens_reused')}")
 
+    long_form = []
+    if args.long_form > 0:
+        import whisper_long_form
+
+        print(f"\nlong-form: one {args.long_form:.0f} s file, sequential")
+        args.seconds = args.long_form
+        long_form = whisper_long_form.run_long_form(model_dir, args)
+        print(whisper_long_form.format_table(long_form))
+
     if args.json:
         payload = {
             "environment": env,
             "results": [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in results],
             "tandem_encoder_share": share,
             "notes": notes,
+            "long_form": [asdict(r) for r in long_form],
         }
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
         print(f"\nwrote {args.json}")

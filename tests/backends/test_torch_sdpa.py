@@ -31,3 +31,41 @@ def test_contiguous_starts():
     tables = torch.tensor([[4, 5, 6], [4, 6, 0], [9, 0, 0], [2, 3, 7]])
     lens = torch.tensor([12, 5, 3, 8])  # block size 4: 3, 2, 1, 2 blocks used
     assert contiguous_starts(tables, lens, 4).tolist() == [16, -1, 36, 8]
+
+
+@pytest.mark.parametrize("backend", ["torch_sdpa", "cpu_paged"])
+def test_encoder_runs_of_one_length_in_one_call_match_float64(backend, monkeypatch):
+    """Whisper's case: every encoder run 1500 positions. Runs of one length go
+    through one batched SDPA call (its output a view, no per-run copy); the result
+    is float64's, and runs of different lengths still take the per-run loop."""
+    import tandem.backends.torch_sdpa as sdpa
+    from layouts import Seq
+
+    if backend == "cpu_paged":
+        from tandem.backends.cpu_paged import CPUPagedBackend as cls
+        from tandem.backends.cpu_paged import ops
+
+        try:
+            ops.load()
+        except ops.CPUOpUnavailable as e:
+            pytest.skip(f"cpu_paged's C++ op is unavailable here: {e}")
+    else:
+        cls = TorchSDPABackend
+    batched = []
+    real = sdpa.SDPAImplBase._encoder_batched
+    monkeypatch.setattr(sdpa.SDPAImplBase, "_encoder_batched",
+                        lambda self, q, k, v, runs, gqa: batched.append(runs) or real(self, q, k, v, runs, gqa))
+
+    def layout(enc_lens, block_size=4):
+        seqs, used = [], 0
+        for group, n in enumerate(enc_lens):
+            cross = list(range(used, used + -(-n // block_size)))
+            table = [cross[-1] + 1]  # a 3-token prefill fits one block
+            used = table[-1] + 1
+            seqs.append(Seq(group, 0, 3, table, n, cross, True))
+        return seqs, used + 4
+
+    check_backend(cls, 0, 4, num_kv_heads=2, layout=layout([37, 37, 37]))
+    assert batched == [3]
+    check_backend(cls, 1, 4, num_kv_heads=4, layout=layout([37, 20, 37]))
+    assert batched == [3]  # unequal runs: the loop

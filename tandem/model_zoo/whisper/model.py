@@ -63,9 +63,17 @@ class WhisperEncoder(nn.Module):
         """The groups' inputs (see :meth:`features`) -> packed ``[G * 1500, d]`` hidden states."""
         features = self.features(inputs).to(self.conv1.weight.dtype)
         h = nn.functional.gelu(self.conv1(features))
-        h = nn.functional.gelu(self.conv2(h)).transpose(1, 2)  # [G, 1500, d]
-        h = h + self.embed_positions.weight[: h.shape[1]]
-        h = h.reshape(-1, h.shape[-1])
+        h = nn.functional.gelu(self.conv2(h))  # [G, d, 1500]
+        g, d, n = h.shape
+        # The positions added while transposing to [G, 1500, d], written once in token-major
+        # order (h.transpose(1, 2) + pos would keep h's channel-major strides, and the
+        # reshape below would then copy it again).
+        pos = self.embed_positions.weight[:n]
+        if torch.is_grad_enabled():  # out= has no autograd; the engine runs in inference mode
+            h = (h.transpose(1, 2) + pos).contiguous()
+        else:
+            h = torch.add(h.transpose(1, 2), pos, out=h.new_empty(g, n, d))
+        h = h.view(-1, d)
         for layer in self.layers:
             h = layer(h, attn_metadata)
         return self.layer_norm(h)
