@@ -1,0 +1,94 @@
+"""The Ray Serve deployment of the OpenAI server answers the official openai client
+as ``LLM.generate`` would (plain and streamed completions), refuses chat with the
+server's own message, and leaves no replica behind once deleted."""
+
+import socket
+import time
+
+import pytest
+
+pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+from tandem import LLM, SamplingParams  # noqa: E402
+
+ENGINE = dict(dtype="float32", device="cpu", attention_backend="torch_sdpa")
+KEY = "serve-key"
+PROMPTS = ["the rain in spain", "red blue green small", "a cat sat"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _replicas(ray) -> list:
+    """The deployment's replica actors that are alive, from the GCS (no dashboard needed)."""
+    from ray._private.state import actors
+
+    return [a for a in actors().values()
+            if "tandem" in a.get("Name", "") and "Replica" in a.get("ActorClassName", "") and a["State"] != "DEAD"]
+
+
+def test_serve_deployment_answers_the_openai_client(ray_local, bart_dir):
+    from ray import serve
+
+    from tandem.integrations.ray.serve import build_app
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        # As `serve run tandem.integrations.ray.serve:build_app model=... key=value` passes them: strings.
+        app = build_app({"model": str(bart_dir), "served_model_name": "bart", "api_key": KEY, "dtype": "float32",
+                         "device": "cpu", "attention_backend": "torch_sdpa", "max_num_seqs": "8"})
+        serve.run(app, name="tandem", route_prefix="/", blocking=False)
+        deadline = time.monotonic() + 120
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
+        while True:  # the app answers once its replica's engine is up
+            try:
+                models = client.models.list()
+                break
+            except (openai.APIConnectionError, openai.NotFoundError, openai.InternalServerError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        assert [m.id for m in models.data] == ["bart"]
+
+        ref = LLM(str(bart_dir), **ENGINE).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8),
+                                                   use_tqdm=False)
+        got = client.completions.create(model="bart", prompt=PROMPTS, max_tokens=8, temperature=0.0)
+        assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [r.outputs[0].text for r in ref]
+        assert got.usage.completion_tokens == sum(len(r.outputs[0].token_ids) for r in ref)
+
+        stream = client.completions.create(model="bart", prompt=PROMPTS[0], max_tokens=8, temperature=0.0,
+                                           stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == ref[0].outputs[0].text
+
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0).models.list()
+        with pytest.raises(openai.BadRequestError, match="max_tokens"):
+            client.completions.create(model="bart", prompt="the rain", max_tokens=-1)
+        # An encoder/decoder model takes no chat messages: the server's 404 says so.
+        with pytest.raises(openai.NotFoundError, match="takes no chat messages"):
+            client.chat.completions.create(model="bart", messages=[{"role": "user", "content": "hi"}])
+        assert len(_replicas(ray_local)) == 1
+    finally:
+        started = time.monotonic()
+        serve.shutdown()
+        print(f"serve.shutdown took {time.monotonic() - started:.1f} s")
+    deadline = time.monotonic() + 30
+    while _replicas(ray_local) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _replicas(ray_local) == []
+
+
+def test_build_app_names_a_bad_key(ray_local, bart_dir):
+    from tandem.integrations.ray.serve import build_app
+
+    with pytest.raises(ValueError, match=r"unknown key 'max_num_seq'; did you mean max_num_seqs"):
+        build_app({"model": str(bart_dir), "max_num_seq": "8"})
+    with pytest.raises(ValueError, match=r"--max-num-seqs: invalid int value: 'eight'"):
+        build_app({"model": str(bart_dir), "max_num_seqs": "eight"})
+    with pytest.raises(ValueError, match="needs model="):
+        build_app({"dtype": "float32"})
