@@ -148,6 +148,13 @@ class EngineConfig:
         "`tensor_parallel_size` is 1, else mp)",
         choices=("mp", "ray"),
     )
+    # core/executor/ray_executor.py: where Ray places the ranks (a placement group's strategy).
+    ray_placement_strategy: str = option(
+        "STRICT_PACK", "with `distributed_executor_backend` ray: how the ranks' placement group is placed: "
+        "STRICT_PACK (every rank on one node), PACK (one node if they fit, else several), SPREAD / STRICT_SPREAD "
+        "(across nodes, as far as possible / one rank per node)",
+        choices=("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"),
+    )
     # core/faults.py
     max_consecutive_step_failures: int = option(
         3, "failed steps in a row (no good step between) after which the engine declares itself dead (a server's "
@@ -226,6 +233,9 @@ class EngineConfig:
         if not is_int(self.seed) or not -(2**63) <= self.seed <= 2**64 - 1:
             raise ValueError(f"seed={self.seed!r}: must be an integer in [-2**63, 2**64 - 1], the range torch seeds take")
         self._check_parallel()
+        if self.ray_placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
+            raise ValueError(f"ray_placement_strategy={self.ray_placement_strategy!r}: must be one of 'STRICT_PACK', "
+                             "'PACK', 'SPREAD', 'STRICT_SPREAD'")
         gc = self.generation_config
         if not isinstance(gc, (str, Path)) or not str(gc):
             raise ValueError(

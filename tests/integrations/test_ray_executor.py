@@ -1,0 +1,81 @@
+"""``distributed_executor_backend="ray"``: two tensor-parallel ranks as Ray actors
+(a placement group of two CPU bundles, gloo between them) generate what one rank
+in this process generates, token for token; a rank's actor killed mid-service
+makes the engine raise ``EngineDeadError`` naming that rank, within seconds, and
+frees what the ranks held."""
+
+import time
+
+import pytest
+
+pytest.importorskip("ray")
+
+from tandem import LLM, EngineDeadError, SamplingParams  # noqa: E402
+
+ENGINE = dict(dtype="float32", device="cpu", attention_backend="torch_sdpa")
+PROMPTS = ["the rain in spain falls", "red blue green small big old", "a cat sat on the mat",
+           {"encoder_prompt": "king queen bird fish", "decoder_prompt": "the sun"}]
+
+
+@pytest.fixture(scope="module")
+def tp2(ray_local, bart_dir):
+    llm = LLM(str(bart_dir), tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+    yield llm
+    llm.engine.shutdown()
+
+
+def test_ray_tp2_equals_tp1(tp2, bart_dir):
+    # The tiny checkpoint's wide random weights (tests/helpers.py) leave logit gaps far
+    # above float32's summation-order differences (partial sums all-reduced across the
+    # ranks), so the tokens must agree exactly.
+    ref = LLM(str(bart_dir), **ENGINE)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10)
+    beams = SamplingParams(num_beams=3, n=2, max_tokens=8)
+    for params in (greedy, beams):
+        want = ref.generate(PROMPTS, params, use_tqdm=False)
+        got = tp2.generate(PROMPTS, params, use_tqdm=False)
+        for g, w in zip(got, want):
+            assert g.error is None
+            assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs]
+    executor = tp2.engine.executor
+    assert type(executor).__name__ == "RayExecutor" and len(executor.pids) == 2
+    import os
+
+    assert os.getpid() not in executor.pids  # the ranks run in the actors, not here
+
+
+def test_killed_rank_is_engine_dead_naming_it(tp2, ray_local):
+    ray = ray_local
+    executor = tp2.engine.executor
+    ray.kill(executor._actors[1], no_restart=True)
+    started = time.monotonic()
+    while True:  # the driver learns of the death from the rank's sentinel, without a step
+        try:
+            executor.check_health()
+        except EngineDeadError as e:
+            assert "tensor-parallel rank 1" in str(e) and f"pid {executor.pids[1]}" in str(e) and "died" in str(e)
+            break
+        assert time.monotonic() - started < 10, "check_health did not see the killed rank in 10 s"
+        time.sleep(0.05)
+    with pytest.raises(EngineDeadError, match="tensor-parallel rank 1"):
+        tp2.generate(["the rain in spain"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert time.monotonic() - started < 20
+    # The other rank is stopped and the placement group removed: both CPUs are free again.
+    deadline = time.monotonic() + 20
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == 2
+
+
+def test_placement_that_cannot_be_met_is_a_clear_error(ray_local, bart_dir, monkeypatch):
+    """Four ranks on a two-CPU cluster: start-up fails naming the bundles and the
+    cluster's resources (after the placement timeout) and leaves nothing placed."""
+    import tandem.core.executor.ray_executor as ray_executor
+
+    monkeypatch.setattr(ray_executor, "PLACEMENT_TIMEOUT_S", 1.0)
+    with pytest.raises(RuntimeError, match=r"needs 4 bundles of \{'CPU': 1.0\} placed STRICT_PACK"):
+        LLM(str(bart_dir), tensor_parallel_size=4, distributed_executor_backend="ray", **ENGINE)
+    deadline = time.monotonic() + 20
+    while ray_local.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray_local.available_resources().get("CPU", 0) == 2
