@@ -148,7 +148,7 @@ class MultiprocExecutor(Executor):
                     exc.add_note(f"(raised by tensor-parallel rank {rank} in {method})")
                     raise exc
                 raise RuntimeError(f"tensor-parallel rank {rank} raised in {method}: {cause}\n{tb}")
-        return [answers[r] for r in sorted(answers)]
+        return [answers[r] for r in ranks]
 
     def _die(self, rank: int, cause: str, method: str, tb: str | None = None, exc: BaseException | None = None):
         pid = self._procs[rank].pid
