@@ -44,6 +44,16 @@ def test_ray_tp2_equals_tp1(tp2, bart_dir):
     assert os.getpid() not in executor.pids  # the ranks run in the actors, not here
 
 
+def test_a_rank_raising_outside_a_step_names_it_and_the_engine_serves_on(tp2):
+    """A call the ranks fail (not a step: their collectives stay in step) raises the
+    rank's own exception, naming the rank; the engine is not dead."""
+    with pytest.raises(AttributeError, match="no_such_method") as info:
+        tp2.engine.executor.collective_rpc("no_such_method")
+    assert any("tensor-parallel rank 0 in no_such_method" in note for note in info.value.__notes__)
+    out = tp2.generate(["the rain in spain"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert out[0].error is None and len(out[0].outputs[0].token_ids) == 4
+
+
 def test_killed_rank_is_engine_dead_naming_it(tp2, ray_local):
     ray = ray_local
     executor = tp2.engine.executor
@@ -79,3 +89,10 @@ def test_placement_that_cannot_be_met_is_a_clear_error(ray_local, bart_dir, monk
     while ray_local.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray_local.available_resources().get("CPU", 0) == 2
+
+
+def test_placement_strategy_is_checked(bart_dir):
+    from tandem.core.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"ray_placement_strategy='TIGHT': must be one of 'STRICT_PACK'"):
+        EngineConfig(model=str(bart_dir), distributed_executor_backend="ray", ray_placement_strategy="TIGHT")
