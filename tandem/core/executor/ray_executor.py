@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = float(os.environ.get("TANDEM_RAY_PLACEMENT_TIMEOUT_S", "120"))
 # How long shutdown waits for the ranks to leave their process group before killing them.
 _GRACE_S = 5.0
+# How long a rank's failure waits for news of another rank's death (which it may be the echo of).
+_BLAME_WAIT_S = 2.0
 
 
 class _RankActor:
@@ -227,6 +229,12 @@ class RayExecutor(Executor):
             except Exception as e:  # noqa: BLE001 - the rank raised or died
                 cause, exc = _describe_failure(e)
                 if method in ("execute_model", "start", "rendezvous") or exc is None:
+                    # A peer's death reaches the others as a failed collective, often before
+                    # Ray reports the death itself: blame the rank that died, if one did.
+                    gone, _ = ray.wait(self._sentinels, num_returns=1, timeout=_BLAME_WAIT_S)
+                    if gone and self._rank_of[gone[0]] != rank:
+                        dead = self._rank_of[gone[0]]
+                        self._die(dead, f"{self._sentinel_cause(gone[0])}; rank {rank} then {cause}", method, exc)
                     self._die(rank, cause, method, exc)
                 self._state["graceful"] = False  # a failed start-up step: the engine will not be built
                 exc.add_note(f"(raised by tensor-parallel rank {rank} in {method}, distributed_executor_backend='ray')")
