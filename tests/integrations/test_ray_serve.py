@@ -83,7 +83,7 @@ def test_serve_deployment_answers_the_openai_client(ray_local, bart_dir):
     assert _replicas(ray_local) == []
 
 
-def test_build_app_names_a_bad_key(ray_local, bart_dir):
+def test_build_app_names_a_bad_key(bart_dir):
     from tandem.integrations.ray.serve import build_app
 
     with pytest.raises(ValueError, match=r"unknown key 'max_num_seq'; did you mean max_num_seqs"):
@@ -92,3 +92,18 @@ def test_build_app_names_a_bad_key(ray_local, bart_dir):
         build_app({"model": str(bart_dir), "max_num_seqs": "eight"})
     with pytest.raises(ValueError, match="needs model="):
         build_app({"dtype": "float32"})
+
+
+def test_build_app_reads_each_key_as_its_flag(bart_dir):
+    """``serve run``'s strings become the engine's, the server's and the deployment's typed
+    values, as ``tandem serve``'s flags of the same names parse them."""
+    from tandem.integrations.ray.serve import build_app
+
+    app = build_app({"model": str(bart_dir), "max-num-seqs": "8", "trust_remote_code": "false", "swap_space": "0.5",
+                     "num_replicas": "2", "num_gpus": "0.5", "api_key": "k", "max_audio_seconds": "0"})
+    deployment = app._bound_deployment
+    model, engine, server = deployment.init_args
+    assert model == str(bart_dir)
+    assert engine["max_num_seqs"] == 8 and engine["swap_space"] == 0.5 and engine["trust_remote_code"] is False
+    assert server == {"api_key": "k", "max_audio_seconds": None}  # 0: no limit, as the flag
+    assert deployment.num_replicas == 2 and deployment.ray_actor_options["num_gpus"] == 0.5
