@@ -4,6 +4,7 @@ in this process generates, token for token; a rank's actor killed mid-service
 makes the engine raise ``EngineDeadError`` naming that rank, within seconds, and
 frees what the ranks held."""
 
+import re
 import time
 
 import pytest
@@ -49,7 +50,8 @@ def test_a_rank_raising_outside_a_step_names_it_and_the_engine_serves_on(tp2):
     rank's own exception, naming the rank; the engine is not dead."""
     with pytest.raises(AttributeError, match="no_such_method") as info:
         tp2.engine.executor.collective_rpc("no_such_method")
-    assert any("tensor-parallel rank 0 in no_such_method" in note for note in info.value.__notes__)
+    # Both ranks raise it; whichever answer arrives first is reported.
+    assert any(re.search(r"tensor-parallel rank [01] in no_such_method", note) for note in info.value.__notes__)
     out = tp2.generate(["the rain in spain"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert out[0].error is None and len(out[0].outputs[0].token_ids) == 4
 

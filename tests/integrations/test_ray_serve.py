@@ -31,6 +31,18 @@ def _replicas(ray) -> list:
             if "tandem" in a.get("Name", "") and "Replica" in a.get("ActorClassName", "") and a["State"] != "DEAD"]
 
 
+def _when_up(client, seconds: float = 180):
+    """``/v1/models``, once the app answers (its replica's engine is up)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return client.models.list()
+        except (openai.APIConnectionError, openai.NotFoundError, openai.InternalServerError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def test_serve_deployment_answers_the_openai_client(ray_local, bart_dir):
     from ray import serve
 
@@ -43,17 +55,8 @@ def test_serve_deployment_answers_the_openai_client(ray_local, bart_dir):
         app = build_app({"model": str(bart_dir), "served_model_name": "bart", "api_key": KEY, "dtype": "float32",
                          "device": "cpu", "attention_backend": "torch_sdpa", "max_num_seqs": "8"})
         serve.run(app, name="tandem", route_prefix="/", blocking=False)
-        deadline = time.monotonic() + 120
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
-        while True:  # the app answers once its replica's engine is up
-            try:
-                models = client.models.list()
-                break
-            except (openai.APIConnectionError, openai.NotFoundError, openai.InternalServerError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
-        assert [m.id for m in models.data] == ["bart"]
+        assert [m.id for m in _when_up(client).data] == ["bart"]
 
         ref = LLM(str(bart_dir), **ENGINE).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8),
                                                    use_tqdm=False)
@@ -107,3 +110,34 @@ def test_build_app_reads_each_key_as_its_flag(bart_dir):
     assert engine["max_num_seqs"] == 8 and engine["swap_space"] == 0.5 and engine["trust_remote_code"] is False
     assert server == {"api_key": "k", "max_audio_seconds": None}  # 0: no limit, as the flag
     assert deployment.num_replicas == 2 and deployment.ray_actor_options["num_gpus"] == 0.5
+
+
+def test_tensor_parallel_replica_reserves_its_ranks(ray_local, bart_dir):
+    """A replica whose engine runs TP=2 on the Ray executor: the deployment reserves one
+    CPU bundle per rank (the replica itself in bundle 0, reserving nothing), the ranks
+    fill them, and the completions equal one process's; deleting the app frees both CPUs."""
+    from ray import serve
+
+    from tandem.integrations.ray.serve import deployment
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        app = deployment(str(bart_dir), served_model_name="bart", tensor_parallel_size=2,
+                         distributed_executor_backend="ray", **ENGINE)
+        serve.run(app, name="tandem-tp", route_prefix="/", blocking=False)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        _when_up(client)
+        # Both ranks hold their bundle's CPU: had the executor made a group of its own beside the
+        # replica's, it could not have been placed on 2 CPUs and start-up would have failed.
+        assert ray_local.available_resources().get("CPU", 0) == 0
+        ref = LLM(str(bart_dir), **ENGINE).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8),
+                                                   use_tqdm=False)
+        got = client.completions.create(model="bart", prompt=PROMPTS, max_tokens=8, temperature=0.0)
+        assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [r.outputs[0].text for r in ref]
+    finally:
+        serve.shutdown()
+    deadline = time.monotonic() + 30
+    while ray_local.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray_local.available_resources().get("CPU", 0) == 2

@@ -53,7 +53,7 @@ class _RankActor:
     def __init__(self) -> None:
         self.rank_worker = None
         self.rank = -1
-        self._stop = threading.Event()
+        self._never = threading.Event()
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a TCP port free on it, for the process group."""
@@ -83,17 +83,14 @@ class _RankActor:
         return result if self.rank == 0 else None  # only rank 0 samples
 
     def sentinel(self) -> None:
-        """Returns only when asked to (:meth:`release`): while the actor lives, this call is pending."""
-        self._stop.wait()
-
-    def release(self) -> None:
-        self._stop.set()
+        """Never returns: while the actor lives this call is pending; Ray ends it with the actor."""
+        self._never.wait()
 
 
 def _actor_class():
     import ray
 
-    return ray.remote(concurrency_groups={"sentinel": 2})(_RankActor)
+    return ray.remote(concurrency_groups={"sentinel": 1})(_RankActor)
 
 
 def _describe_failure(e: BaseException) -> tuple[str, BaseException | None]:
@@ -109,6 +106,17 @@ def _describe_failure(e: BaseException) -> tuple[str, BaseException | None]:
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
         return f"died ({first})", None
     return f"failed: {type(e).__name__}: {e}", None
+
+
+def _check_reserved(pg, size: int, bundle: dict) -> None:
+    """The current placement group holds a bundle with ``bundle``'s resources for every rank."""
+    specs = pg.bundle_specs
+    (key, need), = bundle.items()
+    if len(specs) < size or any(b.get(key, 0) < need for b in specs[:size]):
+        raise ValueError(
+            f"tensor_parallel_size={size} with distributed_executor_backend='ray' inside a placement group: its "
+            f"first {size} bundles must each hold {bundle} (one per rank), got {specs}"
+        )
 
 
 def _stop(state: dict) -> None:
@@ -161,20 +169,15 @@ class RayExecutor(Executor):
             raise
 
     def _start(self, ray, strategy_cls, spec: WorkerSpec, cuda: bool) -> None:
-        size, strategy = self.tp_size, spec.config.ray_placement_strategy
+        size = self.tp_size
         bundle = {"GPU": 1.0} if cuda else {"CPU": 1.0}
-        pg = ray.util.placement_group([dict(bundle) for _ in range(size)], strategy=strategy,
-                                      name=f"tandem-tp{size}-{os.getpid()}-{id(self):x}")
-        self._state["pg"] = pg
-        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
-        if not ready:
-            raise RuntimeError(
-                f"tensor_parallel_size={size} with distributed_executor_backend='ray' needs {size} bundles of "
-                f"{bundle} placed {strategy}; the Ray cluster could not place them in {PLACEMENT_TIMEOUT_S:.0f} s "
-                f"(its resources: {ray.cluster_resources()}, free now: {ray.available_resources()})"
-                + ("; ray_placement_strategy='PACK' or 'SPREAD' lets the ranks span nodes"
-                   if strategy == "STRICT_PACK" else "")
-            )
+        pg = ray.util.get_current_placement_group()
+        if pg is not None:  # reserved for us (a Serve replica's placement_group_bundles): rank i takes bundle i
+            _check_reserved(pg, size, bundle)
+            placed = "in this actor's placement group"
+        else:
+            pg = self._placement_group(ray, size, bundle, spec.config.ray_placement_strategy)
+            placed = spec.config.ray_placement_strategy
         actor_cls = _actor_class()
         self._actors = [
             actor_cls.options(
@@ -191,8 +194,23 @@ class RayExecutor(Executor):
         starts = [a.start.remote(spec, rank, size, init_method) for rank, a in enumerate(self._actors)]
         self.ranks = self._gather(starts, "start")  # each rank's pid and host, once it is ready
         self.pids = [r["pid"] for r in self.ranks]
-        logger.info("Ray executor: %d rank(s), placement %s, rendezvous %s, on %s", size, strategy, init_method,
+        logger.info("Ray executor: %d rank(s), placed %s, rendezvous %s, on %s", size, placed, init_method,
                     ", ".join(f"rank {i} pid {r['pid']}@{r['host']}" for i, r in enumerate(self.ranks)))
+
+    def _placement_group(self, ray, size: int, bundle: dict, strategy: str):
+        pg = ray.util.placement_group([dict(bundle) for _ in range(size)], strategy=strategy,
+                                      name=f"tandem-tp{size}-{os.getpid()}-{id(self):x}")
+        self._state["pg"] = pg  # ours: removed on shutdown
+        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            raise RuntimeError(
+                f"tensor_parallel_size={size} with distributed_executor_backend='ray' needs {size} bundles of "
+                f"{bundle} placed {strategy}; the Ray cluster could not place them in {PLACEMENT_TIMEOUT_S:.0f} s "
+                f"(its resources: {ray.cluster_resources()}, free now: {ray.available_resources()})"
+                + ("; ray_placement_strategy='PACK' or 'SPREAD' lets the ranks span nodes"
+                   if strategy == "STRICT_PACK" else "")
+            )
+        return pg
 
     # -- the step --------------------------------------------------------------------
     def execute_model(self, out):

@@ -55,7 +55,8 @@ class TandemTranscriber:
                 raise ValueError(f"transcribe_options[{reserved!r}]: set by the transcriber (audio_column, "
                                  "sampling_rate / sampling_rate_column), not an option")
         self.options = options
-        self.audio_column, self.sampling_rate, self.sampling_rate_column = audio_column, sampling_rate, sampling_rate_column
+        self.audio_column = audio_column
+        self.sampling_rate, self.sampling_rate_column = sampling_rate, sampling_rate_column
         self.names = {"text": text_column, "language": language_column, "error": error_column}
         if options.get("timestamps") or options.get("word_timestamps"):
             self.names["segments"] = segments_column

@@ -78,9 +78,27 @@ def deployment(
         server["max_audio_seconds"] = None
     actor = {k: v for k, v in (("num_cpus", num_cpus), ("num_gpus", num_gpus)) if v is not None}
     options: dict[str, Any] = {"num_replicas": num_replicas}
+    options.update(_rank_bundles(engine_args, actor))
     if actor:
         options["ray_actor_options"] = actor
     return TandemOpenAIServer.options(**options).bind(model, engine_args, server)
+
+
+def _rank_bundles(engine_args: dict[str, Any], actor: dict[str, Any]) -> dict[str, Any]:
+    """A tensor-parallel replica on Ray reserves its ranks with itself: a placement group of
+    one bundle per rank (``{"GPU": 1}``, or ``{"CPU": 1}`` with ``device="cpu"``), which the
+    Ray executor finds and fills, rank i in bundle i. The replica itself sits in bundle 0
+    and reserves nothing of its own (it schedules; the ranks compute)."""
+    tp = engine_args.get("tensor_parallel_size", 1)
+    if engine_args.get("distributed_executor_backend") != "ray" or not isinstance(tp, int) or tp < 1:
+        return {}
+    if actor:
+        raise ValueError(f"num_cpus / num_gpus ({actor}) with distributed_executor_backend='ray': the replica "
+                         "reserves one bundle per tensor-parallel rank instead; leave them out")
+    actor.update(num_cpus=0, num_gpus=0)
+    bundle = {"CPU": 1.0} if str(engine_args.get("device", "auto")) == "cpu" else {"GPU": 1.0}
+    return {"placement_group_bundles": [dict(bundle) for _ in range(tp)],
+            "placement_group_strategy": engine_args.get("ray_placement_strategy", "STRICT_PACK")}
 
 
 def build_app(args: dict[str, str]) -> serve.Application:
