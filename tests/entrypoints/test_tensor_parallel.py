@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from helpers import WHISPER_IDS as I
+from helpers import WHISPER_TS_IDS as I
 from helpers import make_whisper, synth_audio
 from tandem import LLM, SamplingParams
 from tandem.core.faults import EngineDeadError
@@ -36,7 +36,10 @@ def bart_pair(bart_dir):
     # 40 blocks of 4 tokens: too few for the batches below, so requests are preempted.
     kw = dict(model=str(bart_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=40, max_num_seqs=8)
     one = LLM(**kw)
-    tp = LLM(**kw, tensor_parallel_size=2)
+    # Speculation (n-gram drafts verified in the same step) on the TP engine only: greedy
+    # outputs are the same with it or without.
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    tp = LLM(**kw, tensor_parallel_size=2, speculative_config=spec)
     yield one, tp
     _shut(tp)
 
@@ -75,7 +78,8 @@ def test_greedy_equals_one_process_under_recompute_preemption(bart_pair):
     before = tp.get_stats()["num_preemptions"]
     outs = tp.generate(prompts, params, use_tqdm=False)
     _assert_same(ref, outs)
-    assert tp.get_stats()["num_preemptions"] > before
+    stats = tp.get_stats()
+    assert stats["num_preemptions"] > before and stats["spec_verify_steps"] > 0
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1
 
 
@@ -109,21 +113,31 @@ def test_beams_equal_one_process(bart_pair):
 
 def test_the_model_is_not_in_the_driver(bart_pair):
     _, tp = bart_pair
-    with pytest.raises(RuntimeError, match=r"runs in 2 worker process\(es\) \(distributed_executor_backend='mp'\)"):
+    with pytest.raises(ValueError, match=r"runs in 2 worker process\(es\) \(distributed_executor_backend='mp'\)"):
         tp.llm_engine.model
 
 
 def test_whisper_detects_languages_and_searches_beams_as_one_process(tmp_path_factory):
-    path = make_whisper(tmp_path_factory.mktemp("whisper") / "ckpt", seed=3)
+    from transformers import GenerationConfig
+
+    path = make_whisper(tmp_path_factory.mktemp("whisper") / "ckpt", seed=3, timestamps=True)
+    gen = GenerationConfig.from_pretrained(path)
+    gen.alignment_heads = [[1, 0], [0, 3]]
+    gen.save_pretrained(path)
     kw = dict(model=str(path), dtype="float32", device="cpu")
     one = LLM(**kw)
     tp = LLM(**kw, tensor_parallel_size=2)
     try:
         clips = [synth_audio(s, seed=i) for i, s in enumerate([1.5, 7.0, 3.2])]
-        ref = one.transcribe(clips, sampling_rate=16000, use_tqdm=False)
-        got = tp.transcribe(clips, sampling_rate=16000, use_tqdm=False)
+        ref = one.transcribe(clips, sampling_rate=16000, timestamps=True, use_tqdm=False)
+        got = tp.transcribe(clips, sampling_rate=16000, timestamps=True, use_tqdm=False)
         for r, g in zip(ref, got):
             assert g.error is None and (g.language, g.token_ids) == (r.language, r.token_ids)
+        # Word timestamps recompute attention on the whole model in this process: refused
+        # per input, with why; the engine serves on (the beams below).
+        refused = tp.transcribe(clips[:2], sampling_rate=16000, language="en", timestamps=True,
+                                word_timestamps=True, use_tqdm=False)
+        assert all("worker process(es)" in r.error for r in refused)
         beam = {"encoder_prompt": {"audio": clips[1], "sampling_rate": 16000},
                 "decoder_prompt": {"prompt_token_ids": [I["sot"], I["en"], I["transcribe"], I["notimestamps"]]}}
         params = SamplingParams(num_beams=4, n=2, max_tokens=12)

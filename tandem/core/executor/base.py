@@ -125,7 +125,9 @@ class Executor(ABC):
 
     @property
     def model(self):
-        raise RuntimeError(
+        # A ValueError: what asks for it (Whisper's word timestamps recompute attention on
+        # the model between steps) is refused per request, the engine serves on.
+        raise ValueError(
             f"the model runs in {self.tp_size} worker process(es) (distributed_executor_backend={self.name!r}), "
             "not in this process; this needs the in-process executor (tensor_parallel_size=1, "
             "distributed_executor_backend=None)"
