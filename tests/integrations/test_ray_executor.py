@@ -96,3 +96,61 @@ def test_placement_strategy_is_checked(bart_dir):
 
     with pytest.raises(ValueError, match=r"ray_placement_strategy='TIGHT': must be one of 'STRICT_PACK'"):
         EngineConfig(model=str(bart_dir), distributed_executor_backend="ray", ray_placement_strategy="TIGHT")
+
+
+DRIVER = """
+import sys, time
+import ray
+ray.init(address=sys.argv[2], log_to_driver=False)
+from tandem import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="ray", dtype="float32", device="cpu",
+          attention_backend="torch_sdpa")
+print(" ".join(map(str, llm.engine.executor.pids)), flush=True)
+if sys.argv[3] == "wait":
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "SIGKILL"])
+def test_no_rank_outlives_its_driver(ray_local, bart_dir, how):
+    """A driver on the cluster that reaches the end of its script without shutting its
+    engine down (the executor's finalizer stops the ranks at interpreter exit), or is
+    killed outright (nothing of its own runs: Ray ends the actors it owns): no rank
+    process is left and their CPUs are free again."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    address = ray_local.get_runtime_context().gcs_address
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(bart_dir), address, "exit" if how == "exit" else "wait"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()  # the ranks' pids, once the engine is up
+        assert line.strip(), f"the driver exited ({proc.poll()}) before its engine was up"
+        pids = [int(p) for p in line.split()]
+        assert all(_alive(p) for p in pids) and os.getpid() not in pids
+        if how != "exit":
+            proc.send_signal(getattr(signal, how))
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == (0 if how == "exit" else -signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "a rank outlived its driver by 30 s"
+    while ray_local.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray_local.available_resources().get("CPU", 0) == 2
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
