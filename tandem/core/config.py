@@ -146,6 +146,24 @@ class EngineConfig:
         '"num_speculative_tokens": k}: a smaller draft checkpoint with the same vocabulary proposes k tokens '
         'greedily; greedy outputs are unchanged, sampled ones keep their distribution (default: none, no speculation)'
     )
+    # core/executor/: one worker in this process, or tensor-parallel ranks in worker processes / Ray actors.
+    tensor_parallel_size: int = option(
+        1, "tensor-parallel ranks the model is split across (attention heads, FFN and vocabulary), one worker "
+        "process each; the KV pool is split by heads, each rank holding its share",
+    )
+    distributed_executor_backend: str | None = option(
+        None, "what runs the ranks: mp (worker processes on this machine) or ray (Ray actors, one machine or "
+        "several; pip install 'tandem-engine[ray]') (default: none: in this process when "
+        "`tensor_parallel_size` is 1, else mp)",
+        choices=("mp", "ray"),
+    )
+    # core/executor/ray_executor.py: where Ray places the ranks (a placement group's strategy).
+    ray_placement_strategy: str = option(
+        "STRICT_PACK", "with `distributed_executor_backend` ray: how the ranks' placement group is placed: "
+        "STRICT_PACK (every rank on one node), PACK (one node if they fit, else several), SPREAD / STRICT_SPREAD "
+        "(across nodes, as far as possible / one rank per node)",
+        choices=("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"),
+    )
     # core/faults.py
     max_consecutive_step_failures: int = option(
         3, "failed steps in a row (no good step between) after which the engine declares itself dead (a server's "
@@ -230,6 +248,10 @@ class EngineConfig:
             )
         if not is_int(self.seed) or not -(2**63) <= self.seed <= 2**64 - 1:
             raise ValueError(f"seed={self.seed!r}: must be an integer in [-2**63, 2**64 - 1], the range torch seeds take")
+        self._check_parallel()
+        if self.ray_placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
+            raise ValueError(f"ray_placement_strategy={self.ray_placement_strategy!r}: must be one of 'STRICT_PACK', "
+                             "'PACK', 'SPREAD', 'STRICT_SPREAD'")
         gc = self.generation_config
         if not isinstance(gc, (str, Path)) or not str(gc):
             raise ValueError(
@@ -247,6 +269,31 @@ class EngineConfig:
             self.torch_dtype, self.dtype_reason = resolve_auto_dtype(
                 self.model_path, self.torch_device, self.quantization
             )
+
+    def _check_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if not is_int(tp) or tp < 1:
+            raise ValueError(f"tensor_parallel_size={tp!r}: must be an integer >= 1")
+        backend = self.distributed_executor_backend
+        if backend not in (None, "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend={backend!r}: must be None, 'mp' or 'ray'")
+        if backend is None and tp > 1:
+            self.distributed_executor_backend = "mp"
+        if backend == "ray":
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError(
+                    "distributed_executor_backend='ray': Ray is not installed; pip install 'tandem-engine[ray]', "
+                    "or use 'mp' (worker processes on this machine)"
+                )
+        if self.torch_device.type == "cuda" and tp > 1:
+            first = self.torch_device.index or 0
+            if first + tp > torch.cuda.device_count() and backend != "ray":
+                raise ValueError(
+                    f"tensor_parallel_size={tp} from device={self.device!r} needs GPUs {first}..{first + tp - 1} "
+                    f"but this machine has {torch.cuda.device_count()}"
+                )
 
     def _resolve_checkpoints(self) -> None:
         """``model_path`` / ``tokenizer_path``: the local directories the engine reads, a repo id's

@@ -20,15 +20,15 @@ from concurrent.futures import Future
 import torch
 
 from tandem.core.attention import AttentionType
-from tandem.core.block_manager import BlockManager, blocks_for
-from tandem.core.config import DEFAULT_KV_CACHE_GIB, EngineConfig
+from tandem.core.block_manager import BlockManager
+from tandem.core.config import EngineConfig
 from tandem.core.core_outputs import RequestInfo, RequestResult
 from tandem.core.engine_core import EngineCore
 from tandem.core.faults import EngineHealth, describe
 from tandem.core.generation_config import load_generation_defaults, merge_params, resolve_lengths
 from tandem.core.inputs import EncoderDecoderInputs, InputProcessor, PromptType
 from tandem.core.loader import check_model_config, load_hf_config, load_tokenizer
-from tandem.core.memory import GiB, check_fits
+from tandem.core.memory import GiB
 from tandem.core.output_processor import OutputProcessor
 from tandem.core.outputs import RequestOutput
 from tandem.core.sampling_params import SamplingParams
@@ -40,7 +40,7 @@ from tandem.core.strategies.sampling import SamplingStrategy
 from tandem.core.strategies.speculative import SpeculativeStrategy, not_speculated_because
 from tandem.core.structured_output.manager import StructuredOutputManager
 from tandem.core.structured_output.params import StructuredOutputsParams
-from tandem.core.worker import Worker
+from tandem.core.executor import WorkerSpec, executor_class
 
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ class LLMEngine:
         self.model_cls, self.architecture = model_registry.resolve(getattr(self.hf_config, "architectures", None))
         device, dtype = config.torch_device, config.torch_dtype
         # Before anything is built from it: sizes, head divisibility, parameters vs weights and memory.
-        check_model_config(self.model_cls, self.hf_config, config.model_path, dtype, device)
+        check_model_config(self.model_cls, self.hf_config, config.model_path, dtype, device,
+                           tensor_parallel_size=config.tensor_parallel_size)
         self.tokenizer = load_tokenizer(config.tokenizer_path or config.model_path, trust_remote_code=trust)
         spec = self.model_cls.kv_cache_spec(self.hf_config)
         selection = backend_registry.select(
@@ -77,13 +78,18 @@ class LLMEngine:
         if self.generation_defaults.eos_token_ids is not None:  # HF generate stops on the generation config's
             eos = list(self.generation_defaults.eos_token_ids)
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.worker = Worker(config, self.hf_config, self.model_cls, self.attn_backend, sorted(self.eos_token_ids))
-        block_bytes = self.worker.block_bytes
-        num_blocks = config.num_kv_blocks or self._default_num_blocks(spec, block_bytes)
-        num_cpu_blocks = int(config.swap_space * GiB // block_bytes)
-        self._check_pool_memory(num_blocks * block_bytes, num_cpu_blocks * block_bytes, device)
-        self.worker.load_model()
-        self.worker.initialize_cache(num_blocks, num_cpu_blocks)
+        worker_spec = WorkerSpec(config, self.hf_config, self.model_cls, self.attn_backend,
+                                 tuple(sorted(self.eos_token_ids)))
+        # Starts the ranks (worker processes for "mp"); sizes the KV pools across them,
+        # then loads the model and allocates the pools.
+        self.executor = executor_class(config.distributed_executor_backend)(worker_spec)
+        try:
+            pools = self.executor.initialize()
+            facts = self.executor.describe()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        num_blocks, num_cpu_blocks, block_bytes = pools.num_blocks, pools.num_cpu_blocks, pools.block_bytes
 
         self.block_manager = BlockManager(config.block_size, num_blocks, num_cpu_blocks,
                                           encoder_cache_blocks=config.encoder_cache_blocks,
@@ -101,7 +107,7 @@ class LLMEngine:
         self.vocab_size = self.model_cls.vocab_size(self.hf_config)
         # Nothing is imported or built for structured output until a request asks for it.
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
-        self.core = EngineCore(self.scheduler_config, self.block_manager, self.worker, self.scheduler,
+        self.core = EngineCore(self.scheduler_config, self.block_manager, self.executor, self.scheduler,
                                config.max_consecutive_step_failures, self.structured)
         self.input_processor = InputProcessor(self.hf_config, self.model_cls, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -110,43 +116,33 @@ class LLMEngine:
         backend_reason = self._backend_reason.replace(" | ", "\n      | ")
         logger.info(
             "engine ready: %s for %s\n  dtype and device: %s (%s) on %s\n  %s\n  %s\n  attention backend %s (%s)"
-            "\n  KV pool %d blocks x %d tokens = %.1f MiB\n  swap space %d blocks = %.2f GiB, committed as used",
+            "\n  KV pool %d blocks x %d tokens = %.1f MiB\n  swap space %d blocks = %.2f GiB, committed as used"
+            "\n  executor %s, tensor_parallel_size=%d (KV sizes are per rank)",
             self.model_cls.__name__, self.architecture, str(dtype).removeprefix("torch."), config.dtype_reason,
-            device, self.worker.linear_kernels, self.worker.host_malloc,
+            device, facts["linear_kernels"], facts["host_malloc"],
             self.attn_backend.name, backend_reason, num_blocks, config.block_size,
             num_blocks * block_bytes / (1 << 20), num_cpu_blocks, num_cpu_blocks * block_bytes / GiB,
+            type(self.executor).__name__, config.tensor_parallel_size,
         )
+
+    @property
+    def worker(self):
+        """The in-process worker (None when the ranks run in worker processes)."""
+        return self.executor.worker
 
     @property
     def model(self):
-        return self.worker.model
+        """The model, when it runs in this process (``RuntimeError`` otherwise)."""
+        return self.executor.model
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
-        """The device KV pool, one tensor per decoder layer in the backend's layout."""
-        return self.worker.kv_caches
+        """The device KV pool, one tensor per decoder layer in the backend's layout (in-process only)."""
+        return self.executor.kv_caches
 
-    def _check_pool_memory(self, kv_bytes: int, swap_bytes: int, device: torch.device) -> None:
-        c = self.config
-        pool = f"num_kv_blocks={c.num_kv_blocks}" if c.num_kv_blocks else f"kv_cache_memory={c.kv_cache_memory}"
-        if device.type == "cpu":  # both pools live in host RAM
-            what = f"the KV pool ({pool}) + swap_space={c.swap_space}"
-            check_fits(what, kv_bytes + swap_bytes, device, "lower them")
-        else:
-            check_fits(f"the KV pool ({pool})", kv_bytes, device, "lower it")
-            check_fits(f"swap_space={c.swap_space}", swap_bytes, torch.device("cpu"), "lower it")
-
-    def _default_num_blocks(self, spec, block_bytes: int) -> int:
-        config, m, cfg = self.config, self.model_cls, self.hf_config
-        if config.kv_cache_memory is not None:
-            return max(1, int(config.kv_cache_memory * GiB // block_bytes))
-        # Enough for max_num_seqs requests of the longest encoder and decoder the
-        # model allows (plus the watermark), but no more than the default memory.
-        per_request = blocks_for(m.max_encoder_len(cfg), config.block_size) + blocks_for(
-            m.max_decoder_len(cfg), config.block_size
-        )
-        wanted = int(config.max_num_seqs * per_request * 1.02) + 1
-        return max(1, min(wanted, int(DEFAULT_KV_CACHE_GIB * GiB // block_bytes)))
+    def shutdown(self) -> None:
+        """Stop the executor's workers (no-op in-process); idempotent."""
+        self.executor.shutdown()
 
     # -- requests ------------------------------------------------------------
     def get_default_sampling_params(self) -> SamplingParams:

@@ -23,7 +23,7 @@ from tandem.core.scheduler import Scheduler, SchedulerConfig
 from tandem.core.sequence import SequenceGroup
 from tandem.core.strategies.speculative import verification_stats
 from tandem.core.structured_output.manager import StructuredOutputManager
-from tandem.core.worker import Worker
+from tandem.core.executor import Executor
 
 logger = logging.getLogger(__name__)
 _params = attrgetter("sampling_params")
@@ -81,12 +81,12 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager, worker: Worker,
+    def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager, executor: Executor,
                  scheduler: Scheduler, max_consecutive_step_failures: int,
                  structured: StructuredOutputManager | None = None) -> None:
         self.scheduler_config = scheduler_config
         self.block_manager = block_manager
-        self.worker = worker
+        self.executor = executor  # runs the step: the in-process worker, or the ranks' workers
         self.scheduler = scheduler
         # Compiles requests' grammars off the step loop and masks their rows each step.
         self.structured = structured
@@ -140,7 +140,7 @@ class EngineCore:
             cannot_run.update(no_mask)  # their rows run unmasked; their results are dropped
         failed = self.fail(cannot_run)
         try:
-            result = self.worker.execute_model(sched)
+            result = self.executor.execute_model(sched)
         except Exception as e:  # noqa: BLE001 - the forward, a backend, a KV copy: the step's fault
             return failed + self._step_failed(sched, e)
         if result is None:
@@ -204,7 +204,7 @@ class EngineCore:
             raise RuntimeError(f"KV block accounting is broken: no request is left but blocks are held ({held})")
 
     def _publish(self) -> None:
-        bm, sch, w = self.block_manager, self.scheduler, self.worker
+        bm, sch, w = self.block_manager, self.scheduler, self.executor
         self.stats = EngineStats(
             encoder_tokens_computed=sch.encoder_tokens_computed,
             encoder_tokens_reused=sch.encoder_tokens_reused,

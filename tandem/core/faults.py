@@ -12,6 +12,8 @@ Policy (``EngineConfig.max_consecutive_step_failures``, default 3):
   request is re-run automatically: re-running the request that caused the
   fault would take the next step's requests down with it; a client may retry.
   Requests not in the step wait untouched and the engine serves on.
+- A worker process that raised or died (``EngineDeadError`` from the executor)
+  makes the engine dead at once: the ranks' collectives are out of step.
 - After that many failed steps in a row, with no good step between, the fault
   is taken as the engine's, not a request's: the engine declares itself dead
   (``EngineDeadError`` from then on; ``/health`` answers 503).
@@ -74,7 +76,8 @@ class StepFaults:
         """Record a failed step; True when it makes the engine dead."""
         h = self.health
         n = h.consecutive_step_failures + 1
-        dead = n >= self.max_consecutive
+        # A worker that raised or died (the executor's EngineDeadError) is dead at once.
+        dead = n >= self.max_consecutive or isinstance(e, EngineDeadError)
         self.health = EngineHealth("dead" if dead else "degraded", n, h.failed_steps + 1, describe(e))
         if dead:
             self.cause = e

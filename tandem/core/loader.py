@@ -251,7 +251,7 @@ def _check_generation_config_file(model_cls, hf_config, model_dir: str, generati
 
 def check_model_config(
     model_cls: type[EncoderDecoderModel], hf_config, model_dir: str, dtype: torch.dtype, device: torch.device,
-    generation_config: str = "auto",
+    generation_config: str = "auto", tensor_parallel_size: int = 1,
 ) -> None:
     """Reject, from arithmetic alone, a config the model cannot be built from, whose special
     token ids (config.json's, and those of the generation_config.json that ``generation_config``
@@ -259,6 +259,8 @@ def check_model_config(
     files cannot hold, or whose weights do not fit in ``device`` memory."""
     try:
         model_cls.check_config(hf_config)
+        if tensor_parallel_size > 1:
+            model_cls.check_tensor_parallel(hf_config, tensor_parallel_size)
     except ValueError as e:
         raise ValueError(f"model={model_dir!r}: {e}") from e
     try:
@@ -285,6 +287,8 @@ def check_model_config(
             f"{_BYTES_PER_PARAM_FLOOR} byte each: config.json does not match the checkpoint"
         )
     weight_bytes = num_params * dtype.itemsize
+    if device.type != "cpu":  # each GPU holds its ranks' share (ranks on a CPU share its RAM)
+        weight_bytes //= tensor_parallel_size
     check_fits(
         f"the model weights ({num_params:,} parameters x {dtype.itemsize} bytes for "
         f"dtype={str(dtype).removeprefix('torch.')})",

@@ -94,6 +94,22 @@ class EncoderDecoderModel(nn.Module, ABC):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"config.json: {field}={value!r} must be a positive integer")
 
+    # Config fields tensor parallelism splits across ranks (heads, FFN widths): each must be
+    # divisible by ``tensor_parallel_size``. The vocabulary is padded per rank, never split unevenly.
+    tensor_parallel_fields: tuple[str, ...] = ()
+
+    @classmethod
+    def check_tensor_parallel(cls, config: "PretrainedConfig", tp_size: int) -> None:
+        """``ValueError`` naming the first of :attr:`tensor_parallel_fields` that ``tp_size``
+        does not divide. Arithmetic only, before any rank is started."""
+        for field in cls.tensor_parallel_fields:
+            value = getattr(config, field, None)
+            if isinstance(value, int) and value % tp_size:
+                raise ValueError(
+                    f"config.json: {field}={value} is not divisible by tensor_parallel_size={tp_size}; each rank "
+                    f"holds an equal share of the {field.replace('_', ' ')}"
+                )
+
     @classmethod
     def num_parameters(cls, config: "PretrainedConfig") -> int | None:
         """Parameter elements a checkpoint must store for ``config`` (tied weights counted

@@ -248,6 +248,7 @@ class BartForConditionalGeneration(EncoderDecoderModel):
         heads = config.decoder_attention_heads
         return KVCacheSpec(config.decoder_layers, heads, config.d_model // heads)
 
+    tensor_parallel_fields = ("encoder_attention_heads", "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim")
     config_size_fields = (
         "d_model",
         "encoder_layers",

@@ -233,6 +233,7 @@ class T5ForConditionalGeneration(EncoderDecoderModel):
     def kv_cache_spec(cls, config) -> KVCacheSpec:
         return KVCacheSpec(config.num_decoder_layers, config.num_heads, config.d_kv)
 
+    tensor_parallel_fields = ("num_heads", "d_ff")
     config_size_fields = (
         "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads", "vocab_size",
         "relative_attention_num_buckets", "relative_attention_max_distance",

@@ -10,7 +10,7 @@ and the persistent block tables in the runner.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,6 +18,7 @@ from tandem.core.attention import AttentionBackend, KVCacheSpec
 from tandem.core.config import EngineConfig
 from tandem.core.faults import KVTransferError
 from tandem.core.layers.kernel_setup import prepare_linear_kernels
+from tandem.core.layers.parallel_state import TensorParallelGroup, tensor_parallel
 from tandem.core.worker.host_malloc import keep_freed_memory
 from tandem.core.loader import load_model
 from tandem.core.model import EncoderDecoderModel
@@ -45,14 +46,22 @@ class Worker:
         model_cls: type[EncoderDecoderModel],
         attn_backend: type[AttentionBackend],
         eos_token_ids: list[int],
+        tp: TensorParallelGroup | None = None,
+        device: torch.device | None = None,
     ) -> None:
+        """``tp``: this worker's tensor-parallel rank (None: the whole model, one rank);
+        ``device``: where it runs (default: the config's)."""
         self.config = config
         self.hf_config = hf_config
         self.model_cls = model_cls
         self.backend = attn_backend
-        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.tp = tp or TensorParallelGroup()
+        self.device, self.dtype = device or config.torch_device, config.torch_dtype
         self.block_size = config.block_size
-        self.kv_spec: KVCacheSpec = model_cls.kv_cache_spec(hf_config)
+        spec = model_cls.kv_cache_spec(hf_config)
+        if self.tp.size > 1:  # this rank's heads (a KV head is replicated where there are fewer than ranks)
+            spec = replace(spec, num_kv_heads=max(1, spec.num_kv_heads // self.tp.size))
+        self.kv_spec: KVCacheSpec = spec
         self.sampler = Sampler(eos_token_ids, config.seed, self.device)
         self.requests: dict[str, _RequestState] = {}
         # Decoder tokens of the sequences whose processors read them, by seq id.
@@ -75,7 +84,13 @@ class Worker:
         # Before the weights: loading allocates them, and every step's tensors follow.
         self.host_malloc = (keep_freed_memory(self.config.cpu_malloc) if self.device.type == "cpu"
                             else "host malloc: system settings (device is not cpu)")
-        self.model = load_model(self.model_cls, self.hf_config, self.config.model_path, self.backend, self.dtype, self.device)
+        if self.tp.size == 1:
+            self.model = load_model(self.model_cls, self.hf_config, self.config.model_path, self.backend, self.dtype,
+                                    self.device)
+        else:
+            with tensor_parallel(self.tp.size, self.tp.rank, self.tp.group):
+                self.model = load_model(self.model_cls, self.hf_config, self.config.model_path, self.backend,
+                                        self.dtype, self.device)
         self.linear_kernels = prepare_linear_kernels(
             self.model, device=self.device, dtype=self.dtype, gemm=self.config.cpu_gemm,
             quantization=self.config.quantization, batch_hint=min(self.config.max_num_seqs, 128),
@@ -111,6 +126,10 @@ class Worker:
             src, dst = self._ids(out.blocks_to_copy, self.device)
             self.backend.copy_blocks(self.kv_caches, src, dst)
         if not out.scheduled:
+            return None
+        if self.tp.rank:  # every rank computes the forward pass (its collectives); rank 0 samples
+            with torch.inference_mode():
+                self.runner.execute(out, self.kv_caches)
             return None
         params, generators, num_out, seq_lens, seq_ids, row_request = [], [], [], [], [], []
         modes = []  # (request id, its StepMode, its rows)

@@ -1,0 +1,1 @@
+"""tandem inside other frameworks (each subpackage needs its framework's extra)."""

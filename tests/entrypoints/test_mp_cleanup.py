@@ -1,0 +1,67 @@
+"""No worker process outlives its driver: a driver that exits without shutting its
+engine down, and one killed by SIGTERM (which runs no clean-up of its own), leave no
+rank behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    from tandem import LLM, SamplingParams
+
+    if __name__ == "__main__":
+        llm = LLM(model=sys.argv[1], dtype="float32", device="cpu", tensor_parallel_size=2)
+        out = llm.generate({"prompt_token_ids": [0, 5, 6, 2]}, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+        assert out.error is None
+        print(*llm.llm_engine.executor.pids, flush=True)
+        if sys.argv[2] == "wait":
+            time.sleep(600)
+        # "exit": the interpreter exits with the engine still up
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _gone_within(pids, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("how", ["exit", "sigterm"])
+def test_no_rank_outlives_the_driver(bart_dir, tmp_path, how):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.Popen([sys.executable, str(script), str(bart_dir), "wait" if how == "sigterm" else "exit"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = child.stdout.readline()
+        if not line:
+            pytest.fail(f"the child failed: {child.wait(60)} {child.stderr.read()[-3000:]}")
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 2 and all(_alive(p) or how == "exit" for p in pids)
+        if how == "sigterm":
+            child.send_signal(signal.SIGTERM)
+        code = child.wait(60)
+        assert code == (-signal.SIGTERM if how == "sigterm" else 0), child.stderr.read()[-3000:]
+        assert _gone_within(pids, 10), [p for p in pids if _alive(p)]
+    finally:
+        if child.poll() is None:
+            child.kill()

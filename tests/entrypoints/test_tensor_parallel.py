@@ -1,0 +1,175 @@
+"""Tensor parallelism through the ``mp`` executor: two worker processes over gloo, each
+holding half of every layer's heads and of the KV pool, against one process.
+
+One engine of each kind per module (spawning ranks is slow). Greedy and beam requests
+on BART, through a pool small enough to preempt by recompute (single sequences) and by
+swap (beam groups), and Whisper with language detection and beams; then a killed rank.
+"""
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from helpers import WHISPER_TS_IDS as I
+from helpers import make_whisper, synth_audio
+from tandem import LLM, SamplingParams
+from tandem.core.faults import EngineDeadError
+
+# Two ranks sum each row-parallel layer's halves and then add them (all_reduce) where one
+# process sums the whole row: float32 sums reassociated, ~1e-6 relative on logits of
+# O(10) (the tiny checkpoints' weights are wide, std 1). A log-probability then moves by
+# ~1e-5; 1e-3 bounds it with room. Tokens are compared up to the first position whose
+# top two candidates (in the one-process run) are closer than twice that bound: there
+# the two runs may rightly differ. Most positions are compared (asserted).
+LOGPROB_TOL = 1e-3
+
+
+def _shut(llm: LLM) -> None:
+    llm.llm_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def bart_pair(bart_dir):
+    # 40 blocks of 4 tokens: too few for the batches below, so requests are preempted.
+    kw = dict(model=str(bart_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=40, max_num_seqs=8)
+    one = LLM(**kw)
+    # Speculation (n-gram drafts verified in the same step) on the TP engine only: greedy
+    # outputs are the same with it or without.
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    tp = LLM(**kw, tensor_parallel_size=2, speculative_config=spec)
+    yield one, tp
+    _shut(tp)
+
+
+def _prompts(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [0, *(rng.randrange(4, 96) for _ in range(rng.randint(3, 12))), 2]}
+            for _ in range(n)]
+
+
+def _assert_same(ref, outs) -> None:
+    """Each completion's tokens and log-probabilities equal the one-process run's, up to
+    the first near-tie; at least 80% of all positions are compared."""
+    compared = total = 0
+    for r, o in zip(ref, outs):
+        assert o.error is None
+        for a, b in zip(r.outputs, o.outputs):
+            total += len(a.token_ids)
+            for i, (tok, top) in enumerate(zip(a.token_ids, a.logprobs)):
+                best = sorted(top.values(), reverse=True)
+                if len(best) > 1 and best[0] - best[1] < 2 * LOGPROB_TOL:
+                    break
+                assert b.token_ids[i] == tok, (a.token_ids, b.token_ids)
+                assert b.logprobs[i][tok] == pytest.approx(top[tok], abs=LOGPROB_TOL)
+                compared += 1
+            else:
+                assert b.token_ids == a.token_ids
+    assert compared >= 0.8 * total, (compared, total)
+
+
+def test_greedy_equals_one_process_under_recompute_preemption(bart_pair):
+    one, tp = bart_pair
+    prompts = _prompts(12, 0)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    ref = one.generate(prompts, params, use_tqdm=False)
+    before = tp.get_stats()["num_preemptions"]
+    outs = tp.generate(prompts, params, use_tqdm=False)
+    _assert_same(ref, outs)
+    stats = tp.get_stats()
+    assert stats["num_preemptions"] > before and stats["spec_verify_steps"] > 0
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1
+
+
+def test_two_completions_equal_one_process_under_swap_preemption(bart_pair):
+    # Groups of two sequences are swapped out when the pool runs short: every rank moves
+    # its heads' share of the same blocks to its own host pool and back.
+    one, tp = bart_pair
+    prompts = _prompts(6, 1)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    ref = one.generate(prompts, params, use_tqdm=False)
+    before = tp.get_stats()["swapped_out_blocks"]
+    outs = tp.generate(prompts, params, use_tqdm=False)
+    _assert_same(ref, outs)
+    stats = tp.get_stats()
+    assert stats["swapped_out_blocks"] > before and stats["swapped_in_blocks"] == stats["swapped_out_blocks"]
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_beams_equal_one_process(bart_pair):
+    one, tp = bart_pair
+    prompts = _prompts(4, 2)
+    params = SamplingParams(num_beams=4, n=2, max_tokens=24, length_penalty=1.0)
+    ref = one.generate(prompts, params, use_tqdm=False)
+    outs = tp.generate(prompts, params, use_tqdm=False)
+    for r, o in zip(ref, outs):
+        assert o.error is None
+        assert [c.token_ids for c in o.outputs] == [c.token_ids for c in r.outputs]
+        for a, b in zip(o.outputs, r.outputs):
+            assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=24 * LOGPROB_TOL)
+
+
+def test_the_model_is_not_in_the_driver(bart_pair):
+    _, tp = bart_pair
+    with pytest.raises(ValueError, match=r"runs in 2 worker process\(es\) \(distributed_executor_backend='mp'\)"):
+        tp.llm_engine.model
+
+
+def test_whisper_detects_languages_and_searches_beams_as_one_process(tmp_path_factory):
+    from transformers import GenerationConfig
+
+    path = make_whisper(tmp_path_factory.mktemp("whisper") / "ckpt", seed=3, timestamps=True)
+    gen = GenerationConfig.from_pretrained(path)
+    gen.alignment_heads = [[1, 0], [0, 3]]
+    gen.save_pretrained(path)
+    kw = dict(model=str(path), dtype="float32", device="cpu")
+    one = LLM(**kw)
+    tp = LLM(**kw, tensor_parallel_size=2)
+    try:
+        clips = [synth_audio(s, seed=i) for i, s in enumerate([1.5, 7.0, 3.2])]
+        ref = one.transcribe(clips, sampling_rate=16000, timestamps=True, use_tqdm=False)
+        got = tp.transcribe(clips, sampling_rate=16000, timestamps=True, use_tqdm=False)
+        for r, g in zip(ref, got):
+            assert g.error is None and (g.language, g.token_ids) == (r.language, r.token_ids)
+        # Word timestamps recompute attention on the whole model in this process: refused
+        # per input, with why; the engine serves on (the beams below).
+        refused = tp.transcribe(clips[:2], sampling_rate=16000, language="en", timestamps=True,
+                                word_timestamps=True, use_tqdm=False)
+        assert all("worker process(es)" in r.error for r in refused)
+        beam = {"encoder_prompt": {"audio": clips[1], "sampling_rate": 16000},
+                "decoder_prompt": {"prompt_token_ids": [I["sot"], I["en"], I["transcribe"], I["notimestamps"]]}}
+        params = SamplingParams(num_beams=4, n=2, max_tokens=12)
+        r, g = one.generate(beam, params, use_tqdm=False)[0], tp.generate(beam, params, use_tqdm=False)[0]
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in r.outputs]
+        for a, b in zip(g.outputs, r.outputs):
+            assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=12 * LOGPROB_TOL)
+    finally:
+        _shut(tp)
+
+
+# Last: it kills the shared TP engine.
+def test_a_killed_rank_is_a_clear_error_within_seconds(bart_pair):
+    _, tp = bart_pair
+    executor = tp.llm_engine.executor
+    pids = list(executor.pids)
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"tensor-parallel rank 1 \(pid \d+, distributed_executor_backend='mp'\) "
+                                              r"died: killed by SIGKILL"):
+        tp.generate(_prompts(2, 5), SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert time.monotonic() - start < 10
+    assert tp.llm_engine.health().status == "dead"
+    with pytest.raises(EngineDeadError):  # and stays dead
+        tp.generate(_prompts(1, 6), SamplingParams(max_tokens=2), use_tqdm=False)
+    for pid in pids:  # the other rank was stopped with it
+        assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
