@@ -20,3 +20,13 @@ def ray_local():
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """A test that starts Ray is marked ``ray``: the default run leaves them out (Ray's
+    start-up and each actor's engine take minutes on a small machine) and CI runs them
+    in a stage of their own (``python -m pytest -m ray``, with ``.[ray]`` installed)."""
+    for item in items:
+        if "ray_local" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
