@@ -607,10 +607,11 @@ def parse_args(argv=None):
 
     whisper_long_form.add_arguments(p).add_argument(
         "--long-form", type=float, metavar="SECONDS", default=0.0,
-        help="after the clips, one file of SECONDS decoded sequentially: tandem against faster-whisper")
+        help="after the clips, one file of SECONDS (speech islands between silences), decoded "
+             "sequentially and VAD-batched: tandem against faster-whisper")
 
     args = p.parse_args(argv)
-    whisper_long_form.finish_arguments(args)
+    whisper_long_form.finish_arguments(args, p.error)
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in args.engines if e not in ENGINES]
     if unknown:
@@ -721,7 +722,8 @@ def main(argv=None) -> int:
     if args.long_form > 0:
         import whisper_long_form
 
-        print(f"\nlong-form: one {args.long_form:.0f} s file, sequential")
+        print(f"\nlong-form: one {args.long_form:.0f} s file, {' and '.join(args.long_form_modes)}, "
+              f"{args.long_form_max_tokens} tokens a window", flush=True)
         args.seconds = args.long_form
         long_form = whisper_long_form.run_long_form(model_dir, args)
         print(whisper_long_form.format_table(long_form))
