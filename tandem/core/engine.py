@@ -24,7 +24,7 @@ from tandem.core.block_manager import BlockManager
 from tandem.core.config import EngineConfig
 from tandem.core.core_outputs import RequestInfo, RequestResult
 from tandem.core.engine_core import EngineCore
-from tandem.core.faults import EngineHealth, describe
+from tandem.core.faults import EngineDeadError, EngineHealth, describe
 from tandem.core.generation_config import load_generation_defaults, merge_params, resolve_lengths
 from tandem.core.inputs import EncoderDecoderInputs, InputProcessor, PromptType
 from tandem.core.loader import check_model_config, load_hf_config, load_tokenizer
@@ -372,8 +372,15 @@ class LLMEngine:
         return outputs
 
     def health(self) -> EngineHealth:
-        """The engine's health after its last step (a snapshot other threads may read)."""
-        return self.core.health()
+        """The engine's health after its last step (a snapshot other threads may read);
+        dead as soon as a worker process is gone, even between steps."""
+        h = self.core.health()
+        if h.status != "dead":
+            try:
+                self.executor.check_health()  # no round trip: looks at the workers' processes
+            except EngineDeadError as e:
+                return EngineHealth("dead", h.consecutive_step_failures, h.failed_steps, str(e))
+        return h
 
     @property
     def faults(self):
