@@ -202,6 +202,7 @@ class LLMEngine:
             prompt_len += 1 + len(prompt_slot.then)  # the prompt as it will be once completed
         params = resolve_lengths(params, prompt_len, self.model_cls.max_decoder_len(self.hf_config) - prompt_len)
         self._validate(inputs, params, prompt_len)
+        self.executor.check_request(params)
         beams = params.use_beam_search
         # Beam search starts from one sequence; it becomes num_beams after the first step.
         seqs = [Sequence(next(self._seq_ids), inputs.prompt_token_ids, i) for i in range(1 if beams else params.n)]

@@ -19,6 +19,7 @@ method of ``RankWorker`` called on every rank, its answers in rank order.
 
 from __future__ import annotations
 
+import pickle
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +102,23 @@ class Executor(ABC):
     @property
     def swapped_in_blocks(self) -> int:
         return self._swapped[1]
+
+    def check_request(self, params) -> None:
+        """``ValueError`` naming the field when a request's ``SamplingParams`` cannot reach
+        the workers: out of process they are pickled with the step (a ``lambda`` or a
+        local function as a logits processor does not pickle). Checked when the request
+        is added, so it fails alone; in-process executors accept everything."""
+        if self.name is None:
+            return
+        try:
+            pickle.dumps(params, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - pickling raises whatever the object's reduce raises
+            what = "SamplingParams.logits_processors" if getattr(params, "logits_processors", None) else "SamplingParams"
+            raise ValueError(
+                f"{what}: cannot be sent to the worker processes (distributed_executor_backend={self.name!r}): "
+                f"{type(e).__name__}: {e}; define processors at module level (a lambda or a local function "
+                "does not pickle)"
+            ) from e
 
     # -- start-up ------------------------------------------------------------------
     def initialize(self) -> KVPools:
