@@ -5,13 +5,14 @@ The core hands it one ``SchedulerOutput`` (plain data) per step and gets back th
 pass; only rank 0 samples). Implementations:
 
 - ``uniproc.UniProcExecutor``: one :class:`~tandem.core.worker.Worker` in this
-  process (the default at ``tensor_parallel_size=1``): ``execute_model`` *is* the
-  worker's, so it costs nothing.
+  process (the default at ``tensor_parallel_size=1``): ``execute_model`` calls the
+  worker's, nothing in between.
 - ``multiproc.MultiprocExecutor`` (``"mp"``): ``tensor_parallel_size`` worker
   processes on one machine, joined by ``torch.distributed``.
-- A Ray executor places the same rank workers (``rank_worker.RankWorker``) as
-  Ray actors; it implements :meth:`Executor.collective_rpc`, :meth:`check_health`
-  and :meth:`shutdown`, and inherits the rest.
+- A Ray executor (``ray_executor.RayExecutor``, registered in ``__init__.py``)
+  places the same rank workers (``rank_worker.RankWorker``) as Ray actors; it
+  implements :meth:`Executor.collective_rpc`, :meth:`check_health` and
+  :meth:`shutdown`, and inherits the rest.
 
 Everything but :meth:`execute_model` goes through :meth:`collective_rpc`: a
 method of ``RankWorker`` called on every rank, its answers in rank order.
