@@ -3,8 +3,8 @@ broadcasts, measured as the round trip the ``mp`` executor makes each step (driv
 to every rank, every rank decodes it, rank 0 answers on its pipe).
 
 - ``pipe``: pickled once, the bytes written to one pipe per rank (what ``multiproc.py`` does)
-- ``shm``: pickled once into a shared-memory ring slot; ranks poll its sequence number
-  (spinning with ``sched_yield``), as vLLM's shared-memory broadcast does
+- ``shm``: pickled once into the next slot of a shared-memory ring; ranks poll its
+  sequence number (spinning with ``sched_yield``), as vLLM's shared-memory broadcast does
 - ``dist``: ``torch.distributed.broadcast_object_list`` from the driver as rank 0 of a
   gloo group of ranks + 1
 
@@ -31,8 +31,13 @@ from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler_output import NewRequestData, ScheduledGroup, ScheduledSequence, SchedulerOutput
 
 P = pickle.HIGHEST_PROTOCOL
-_HDR = struct.Struct("qq")  # sequence number, payload length
-SHM_BYTES = 8 << 20
+_SEQ = struct.Struct("q")  # a slot's sequence number, at its offset 0: written last, read first
+_LEN = struct.Struct("q")  # its payload's length, at offset 8
+_HDR_SIZE = 16
+# A ring of slots, so a rank still reading step k is not overwritten by step k + 1
+# (the driver waits only for rank 0); each slot: sequence number, length, payload.
+SLOTS, SLOT_BYTES = 8, 1 << 20
+SHM_BYTES = SLOTS * SLOT_BYTES
 
 
 def make_step(batch: int, prefill: bool) -> SchedulerOutput:
@@ -66,14 +71,15 @@ def _rank_shm(rank, name, conn):
     buf, last = shm.buf, 0
     try:
         while True:
-            seq, n = _HDR.unpack_from(buf, 0)
-            if seq == last:
+            base = ((last + 1) % SLOTS) * SLOT_BYTES
+            if _SEQ.unpack_from(buf, base)[0] != last + 1:
                 os.sched_yield()
                 continue
-            last = seq
+            last += 1
+            n = _LEN.unpack_from(buf, base + 8)[0]  # x86 keeps stores in order: written before seq
             if n < 0:
                 return
-            pickle.loads(buf[_HDR.size : _HDR.size + n])
+            pickle.loads(buf[base + _HDR_SIZE : base + _HDR_SIZE + n])
             if rank == 0:
                 conn.send_bytes(b"ok")
     finally:
@@ -127,9 +133,11 @@ def bench(kind: str, ranks: int, steps: dict, iters: int) -> dict[str, float]:
                 mine.send_bytes(data)
         elif kind == "shm":
             data = pickle.dumps(out, protocol=P)
-            shm.buf[_HDR.size : _HDR.size + len(data)] = data
             seq += 1
-            _HDR.pack_into(shm.buf, 0, seq, len(data))
+            base = (seq % SLOTS) * SLOT_BYTES
+            shm.buf[base + _HDR_SIZE : base + _HDR_SIZE + len(data)] = data
+            _LEN.pack_into(shm.buf, base + 8, len(data))
+            _SEQ.pack_into(shm.buf, base, seq)
         else:
             dist.broadcast_object_list([out], src=0)
 
@@ -152,7 +160,9 @@ def bench(kind: str, ranks: int, steps: dict, iters: int) -> dict[str, float]:
                 mine.send_bytes(b"stop")
         elif kind == "shm":
             seq += 1
-            _HDR.pack_into(shm.buf, 0, seq, -1)
+            base = (seq % SLOTS) * SLOT_BYTES
+            _LEN.pack_into(shm.buf, base + 8, -1)
+            _SEQ.pack_into(shm.buf, base, seq)
         else:
             dist.broadcast_object_list([None], src=0)
         for p in procs:

@@ -24,7 +24,7 @@ from tandem.core.block_manager import BlockManager
 from tandem.core.config import EngineConfig
 from tandem.core.core_outputs import RequestInfo, RequestResult
 from tandem.core.engine_core import EngineCore
-from tandem.core.faults import EngineHealth, describe
+from tandem.core.faults import EngineDeadError, EngineHealth, describe
 from tandem.core.generation_config import load_generation_defaults, merge_params, resolve_lengths
 from tandem.core.inputs import EncoderDecoderInputs, InputProcessor, PromptType
 from tandem.core.loader import check_model_config, load_hf_config, load_tokenizer
@@ -211,6 +211,7 @@ class LLMEngine:
             prompt_len += 1 + len(prompt_slot.then)  # the prompt as it will be once completed
         params = resolve_lengths(params, prompt_len, self.model_cls.max_decoder_len(self.hf_config) - prompt_len)
         self._validate(inputs, params, prompt_len)
+        self.executor.check_request(params)
         beams = params.use_beam_search
         # Beam search starts from one sequence; it becomes num_beams after the first step.
         seqs = [Sequence(next(self._seq_ids), inputs.prompt_token_ids, i) for i in range(1 if beams else params.n)]
@@ -382,8 +383,15 @@ class LLMEngine:
         return outputs
 
     def health(self) -> EngineHealth:
-        """The engine's health after its last step (a snapshot other threads may read)."""
-        return self.core.health()
+        """The engine's health after its last step (a snapshot other threads may read);
+        dead as soon as a worker process is gone, even between steps."""
+        h = self.core.health()
+        if h.status != "dead":
+            try:
+                self.executor.check_health()  # no round trip: looks at the workers' processes
+            except EngineDeadError as e:
+                return EngineHealth("dead", h.consecutive_step_failures, h.failed_steps, str(e))
+        return h
 
     @property
     def faults(self):

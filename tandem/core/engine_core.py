@@ -132,6 +132,10 @@ class EngineCore:
         of the step fails the step's requests, and ``max_consecutive_step_failures``
         failed steps in a row make the engine dead)."""
         self.faults.check_alive()
+        # Before scheduling: a grammar that finishes compiling after schedule() passed its
+        # request over explains an idle step as well as one still compiling (the step
+        # takes a round trip to the workers under the mp executor, which widens the window).
+        compiling = self.structured is not None and self.structured.has_pending()
         sched = self.scheduler.schedule()
         # Requests that cannot run (a grammar that did not compile) fail alone.
         cannot_run = self.scheduler.take_failures()
@@ -145,7 +149,7 @@ class EngineCore:
             return failed + self._step_failed(sched, e)
         if result is None:
             if not (sched.blocks_to_swap_out or sched.blocks_to_swap_in):
-                if self.structured is not None and self.structured.has_pending():
+                if compiling or (self.structured is not None and self.structured.has_pending()):
                     self.structured.wait(_GRAMMAR_WAIT_S)  # only grammars compiling are left to admit
                 else:
                     self._no_progress()

@@ -152,6 +152,8 @@ class AsyncLLM:
         self._wake.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.shutdown()  # the executor's worker processes, if any
 
     # -- requests ----------------------------------------------------------------------
     async def generate(

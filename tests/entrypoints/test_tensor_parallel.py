@@ -149,6 +149,15 @@ def test_whisper_detects_languages_and_searches_beams_as_one_process(tmp_path_fa
         _shut(tp)
 
 
+def test_a_processor_that_cannot_reach_the_workers_fails_alone(bart_pair):
+    _, tp = bart_pair
+    local = SamplingParams(max_tokens=2, logits_processors=[lambda ids, logits: logits])
+    bad, good = tp.generate(_prompts(2, 3), [local, SamplingParams(temperature=0.0, max_tokens=2)], use_tqdm=False)
+    assert "SamplingParams.logits_processors: cannot be sent to the worker processes " \
+           "(distributed_executor_backend='mp')" in bad.error
+    assert good.error is None and len(good.outputs[0].token_ids) == 2
+
+
 # Last: it kills the shared TP engine.
 def test_a_killed_rank_is_a_clear_error_within_seconds(bart_pair):
     _, tp = bart_pair

@@ -5,13 +5,14 @@ The core hands it one ``SchedulerOutput`` (plain data) per step and gets back th
 pass; only rank 0 samples). Implementations:
 
 - ``uniproc.UniProcExecutor``: one :class:`~tandem.core.worker.Worker` in this
-  process (the default at ``tensor_parallel_size=1``): ``execute_model`` *is* the
-  worker's, so it costs nothing.
+  process (the default at ``tensor_parallel_size=1``): ``execute_model`` calls the
+  worker's, nothing in between.
 - ``multiproc.MultiprocExecutor`` (``"mp"``): ``tensor_parallel_size`` worker
   processes on one machine, joined by ``torch.distributed``.
-- A Ray executor places the same rank workers (``rank_worker.RankWorker``) as
-  Ray actors; it implements :meth:`Executor.collective_rpc`, :meth:`check_health`
-  and :meth:`shutdown`, and inherits the rest.
+- A Ray executor (``ray_executor.RayExecutor``, registered in ``__init__.py``)
+  places the same rank workers (``rank_worker.RankWorker``) as Ray actors; it
+  implements :meth:`Executor.collective_rpc`, :meth:`check_health` and
+  :meth:`shutdown`, and inherits the rest.
 
 Everything but :meth:`execute_model` goes through :meth:`collective_rpc`: a
 method of ``RankWorker`` called on every rank, its answers in rank order.
@@ -19,6 +20,7 @@ method of ``RankWorker`` called on every rank, its answers in rank order.
 
 from __future__ import annotations
 
+import pickle
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +103,23 @@ class Executor(ABC):
     @property
     def swapped_in_blocks(self) -> int:
         return self._swapped[1]
+
+    def check_request(self, params) -> None:
+        """``ValueError`` naming the field when a request's ``SamplingParams`` cannot reach
+        the workers: out of process they are pickled with the step (a ``lambda`` or a
+        local function as a logits processor does not pickle). Checked when the request
+        is added, so it fails alone; in-process executors accept everything."""
+        if self.name is None:
+            return
+        try:
+            pickle.dumps(params, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - pickling raises whatever the object's reduce raises
+            what = "SamplingParams.logits_processors" if getattr(params, "logits_processors", None) else "SamplingParams"
+            raise ValueError(
+                f"{what}: cannot be sent to the worker processes (distributed_executor_backend={self.name!r}): "
+                f"{type(e).__name__}: {e}; define processors at module level (a lambda or a local function "
+                "does not pickle)"
+            ) from e
 
     # -- start-up ------------------------------------------------------------------
     def initialize(self) -> KVPools:

@@ -129,7 +129,7 @@ class MultiprocExecutor(Executor):
             for obj in wait(waitables):
                 rank = self._rank_of[obj]
                 if obj is self._sentinels[rank]:
-                    if obj in waitables and not self._conns[rank].poll():
+                    if not self._conns[rank].poll():
                         self._die(rank, _exit_cause(self._procs[rank]), method)
                     continue  # its last words are in the pipe: read them first
                 try:

@@ -46,10 +46,13 @@ class RankWorker:
         ``rank``), which picks its GPU."""
         config = spec.config
         self.rank, self.size = rank, size
-        self.device = rank_device(config.torch_device, rank if local_rank is None else local_rank)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        elif size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        if size == 1 and local_rank is None:  # the config's device as given ("cuda": the current one)
+            self.device = config.torch_device
+        else:
+            self.device = rank_device(config.torch_device, rank if local_rank is None else local_rank)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+        if self.device.type == "cpu" and size > 1 and "OMP_NUM_THREADS" not in os.environ:
             # Ranks on one CPU share its cores: each takes its share, not all of them.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         tp = TensorParallelGroup(size, rank)
