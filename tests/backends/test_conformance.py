@@ -124,6 +124,7 @@ def test_swap_and_copy_move_exactly_the_listed_blocks(name):
         assert all(torch.equal(block(layer, i), block(s, i)) for i in range(10) if i not in (3, 4))
 
 
+@pytest.mark.slow
 def test_choosing_a_backend_imports_no_kernel_package():
     """Every backend module loads for the automatic choice and `tandem plugins`; none
     may import its kernel package (triton, xformers, flash_attn) to do so."""

@@ -104,6 +104,7 @@ def test_mixed_batches_take_the_varlen_kernel_and_decode_batches_the_decode_kern
 @needs_interpreter
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.slow
 def test_each_targets_launch_configurations_compute_the_same(arch, dtype, monkeypatch):
     # The tiles each target launches on a GPU (64-row 16-bit tiles for every varlen
     # step here, 8-warp float32 tiles for 256-wide heads), run interpreted against
@@ -182,6 +183,7 @@ def _generate(model, backend, device="cpu", dtype="float32"):
 
 
 @needs_interpreter
+@pytest.mark.slow
 def test_bart_through_triton_equals_torch_sdpa(bart_dir):
     assert _generate(bart_dir, "triton") == _generate(bart_dir, "torch_sdpa")
 

@@ -55,6 +55,7 @@ def _describe(k: dict) -> str:
 
 
 @ARCHS
+@pytest.mark.slow
 def test_every_case_compiles_to_cubin(reports, arch):
     report = reports[arch]
     assert not report["errors"], "\n".join(f"{e['case']}: {e['error']}" for e in report["errors"])

@@ -482,3 +482,4 @@ BlockManagerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
 )
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.pytestmark = [pytest.mark.slow]

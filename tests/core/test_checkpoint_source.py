@@ -247,6 +247,7 @@ def _tandem(*args, env):
                           env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_generate_by_repo_id_from_hf_home_offline(bart_dir, tmp_path):
     home = tmp_path / "hf_home"
     hub_cache(bart_dir, home / "hub", REPO)
@@ -270,6 +271,7 @@ def test_async_llm_by_repo_id(bart_dir, tmp_path, offline):
     assert engine.engine.config.model == REPO and engine.engine.config.model_path == str(snapshot)
 
 
+@pytest.mark.slow
 def test_cli_transcribe_by_repo_id_from_hf_home_offline(tmp_path):
     pytest.importorskip("soundfile")
     import soundfile as sf

@@ -64,6 +64,7 @@ def _cli(*args, env):
                           env={**os.environ, **env})
 
 
+@pytest.mark.slow
 def test_cli_int8_runs_by_default_where_auto_means_bfloat16(bart_dir):
     res = _cli("generate", "--model", str(bart_dir), "--device", "cpu", "--quantization", "int8", "--max-tokens", "3",
                "the rain", env={ENV: "bfloat16"})

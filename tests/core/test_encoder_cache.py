@@ -390,3 +390,4 @@ EncoderCacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
 )
 TestEncoderCacheMachine = EncoderCacheMachine.TestCase
+TestEncoderCacheMachine.pytestmark = [pytest.mark.slow]

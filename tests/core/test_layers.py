@@ -449,6 +449,7 @@ def _tp_worker(rank: int, init_file: str, model_dir: str, result_file: str) -> N
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_bart_encoder_and_lm_head_at_tp2_equal_tp1_with_real_collectives(bart_dir, tmp_path):
     import torch.distributed as dist
     import torch.multiprocessing as mp

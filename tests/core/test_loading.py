@@ -254,6 +254,7 @@ def run_llm(model_dir: Path, tmp_path: Path, trust: bool = False) -> subprocess.
     )
 
 
+@pytest.mark.slow
 def test_checkpoint_code_is_never_run_without_trust_remote_code(tmp_path, bart_dir):
     d, marker = tmp_path / "evil_ckpt", tmp_path / "marker"
     shutil.copytree(bart_dir, d)

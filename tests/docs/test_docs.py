@@ -70,6 +70,11 @@ MARKER = re.compile(r"^\s*<!--\s*docs-check:\s*(?P<kind>[a-z]+)\s*(?::\s*(?P<arg
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w+-]*)\s*$")
 
 
+# Slow (every documented command runs, many a whole engine or a benchmark): out of the
+# default run, in CI's bfloat16 stage (pyproject's `slow`).
+pytestmark = pytest.mark.slow
+
+
 @dataclass(frozen=True)
 class Block:
     path: Path

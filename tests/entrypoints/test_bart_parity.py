@@ -46,6 +46,7 @@ def _check_against_hf(model_dir, outs, max_tokens, min_tokens=0):
 
 
 @pytest.mark.parametrize("cross_views", [False, True])
+@pytest.mark.slow
 def test_mixed_prompts_match_hf(bart_dir, cross_views, monkeypatch):
     import tandem.backends.torch_sdpa as sdpa
 
@@ -92,6 +93,7 @@ def test_prompt_formats_are_processed_as_documented(bart_dir):
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.slow
 def test_block_sizes_and_min_tokens_match_hf(bart_dir, block_size):
     llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=block_size)
     prompts = _prompts(1, 10)
@@ -101,6 +103,7 @@ def test_block_sizes_and_min_tokens_match_hf(bart_dir, block_size):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.slow
 def test_preemption_keeps_outputs_identical(bart_dir, mode):
     prompts = _prompts(2, 16)
     params = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=40)
@@ -113,6 +116,7 @@ def test_preemption_keeps_outputs_identical(bart_dir, mode):
 
 
 @pytest.mark.parametrize("zero_logits_bias", [True, False])
+@pytest.mark.slow
 def test_large_vocabulary_and_zero_logits_bias_match_hf(tmp_path, zero_logits_bias):
     """A vocabulary large enough for the sampler's chunked argmax (many chunks and a
     tail), and BART's usual all-zero final_logits_bias, which the LM head then skips."""

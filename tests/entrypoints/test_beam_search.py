@@ -53,6 +53,7 @@ def _params(kw: dict) -> SamplingParams:
 
 
 @pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.slow
 def test_batched_beam_requests_with_different_settings_equal_hf(bart_dir, block_size):
     llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=block_size)
     rng = random.Random(block_size)
@@ -89,6 +90,7 @@ def test_beams_mixed_with_greedy_and_sampled_requests(bart_dir):
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
+@pytest.mark.slow
 def test_beams_under_preemption_equal_hf(bart_dir, mode):
     # A pool far too small for 8 requests of 4 beams: groups are preempted and resumed.
     llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=70,
@@ -186,6 +188,7 @@ def cnn_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_generate_without_params_uses_the_checkpoint_generation_config(cnn_dir):
     llm = LLM(model=str(cnn_dir), dtype="float32", device="cpu")
     d = llm.get_default_sampling_params()

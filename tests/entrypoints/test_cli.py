@@ -36,6 +36,7 @@ def test_generate_json_reads_stdin_and_matches_the_library(bart_dir):
         assert r["error"] is None
 
 
+@pytest.mark.slow
 def test_generate_caps_max_tokens_at_the_positions_left_and_says_so_once(bart_dir):
     # 128 decoder positions, decoder prompt [2, 0]: 126 new tokens fit.
     res = tandem("generate", "--model", str(bart_dir), "--dtype", "float32", "--device", "cpu", "--json", "--max-tokens",
@@ -49,6 +50,7 @@ def test_generate_caps_max_tokens_at_the_positions_left_and_says_so_once(bart_di
     assert [r["token_ids"] for r in records] == [o.outputs[0].token_ids for o in ref]
 
 
+@pytest.mark.slow
 def test_generate_reports_a_bad_prompt_and_a_bad_backend(bart_dir):
     res = tandem("generate", "--model", str(bart_dir), "--dtype", "float32", "--json", "the rain", "zzz-not-a-word " * 200)
     assert res.returncode == 1

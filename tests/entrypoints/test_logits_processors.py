@@ -50,6 +50,7 @@ def llm(bart_dir):
     return LLM(model=str(bart_dir), dtype="float32", device="cpu")
 
 
+@pytest.mark.slow
 def test_every_processor_in_one_batch_equals_hf_greedy(llm, bart_dir):
     prompts = _prompts(1, 2) + _prompts(10, 2)  # some run to the length limit, some stop early
     names = list(CASES)

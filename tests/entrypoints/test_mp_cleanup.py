@@ -31,6 +31,11 @@ CHILD = textwrap.dedent("""
 """)
 
 
+# Slow (spawns drivers and their ranks): out of the default run,
+# in CI's bfloat16 stage (pyproject's `slow`).
+pytestmark = pytest.mark.slow
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -108,6 +108,7 @@ def _first_tokens(llm, seeded: bool):
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["engine-stream", "seeded-requests"])
+@pytest.mark.slow
 def test_first_tokens_follow_hf_generate(llm, oracle, seeded):
     drawn = _first_tokens(llm, seeded)
     delta = FALSE_FAILURE / len(SETTINGS)

@@ -186,6 +186,7 @@ def test_load_with_disconnecting_streams_loses_nothing(server):
     assert httpx.get(f"{server}/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_sigterm_drains_running_requests_and_exits_zero(bart_dir):
     proc, url = _start(bart_dir)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -450,6 +450,7 @@ async def test_a_forced_cut_answers_audio_with_json(whisper_engine, monkeypatch)
 # ------------------------------------------------------------------ a real server
 
 
+@pytest.mark.slow
 def test_real_server_bounds_uploads_counts_disconnects_and_cuts_with_json(bart_dir):
     from test_serve import _metric as metric
     from test_serve import _start

@@ -27,6 +27,11 @@ from tandem.core.faults import EngineDeadError
 LOGPROB_TOL = 1e-3
 
 
+# Slow (spawns tensor-parallel ranks): out of the default run,
+# in CI's bfloat16 stage (pyproject's `slow`).
+pytestmark = pytest.mark.slow
+
+
 def _shut(llm: LLM) -> None:
     llm.llm_engine.shutdown()
 

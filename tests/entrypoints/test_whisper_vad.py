@@ -26,6 +26,11 @@ REGIONS = [(1.0, 9.0), (10.0, 24.0), (24.5, 31.0), (40.0, 52.0), (53.0, 60.0), (
 GROUPS = [[0, 1, 2], [3, 4, 5], [6]]
 
 
+# Slow (decodes the windows of long synthetic files, two engines): out of the default run,
+# in CI's bfloat16 stage (pyproject's `slow`).
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def whisper_ts(tmp_path_factory):
     path = make_whisper(tmp_path_factory.mktemp("whisper_vad") / "ckpt", num_mel_bins=80, seed=3, timestamps=True)
