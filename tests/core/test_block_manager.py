@@ -29,6 +29,7 @@ from tandem.core.block_manager import AllocStatus, BlockManager, BlockPool, Devi
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from kv_machine import live_seqs
 
 _ids = itertools.count()
 _tokens = itertools.count(10_000)  # every generated token is distinct: stale slots never match
@@ -173,10 +174,6 @@ def test_can_allocate_never_iff_over_capacity(block_size, gpu, watermark, enc_le
 # -- the state machine ---------------------------------------------------------
 
 
-def _live(g: SequenceGroup, bm: BlockManager) -> list[Sequence]:
-    return [s for s in g.seqs if bm.has_block_table(s)]
-
-
 class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -223,7 +220,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if run_encoder:
             for pos, tok in enumerate(list(g.encoder_inputs.token_ids)):
                 cache.setdefault(bm.get_cross_block_table(g)[pos // self.bs], {})[pos % self.bs] = tok
-        for s in _live(g, bm):
+        for s in live_seqs(g, bm):
             table = bm.get_block_table(s)
             for pos in range(s.num_computed_tokens, len(s)):
                 cache.setdefault(table[pos // self.bs], {})[pos % self.bs] = s.token_ids[pos]
@@ -233,7 +230,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _expected_append_need(self, g: SequenceGroup, device: Device) -> int:
         bm, need, writers = self.bm, 0, Counter()
-        for s in _live(g, bm):
+        for s in live_seqs(g, bm):
             table = bm.get_block_table(s)
             need += max(0, blocks_for(len(s), self.bs) - len(table))
             if s.num_computed_tokens < len(s):
@@ -253,7 +250,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         )
 
     def _distinct_self(self, g: SequenceGroup) -> list[int]:
-        return list(dict.fromkeys(b for s in _live(g, self.bm) for b in self.bm.get_block_table(s)))
+        return list(dict.fromkeys(b for s in live_seqs(g, self.bm) for b in self.bm.get_block_table(s)))
 
     def _try_allocate(self, g: SequenceGroup) -> None:
         bm = self.bm
@@ -301,13 +298,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """A group that holds nothing (never admitted, or preempted by recompute) tries again."""
         self._try_allocate(self._pick(idx, self._idle))
 
-    @precondition(lambda self: any(_live(g, self.bm) for g in self._where(self._on(DEV))))
+    @precondition(lambda self: any(live_seqs(g, self.bm) for g in self._where(self._on(DEV))))
     @rule(idx=st.integers(0, 1000), extra=st.integers(0, 12), seq_idx=st.integers(0, 4))
     def step(self, idx, extra, seq_idx):
         """One scheduler step for a running group; ``extra`` more tokens for one sequence."""
         bm = self.bm
-        g = self._pick(idx, lambda g: self.bm.device_of(g) is DEV and _live(g, self.bm))
-        live = _live(g, bm)
+        g = self._pick(idx, lambda g: self.bm.device_of(g) is DEV and live_seqs(g, self.bm))
+        live = live_seqs(g, bm)
         for _ in range(extra):
             live[seq_idx % len(live)].append_token(next(_tokens), 0.0, None)
         need, free = self._expected_append_need(g, DEV), bm.num_free_blocks()
@@ -326,12 +323,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self._copy(pairs, DEV, DEV)
         self._forward(g, run_encoder=False)
 
-    @precondition(lambda self: any(_live(g, self.bm) and len(g.seqs) < 5 for g in self.groups))
+    @precondition(lambda self: any(live_seqs(g, self.bm) and len(g.seqs) < 5 for g in self.groups))
     @rule(idx=st.integers(0, 1000), seq_idx=st.integers(0, 4))
     def fork(self, idx, seq_idx):
         bm = self.bm
-        g = self._pick(idx, lambda g: _live(g, self.bm) and len(g.seqs) < 5)
-        live = _live(g, bm)
+        g = self._pick(idx, lambda g: live_seqs(g, self.bm) and len(g.seqs) < 5)
+        live = live_seqs(g, bm)
         parent = live[seq_idx % len(live)]
         child = Sequence(next(_ids), parent.prompt_token_ids)
         child.token_ids = list(parent.token_ids)
@@ -345,7 +342,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _swap(self, g: SequenceGroup, src: Device, dst: Device) -> None:
         bm = self.bm
-        old_tables = {s.seq_id: list(bm.get_block_table(s)) for s in _live(g, bm)}
+        old_tables = {s.seq_id: list(bm.get_block_table(s)) for s in live_seqs(g, bm)}
         has_cross = bm.cross_device(g) is not None
         old_cross = list(bm.get_cross_block_table(g)) if has_cross else []
         moves = self._cross_moves(g, src)
@@ -390,12 +387,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self._swap(g, HOST, DEV)
             assert bm.can_append_slots(g)  # what the scheduler does next must succeed
 
-    @precondition(lambda self: any(_live(g, self.bm) for g in self.groups))
+    @precondition(lambda self: any(live_seqs(g, self.bm) for g in self.groups))
     @rule(idx=st.integers(0, 1000), seq_idx=st.integers(0, 4))
     def finish_seq(self, idx, seq_idx):
         bm = self.bm
-        g = self._pick(idx, lambda g: _live(g, self.bm))
-        live = _live(g, bm)
+        g = self._pick(idx, lambda g: live_seqs(g, self.bm))
+        live = live_seqs(g, bm)
         seq = live[seq_idx % len(live)]
         seq.status = SequenceStatus.FINISHED_LENGTH
         bm.free(seq, g)
@@ -463,7 +460,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bm = self.bm
         for g in self.groups:
             dev = bm.device_of(g)
-            for s in _live(g, bm):
+            for s in live_seqs(g, bm):
                 table, cache = bm.get_block_table(s), self.cache[dev]
                 assert blocks_for(s.num_computed_tokens, self.bs) <= len(table) <= blocks_for(len(s), self.bs)
                 got = [cache.get(table[p // self.bs], {}).get(p % self.bs) for p in range(s.num_computed_tokens)]

@@ -29,12 +29,13 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from tandem.core.block_manager import AllocStatus, BlockManager, BlockPool, Device
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from kv_machine import KVMachine, live_seqs
 
 _ids = itertools.count()
 _tokens = itertools.count(10_000)
@@ -159,16 +160,9 @@ def test_the_pool_refuses_to_evict_or_reuse_a_held_block():
 # -- the state machine ---------------------------------------------------------
 
 
-def _live(g: SequenceGroup, bm: BlockManager) -> list[Sequence]:
-    return [s for s in g.seqs if bm.has_block_table(s)]
-
-
-class EncoderCacheMachine(RuleBasedStateMachine):
+class EncoderCacheMachine(KVMachine):
     def __init__(self) -> None:
-        super().__init__()
-        self.bm: BlockManager | None = None
-        self.groups: list[SequenceGroup] = []
-        self.cache: dict[Device, dict[int, dict[int, int]]] = {DEV: {}, HOST: {}}  # block -> slot -> token
+        super().__init__()  # cache: block -> slot -> token
         self.evicted_blocks = 0
         # Groups holding a cross table whose encoder has not run yet: it runs (the
         # fake writes the ids) in the first step of any of them, as in the engine,
@@ -186,31 +180,13 @@ class EncoderCacheMachine(RuleBasedStateMachine):
         self.bs = block_size
         self.bm = BlockManager(block_size, gpu, cpu, watermark=watermark, encoder_cache_blocks=bound)
         self.bound = gpu if bound is None else min(bound, gpu)
-        pool, evict = self.bm.pools[DEV], self.bm.pools[DEV].evict
 
-        def checked_evict(blocks):
-            held = {b for t in self.bm.tables(DEV) for b in t}
-            assert all(pool.refcount(b) == 0 and b not in held for b in blocks), blocks
+        def count(blocks):
             self.evicted_blocks += len(blocks)
-            evict(blocks)
 
-        pool.evict = checked_evict
+        self._check_evictions(count)
 
     # -- helpers -----------------------------------------------------------
-    def _pick(self, idx: int, pred) -> SequenceGroup:
-        cands = [g for g in self.groups if pred(g)]
-        return cands[idx % len(cands)]
-
-    def _on(self, device: Device):
-        return lambda g: self.bm.device_of(g) is device
-
-    def _idle(self, g: SequenceGroup) -> bool:
-        return self.bm.device_of(g) is None and not g.is_finished
-
-    def _copy(self, pairs, src: Device, dst: Device) -> None:
-        moved = {d: dict(self.cache[src].get(s, {})) for s, d in pairs}
-        self.cache[dst].update(moved)
-
     def _write_encoder(self, g: SequenceGroup) -> None:
         table = self.bm.get_cross_block_table(g)
         for pos, tok in enumerate(g.encoder_inputs.token_ids):
@@ -227,7 +203,7 @@ class EncoderCacheMachine(RuleBasedStateMachine):
         if any(h.request_id in self.pending for h in holders):
             self._write_encoder(g)
             self.pending -= {h.request_id for h in holders}
-        for s in _live(g, bm):
+        for s in live_seqs(g, bm):
             table = bm.get_block_table(s)
             for pos in range(s.num_computed_tokens, len(s)):
                 cache.setdefault(table[pos // self.bs], {})[pos % self.bs] = s.token_ids[pos]
@@ -299,13 +275,13 @@ class EncoderCacheMachine(RuleBasedStateMachine):
     def reallocate(self, idx, run):
         self._try_allocate(self._pick(idx, self._idle), run)
 
-    @precondition(lambda self: self.bm is not None and any(_live(g, self.bm) for g in self.groups
+    @precondition(lambda self: self.bm is not None and any(live_seqs(g, self.bm) for g in self.groups
                                                            if self.bm.device_of(g) is DEV))
     @rule(idx=st.integers(0, 1000), extra=st.integers(0, 9))
     def step(self, idx, extra):
         bm = self.bm
-        g = self._pick(idx, lambda g: bm.device_of(g) is DEV and _live(g, bm))
-        live = _live(g, bm)
+        g = self._pick(idx, lambda g: bm.device_of(g) is DEV and live_seqs(g, bm))
+        live = live_seqs(g, bm)
         for _ in range(extra):
             live[0].append_token(next(_tokens), 0.0, None)
         if not bm.can_append_slots(g):
@@ -325,20 +301,6 @@ class EncoderCacheMachine(RuleBasedStateMachine):
         self._release(g)
         if how == "recompute":
             g.reset_for_recompute()
-
-    @precondition(lambda self: self.bm is not None and any(self._on(DEV)(g) for g in self.groups))
-    @rule(idx=st.integers(0, 1000))
-    def swap_out(self, idx):
-        g = self._pick(idx, self._on(DEV))
-        if self.bm.can_swap_out(g):
-            self._copy(self.bm.swap_out(g), DEV, HOST)
-
-    @precondition(lambda self: self.bm is not None and any(self._on(HOST)(g) for g in self.groups))
-    @rule(idx=st.integers(0, 1000))
-    def swap_in(self, idx):
-        g = self._pick(idx, self._on(HOST))
-        if self.bm.can_swap_in(g):
-            self._copy(self.bm.swap_in(g), HOST, DEV)
 
     # -- invariants ----------------------------------------------------------
     @invariant()

@@ -28,12 +28,13 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from tandem.core.block_manager import AllocStatus, BlockManager, Device
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from kv_machine import KVMachine, live_seqs
 
 _ids = itertools.count()
 DEV, HOST = Device.DEVICE, Device.HOST
@@ -186,16 +187,9 @@ def test_the_scheduler_charges_and_sends_only_the_tokens_left():
 # -- the state machine ---------------------------------------------------------
 
 
-def _live(g: SequenceGroup, bm: BlockManager) -> list[Sequence]:
-    return [s for s in g.seqs if bm.has_block_table(s)]
-
-
-class PrefixCacheMachine(RuleBasedStateMachine):
+class PrefixCacheMachine(KVMachine):
     def __init__(self) -> None:
-        super().__init__()
-        self.bm: BlockManager | None = None
-        self.groups: list[SequenceGroup] = []
-        self.cache: dict[Device, dict[int, dict[int, tuple]]] = {DEV: {}, HOST: {}}  # block -> slot -> K/V
+        super().__init__()  # cache: block -> slot -> (encoder key, tokens up to the slot)
         self.hits = 0
 
     @initialize(
@@ -211,29 +205,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.bm = BlockManager(block_size, gpu, cpu, watermark=watermark, encoder_cache_blocks=enc_bound,
                                prefix_cache_blocks=bound)
         self.bound = gpu if bound is None else min(bound, gpu)
-        pool, evict = self.bm.pools[DEV], self.bm.pools[DEV].evict
-
-        def checked_evict(blocks):
-            held = {b for t in self.bm.tables(DEV) for b in t}
-            assert all(pool.refcount(b) == 0 and b not in held for b in blocks), blocks
-            evict(blocks)
-
-        pool.evict = checked_evict
+        self._check_evictions()
 
     # -- helpers -----------------------------------------------------------
-    def _pick(self, idx: int, pred) -> SequenceGroup:
-        cands = [g for g in self.groups if pred(g)]
-        return cands[idx % len(cands)]
-
     def _on(self, device: Device):
-        return lambda g: self.bm.device_of(g) is device and bool(_live(g, self.bm))
-
-    def _idle(self, g: SequenceGroup) -> bool:
-        return self.bm.device_of(g) is None and not g.is_finished
-
-    def _copy(self, pairs, src: Device, dst: Device) -> None:
-        moved = {d: dict(self.cache[src].get(s, {})) for s, d in pairs}
-        self.cache[dst].update(moved)
+        return lambda g: self.bm.device_of(g) is device and bool(live_seqs(g, self.bm))
 
     @staticmethod
     def _kv(g: SequenceGroup, tokens: list[int], pos: int) -> tuple:
@@ -241,7 +217,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     def _forward(self, g: SequenceGroup) -> None:
         cache = self.cache[DEV]
-        for s in _live(g, self.bm):
+        for s in live_seqs(g, self.bm):
             if s.finished:
                 continue
             table = self.bm.get_block_table(s)
@@ -288,7 +264,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         g = self._pick(idx, self._on(DEV))
         if not bm.can_append_slots(g):
             return
-        pairs = [p for s in _live(g, bm) for p in bm.append_slots(s)]
+        pairs = [p for s in live_seqs(g, bm) for p in bm.append_slots(s)]
         self._copy(pairs, DEV, DEV)
         self._forward(g)
 
@@ -297,7 +273,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def fork(self, idx):
         """A beam continued twice: the parent's table shared whole, copied on write."""
         g = self._pick(idx, self._on(DEV))
-        parent = _live(g, self.bm)[0]
+        parent = live_seqs(g, self.bm)[0]
         if parent.num_computed_tokens == 0 or len(g.seqs) >= 3:
             return
         child = parent.fork(next(_ids))
@@ -311,7 +287,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         its sequences finishes (a beam dropped, a sample stopped)."""
         g = self._pick(idx, lambda g: self.bm.device_of(g))
         if how == "one":
-            live = [s for s in _live(g, self.bm) if not s.finished]
+            live = [s for s in live_seqs(g, self.bm) if not s.finished]
             if len(live) > 1:
                 live[0].status = SequenceStatus.FINISHED_STOPPED
                 self.bm.free(live[0], g)
@@ -322,20 +298,6 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.bm.free_group(g)
         if how == "recompute":
             g.reset_for_recompute()
-
-    @precondition(lambda self: self.bm is not None and any(self._on(DEV)(g) for g in self.groups))
-    @rule(idx=st.integers(0, 1000))
-    def swap_out(self, idx):
-        g = self._pick(idx, self._on(DEV))
-        if self.bm.can_swap_out(g):
-            self._copy(self.bm.swap_out(g), DEV, HOST)
-
-    @precondition(lambda self: self.bm is not None and any(self._on(HOST)(g) for g in self.groups))
-    @rule(idx=st.integers(0, 1000))
-    def swap_in(self, idx):
-        g = self._pick(idx, self._on(HOST))
-        if self.bm.can_swap_in(g):
-            self._copy(self.bm.swap_in(g), HOST, DEV)
 
     @precondition(lambda self: self.bm is not None)
     @rule()
@@ -374,7 +336,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         bm = self.bm
         for g in self.groups:
             dev = bm.device_of(g)
-            for s in _live(g, bm):
+            for s in live_seqs(g, bm):
                 table = bm.get_block_table(s)
                 for pos in range(s.num_computed_tokens):
                     got = self.cache[dev].get(table[pos // self.bs], {}).get(pos % self.bs)
