@@ -23,13 +23,13 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from tandem.core.block_manager import AllocStatus, BlockManager, BlockPool, Device, blocks_for
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from kv_machine import live_seqs
+from kv_machine import KVMachine, live_seqs
 
 _ids = itertools.count()
 _tokens = itertools.count(10_000)  # every generated token is distinct: stale slots never match
@@ -174,13 +174,10 @@ def test_can_allocate_never_iff_over_capacity(block_size, gpu, watermark, enc_le
 # -- the state machine ---------------------------------------------------------
 
 
-class BlockManagerMachine(RuleBasedStateMachine):
+class BlockManagerMachine(KVMachine):
     def __init__(self) -> None:
-        super().__init__()
-        self.bm: BlockManager | None = None
-        self.groups: list[SequenceGroup] = []
+        super().__init__()  # cache: block -> slot -> token
         self.enc_written: set[str] = set()  # groups whose cross table holds their encoder ids
-        self.cache: dict[Device, dict[int, dict[int, int]]] = {DEV: {}, HOST: {}}  # block -> slot -> token
         self.steps_since_reset = 0
 
     @initialize(
@@ -198,21 +195,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
     # -- helpers -----------------------------------------------------------
     def _where(self, pred) -> list[SequenceGroup]:
         return [g for g in self.groups if pred(g)]
-
-    def _pick(self, idx: int, pred) -> SequenceGroup:
-        cands = self._where(pred)
-        assert cands, "precondition and pick disagree"
-        return cands[idx % len(cands)]
-
-    def _on(self, device: Device):
-        return lambda g: self.bm.device_of(g) is device
-
-    def _idle(self, g: SequenceGroup) -> bool:
-        return self.bm.device_of(g) is None and not g.is_finished
-
-    def _copy(self, pairs, src: Device, dst: Device) -> None:
-        moved = {d: dict(self.cache[src].get(s, {})) for s, d in pairs}  # reads before writes
-        self.cache[dst].update(moved)
 
     def _forward(self, g: SequenceGroup, run_encoder: bool) -> None:
         """Write what the model would into the cache, then sample one token per sequence."""
