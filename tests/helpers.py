@@ -491,3 +491,12 @@ def speechlike_audio(seconds: float, seed: int = 0, sr: int = 16000, f0: float =
         parts += [0.3 * burst / np.abs(burst).max(), vowel / np.abs(vowel).max(), np.zeros(int(0.06 * sr))]
         total += m + n + int(0.06 * sr)
     return (0.3 * np.concatenate(parts)[: int(seconds * sr)]).astype(np.float32)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie has exited); Linux's /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import process_alive
+
 CHILD = textwrap.dedent("""
     import sys, time
     from tandem import LLM, SamplingParams
@@ -36,18 +38,10 @@ CHILD = textwrap.dedent("""
 pytestmark = pytest.mark.slow
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
-
-
 def _gone_within(pids, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
+        if not any(process_alive(p) for p in pids):
             return True
         time.sleep(0.1)
     return False
@@ -65,12 +59,12 @@ def test_no_rank_outlives_the_driver(bart_dir, tmp_path, how):
         if not line:
             pytest.fail(f"the child failed: {child.wait(60)} {child.stderr.read()[-3000:]}")
         pids = [int(p) for p in line.split()]
-        assert len(pids) == (2 if how == "exit" else 1) and all(_alive(p) or how == "exit" for p in pids)
+        assert len(pids) == (2 if how == "exit" else 1) and all(process_alive(p) or how == "exit" for p in pids)
         if how == "sigterm":
             child.send_signal(signal.SIGTERM)
         code = child.wait(60)
         assert code == (-signal.SIGTERM if how == "sigterm" else 0), child.stderr.read()[-3000:]
-        assert _gone_within(pids, 10), [p for p in pids if _alive(p)]
+        assert _gone_within(pids, 10), [p for p in pids if process_alive(p)]
     finally:
         if child.poll() is None:
             child.kill()

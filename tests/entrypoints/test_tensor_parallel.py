@@ -14,7 +14,7 @@ import time
 import pytest
 
 from helpers import WHISPER_TS_IDS as I
-from helpers import make_whisper, synth_audio
+from helpers import make_whisper, process_alive, synth_audio
 from tandem import LLM, SamplingParams
 from tandem.core.faults import EngineDeadError
 
@@ -178,12 +178,4 @@ def test_a_killed_rank_is_a_clear_error_within_seconds(bart_pair):
     with pytest.raises(EngineDeadError):  # and stays dead
         tp.generate(_prompts(1, 6), SamplingParams(max_tokens=2), use_tqdm=False)
     for pid in pids:  # the other rank was stopped with it
-        assert not _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
+        assert not process_alive(pid)
