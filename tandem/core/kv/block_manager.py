@@ -441,12 +441,14 @@ class BlockManager:
         new = dst_pool.allocate(len(counts))
         to_new = dict(zip(counts, new))
         dst_pool.incref([to_new[b] for b, c in counts.items() for _ in range(c - 1)])
-        self._release(src, list(counts.elements()))  # registered prompt blocks stay on the device, kept
         for sid in sids:
             self._self[sid] = [to_new[b] for b in self._self[sid]]
             self.prefix_cache.forget(sid)  # its blocks are new: registered again once back on the device
-        mapping += to_new.items()
         self._location[rid] = dst
+        # Released once no table lists them: registered prompt blocks stay on the device, kept,
+        # and keeping one may evict another at once (never a block a table still holds).
+        self._release(src, list(counts.elements()))
+        mapping += to_new.items()
         return mapping
 
     # -- freeing -----------------------------------------------------------
