@@ -30,6 +30,7 @@ from tandem.core.scheduler_output import (
     ScheduledGroup,
     ScheduledSequence,
     SchedulerOutput,
+    table_update,
 )
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tandem.core.strategies.sampling import SamplingStrategy
@@ -311,10 +312,7 @@ class Scheduler:
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             table = bm.get_block_table(seq)
             sent = self._sent_tables.get(seq.seq_id)
-            if sent is not None and len(table) >= len(sent) and table[: len(sent)] == sent:
-                block_ids, replace = table[len(sent) :], False
-            else:
-                block_ids, replace = list(table), True
+            block_ids, replace = table_update(table, sent)
             # A sequence the worker has not seen but with computed tokens was forked (a beam).
             prefix = seq.token_ids[: seq.num_computed_tokens] if sent is None and seq.num_computed_tokens else None
             self._sent_tables[seq.seq_id] = list(table)

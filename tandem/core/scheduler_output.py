@@ -123,3 +123,12 @@ class ModelRunnerOutput:
     failed_requests: dict[str, str] = field(default_factory=dict)
     # Sequences for which every token was banned: they end with no token appended.
     no_token_seq_ids: frozenset[int] = frozenset()
+
+
+def table_update(table: list[int], sent: list[int] | None) -> tuple[list[int], bool]:
+    """What to send the worker of a block table it last got as ``sent``: the blocks
+    appended since (``replace=False``) when ``sent`` is still its prefix, else the
+    whole table (``replace=True``)."""
+    if sent is not None and len(table) >= len(sent) and table[: len(sent)] == sent:
+        return table[len(sent):], False
+    return list(table), True

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 from tandem.core.block_manager import AllocStatus, BlockManager
 from tandem.core.faults import describe
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.scheduler_output import NewRequestData, ScheduledGroup, ScheduledSequence, SchedulerOutput
+from tandem.core.scheduler_output import NewRequestData, ScheduledGroup, ScheduledSequence, SchedulerOutput, table_update
 from tandem.core.sequence import Sequence, SequenceGroup
 from tandem.core.strategies.speculative import SpeculativeStrategy
 
@@ -256,10 +256,7 @@ class DraftProposer:
         for d in live:
             table = bm.get_block_table(d)
             sent = self._sent.get(d.seq_id)
-            if sent is not None and len(table) >= len(sent) and table[: len(sent)] == sent:
-                block_ids, replace = table[len(sent):], False
-            else:
-                block_ids, replace = list(table), True
+            block_ids, replace = table_update(table, sent)
             self._sent[d.seq_id] = list(table)
             seqs.append(ScheduledSequence(
                 seq_id=d.seq_id, token_ids=d.token_ids[d.num_computed_tokens:],
