@@ -169,6 +169,15 @@ class EngineConfig:
         3, "failed steps in a row (no good step between) after which the engine declares itself dead (a server's "
         "/health answers 503); each failed step fails only its own requests"
     )
+    # core/structured_output/manager.py: compiling one request's grammar, bounded.
+    structured_outputs_compile_timeout: float = option(
+        30.0, "seconds a structured-output grammar may take to compile, from the request asking; a request whose "
+        "compile passes it fails naming it (the compile, which cannot be interrupted, ends in a daemon thread)"
+    )
+    structured_outputs_max_chars: int = option(
+        64 * 1024, "characters a structured-output spec (a JSON schema's text, a regex, a grammar, the choices) may "
+        "have to be compiled; a longer one is refused before compiling, naming its size and this limit"
+    )
 
     def __post_init__(self) -> None:
         for name in ("revision", "tokenizer_revision"):
@@ -246,6 +255,12 @@ class EngineConfig:
             raise ValueError(
                 f"max_consecutive_step_failures={self.max_consecutive_step_failures!r}: must be an integer >= 1"
             )
+        if not is_real(self.structured_outputs_compile_timeout) or self.structured_outputs_compile_timeout <= 0:
+            raise ValueError(f"structured_outputs_compile_timeout={self.structured_outputs_compile_timeout!r}: must be "
+                             "a finite, positive number of seconds")
+        if not is_int(self.structured_outputs_max_chars) or self.structured_outputs_max_chars < 1:
+            raise ValueError(f"structured_outputs_max_chars={self.structured_outputs_max_chars!r}: must be an "
+                             "integer >= 1")
         if not is_int(self.seed) or not -(2**63) <= self.seed <= 2**64 - 1:
             raise ValueError(f"seed={self.seed!r}: must be an integer in [-2**63, 2**64 - 1], the range torch seeds take")
         self._check_parallel()

@@ -106,7 +106,9 @@ class LLMEngine:
                                    proposer=self.draft)
         self.vocab_size = self.model_cls.vocab_size(self.hf_config)
         # Nothing is imported or built for structured output until a request asks for it.
-        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
+                                                  timeout=config.structured_outputs_compile_timeout,
+                                                  max_chars=config.structured_outputs_max_chars)
         self.core = EngineCore(self.scheduler_config, self.block_manager, self.executor, self.scheduler,
                                config.max_consecutive_step_failures, self.structured)
         self.input_processor = InputProcessor(self.hf_config, self.model_cls, self.tokenizer)
@@ -142,6 +144,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the executor's workers (no-op in-process); idempotent."""
+        self.structured.shutdown()
         self.executor.shutdown()
 
     # -- requests ------------------------------------------------------------
@@ -250,13 +253,18 @@ class LLMEngine:
             inputs.prompt, list(inputs.prompt_token_ids),
         )
 
-    def compile_structured_outputs(self, so: StructuredOutputsParams) -> Future:
+    def compile_structured_outputs(self, so: StructuredOutputsParams, may_release: bool = False) -> Future:
         """A future of ``so``'s compiled grammar, for a frontend that wants a bad spec
         refused before it queues the request (a server's 400): it fails with a
         ``ValueError`` (``GrammarCompileError``) naming the field and the cause. The
         compile is cached, so the request that follows reuses it. Thread-safe; raises
-        ``ImportError`` naming the ``structured`` extra without xgrammar."""
-        return self.structured.grammar(so)
+        ``ImportError`` naming the ``structured`` extra without xgrammar. ``may_release``:
+        the caller calls ``release_structured_outputs(so)`` when it stops waiting, which
+        cancels the compile if nobody else waits for it and it has not started."""
+        return self.structured.grammar(so, may_release=may_release)
+
+    def release_structured_outputs(self, so: StructuredOutputsParams) -> None:
+        self.structured.release(so)
 
     def max_new_tokens(self, prompt: PromptType) -> int:
         """Tokens the model's decoder positions leave after this prompt's decoder prompt;

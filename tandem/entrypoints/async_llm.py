@@ -207,9 +207,14 @@ class AsyncLLM:
         """Wait until ``so`` has compiled, so a frontend can refuse a bad spec before it
         queues the request (the compile is cached: the request that follows reuses it).
         Raises ``ValueError`` naming the field and the cause, ``ImportError`` naming the
-        ``structured`` extra without xgrammar. Cancelling the wait leaves the compile
-        running (it cannot be stopped) for whoever asks for the same spec next."""
-        await asyncio.shield(asyncio.wrap_future(self.engine.compile_structured_outputs(so)))
+        ``structured`` extra without xgrammar. Cancelling the wait cancels the compile if
+        it has not started and nobody else waits for it; one under way runs on (it cannot
+        be stopped, and its time budget bounds it) for whoever asks for the same spec next."""
+        future = self.engine.compile_structured_outputs(so, may_release=True)
+        try:
+            await asyncio.shield(asyncio.wrap_future(future))
+        finally:
+            self.engine.release_structured_outputs(so)
 
     def call_on_model(self, fn) -> Future:
         """Run ``fn(model)`` on the engine thread between two steps (see

@@ -8,11 +8,15 @@ import json
 from dataclasses import dataclass
 
 from tandem.core.param_errors import type_error, value_error
+from tandem.core.structured_output.schema_check import UnenforcedSchemaError, check_enforceable
 
 # Bounds on one request's spec, so parsing and hashing it stay cheap at the door;
 # compiling is bounded by the engine running it off the step loop.
 MAX_SPEC_CHARS = 1 << 20
 MAX_CHOICES = 4096
+# Nesting of a JSON schema (objects and arrays): far past any real schema, well short of
+# Python's recursion limit (json) and of xgrammar's native stack.
+MAX_SCHEMA_DEPTH = 128
 _MAX_SHOWN = 120
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -36,6 +40,8 @@ class StructuredOutputsParams:
     whitespace until ``max_tokens``).
 
     Errors name the field: ``StructuredOutputsParams.<field>=<value>: <why>``.
+    A schema keyword the grammar would not enforce (``not``, ``uniqueItems``, ...:
+    ``schema_check.py``) is refused here, naming the keyword and its JSON pointer.
     Whether a schema, regex or grammar compiles is known only when the engine
     compiles it: a spec that does not is that request's ``error``.
     """
@@ -87,26 +93,51 @@ class StructuredOutputsParams:
 
 
 def _schema_text(schema: object) -> str:
+    # RecursionError: json's C code recurses per nesting level; a 10,000-deep value
+    # would otherwise escape as a bare RecursionError naming nothing.
     if isinstance(schema, dict):
+        _check_depth(schema, "<a dict>")  # its repr would recurse as deep
         try:
             text = json.dumps(schema, ensure_ascii=False)
-        except (TypeError, ValueError) as e:  # a value JSON cannot hold, a cycle
+        except (TypeError, ValueError, RecursionError) as e:  # a value JSON cannot hold, a cycle
             raise _value_error("json", schema, f"is not JSON-serialisable: {e}") from None
+        parsed = schema
     elif isinstance(schema, str):
         text = schema
         if len(text) > MAX_SPEC_CHARS:
             raise _value_error("json", f"<{len(text)} characters>", f"must be at most {MAX_SPEC_CHARS} characters")
         try:
             parsed = json.loads(text)
+        except RecursionError:
+            raise _value_error("json", schema, f"nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
         except ValueError as e:
             raise _value_error("json", schema, f"is not valid JSON: {e}") from None
         if not isinstance(parsed, (dict, bool)):
             raise _value_error("json", schema, f"a JSON schema is an object or a boolean, not {type(parsed).__name__}")
+        _check_depth(parsed, schema)  # its text is shown cut short
     else:
         raise _type_error("json", schema, "a JSON schema: a dict or its JSON text")
     if len(text) > MAX_SPEC_CHARS:
         raise _value_error("json", f"<{len(text)} characters>", f"must be at most {MAX_SPEC_CHARS} characters")
+    try:
+        check_enforceable(parsed)
+    except UnenforcedSchemaError as e:
+        raise _value_error("json", schema, f"{e}; the output would not follow the schema") from None
     return text
+
+
+def _check_depth(value: object, shown: object) -> None:
+    """Iterative, so any depth is measured without recursing; a cycle (a dict holding
+    itself) is deeper than any bound."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise _value_error("json", shown, f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        if isinstance(v, dict):
+            stack.extend((x, depth + 1) for x in v.values() if isinstance(x, (dict, list)))
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v if isinstance(x, (dict, list)))
 
 
 def _choices(choice: object) -> tuple[str, ...]:

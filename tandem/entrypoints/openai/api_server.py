@@ -372,7 +372,7 @@ def build_app(
         except (ValueError, TypeError) as e:
             raise HTTPError(400, str(e)) from None
         if structured is not None:  # a spec that does not compile is a 400 here, never a queued failure
-            await check_compiles(engine, structured, cut)
+            await check_compiles(engine, structured, cut, request)
         # Engine request ids are the server's own: a client's request_id is only
         # echoed (as the response's id) and logged, so no client can collide with,
         # learn or abort another's requests.

@@ -59,23 +59,31 @@ def read_structured(req) -> StructuredRequest | None:
         return StructuredRequest(StructuredOutputsParams(**kwargs), field)
     except (ValueError, TypeError) as e:
         raise _bad(field, str(e)) from None
+    except RecursionError:  # a value nested past what parsing it can recurse (params bound schemas first)
+        raise _bad(field, "nests too deep to parse") from None
 
 
-async def check_compiles(engine, so: StructuredRequest, cut: asyncio.Event) -> None:
+async def check_compiles(engine, so: StructuredRequest, cut: asyncio.Event, request=None) -> None:
     """Wait for ``so``'s compile (cached: the request that follows reuses it). A spec
-    that does not compile is a 400 naming the field and the cause; a server without
-    xgrammar answers 501 naming the extra to install; the drain cut, 503."""
+    that does not compile, is over the size budget or misses the time budget is a 400
+    naming the field and the cause; a server without xgrammar answers 501 naming the
+    extra to install; the drain cut, 503. A client that leaves (``request``: the
+    Starlette request, watched for a disconnect) stops the wait, which cancels a
+    compile nobody else waits for (the answer, 499, goes nowhere)."""
     compiling = asyncio.ensure_future(engine.compile_structured_outputs(so.params))
     try:
-        if await watch([compiling], None, cut) == "cut":
+        outcome = await watch([compiling], request, cut)
+        if outcome == "cut":
             raise HTTPError(503, cut.message)
+        if outcome == "disconnected":
+            raise HTTPError(499, "client disconnected")
         compiling.result()
     except ImportError as e:
         raise HTTPError(501, f"{so.field}: {e}", param=so.field) from None
     except (ValueError, TypeError) as e:
         raise HTTPError(400, f"{so.field}: {e}", param=so.field) from None
     finally:
-        if not compiling.done():  # the compile itself runs on (shielded), for whoever asks next
+        if not compiling.done():  # releases the compile: cancelled unless started or wanted by another
             compiling.cancel()
 
 
