@@ -1,13 +1,15 @@
 """The engine: a checkpoint loaded, requests in, one step at a time, outputs out.
 
 ``LLMEngine`` loads the model and its configs, turns prompts into requests
-(input processing, the checkpoint's generation defaults, validation, the
-request's strategy) and hands them to the ``EngineCore`` (scheduler, block
-manager, worker), whose step returns plain per-request results. The
+(``RequestProcessor``: input processing, the checkpoint's generation defaults,
+validation; then the request's strategy) and hands them to the ``EngineCore``
+(scheduler, block manager, worker), whose step returns plain per-request
+results. The
 ``OutputProcessor`` turns those into ``RequestOutput``s (detokenizing once,
 incrementally) and reports stop-string hits back to the core.
-``AsyncLLM`` drives the core from its engine thread and runs the output side
-in its consumers instead.
+``AsyncLLM`` drives the core from its engine thread and runs the input side on
+its input threads (``process_request``) and the output side in its consumers
+instead.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from tandem.core.config import EngineConfig
 from tandem.core.core_outputs import RequestInfo, RequestResult
 from tandem.core.engine_core import EngineCore
 from tandem.core.faults import EngineDeadError, EngineHealth, describe
-from tandem.core.generation_config import load_generation_defaults, merge_params, resolve_lengths
-from tandem.core.inputs import EncoderDecoderInputs, InputProcessor, PromptType
+from tandem.core.generation_config import load_generation_defaults
+from tandem.core.inputs import PromptType
 from tandem.core.loader import check_model_config, load_hf_config, load_tokenizer
 from tandem.core.memory import GiB
 from tandem.core.output_processor import OutputProcessor
 from tandem.core.outputs import RequestOutput
+from tandem.core.request_processor import ProcessedRequest, RequestProcessor
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler, SchedulerConfig
 from tandem.core.sequence import Sequence, SequenceGroup
@@ -111,7 +114,9 @@ class LLMEngine:
                                                   max_chars=config.structured_outputs_max_chars)
         self.core = EngineCore(self.scheduler_config, self.block_manager, self.executor, self.scheduler,
                                config.max_consecutive_step_failures, self.structured)
-        self.input_processor = InputProcessor(self.hf_config, self.model_cls, self.tokenizer)
+        self.processor = RequestProcessor(self.hf_config, self.model_cls, self.tokenizer, self.generation_defaults,
+                                          self.vocab_size, self.scheduler_config, self.executor.check_request)
+        self.input_processor = self.processor.input_processor
         self.output_processor = OutputProcessor(self.tokenizer)
         # One record (never interleaved with another thread's), one fact per line: a short
         # head, then indented lines; the backends passed over one per line too.
@@ -157,11 +162,7 @@ class LLMEngine:
     def resolve_params(self, params: SamplingParams | None) -> SamplingParams:
         """The request's explicit fields over the defaults; raises ``ValueError`` or
         ``TypeError`` for a combination that cannot be served."""
-        if params is None:
-            return self.generation_defaults.params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        return merge_params(self.generation_defaults.params, params, self.generation_defaults.source)
+        return self.processor.resolve_params(params)
 
     def add_request(
         self,
@@ -193,28 +194,23 @@ class LLMEngine:
         """:meth:`add_request` for a frontend that follows outputs itself (from
         :meth:`step_core`'s results, with an ``output_processor.RequestState`` built
         from the returned ``RequestInfo``)."""
-        self.core.faults.check_alive()
-        if request_id in self.scheduler.groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        params = self.resolve_params(params)
-        inputs = self.input_processor.process(prompt)
-        if inputs.decoder_prompt_is_default and prompt_slot is None:
-            default, prompt_slot = self.model_cls.default_decoder_prompt(self.hf_config, self.generation_defaults.hf)
-            inputs.prompt_token_ids = list(default)
-        if inputs.decoder_prompt_is_default and params.forced_bos_token_id is not None:
-            # HF starts from <DEC> alone and the forced BOS processor picks the next
-            # token: start there too, so lengths and beam scores count as HF's do.
-            inputs.prompt_token_ids = [self.model_cls.decoder_start_token_id(self.hf_config)]
-        prompt_len = len(inputs.prompt_token_ids)
-        if prompt_slot is not None:
-            probe = () if prompt_slot.probe is None else (prompt_slot.probe,)
-            bad = [t for t in (*prompt_slot.choices, *prompt_slot.then, *probe) if not 0 <= t < self.vocab_size]
-            if not prompt_slot.choices or bad:
-                raise ValueError(f"prompt slot {prompt_slot}: needs choices, all in the vocabulary [0, {self.vocab_size})")
-            prompt_len += 1 + len(prompt_slot.then)  # the prompt as it will be once completed
-        params = resolve_lengths(params, prompt_len, self.model_cls.max_decoder_len(self.hf_config) - prompt_len)
-        self._validate(inputs, params, prompt_len)
-        self.executor.check_request(params)
+        self._check_new(request_id)
+        return self.add_processed_request(request_id, self.process_request(prompt, params, prompt_slot=prompt_slot))
+
+    def process_request(
+        self, prompt: PromptType, params: SamplingParams | None = None, *, prompt_slot: PromptSlot | None = None
+    ) -> ProcessedRequest:
+        """A request's own work (params resolved, prompt tokenized or audio decoded,
+        lengths and values checked), touching no engine state: any thread may call it
+        (``AsyncLLM`` calls it off its engine thread). Raises ``ValueError`` or
+        ``TypeError`` naming what is wrong."""
+        return self.processor.process(prompt, params, prompt_slot)
+
+    def add_processed_request(self, request_id: str, req: ProcessedRequest) -> RequestInfo:
+        """Queue a request :meth:`process_request` made: its strategy and the pool
+        check; on the thread that steps the engine."""
+        self._check_new(request_id)
+        inputs, params, prompt_slot, prompt_len = req.inputs, req.params, req.prompt_slot, req.prompt_len
         beams = params.use_beam_search
         # Beam search starts from one sequence; it becomes num_beams after the first step.
         seqs = [Sequence(next(self._seq_ids), inputs.prompt_token_ids, i) for i in range(1 if beams else params.n)]
@@ -253,6 +249,11 @@ class LLMEngine:
             inputs.prompt, list(inputs.prompt_token_ids),
         )
 
+    def _check_new(self, request_id: str) -> None:
+        self.core.faults.check_alive()
+        if request_id in self.scheduler.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+
     def compile_structured_outputs(self, so: StructuredOutputsParams, may_release: bool = False) -> Future:
         """A future of ``so``'s compiled grammar, for a frontend that wants a bad spec
         refused before it queues the request (a server's 400): it fails with a
@@ -271,69 +272,6 @@ class LLMEngine:
         raises ``ValueError`` or ``TypeError`` for a prompt ``add_request`` would reject."""
         inputs = self.input_processor.process(prompt)
         return self.model_cls.max_decoder_len(self.hf_config) - len(inputs.prompt_token_ids)
-
-    def _validate(self, inputs: EncoderDecoderInputs, params: SamplingParams, dec_len: int | None = None) -> None:
-        cfg, m = self.hf_config, self.model_cls
-        enc = inputs.encoder_inputs
-        checks = [("decoder prompt", inputs.prompt_token_ids)]
-        if enc.token_ids is not None:  # feature inputs have no vocabulary to check
-            checks.insert(0, ("encoder prompt", enc.token_ids))
-        for where, ids in checks:
-            bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size]
-            if bad:
-                i, t = bad[0]
-                raise ValueError(
-                    f"{where} token id {t} at position {i} is outside the vocabulary [0, {self.vocab_size})"
-                )
-        enc_len = enc.num_positions
-        dec_len = len(inputs.prompt_token_ids) if dec_len is None else dec_len
-        if enc_len > m.max_encoder_len(cfg):
-            what = "tokens" if enc.token_ids is not None else "encoder positions"
-            raise ValueError(
-                f"encoder prompt has {enc_len} {what}; the model accepts at most {m.max_encoder_len(cfg)}"
-            )
-        if dec_len + params.max_tokens > m.max_decoder_len(cfg):  # resolve_lengths keeps this from happening
-            raise ValueError(
-                f"decoder prompt ({dec_len} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"model's {m.max_decoder_len(cfg)} decoder positions"
-            )
-        for name in ("bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "allowed_token_ids",
-                     "logit_bias", "forced_bos_token_id", "forced_eos_token_id"):
-            value = getattr(params, name)
-            if value is None:
-                continue
-            ids = [value] if isinstance(value, int) else value
-            if name == "bad_words_ids":
-                ids = [t for seq in value for t in seq]
-            elif name == "logit_bias":
-                ids = [t for t, _ in value]
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"SamplingParams.{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-                )
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(
-                f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary size ({self.vocab_size})"
-            )
-        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad_stop:
-            raise ValueError(
-                f"SamplingParams.stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        width, what = (params.num_beams, "num_beams") if params.use_beam_search else (params.n, "n")
-        if width > self.scheduler_config.max_num_seqs:
-            raise ValueError(f"{what}={width} exceeds max_num_seqs={self.scheduler_config.max_num_seqs}")
-        # A group preempted by recompute runs its encoder and every decoder token
-        # again in one step, so the worst case must fit the step's token budget.
-        worst = enc_len + width * (dec_len + params.max_tokens - 1)
-        budget = self.scheduler_config.max_num_batched_tokens
-        if worst > budget:
-            raise ValueError(
-                f"request may need {worst} tokens in one step (encoder {enc_len} + {what}={width} x "
-                f"(decoder prompt {dec_len} + max_tokens {params.max_tokens} - 1), when recomputed "
-                f"after preemption); max_num_batched_tokens={budget}"
-            )
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Drop the requests and free their blocks; returns their (aborted) outputs."""

@@ -106,6 +106,9 @@ class InputProcessor:
         self.hf_config = hf_config
         self.model_cls = model_cls
         self.tokenizer = tokenizer
+        # Most tokens a text prompt may have: a text encoder takes one position per token
+        # (EncoderDecoderModel.get_encoder_inputs); a decoder prompt must leave a position free.
+        self.max_tokens = {True: model_cls.max_encoder_len(hf_config), False: model_cls.max_decoder_len(hf_config)}
 
     def process(self, prompt: Any) -> EncoderDecoderInputs:
         if isinstance(prompt, dict) and "encoder_prompt" in prompt:
@@ -180,6 +183,7 @@ class InputProcessor:
             raise ValueError(f"{where} text is empty")
         if self.tokenizer is None:
             raise ValueError(f"{where} is text but the model has no tokenizer; pass token ids")
+        self._refuse_long_text(text, is_encoder)
         # verbose=False: no transformers warning that an over-long prompt "will result in
         # indexing errors"; the engine checks every prompt's length and refuses it naming both.
         ids = list(self.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
@@ -188,6 +192,57 @@ class InputProcessor:
         if not is_encoder and ids and eos is not None and ids[-1] == eos:
             ids.pop()
         return ids
+
+
+    def _refuse_long_text(self, text: str, is_encoder: bool) -> None:
+        """Refuse a text far longer than the model takes after tokenizing only a prefix
+        of it, so a prompt of megabytes costs what a prompt of kilobytes does.
+
+        Why a prefix and not a character count alone: no count of characters per token
+        is safe. Normalizers collapse whitespace runs (T5's), SentencePiece makes one
+        <unk> of a run of unknown characters, so a text of millions of characters may
+        be a few tokens. A prefix's tokens are a lower bound on the whole text's
+        instead: tokenizers split text into pieces at whitespace before their model
+        runs on each piece, so where a single space stands between two non-space
+        characters the pieces (and tokens) left of it are the same in the prefix as in
+        the whole. The cut is made there when the window has such a space, and
+        ``PREFIX_SLACK`` tokens are not counted in case it falls inside a piece (or in
+        a tokenizer that splits otherwise), where only the tokens near the cut can
+        differ. Special tokens only add to the whole. So the refusal never refuses a
+        prompt that fits; a prompt whose prefix does fit is tokenized whole, as
+        before."""
+        limit = self.max_tokens[is_encoder]
+        window = PREFIX_CHARS_PER_TOKEN * (limit + PREFIX_SLACK)
+        if len(text) <= window:
+            return
+        cut = _space_between_words(text, window // 2, window) or window
+        n = len(self.tokenizer(text[:cut], add_special_tokens=False, verbose=False)["input_ids"])
+        if n - PREFIX_SLACK <= limit:
+            return
+        what = "encoder prompt" if is_encoder else "decoder prompt"
+        at_most = f"the model accepts at most {limit}" if is_encoder else f"the model has {limit} decoder positions"
+        raise ValueError(
+            f"{what} has more than {limit} tokens: {len(text)} characters, of which the first {cut} are "
+            f"already {n} tokens; {at_most}"
+        )
+
+
+# A text prompt longer than PREFIX_CHARS_PER_TOKEN characters for each token the model
+# takes (plus PREFIX_SLACK) is measured by a prefix of that many characters first. Natural
+# text has 3-6 characters per token, so an over-long prompt is refused from its prefix;
+# the slack covers a cut inside a word (see InputProcessor._refuse_long_text).
+PREFIX_CHARS_PER_TOKEN = 16
+PREFIX_SLACK = 64
+
+
+def _space_between_words(text: str, lo: int, hi: int) -> int | None:
+    """The last index in [lo, hi) of a single space between two non-space characters."""
+    i = text.rfind(" ", lo, hi)
+    while i > lo:
+        if not text[i - 1].isspace() and i + 1 < len(text) and not text[i + 1].isspace():
+            return i
+        i = text.rfind(" ", lo, i)
+    return None
 
 
 def preview(value: Any, limit: int = 60) -> str:

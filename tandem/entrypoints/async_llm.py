@@ -1,7 +1,10 @@
 """``AsyncLLM``: the engine for asyncio services.
 
 The engine loop runs in a background thread that owns the ``LLMEngine``
-(which is single-threaded): requests, aborts and stop-string hits reach it
+(which is single-threaded). Nothing heavy runs there: a request's own work
+(tokenizing, decoding audio, validating: ``LLMEngine.process_request``) runs
+first on the input threads (``input_pool.InputPool``), and only the processed
+request reaches the engine thread. Requests, aborts and stop-string hits reach it
 through a command queue (so do functions to run on the model between steps,
 ``call_on_model``), and each step's plain per-request results
 (``tandem.core.core_outputs``) go back to the waiting coroutines through their
@@ -10,6 +13,13 @@ results into ``RequestOutput``s itself (``output_processor.RequestState``:
 detokenizing, stop strings), so the engine thread never detokenizes. The event
 loop only enqueues, detokenizes and awaits, so it stays responsive while the
 engine computes (torch releases the GIL in its kernels).
+
+Admission is fair between client requests: requests given the same
+``queue_group`` (a server passes one per HTTP request) take turns with other
+groups, both on the input threads and into the scheduler's waiting queue, which
+the engine thread keeps no longer than ``max_num_seqs`` (what one step could
+admit) and fills from the groups in turn. A request of 5,000 prompts thus delays
+a later request of one prompt by one turn, not by 5,000 prompts.
 
 >>> engine = AsyncLLM(model="path/to/bart")
 >>> async for out in engine.generate("the rain in spain", SamplingParams(max_tokens=8), "req-1"):
@@ -25,9 +35,11 @@ request the engine rejects (bad prompt or sampling value) raises that
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import itertools
 import logging
+import os
 import queue
 import threading
 from collections import deque
@@ -45,7 +57,9 @@ from tandem.core.model_call import ModelCall
 from tandem.core.output_processor import RequestState
 from tandem.core.outputs import RequestOutput
 from tandem.core.faults import EngineDeadError, EngineHealth, describe
+from tandem.core.request_processor import ProcessedRequest
 from tandem.core.sampling_params import SamplingParams
+from tandem.entrypoints.input_pool import InputPool, RoundRobin
 
 if TYPE_CHECKING:
     from tandem.core.structured_output.params import StructuredOutputsParams
@@ -53,13 +67,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# Threads that process requests' inputs: tokenizing runs in Rust without the GIL, so
+# more than one keeps a long prompt from holding up short ones; a few are enough.
+INPUT_THREADS = min(4, max(2, os.cpu_count() or 2))
+
+
 @dataclass
 class _Add:
     request_id: str
-    prompt: Any
-    params: SamplingParams | None
+    request: ProcessedRequest
     stream: "_Stream"
-    prompt_slot: Any = None
+    group: Any  # whose turn it takes (RoundRobin)
 
 
 @dataclass
@@ -101,6 +119,11 @@ class AsyncLLM:
         self._model_calls: deque[ModelCall] = deque()  # queued by call_on_model, run by the engine thread
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self._inputs = InputPool(INPUT_THREADS)
+        # Engine thread only: processed requests not yet in the scheduler, and their turns.
+        self._held: dict[str, _Add] = {}
+        self._turns: RoundRobin[str] = RoundRobin()
+        self._num_held = 0  # len(_held), published by the engine thread for get_stats
         self._ids = itertools.count()
         self._dead: BaseException | None = None
         self._stopping = False
@@ -138,8 +161,14 @@ class AsyncLLM:
         return self.engine.get_default_sampling_params()
 
     def get_stats(self) -> dict[str, int | float]:
-        """Engine counters (read from the snapshot the engine thread publishes)."""
-        return self.engine.get_stats()
+        """Engine counters (read from the snapshot the engine thread publishes); waiting
+        requests include those processed and held for their turn."""
+        stats = self.engine.get_stats()
+        held = self._num_held
+        if held:
+            stats["num_requests_waiting"] += held
+            stats["num_requests_unfinished"] += held
+        return stats
 
     def start(self) -> None:
         if self._thread is None:
@@ -149,6 +178,7 @@ class AsyncLLM:
     async def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine loop (unfinished requests are aborted) and wait for it."""
         self._stopping = True
+        self._inputs.shutdown(EngineDeadError("the engine is shutting down"))
         self._wake.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
@@ -163,14 +193,32 @@ class AsyncLLM:
         request_id: str | None = None,
         *,
         prompt_slot=None,
+        queue_group: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as the engine produces them (per its
         ``output_kind``: cumulative, delta, or only the final one); the last has
-        ``finished`` set. Leaving the loop early aborts the request."""
+        ``finished`` set. Leaving the loop early aborts the request. Requests with
+        the same ``queue_group`` (the prompts of one client request) queue in order
+        and take turns with other groups; without one a request is its own group."""
         self._check_alive()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        group = ("request", rid) if queue_group is None else ("group", queue_group)
+        # Tokenizing, audio decoding and validation: on an input thread, never the engine's.
+        job = functools.partial(self.engine.process_request, prompt, sampling_params, prompt_slot=prompt_slot)
+        try:
+            processed = await asyncio.wrap_future(self._inputs.submit(group, job))
+        except (ValueError, TypeError, EngineDeadError):
+            raise
+        except RuntimeError:  # the pool is shut down
+            self._check_alive()
+            raise
+        except Exception as e:  # noqa: BLE001 - this request alone cannot be served
+            raise ValueError(f"the request cannot be served: {describe(e)}") from e
+        self._check_alive()
         stream = _Stream(asyncio.get_running_loop())
-        self._send(_Add(rid, prompt, sampling_params, stream, prompt_slot))
+        self._send(_Add(rid, processed, stream, group))
+        if self._dead is not None or self._stopping:  # the loop may have drained its commands already
+            self._drain_commands(self._stopped_error())
         finished = False
         state: RequestState | None = None
         try:
@@ -226,9 +274,12 @@ class AsyncLLM:
         call = ModelCall(fn)
         self._send(call)
         if self._dead is not None or self._stopping:  # the loop may have drained its commands already
-            self._drain_commands(EngineDeadError("the engine is shutting down" if self._dead is None
-                                                 else f"the engine loop stopped: {describe(self._dead)}"))
+            self._drain_commands(self._stopped_error())
         return call.future
+
+    def _stopped_error(self) -> EngineDeadError:
+        return EngineDeadError("the engine is shutting down" if self._dead is None
+                               else f"the engine loop stopped: {describe(self._dead)}")
 
     def _send(self, cmd) -> None:
         self._commands.put(cmd)
@@ -268,14 +319,26 @@ class AsyncLLM:
             for stream in self._streams.values():
                 stream.put(dead)
             self._streams.clear()
+            self._held.clear()
+            self._num_held = 0
             self._drain_commands(dead)
             return
-        # Shutting down: abort what is left.
+        # Shutting down: abort what is left (what never reached the scheduler gets an error).
+        for rid, cmd in self._held.items():
+            cmd.stream.put(EngineDeadError("the engine is shutting down"))
+            del self._streams[rid]
+        self._held.clear()
+        self._num_held = 0
         if self._streams:
             self._deliver(engine.abort_core_request(set(self._streams)))
         self._drain_commands(EngineDeadError("the engine is shutting down"))
 
     def _apply_commands(self) -> None:
+        self._take_commands()
+        self._feed()
+        self._num_held = len(self._held)
+
+    def _take_commands(self) -> None:
         engine = self.engine
         while True:
             try:
@@ -286,18 +349,9 @@ class AsyncLLM:
                 if cmd.request_id in self._streams:
                     cmd.stream.put(ValueError(f"request id {cmd.request_id!r} is already in use"))
                     continue
-                try:
-                    info = engine.add_core_request(cmd.request_id, cmd.prompt, cmd.params, prompt_slot=cmd.prompt_slot)
-                except EngineDeadError:
-                    raise
-                except (ValueError, TypeError) as e:
-                    cmd.stream.put(e)
-                    continue
-                except Exception as e:  # noqa: BLE001 - this request alone cannot be served
-                    cmd.stream.put(ValueError(f"the request cannot be served: {describe(e)}"))
-                    continue
                 self._streams[cmd.request_id] = cmd.stream
-                cmd.stream.put(info)
+                self._held[cmd.request_id] = cmd
+                self._turns.push(cmd.group, cmd.request_id)
             elif isinstance(cmd, ModelCall):
                 self._model_calls.append(cmd)
             elif isinstance(cmd, _Stop):
@@ -305,8 +359,36 @@ class AsyncLLM:
                 if cmd.request_id not in engine.scheduler.groups:  # it ended: nothing more to send
                     self._streams.pop(cmd.request_id, None)
             else:
+                held = self._held.pop(cmd.request_id, None)
+                if held is not None:  # into the engine and out: its consumer gets the aborted output
+                    self._admit(held)
                 self._deliver(engine.abort_core_request({cmd.request_id}))
                 self._streams.pop(cmd.request_id, None)
+
+    def _feed(self) -> None:
+        """Move held requests into the scheduler, groups in turn, while its waiting queue
+        is shorter than what one step could admit (so the scheduler always has enough
+        to choose from, and a later group never queues behind an earlier one's backlog)."""
+        waiting, cap = self.engine.scheduler.waiting, self.engine.scheduler_config.max_num_seqs
+        while len(self._turns) and len(waiting) < cap:
+            cmd = self._held.pop(self._turns.pop(), None)
+            if cmd is not None:  # else: aborted while held
+                self._admit(cmd)
+
+    def _admit(self, cmd: _Add) -> None:
+        try:
+            info = self.engine.add_processed_request(cmd.request_id, cmd.request)
+        except EngineDeadError:
+            raise
+        except (ValueError, TypeError) as e:
+            self._streams.pop(cmd.request_id, None)
+            cmd.stream.put(e)
+            return
+        except Exception as e:  # noqa: BLE001 - this request alone cannot be served
+            self._streams.pop(cmd.request_id, None)
+            cmd.stream.put(ValueError(f"the request cannot be served: {describe(e)}"))
+            return
+        cmd.stream.put(info)
 
     def _deliver(self, results: list[RequestResult]) -> None:
         for res in results:

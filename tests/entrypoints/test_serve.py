@@ -146,6 +146,29 @@ def test_auth_body_limit_and_info_endpoints(server):
         assert name in metrics
 
 
+def test_a_huge_prompt_is_a_400_naming_its_size_while_a_stream_goes_on(server):
+    """A 3.6 MB prompt (under the 4 MiB body limit) is refused from a prefix of it, naming
+    its characters and the limit; a stream beside it runs to its end. (Where the work runs
+    is shown in-process: tests/entrypoints/test_engine_thread.py.)"""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny-bart", "prompt": "the rain in spain", "max_tokens": 100, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+    huge = "the rain in spain falls mainly on plain " * 90_000
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        big = httpx.post(f"{server}/v1/completions", json={"prompt": huge, "max_tokens": 5}, headers=headers,
+                         timeout=TIMEOUT)
+        assert big.status_code == 400, big.text[:300]
+        message = big.json()["error"]["message"]
+        assert f"{len(huge)} characters" in message and "the model accepts at most 128" in message, message
+        events = [first] + [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
 def _metric(text: str, name: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):

@@ -96,7 +96,9 @@ class _Admission:
     What waits is read from the scheduler (its waiting and swapped-out groups,
     each counted for its sequences: ``n`` or the beams), plus what this server
     has submitted that the engine thread has not taken in yet (it takes new
-    requests between steps). A request is refused with 503 (``Retry-After``)
+    requests between steps, each client request's prompts in turn with the
+    others': ``AsyncLLM``'s fair queue; off by default, as that queue keeps a
+    request of many prompts from starving later ones). A request is refused with 503 (``Retry-After``)
     when its own sequences (prompts x n) would take the count over the limit, and
     with 400 when they are more than the limit by themselves (it could never be
     admitted)."""

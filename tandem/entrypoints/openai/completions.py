@@ -24,7 +24,8 @@ logger = logging.getLogger("tandem.serve")
 async def first_outputs(engine, prompts, params, ids, cut):
     """Start the streams and wait for each first output, so a rejected request is
     a 400 rather than a broken stream."""
-    gens = [engine.generate(p, params, rid) for p, rid in zip(prompts, ids)]
+    # One queue group per HTTP request: its prompts take turns with other clients' requests.
+    gens = [engine.generate(p, params, rid, queue_group=ids[0]) for p, rid in zip(prompts, ids)]
 
     async def firsts():
         return [await g.__anext__() for g in gens]
@@ -124,7 +125,7 @@ async def complete(engine, metrics, request, params, prompts, ids, base, created
 
     async def run(prompt, rid):
         last = None
-        async for out in engine.generate(prompt, params, rid):
+        async for out in engine.generate(prompt, params, rid, queue_group=ids[0]):
             last = out
         return last
 

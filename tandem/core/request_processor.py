@@ -1,0 +1,140 @@
+"""A request made ready for the engine core, with no engine state touched.
+
+``RequestProcessor.process`` does all of a request's own work: its sampling
+params over the checkpoint's defaults, its prompt tokenized or its audio
+decoded (``InputProcessor``), the decoder prompt completed, lengths resolved
+and every check that needs only the model's config. It reads nothing that the
+engine thread changes, so ``AsyncLLM`` runs it on its input threads and the
+engine thread only queues the result (``LLMEngine.add_processed_request``):
+a multi-megabyte prompt or a long audio file never stalls the other requests'
+steps. ``LLM`` runs it on the caller's thread, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tandem.core.generation_config import GenerationDefaults, merge_params, resolve_lengths
+from tandem.core.inputs import EncoderDecoderInputs, InputProcessor
+from tandem.core.sampling_params import SamplingParams
+from tandem.core.scheduler import SchedulerConfig
+from tandem.core.strategies.prompt_slot import PromptSlot
+
+
+@dataclass
+class ProcessedRequest:
+    """What ``LLMEngine.add_processed_request`` queues: plain data, checked."""
+
+    inputs: EncoderDecoderInputs
+    params: SamplingParams  # resolved: the defaults merged, max_tokens concrete
+    prompt_slot: PromptSlot | None
+    prompt_len: int  # the decoder prompt as it will be once the slot is completed
+
+
+class RequestProcessor:
+    def __init__(self, hf_config, model_cls: type, tokenizer, generation_defaults: GenerationDefaults,
+                 vocab_size: int, scheduler_config: SchedulerConfig,
+                 check_request: Callable[[SamplingParams], None]) -> None:
+        self.hf_config, self.model_cls = hf_config, model_cls
+        self.generation_defaults = generation_defaults
+        self.vocab_size, self.scheduler_config = vocab_size, scheduler_config
+        self.check_request = check_request  # the executor's: params that cannot reach its workers
+        self.input_processor = InputProcessor(hf_config, model_cls, tokenizer)
+
+    def resolve_params(self, params: SamplingParams | None) -> SamplingParams:
+        if params is None:
+            return self.generation_defaults.params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        return merge_params(self.generation_defaults.params, params, self.generation_defaults.source)
+
+    def process(self, prompt: Any, params: SamplingParams | None = None,
+                prompt_slot: PromptSlot | None = None) -> ProcessedRequest:
+        """Raises ``ValueError`` or ``TypeError`` naming what is wrong. Thread-safe."""
+        cfg, m = self.hf_config, self.model_cls
+        params = self.resolve_params(params)
+        inputs = self.input_processor.process(prompt)
+        if inputs.decoder_prompt_is_default and prompt_slot is None:
+            default, prompt_slot = m.default_decoder_prompt(cfg, self.generation_defaults.hf)
+            inputs.prompt_token_ids = list(default)
+        if inputs.decoder_prompt_is_default and params.forced_bos_token_id is not None:
+            # HF starts from <DEC> alone and the forced BOS processor picks the next
+            # token: start there too, so lengths and beam scores count as HF's do.
+            inputs.prompt_token_ids = [m.decoder_start_token_id(cfg)]
+        prompt_len = len(inputs.prompt_token_ids)
+        if prompt_slot is not None:
+            probe = () if prompt_slot.probe is None else (prompt_slot.probe,)
+            bad = [t for t in (*prompt_slot.choices, *prompt_slot.then, *probe) if not 0 <= t < self.vocab_size]
+            if not prompt_slot.choices or bad:
+                raise ValueError(f"prompt slot {prompt_slot}: needs choices, all in the vocabulary [0, {self.vocab_size})")
+            prompt_len += 1 + len(prompt_slot.then)  # the prompt as it will be once completed
+        params = resolve_lengths(params, prompt_len, m.max_decoder_len(cfg) - prompt_len)
+        self.validate(inputs, params, prompt_len)
+        self.check_request(params)
+        _ = inputs.encoder_inputs.cache_key  # hashing audio features: here, not on the engine thread
+        return ProcessedRequest(inputs, params, prompt_slot, prompt_len)
+
+    def validate(self, inputs: EncoderDecoderInputs, params: SamplingParams, dec_len: int | None = None) -> None:
+        cfg, m = self.hf_config, self.model_cls
+        enc = inputs.encoder_inputs
+        enc_len = enc.num_positions
+        dec_len = len(inputs.prompt_token_ids) if dec_len is None else dec_len
+        # Lengths first: a prompt of millions of ids is refused before its ids are scanned.
+        if enc_len > m.max_encoder_len(cfg):
+            what = "tokens" if enc.token_ids is not None else "encoder positions"
+            raise ValueError(
+                f"encoder prompt has {enc_len} {what}; the model accepts at most {m.max_encoder_len(cfg)}"
+            )
+        if dec_len + params.max_tokens > m.max_decoder_len(cfg):  # resolve_lengths keeps this from happening
+            raise ValueError(
+                f"decoder prompt ({dec_len} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's {m.max_decoder_len(cfg)} decoder positions"
+            )
+        checks = [("decoder prompt", inputs.prompt_token_ids)]
+        if enc.token_ids is not None:  # feature inputs have no vocabulary to check
+            checks.insert(0, ("encoder prompt", enc.token_ids))
+        for where, ids in checks:
+            bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size]
+            if bad:
+                i, t = bad[0]
+                raise ValueError(
+                    f"{where} token id {t} at position {i} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        for name in ("bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "allowed_token_ids",
+                     "logit_bias", "forced_bos_token_id", "forced_eos_token_id"):
+            value = getattr(params, name)
+            if value is None:
+                continue
+            ids = [value] if isinstance(value, int) else value
+            if name == "bad_words_ids":
+                ids = [t for seq in value for t in seq]
+            elif name == "logit_bias":
+                ids = [t for t, _ in value]
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"SamplingParams.{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(
+                f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary size ({self.vocab_size})"
+            )
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(
+                f"SamplingParams.stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        width, what = (params.num_beams, "num_beams") if params.use_beam_search else (params.n, "n")
+        if width > self.scheduler_config.max_num_seqs:
+            raise ValueError(f"{what}={width} exceeds max_num_seqs={self.scheduler_config.max_num_seqs}")
+        # A group preempted by recompute runs its encoder and every decoder token
+        # again in one step, so the worst case must fit the step's token budget.
+        worst = enc_len + width * (dec_len + params.max_tokens - 1)
+        budget = self.scheduler_config.max_num_batched_tokens
+        if worst > budget:
+            raise ValueError(
+                f"request may need {worst} tokens in one step (encoder {enc_len} + {what}={width} x "
+                f"(decoder prompt {dec_len} + max_tokens {params.max_tokens} - 1), when recomputed "
+                f"after preemption); max_num_batched_tokens={budget}"
+            )
