@@ -214,6 +214,16 @@ class AsyncLLM:
             raise
         except Exception as e:  # noqa: BLE001 - this request alone cannot be served
             raise ValueError(f"the request cannot be served: {describe(e)}") from e
+        so = processed.params.structured_outputs
+        if so is not None:
+            # Compiled before the request reaches the scheduler: a request waiting for its
+            # grammar would sit in the waiting queue that the engine thread fills only up to
+            # max_num_seqs, holding plain requests behind its compile. A spec that fails
+            # (bad, over a budget) goes on to the engine, which fails the request with it.
+            try:
+                await self.compile_structured_outputs(so)
+            except (ValueError, ImportError):
+                pass
         self._check_alive()
         stream = _Stream(asyncio.get_running_loop())
         self._send(_Add(rid, processed, stream, group))

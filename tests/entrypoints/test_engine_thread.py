@@ -12,6 +12,7 @@ is bounded."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 
@@ -210,3 +211,52 @@ def test_round_robin_gives_each_group_a_turn_in_order_of_arrival():
     assert order == ["m0", "o0", "m1", "l0", "o1", "m2", "m3"]
     with pytest.raises(IndexError):
         rr.pop()
+
+
+@pytest.mark.asyncio
+async def test_a_request_waiting_for_its_grammar_does_not_hold_plain_requests_back(tmp_path):
+    """With one sequence at a time, a structured request whose grammar is still compiling
+    must not take the only place in the scheduler's queue: a plain request sent after it
+    is served while the compile is held, and the structured one is served once it ends."""
+    pytest.importorskip("xgrammar")
+    from helpers import make_bart_bytes
+    from tandem import StructuredOutputsParams
+
+    engine = AsyncLLM(model=str(make_bart_bytes(tmp_path / "ckpt", seed=0)), dtype="float32", device="cpu",
+                      max_num_seqs=1)
+    manager = engine.engine.structured
+    backend = manager.backend
+    release, compiling = threading.Event(), threading.Event()
+    real_compile = backend.compile
+
+    def held_compile(so):
+        compiling.set()
+        release.wait(WAIT)
+        return real_compile(so)
+
+    backend.compile = held_compile
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    so_params = SamplingParams(temperature=0.0, max_tokens=4,
+                               structured_outputs=StructuredOutputsParams(regex="[0-9]{1,4}"))
+
+    async def last(prompt, p):
+        out = None
+        async for out in engine.generate(prompt, p):
+            pass
+        return out
+
+    try:
+        structured = asyncio.create_task(last("a cat sat", so_params))
+        await _until(compiling.is_set, "the grammar's compile to start")
+        try:
+            plain = await asyncio.wait_for(last("the rain in spain", params), WAIT)
+            assert not structured.done()  # still waiting for its grammar
+        finally:
+            release.set()
+        held = await asyncio.wait_for(structured, WAIT)
+    finally:
+        release.set()
+        await asyncio.wait_for(engine.shutdown(), WAIT)
+    assert plain.error is None and plain.outputs[0].finish_reason == "length"
+    assert held.error is None
+    assert re.fullmatch("[0-9]{1,4}", held.outputs[0].text), held.outputs[0].text
