@@ -82,10 +82,14 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def offline_text():
+def offline():
+    return LLM(model=str(DEMO), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def offline_text(offline):
     """What the offline API makes of the file's path: the oracle for inline audio."""
-    llm = LLM(model=str(DEMO), dtype="float32", device="cpu")
-    out = llm.generate({"audio": str(HELLO)}, SamplingParams(temperature=0), use_tqdm=False)[0]
+    out = offline.generate({"audio": str(HELLO)}, SamplingParams(temperature=0), use_tqdm=False)[0]
     assert out.error is None and "hello world" in out.outputs[0].text
     return out.outputs[0].text
 
@@ -289,3 +293,14 @@ async def test_the_offline_api_still_takes_paths(engine, disk, offline_text):
     with pytest.raises(ValueError, match="no such file: .*missing.wav"):  # its caller's own disk: said plainly
         async for out in engine.generate({"audio": paths["missing"]}, SamplingParams(temperature=0), "offline-miss"):
             pass
+
+
+def test_offline_an_hour_long_file_is_refused_from_its_header(offline, tmp_path, monkeypatch):
+    """``generate`` takes one 30 s window: a longer file is refused before it is decoded
+    (``transcribe`` takes any length, window by window)."""
+    hour = tmp_path / "hour.flac"
+    hour.write_bytes(_flac(3600))
+    reads = _count_reads(monkeypatch)
+    out = offline.generate({"audio": str(hour)}, SamplingParams(temperature=0), use_tqdm=False)[0]
+    assert "declares 3600.0 s" in out.error and "30 s window; use LLM.transcribe" in out.error
+    assert reads == []
