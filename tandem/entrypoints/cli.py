@@ -128,8 +128,12 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     sv.add_argument("--max-body-bytes", type=_positive_int, default=4 << 20,
                     help="request bodies (chunked or not, multipart included) are refused with 413 once over this")
     sv.add_argument("--max-audio-seconds", type=_non_negative_seconds, default=1800.0,
-                    help="audio endpoints: longer audio gets 413, checked from the file's header and while "
-                         "decoding (0: no limit)")
+                    help="audio per request (uploads to the audio endpoints; a completion's inline or local "
+                         "audio, all its prompts together): longer gets 413, checked from the file's header and "
+                         "while decoding (0: no limit)")
+    sv.add_argument("--allowed-local-media-path", type=_directory, default=None, metavar="DIR",
+                    help="completion prompts may name audio files inside DIR (symlinks and '..' resolved first) "
+                         "(default: none, a path in a prompt is refused: audio comes as inline bytes or uploads)")
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="seconds running requests may take to finish after SIGTERM; then, or at once on a "
                          "second SIGTERM/SIGINT, they are answered with a JSON 503")
@@ -167,6 +171,15 @@ def _non_negative_seconds(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
     return value
+
+
+def _directory(text: str) -> str:
+    from tandem.entrypoints.openai.media import allowed_local_dir
+
+    try:
+        return allowed_local_dir(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a directory, got {text!r}") from None
 
 
 def _json_object(text: str) -> dict:

@@ -95,10 +95,13 @@ def test_version_help_defaults_and_bad_flags():
     (["generate", "--model", "m", "--bogus-flag", "x"], "generate", "unrecognized arguments: --bogus-flag"),
     (["demo", "--dtype", "float8"], "demo", "argument --dtype: invalid choice: 'float8'"),
     (["serve", "m", "--port", "eighty"], "serve", "argument --port: invalid int value: 'eighty'"),
+    (["serve", "m", "--allowed-local-media-path", "/no/such/dir"], "serve",
+     "argument --allowed-local-media-path: must be a directory, got '/no/such/dir'"),
     (["transcribe", "m"], "transcribe", "the following arguments are required: files"),
     (["generate", "the rain"], "generate", "the following arguments are required: --model"),
     (["nonsense"], None, "invalid choice: 'nonsense'"),
-], ids=["unknown-flag", "bad-choice", "bad-int", "missing-positional", "missing-option", "unknown-command"])
+], ids=["unknown-flag", "bad-choice", "bad-int", "not-a-directory", "missing-positional", "missing-option",
+        "unknown-command"])
 def test_a_usage_error_is_one_line_naming_the_value_and_pointing_at_help(args, command, names):
     res = tandem(*args)
     prog = f"tandem {command}" if command else "tandem"

@@ -103,12 +103,14 @@ def test_build_app_reads_each_key_as_its_flag(bart_dir):
     from tandem.integrations.ray.serve import build_app
 
     app = build_app({"model": str(bart_dir), "max-num-seqs": "8", "trust_remote_code": "false", "swap_space": "0.5",
-                     "num_replicas": "2", "num_gpus": "0.5", "api_key": "k", "max_audio_seconds": "0"})
+                     "num_replicas": "2", "num_gpus": "0.5", "api_key": "k", "max_audio_seconds": "0",
+                     "allowed_local_media_path": "/srv/media"})
     deployment = app._bound_deployment
     model, engine, server = deployment.init_args
     assert model == str(bart_dir)
     assert engine["max_num_seqs"] == 8 and engine["swap_space"] == 0.5 and engine["trust_remote_code"] is False
-    assert server == {"api_key": "k", "max_audio_seconds": None}  # 0: no limit, as the flag
+    assert server == {"api_key": "k", "max_audio_seconds": None,  # 0: no limit, as the flag
+                      "allowed_local_media_path": "/srv/media"}
     assert deployment.num_replicas == 2 and deployment.ray_actor_options["num_gpus"] == 0.5
 
 

@@ -3,7 +3,8 @@
 Endpoints: ``POST /v1/completions`` (plain or streamed as server-sent events;
 structured output from ``response_format`` or vLLM's fields, ``structured.py``),
 ``POST /v1/audio/transcriptions`` and ``/translations`` (models that support
-transcription, ``tandem.core.transcription``: Whisper, or a plugin's),
+transcription, ``tandem.core.transcription``: Whisper, or a plugin's; audio in a
+completion prompt is inline bytes, never a client's path: ``media.py``),
 ``GET /v1/models``, ``/health``, ``/version``, ``/metrics`` (Prometheus) and
 ``/openapi.json``. Errors have OpenAI's shape: 400 for a bad request (naming the
 value), 401 for a wrong or missing API key, 413 for a body (or audio) over its
@@ -15,13 +16,15 @@ JSON 503 and exits 0 (``shutdown.py``).
 
 Every limit is enforced before the work it bounds: request bodies are counted
 as they arrive (chunked or not) and refused once over ``--max-body-bytes``,
-never buffered whole; audio is refused from its header or part-way through
-decoding once over ``--max-audio-seconds``; ``--max-queued-requests`` counts the
-sequences a request would queue (prompts times ``n``), not HTTP requests.
+never buffered whole; audio (uploads, inline prompt audio, allowed local files)
+is refused from its header or part-way through decoding once over
+``--max-audio-seconds``; ``--max-queued-requests`` counts the sequences a
+request would queue (prompts times ``n``), not HTTP requests.
 
 Here: the app, its routes and the audio endpoints; ``guard.py``: the ASGI guard
 (API key, body limit); ``completions.py``: serving completions, plain and
-streamed; ``shutdown.py``: the drain, the cut and the signals; ``metrics.py``.
+streamed; ``media.py``: the audio a completion prompt carries; ``shutdown.py``:
+the drain, the cut and the signals; ``metrics.py``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from tandem.core.transcription import AudioTooLongError, Transcription, supports
 from tandem.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from tandem.entrypoints.openai.completions import complete, first_outputs, stream_completion
 from tandem.entrypoints.openai.guard import BodyTooLarge, Guard
+from tandem.entrypoints.openai.media import PromptAudio, find_audio
 from tandem.entrypoints.openai.metrics import AudioMeter, ServerMetrics
 from tandem.entrypoints.openai.protocol import CompletionRequest, HTTPError, error_body
 from tandem.entrypoints.openai.shutdown import CUT, CUT_GRACE_SECONDS, DrainCut, make_server, watch
@@ -143,12 +147,17 @@ def build_app(
     max_queued_requests: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_audio_seconds: float | None = DEFAULT_MAX_AUDIO_SECONDS,
+    allowed_local_media_path: str | None = None,
 ) -> FastAPI:
     """The server's app. ``app.state.drain_cut`` is the event that, once set, cuts
     the running requests off (JSON 503; streams end with an error event):
-    ``serve`` sets it when ``--drain-timeout`` has passed after SIGTERM."""
+    ``serve`` sets it when ``--drain-timeout`` has passed after SIGTERM.
+    ``allowed_local_media_path``: a directory whose files completion prompts may
+    name as audio (``media.py``); without it, a path in a prompt is refused."""
     model_cls = engine.engine.model_cls
     is_audio = supports_transcription(model_cls)
+    prompt_audio = PromptAudio(model_cls, engine.engine.hf_config, engine.engine.architecture,
+                               max_seconds=max_audio_seconds, allowed_dir=allowed_local_media_path)
     if is_audio:
         import importlib.util
 
@@ -373,6 +382,8 @@ def build_app(
             prompts = req.prompts()
         except (ValueError, TypeError) as e:
             raise HTTPError(400, str(e)) from None
+        if find_audio(prompts):  # bytes or an allowed file, decoded here and bounded: never a client's path
+            await asyncio.to_thread(prompt_audio.load, prompts)
         if structured is not None:  # a spec that does not compile is a 400 here, never a queued failure
             await check_compiles(engine, structured, cut, request)
         # Engine request ids are the server's own: a client's request_id is only
@@ -426,6 +437,7 @@ def serve(args) -> int:
         engine, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
         max_audio_seconds=max_audio_seconds if max_audio_seconds and max_audio_seconds > 0 else None,
+        allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
     )
     # uvicorn's own stop (it cancels what still runs) is the backstop: the server's
     # cut comes at the drain timeout, its cancelling CUT_GRACE_SECONDS later.

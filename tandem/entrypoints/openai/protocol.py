@@ -126,7 +126,8 @@ class CompletionRequest(BaseModel):
 
     def prompts(self) -> list[Any]:
         """Each prompt as tandem takes it: text, ``{"prompt_token_ids": [...]}``, or an
-        encoder/decoder dict (vLLM's form)."""
+        encoder/decoder dict (vLLM's form). Audio in them is still the client's JSON
+        (inline data, or a string the server refuses): ``media.py`` decodes it."""
         p = self.prompt
         if isinstance(p, str) or isinstance(p, dict):
             items = [p]

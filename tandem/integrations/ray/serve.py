@@ -16,7 +16,8 @@ Every route, limit and error of ``tandem serve`` is the same (``tandem/entrypoin
 what ``tandem serve`` does with SIGTERM (drain, then cut) is Serve's here: a replica
 being stopped gets ``graceful_shutdown_timeout_s`` for its requests, then its engine
 shuts down (the app's lifespan). Keys: ``model``; the server's ``served_model_name``,
-``api_key``, ``max_queued_requests``, ``max_body_bytes``, ``max_audio_seconds``; the
+``api_key``, ``max_queued_requests``, ``max_body_bytes``, ``max_audio_seconds``,
+``allowed_local_media_path`` (a directory on each replica's machine); the
 deployment's ``num_replicas``, ``num_cpus``, ``num_gpus`` (per replica); and every
 engine option (``help(tandem.LLM)``), by its name or its flag's (``max-num-seqs``).
 """
@@ -31,7 +32,8 @@ from ray import serve
 
 from tandem.core.engine_args import add_cli_args, from_cli_args, option_names
 
-SERVER_KEYS = ("served_model_name", "api_key", "max_queued_requests", "max_body_bytes", "max_audio_seconds")
+SERVER_KEYS = ("served_model_name", "api_key", "max_queued_requests", "max_body_bytes", "max_audio_seconds",
+               "allowed_local_media_path")
 DEPLOYMENT_KEYS = ("num_replicas", "num_cpus", "num_gpus")
 
 
@@ -61,6 +63,7 @@ def deployment(
     max_queued_requests: int | None = None,
     max_body_bytes: int | None = None,
     max_audio_seconds: float | None = None,
+    allowed_local_media_path: str | None = None,
     **engine_args: Any,
 ) -> serve.Application:
     """The deployment, bound and ready for ``serve.run``: ``num_replicas`` replicas,
@@ -72,7 +75,8 @@ def deployment(
     if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
         raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
     server = {"served_model_name": served_model_name, "api_key": api_key, "max_queued_requests": max_queued_requests,
-              "max_body_bytes": max_body_bytes, "max_audio_seconds": max_audio_seconds}
+              "max_body_bytes": max_body_bytes, "max_audio_seconds": max_audio_seconds,
+              "allowed_local_media_path": allowed_local_media_path}
     server = {k: v for k, v in server.items() if v is not None}
     if server.get("max_audio_seconds") == 0:  # as the flag: 0 is no limit
         server["max_audio_seconds"] = None
@@ -130,6 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-requests", type=int, default=None)
     p.add_argument("--max-body-bytes", type=int, default=None)
     p.add_argument("--max-audio-seconds", type=float, default=None)
+    p.add_argument("--allowed-local-media-path", default=None)
     return add_cli_args(p)
 
 

@@ -28,7 +28,12 @@ from tandem.core.inputs import EncoderInputs
 from tandem.core.layers import VocabParallelEmbedding
 from tandem.core.model import EncoderDecoderModel, KVCacheSpec, ModelContext
 from tandem.core.strategies import PromptSlot
-from tandem.core.transcription import TranscriptionContext, TranscriptionOptions, TranscriptionSession
+from tandem.core.transcription import (
+    AudioTooLongError,
+    TranscriptionContext,
+    TranscriptionOptions,
+    TranscriptionSession,
+)
 from tandem.core.weight_loading import load_checkpoint
 from tandem.model_zoo.bart import BartDecoderLayer, BartEncoderLayer, BartVariant
 from tandem.model_zoo.whisper.audio import load_waveform, log_mel, pad_to_window
@@ -170,8 +175,13 @@ class WhisperForConditionalGeneration(EncoderDecoderModel):
     @classmethod
     def get_audio_encoder_inputs(cls, config, audio: Any, sampling_rate: int | None) -> EncoderInputs:
         """Audio of at most 30 s (read, mixed down and resampled to 16 kHz by
-        ``tandem.audio.load_audio``), padded to the window; the log-mel runs in the encoder."""
-        waveform = load_waveform(audio, sampling_rate)
+        ``tandem.audio.load_audio``), padded to the window; the log-mel runs in the encoder.
+        A file longer than the window is refused from its header (or once decoding
+        passes the window), never decoded whole."""
+        try:
+            waveform = load_waveform(audio, sampling_rate, max_seconds=WINDOW_SECONDS)
+        except AudioTooLongError as e:
+            raise ValueError(f"{e}: longer than Whisper's 30 s window; use LLM.transcribe for long-form audio") from None
         if waveform.numel() > WINDOW_SAMPLES:
             raise ValueError(
                 f"audio of {waveform.numel() / SAMPLE_RATE:.2f} s is longer than Whisper's 30 s window; "
