@@ -397,6 +397,7 @@ def serve(args) -> int:
     import uvicorn
 
     from tandem.core.engine_args import from_cli_args
+    from tandem.entrypoints.openai.connections import uvicorn_options
 
     engine = AsyncLLM(model=args.model, **from_cli_args(args))
     max_audio_seconds = getattr(args, "max_audio_seconds", DEFAULT_MAX_AUDIO_SECONDS)
@@ -408,7 +409,8 @@ def serve(args) -> int:
     # uvicorn's own stop (it cancels what still runs) is the backstop: the server's
     # cut comes at the drain timeout, its cancelling CUT_GRACE_SECONDS later.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=args.drain_timeout + CUT_GRACE_SECONDS + 2)
+                            timeout_graceful_shutdown=args.drain_timeout + CUT_GRACE_SECONDS + 2,
+                            **uvicorn_options(args))  # connections.py: header, body and keep-alive timeouts
     make_server(config, cut=app.state.drain_cut, drain_timeout=args.drain_timeout).run()
     return 0
 
