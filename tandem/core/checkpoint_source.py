@@ -28,6 +28,11 @@ PYTORCH_BIN_PATTERNS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "py
 _SAFETENSORS_NAMES = ("model.safetensors", "model.safetensors.index.json")
 _WEIGHT_NAMES = (*_SAFETENSORS_NAMES, "pytorch_model.bin", "pytorch_model.bin.index.json")
 
+# A path is at most PATH_MAX (4096 on Linux); a repo id at most 96 characters.
+MAX_NAME_CHARS = 4096
+MAX_REVISION_CHARS = 255
+_SHOWN_CHARS = 120  # of a name or revision in a message
+
 _TOKEN_HINT = "set HF_TOKEN to a token that can read it (https://huggingface.co/settings/tokens)"
 
 
@@ -43,28 +48,73 @@ def resolve_checkpoint(
     if isinstance(name, os.PathLike):
         name = os.fspath(name)
     if not isinstance(name, str) or not name:
-        raise ValueError(f"{field}={name!r}: must be a local checkpoint directory or a Hugging Face Hub repo id "
-                         "('org/name')")
+        raise ValueError(f"{field}={_shown(name)}: must be a local checkpoint directory or a Hugging Face Hub repo "
+                         "id ('org/name')")
+    if revision is not None:
+        check_revision(revision, of=f"{field}={_shown(name)}")
+    if len(name) > MAX_NAME_CHARS:
+        raise ValueError(f"{field}={_shown(name)}: too long for a local directory path or a Hugging Face Hub repo id "
+                         f"(at most {MAX_NAME_CHARS} characters)")
     try:
         local = Path(name).expanduser()
     except RuntimeError:  # ~user of no known user
         local = Path(name)
-    if local.is_dir():
+    try:
+        is_dir = local.is_dir()
+        why_local = None if is_dir else _why_local_path(name)
+    except OSError as e:  # a component over the file system's NAME_MAX, say: no path, and no repo id either
+        raise ValueError(f"{field}={_shown(name)}: not a local checkpoint directory ({e.strerror or e}), nor a "
+                         "Hugging Face Hub repo id ('org/name')") from None
+    if is_dir:
         if revision is not None:
-            raise ValueError(f"{field}={name!r} is a local directory: a revision ({revision!r}) applies only to a "
-                             "Hugging Face Hub repo id")
+            raise ValueError(f"{field}={_shown(name)} is a local directory: a revision ({revision!r}) applies only "
+                             "to a Hugging Face Hub repo id")
         return str(local)
-    why_local = _why_local_path(name)
     if why_local is not None:
-        raise ValueError(f"{field}={name!r}: not a local checkpoint directory ({why_local})")
+        raise ValueError(f"{field}={_shown(name)}: not a local checkpoint directory ({why_local})")
     from huggingface_hub.utils import validate_repo_id
 
     try:
         validate_repo_id(name)
     except ValueError as e:  # HFValidationError
-        raise ValueError(f"{field}={name!r}: not a local checkpoint directory, nor a Hugging Face Hub repo id "
-                         f"('org/name'): {_first_line(e)}") from None
+        raise ValueError(f"{field}={_shown(name)}: not a local checkpoint directory, nor a Hugging Face Hub repo id "
+                         f"('org/name'): {_first_line(e).replace(repr(name), 'it')}") from None
     return _snapshot(name, field, revision, download_dir, weights)
+
+
+def check_revision(revision, field: str = "revision", of: str | None = None) -> None:
+    """A ``ValueError`` naming ``field`` (and what it is the revision ``of``, when given) unless
+    ``revision`` is a git revision that stays inside the Hub cache's ``refs/`` (huggingface_hub
+    reads ``refs/<revision>`` offline and writes it after a download): a branch (``/`` allowed,
+    as in ``refs/pr/1``), a tag or a commit hash; never ``..``, ``.`` or empty components, an
+    absolute path, a backslash, a colon (a Windows drive) or a control character, all of which
+    git refuses in ref names too."""
+    of = f" (of {of})" if of else ""
+    if not isinstance(revision, str) or not revision:
+        raise ValueError(f"{field}={_shown(revision)}{of}: must be a branch, tag or commit hash (a non-empty string)")
+    if len(revision) > MAX_REVISION_CHARS:
+        raise ValueError(f"{field}={_shown(revision)}{of}: at most {MAX_REVISION_CHARS} characters")
+    why = None
+    if "\\" in revision or ":" in revision:
+        why = "no backslash or colon"
+    elif any(ord(c) < 32 or ord(c) == 127 for c in revision):
+        why = "no control characters"
+    elif revision.startswith("/"):
+        why = "not an absolute path"
+    elif any(part in ("", ".", "..") for part in revision.split("/")):
+        why = "no '..', '.' or empty path components"
+    if why is not None:
+        raise ValueError(f"{field}={_shown(revision)}{of}: not a branch, tag or commit hash ({why}): a revision "
+                         "names a ref of the repo and may not leave the Hub cache's refs/ directory")
+
+
+def _shown(value) -> str:
+    """``repr(value)``, cut for a message when long, with its length."""
+    text = repr(value)
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    length = f" ({len(value)} characters)" if isinstance(value, str) else ""
+    return f"{text[:_SHOWN_CHARS]}...{length}"
 
 
 def _why_local_path(name: str) -> str | None:

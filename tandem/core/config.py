@@ -180,10 +180,14 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        from tandem.core.checkpoint_source import check_revision
+
         for name in ("revision", "tokenizer_revision"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name}={value!r}: must be None or a branch, tag or commit hash")
+            if value is not None:
+                check_revision(value, name)  # it may not leave the Hub cache's refs/
         dd = self.download_dir
         if dd is not None and (not isinstance(dd, (str, Path)) or not str(dd) or Path(dd).is_file()):
             raise ValueError(f"download_dir={dd!r}: must be None or a directory (created if missing)")

@@ -20,6 +20,8 @@ import torch
 
 from typing_extensions import NotRequired
 
+from tandem.core.text_checks import check_unicode
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
@@ -183,6 +185,7 @@ class InputProcessor:
             raise ValueError(f"{where} text is empty")
         if self.tokenizer is None:
             raise ValueError(f"{where} is text but the model has no tokenizer; pass token ids")
+        check_unicode(text, where)
         self._refuse_long_text(text, is_encoder)
         # verbose=False: no transformers warning that an over-long prompt "will result in
         # indexing errors"; the engine checks every prompt's length and refuses it naming both.

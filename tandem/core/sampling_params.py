@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from tandem.core.param_errors import type_error, value_error
 from tandem.core.structured_output.params import StructuredOutputsParams
+from tandem.core.text_checks import check_unicode
 
 _GREEDY_EPS = 1e-5
 # torch.Generator.manual_seed reads the seed as a signed or an unsigned 64-bit
@@ -400,6 +401,7 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
             # An empty stop string matches at once: every request would end at its first token.
             where = "be empty" if isinstance(stop, str) else f"contain an empty string (item {i})"
             raise _value_error("stop", stop, f"must not {where}")
+        check_unicode(s, "SamplingParams.stop" + ("" if isinstance(stop, str) else f"[{i}]"))
     return items
 
 

@@ -137,6 +137,15 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="seconds running requests may take to finish after SIGTERM; then, or at once on a "
                          "second SIGTERM/SIGINT, they are answered with a JSON 503")
+    # The defaults are tandem/entrypoints/openai/connections.py's (not imported here: it loads uvicorn).
+    sv.add_argument("--header-timeout", type=_positive_seconds, default=10.0,
+                    help="seconds a client has to send a whole request head, from connecting (or from its next "
+                         "request's first byte), however it trickles in; then 408 and the connection is closed")
+    sv.add_argument("--body-timeout", type=_positive_seconds, default=30.0,
+                    help="seconds a request body may go without a byte before the connection is closed")
+    sv.add_argument("--keep-alive-timeout", "--timeout-keep-alive", dest="keep_alive_timeout",
+                    type=_positive_seconds, default=5.0,
+                    help="seconds an idle connection is kept open after a response for the next request")
     add_cli_args(sv)
 
     plugins = sub.add_parser("plugins", help="list loaded plugins and what each registered", formatter_class=fmt)
@@ -180,6 +189,13 @@ def _directory(text: str) -> str:
         return allowed_local_dir(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a directory, got {text!r}") from None
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
 
 
 def _json_object(text: str) -> dict:

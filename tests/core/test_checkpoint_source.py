@@ -167,6 +167,62 @@ def test_a_revision_for_a_local_directory_is_refused(bart_dir):
         llm(str(bart_dir), tokenizer_revision="v2")
 
 
+@pytest.mark.parametrize("bad", ["../x", "main/../../x", "..", "./main", "/etc/passwd", "a//b", "main/",
+                                 "..\\x", "C:x", "ma\nin"])
+def test_a_revision_may_not_leave_refs(bad, bart_dir, second_bart, tmp_path, offline):
+    """huggingface_hub reads ``refs/<revision>`` for the commit whose snapshot it serves; a
+    revision that climbs out of refs/ reads a file of the attacker's choosing, whose content
+    (an absolute path here) names the directory served: a checkpoint outside the cache."""
+    cache = tmp_path / "cache"
+    hub_cache(bart_dir, cache, REPO)
+    repo = cache / ("models--" + REPO.replace("/", "--"))
+    (repo / "x").write_text(str(second_bart))  # what refs/../x reads
+    with pytest.raises(ValueError, match=r"revision=.*may not leave the Hub cache's refs/ directory") as e:
+        resolve_checkpoint(REPO, revision=bad, download_dir=str(cache))
+    assert f"(of model='{REPO}')" in str(e.value) and repr(bad) in str(e.value)
+    with pytest.raises(ValueError, match=r"^tokenizer_revision=.*may not leave the Hub cache's refs/"):
+        llm(REPO, tokenizer=REPO, tokenizer_revision=bad, download_dir=str(cache))
+
+
+def test_a_climbing_revision_never_serves_a_checkpoint_from_outside_the_cache(bart_dir, second_bart, tmp_path,
+                                                                             offline):
+    cache = tmp_path / "cache"
+    hub_cache(bart_dir, cache, REPO)
+    (cache / ("models--" + REPO.replace("/", "--")) / "x").write_text(str(second_bart))
+    with pytest.raises(ValueError, match=r"^revision='\.\./x': not a branch, tag or commit hash"):
+        llm(REPO, revision="../x", download_dir=str(cache))
+
+
+def test_branches_with_slashes_tags_and_commits_still_resolve(bart_dir, tmp_path, offline):
+    cache = tmp_path / "cache"
+    snapshot = hub_cache(bart_dir, cache, REPO, refs=("main", "v1.0"))
+    refs = cache / ("models--" + REPO.replace("/", "--")) / "refs"
+    for ref in ("refs/pr/1", "feature/x.y"):  # a pull request's ref is cached as refs/refs/pr/1
+        (refs / ref).parent.mkdir(parents=True, exist_ok=True)
+        (refs / ref).write_text(snapshot.name)
+    for revision in ("v1.0", "refs/pr/1", "feature/x.y", snapshot.name):
+        assert resolve_checkpoint(REPO, revision=revision, download_dir=str(cache)) == str(snapshot), revision
+
+
+@pytest.mark.parametrize("name, why", [
+    ("a" * 5000, r"too long for a local directory path or a Hugging Face Hub repo id \(at most 4096 characters\)"),
+    ("org/" + "a" * 5000, r"too long for a local directory path"),
+    ("a" * 300, r"not a local checkpoint directory \(File name too long\), nor a Hugging Face Hub repo id"),
+    ("org/" + "b" * 300, r"not a local checkpoint directory, nor a Hugging Face Hub repo id \('org/name'\): "
+                         r"Repo id must .* the maximum length is 96: it\.$"),
+])
+def test_an_overlong_model_name_is_a_clear_error_that_shows_it_cut(name, why, bart_dir, tmp_path, offline):
+    """The file system's own refusal (ENAMETOOLONG, an OSError) named nothing; the value is
+    shown cut, with its length, so the message stays short."""
+    with pytest.raises(ValueError, match=why) as e:
+        llm(name, download_dir=str(tmp_path))
+    message = str(e.value)
+    assert message.startswith("model='" + name[:20]) and f"({len(name)} characters)" in message
+    assert len(message) < 400, len(message)
+    with pytest.raises(ValueError, match=r"^tokenizer='.*" + why):
+        llm(str(bart_dir), tokenizer=name, download_dir=str(tmp_path))
+
+
 def test_allow_patterns_take_what_tandem_reads_and_bin_only_without_safetensors(bart_dir):
     saved = sorted(p.name for p in bart_dir.iterdir())
     assert set(filter_repo_objects(saved, allow_patterns=allow_patterns(saved))) == set(saved)

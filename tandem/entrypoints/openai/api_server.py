@@ -50,7 +50,9 @@ from tandem.entrypoints.openai.completions import complete, first_outputs, strea
 from tandem.entrypoints.openai.guard import BodyTooLarge, Guard
 from tandem.entrypoints.openai.media import PromptAudio, find_audio
 from tandem.entrypoints.openai.metrics import AudioMeter, ServerMetrics
-from tandem.entrypoints.openai.protocol import CompletionRequest, HTTPError, error_body
+from tandem.entrypoints.openai.protocol import (
+    CompletionRequest, HTTPError, error_body, validation_message, wrong_model,
+)
 from tandem.entrypoints.openai.shutdown import CUT, CUT_GRACE_SECONDS, DrainCut, make_server, watch
 from tandem.entrypoints.openai.structured import check_compiles, read_structured
 from tandem.entrypoints.transcribe import prompt_ids_of
@@ -67,26 +69,6 @@ DEFAULT_MAX_AUDIO_SECONDS = 1800.0
 # The non-file fields of an audio upload (model, language, prompt, ...): few and short.
 MAX_FORM_FIELDS = 16
 MAX_FORM_FIELD_BYTES = 64 << 10
-
-
-def _validation_message(errors) -> str:
-    """One message for pydantic's errors, each naming its field (or the body)."""
-    parts = []
-    for e in errors:
-        if e.get("type") == "json_invalid":  # the message says where: "... at line 1 column 15"
-            why = (e.get("ctx") or {}).get("error") or e.get("msg", "")
-            parts.append(f"invalid JSON body: {why}")
-            continue
-        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        if not where and e.get("type") == "model_type":
-            parts.append(f"the body must be a JSON object (got {type(e.get('input')).__name__})")
-            continue
-        got = ""
-        if "input" in e:
-            got = repr(e["input"])
-            got = f" (got {got[:200]}...)" if len(got) > 200 else f" (got {got})"
-        parts.append(f"{where or 'body'}: {e.get('msg')}{got}")
-    return "; ".join(parts) or "invalid request body"
 
 
 def _units(params) -> int:
@@ -189,7 +171,7 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return error(400, _validation_message(exc.errors()))
+        return error(400, validation_message(exc.errors(), exc.body if isinstance(exc.body, bytes) else None))
 
     @app.exception_handler(StarletteHTTPException)
     async def _starlette_http(request: Request, exc: StarletteHTTPException):
@@ -271,7 +253,7 @@ def build_app(
         form, data = await _read_form(request)
         model_name = form.get("model")
         if model_name not in (None, "", served_model_name):
-            raise HTTPError(400, f"model={model_name!r}: this server serves {served_model_name!r}")
+            raise HTTPError(400, wrong_model(model_name, served_model_name))
         fmt = form.get("response_format") or "json"
         if fmt not in ("json", "text", "verbose_json", "srt", "vtt"):
             raise HTTPError(400, f"response_format={fmt!r}: must be json, text, verbose_json, srt or vtt")
@@ -367,11 +349,9 @@ def build_app(
         try:
             req = CompletionRequest.model_validate_json(body)
         except ValidationError as e:
-            raise RequestValidationError(e.errors()) from None
+            raise RequestValidationError(e.errors(), body=body) from None
         del body
-        if req.model is not None and req.model != served_model_name:
-            raise HTTPError(400, f"model={req.model!r}: this server serves {served_model_name!r}")
-        why = req.unsupported()
+        why = wrong_model(req.model, served_model_name) or req.unsupported()
         if why:
             raise HTTPError(400, why)
         if engine.errored:
@@ -430,6 +410,7 @@ def serve(args) -> int:
     import uvicorn
 
     from tandem.core.engine_args import from_cli_args
+    from tandem.entrypoints.openai.connections import uvicorn_options
 
     engine = AsyncLLM(model=args.model, **from_cli_args(args))
     max_audio_seconds = getattr(args, "max_audio_seconds", DEFAULT_MAX_AUDIO_SECONDS)
@@ -442,7 +423,8 @@ def serve(args) -> int:
     # uvicorn's own stop (it cancels what still runs) is the backstop: the server's
     # cut comes at the drain timeout, its cancelling CUT_GRACE_SECONDS later.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=args.drain_timeout + CUT_GRACE_SECONDS + 2)
+                            timeout_graceful_shutdown=args.drain_timeout + CUT_GRACE_SECONDS + 2,
+                            **uvicorn_options(args))  # connections.py: header, body and keep-alive timeouts
     make_server(config, cut=app.state.drain_cut, drain_timeout=args.drain_timeout).run()
     return 0
 

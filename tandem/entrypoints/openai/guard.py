@@ -1,5 +1,6 @@
 """The server's pure-ASGI guard, in front of every route: the API key, the body
-limit, and a JSON 503 for a request cancelled at shutdown."""
+limit, a JSON 503 for a request cancelled at shutdown, and quiet for a client that
+left mid-body."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import asyncio
 import contextlib
 import json
 import logging
+
+from starlette.requests import ClientDisconnect
 
 from tandem.entrypoints.openai.protocol import error_body
 from tandem.entrypoints.openai.shutdown import SHUTTING_DOWN
@@ -98,6 +101,11 @@ class Guard:
                 elif not state["ended"]:
                     tail = f"data: {json.dumps(error_body(503, SHUTTING_DOWN))}\n\n" if state["events"] else ""
                     await send({"type": "http.response.body", "body": tail.encode(), "more_body": False})
+            return
+        except ClientDisconnect:
+            # The client left (or --body-timeout closed it) while its body was read: nobody
+            # to answer, and nothing went wrong on this side worth a traceback.
+            logger.debug("%s %s: the client left before its body was read", scope.get("method"), scope["path"])
             return
         except Exception:
             if not state["over"]:

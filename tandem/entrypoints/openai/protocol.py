@@ -3,12 +3,15 @@ their translation into tandem prompts and ``SamplingParams``."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tandem.core.param_errors import shown
 from tandem.core.sampling_params import RequestOutputKind, SamplingParams
 from tandem.core.structured_output.params import StructuredOutputsParams
+from tandem.core.text_checks import check_unicode
 
 PromptItem = Union[str, list[int], dict[str, Any]]
 
@@ -118,8 +121,13 @@ class CompletionRequest(BaseModel):
     def unsupported(self) -> str | None:
         if self.echo:
             return "echo=true is not supported (encoder/decoder models do not continue their prompt)"
-        if self.best_of not in (None, 1) and self.best_of != self.n:
-            return f"best_of={self.best_of} is not supported; use n, or num_beams for beam search"
+        if self.best_of is not None:
+            n = 1 if self.n is None else self.n
+            if self.best_of < n:  # OpenAI's rule: n completions are chosen among best_of
+                return f"best_of={self.best_of} must be >= n={n}: n completions are returned out of best_of"
+            if self.best_of != n:
+                return f"best_of={self.best_of} with n={n} is not supported (only best_of == n); use n, or num_beams " \
+                       "for beam search"
         if self.suffix:
             return "suffix is not supported"
         return None
@@ -152,6 +160,78 @@ class CompletionRequest(BaseModel):
         if structured_outputs is not None:
             given["structured_outputs"] = structured_outputs
         return SamplingParams(**given, output_kind=kind)
+
+
+def wrong_model(given: str | None, served: str) -> str | None:
+    """Why a request's ``model`` is not the one this server serves, if it is not (shown cut)."""
+    if given is None or given == served:
+        return None
+    return f"model={shown(given, MAX_SHOWN_CHARS)}: this server serves {served!r}"
+
+
+# A request-validation error names at most this many problems, then counts the rest: 200,000
+# unknown fields made a 9.7 MB answer, and the first few are what a client fixes first.
+MAX_SHOWN_PROBLEMS = 20
+MAX_SHOWN_CHARS = 200  # of a field's path, a message or a value, each
+
+
+def validation_message(errors: list[dict], body: bytes | None = None) -> str:
+    """One message for pydantic's ``errors``, each problem naming its field (or the body): the
+    first ``MAX_SHOWN_PROBLEMS``, each part cut to ``MAX_SHOWN_CHARS``, and how many more there
+    are. ``body``: the raw request, to name the field of a lone surrogate that the JSON parser
+    refused with only a line and column."""
+    parts = []
+    for e in errors[:MAX_SHOWN_PROBLEMS]:
+        if e.get("type") == "json_invalid":  # the message says where: "... at line 1 column 15"
+            why = (e.get("ctx") or {}).get("error") or e.get("msg", "")
+            escape = "surrogate" in why or "hex escape" in why
+            surrogate = _lone_surrogate(body) if escape and body is not None else None
+            parts.append(surrogate or f"invalid JSON body: {_cut(why)}")
+            continue
+        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        if not where and e.get("type") == "model_type":
+            parts.append(f"the body must be a JSON object (got {type(e.get('input')).__name__})")
+            continue
+        got = f" (got {shown(e['input'], MAX_SHOWN_CHARS)})" if "input" in e else ""
+        parts.append(f"{_cut(where) or 'body'}: {_cut(str(e.get('msg')))}{got}")
+    more = len(errors) - MAX_SHOWN_PROBLEMS
+    if more > 0:
+        parts.append(f"and {more} more problem{'s' if more > 1 else ''} (the first {MAX_SHOWN_PROBLEMS} are shown)")
+    return "; ".join(parts) or "invalid request body"
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 3] + "..."
+
+
+def _lone_surrogate(body: bytes) -> str | None:
+    """The field and position of the first lone surrogate escape (``"\\ud800"``) in JSON ``body``,
+    as ``check_unicode`` names it; None when ``body`` is not JSON to Python's parser either
+    (which, unlike the request parser, decodes such escapes). The walk is iterative: no depth
+    of nesting can recurse."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    todo: list[tuple[str, Any]] = [("", value)]
+    while todo:
+        path, item = todo.pop()
+        if isinstance(item, dict):
+            for key, sub in reversed(list(item.items())):
+                here = f"{path}.{key}" if path else str(key)
+                try:
+                    check_unicode(key, f"the key {shown(here, MAX_SHOWN_CHARS)}")
+                except ValueError as e:
+                    return str(e)
+                todo.append((here, sub))
+        elif isinstance(item, list):
+            todo.extend((f"{path}[{i}]", sub) for i, sub in reversed(list(enumerate(item))))
+        elif isinstance(item, str):
+            try:
+                check_unicode(item, _cut(path) or "body")
+            except ValueError as e:
+                return str(e)
+    return None
 
 
 class ErrorInfo(BaseModel):
