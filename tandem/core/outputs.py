@@ -12,7 +12,8 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    # "stop", "length", "abort"; "no_allowed_token": no token was left to sample (docs/generation.md)
+    finish_reason: str | None = None
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:
@@ -28,7 +29,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
-    # Set when the request was rejected; outputs is then empty.
+    # Set when the request was rejected (outputs is then empty) or failed while being
+    # served (outputs hold what it had generated).
     error: str | None = None
     # The probability of the prompt slot's probe token at the slot position
     # (tandem.core.strategies.PromptSlot.probe); None without one.

@@ -33,6 +33,7 @@ from tandem.core.scheduler_output import (
     table_update,
 )
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from tandem.core.strategies.base import RequestFailed
 from tandem.core.strategies.sampling import SamplingStrategy
 from tandem.core.strategies.speculative import SpeculationCounters
 
@@ -355,6 +356,9 @@ class Scheduler:
             group.encoder_computed = True
             try:
                 res = group.strategy.update(self, group, sg, result, row)
+            except RequestFailed as e:  # the strategy says why, for the request's error
+                result.failed_requests[sg.request_id] = str(e)
+                continue
             except Exception as e:  # noqa: BLE001 - this request's own update (its beams, its lengths)
                 result.failed_requests[sg.request_id] = f"updating it after the step failed: {type(e).__name__}: {e}"
                 continue

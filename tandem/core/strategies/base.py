@@ -24,6 +24,13 @@ if TYPE_CHECKING:
     from tandem.core.sequence import Sequence, SequenceGroup
 
 
+class RequestFailed(Exception):
+    """Raised by a strategy's ``update`` when its request cannot go on: the engine fails
+    that request alone, with this message as its ``error`` as it is (any other exception
+    there is reported as a failed update). Sequence statuses set before raising are
+    kept; the request's unfinished sequences end ``abort``."""
+
+
 class SchedulerOps(Protocol):
     """What a strategy may ask of the scheduler while it applies a step."""
 

@@ -9,6 +9,13 @@ applies them before the logits processors; here each matcher then accepts its
 sequence's sampled token, and a sequence whose matcher terminated (it accepted
 EOS where the grammar is complete) is finished.
 
+A sequence left with no token to sample (the grammar allows none of the
+vocabulary there, or the request's bans remove all it allows) fails the request
+with an ``error`` saying which and after how many tokens: its completion ends
+``no_allowed_token`` with the tokens it had, the request's others ``abort``. It
+is not a finish: text the grammar cannot complete does not follow the spec, and
+an output without ``error`` is always one the grammar ended or ``max_tokens`` cut.
+
 The matchers live with the request on the scheduler's side, so preemption
 leaves them as they are: a swapped-out sequence keeps its tokens and its
 matcher, and a recomputed one recomputes the keys and values of the same
@@ -24,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.core.core_outputs import RequestResult
 from tandem.core.sequence import SequenceStatus
-from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode
+from tandem.core.strategies.base import RequestFailed, RequestStrategy, SchedulerOps, StepMode
 
 if TYPE_CHECKING:
     from tandem.core.scheduler_output import ModelRunnerOutput, ScheduledGroup
@@ -32,10 +39,12 @@ if TYPE_CHECKING:
 
 
 class StructuredStrategy(RequestStrategy):
-    def __init__(self, grammar: Future, new_matcher: Callable[[Any], Any], inner: RequestStrategy) -> None:
+    def __init__(self, grammar: Future, new_matcher: Callable[[Any], Any], inner: RequestStrategy,
+                 num_allowed: Callable[[Any], int]) -> None:
         """``grammar``: the future of the compiled grammar; ``new_matcher(compiled)``:
-        a fresh matcher; ``inner``: the strategy whose tokens are constrained."""
-        self.grammar, self.new_matcher, self.inner = grammar, new_matcher, inner
+        a fresh matcher; ``inner``: the strategy whose tokens are constrained;
+        ``num_allowed(matcher)``: how many ids the matcher allows next."""
+        self.grammar, self.new_matcher, self.inner, self.num_allowed = grammar, new_matcher, inner, num_allowed
         self.matchers: dict[int, Any] = {}  # seq id -> its matcher
 
     def ready(self, group: "SequenceGroup") -> bool:
@@ -65,10 +74,17 @@ class StructuredStrategy(RequestStrategy):
         """Each matcher accepts its sequence's token (a token the grammar rejects fails
         the request: only a user logits processor that revives masked tokens can pick
         one), then the inner strategy appends them; terminated matchers finish their
-        sequences."""
+        sequences. A sequence with no token to sample fails the request (module doc)."""
         by_id = {s.seq_id: s for s in group.seqs}
+        if result.no_token_seq_ids:
+            dead = [by_id[ss.seq_id] for ss in sg.seqs
+                    if ss.seq_id in result.no_token_seq_ids and not by_id[ss.seq_id].finished]
+            if dead:
+                for seq in dead:
+                    seq.status = SequenceStatus.FINISHED_NO_TOKEN
+                raise RequestFailed(self._dead_end(group, dead[0]))
         for ss in sg.seqs:
-            if by_id[ss.seq_id].finished or ss.seq_id in result.no_token_seq_ids:
+            if by_id[ss.seq_id].finished:
                 continue
             token = result.token_ids[rows[ss.seq_id]]
             if not self.matchers[ss.seq_id].accept_token(token):
@@ -91,3 +107,21 @@ class StructuredStrategy(RequestStrategy):
             ops.release_finished(group)
             res.finished = group.is_finished
         return res
+
+    def _dead_end(self, group: "SequenceGroup", seq) -> str:
+        """Why ``seq`` has no token to sample: the grammar allows none of the vocabulary,
+        or the request's own bans remove every token it allows."""
+        kind = group.sampling_params.structured_outputs.kind
+        n = len(seq.output_token_ids)
+        where = "at the start of the output" if n == 0 else f"after {n} generated token{'s' if n > 1 else ''}"
+        if len(group.seqs) > 1:
+            where += f" (completion {seq.index})"
+        allowed = self.num_allowed(self.matchers[seq.seq_id])
+        if allowed == 0:
+            what = "begin the output" if n == 0 else "continue the output"
+            return (f"StructuredOutputsParams.{kind}: cannot be satisfied by this model's vocabulary: {where}, "
+                    f"its grammar allows no token (no token's text can {what} as the spec requires)")
+        return (f"StructuredOutputsParams.{kind}: cannot be satisfied under this request's sampling parameters: "
+                f"{where}, its grammar allows {allowed} token{'s' if allowed > 1 else ''} and the request bans "
+                f"{'each' if allowed > 1 else 'it'} (allowed_token_ids, bad_words_ids, suppress_tokens, logit_bias, "
+                "min_tokens)")

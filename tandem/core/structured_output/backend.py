@@ -87,6 +87,16 @@ class XgrammarBackend:
     def matcher(self, compiled):
         return import_xgrammar().GrammarMatcher(compiled)
 
+    def num_allowed(self, matcher) -> int:
+        """How many ids ``matcher`` allows next (special tokens never; EOS where the
+        grammar is complete). One row's mask, so only for explaining a dead end."""
+        import torch
+
+        mask = import_xgrammar().allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(mask, 0)
+        bits = (mask[0].unsqueeze(-1) >> torch.arange(32, dtype=mask.dtype)) & 1  # [words, 32], id = 32 * word + bit
+        return int(bits.flatten()[: self.vocab_size].sum())
+
 
 def build_tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]):
     """xgrammar's view of the vocabulary, ``vocab_size`` ids (the LM head's), with the

@@ -158,7 +158,8 @@ class StructuredOutputManager:
 
     def strategy(self, so: "StructuredOutputsParams", inner) -> StructuredStrategy:
         """The request's strategy: ``inner`` (plain sampling), constrained to ``so``."""
-        return StructuredStrategy(self.grammar(so), self.backend.matcher, inner)
+        backend = self.backend
+        return StructuredStrategy(self.grammar(so), backend.matcher, inner, backend.num_allowed)
 
     def has_pending(self) -> bool:
         with self._lock:

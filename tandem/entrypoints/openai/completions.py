@@ -20,6 +20,9 @@ from tandem.entrypoints.openai.shutdown import CUT, watch
 
 logger = logging.getLogger("tandem.serve")
 
+# A completion left with no token to sample (tandem.core.sequence.SequenceStatus.FINISHED_NO_TOKEN).
+NO_TOKEN = "no_allowed_token"
+
 
 async def first_outputs(engine, prompts, params, ids, cut):
     """Start the streams and wait for each first output, so a rejected request is
@@ -47,11 +50,45 @@ async def first_outputs(engine, prompts, params, ids, cut):
         await asyncio.gather(waiting, return_exceptions=True)
         await _close(gens)
         raise
+    unsatisfiable = next((why for o in outs if (why := cannot_be_satisfied(o, params, with_text=True))), None)
+    if unsatisfiable is not None:
+        await _close(gens)
+        raise HTTPError(400, unsatisfiable)
     failed = [o.error for o in outs if o.error is not None]
     if failed:  # failed in its first step: an error status before the stream starts
         await _close(gens)
         raise HTTPError(500, f"the request failed while being served: {failed[0]}")
     return list(zip(gens, outs))
+
+
+def cannot_be_satisfied(out, params, with_text: bool) -> str | None:
+    """Why ``out``'s request cannot be served as asked, or None: one of its completions
+    was left with no token to sample (``no_allowed_token``: its structured output is one
+    the vocabulary cannot write, or its bans leave nothing). That is no OpenAI finish
+    reason, and the text would not follow the request (a schema, ``min_tokens``), so
+    the server answers it as a 400 (a stream: a last error event), never as a 200.
+    ``with_text``: add the text generated so far (a stream has sent it already)."""
+    c = next((c for c in out.outputs if c.finish_reason == NO_TOKEN), None)
+    if c is None:
+        return None
+    if out.error is not None and params.structured_outputs is None:
+        return None  # a plain request that failed later for another cause (a 500)
+    # A structured output's error (the core's) names the field and where the grammar ran out.
+    why = out.error
+    if why is None:
+        n = len(c.token_ids)
+        where = "at the start of the output" if n == 0 else f"after {n} generated token{'s' if n > 1 else ''}"
+        if len(out.outputs) > 1:
+            where += f" (completion {c.index})"
+        why = (f"{where}, every token is banned for this request (allowed_token_ids, bad_words_ids, "
+               "suppress_tokens, logit_bias, min_tokens): nothing more can be generated")
+    if with_text and c.text:
+        why += f"; the text generated so far: {_cut(c.text)!r}"
+    return why
+
+
+def _cut(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 async def _close(gens) -> None:
@@ -152,6 +189,11 @@ async def complete(engine, metrics, request, params, prompts, ids, base, created
         for t in tasks:
             if not t.done():
                 t.cancel()
+    unsatisfiable = next(
+        (why for out in results if out is not None and (why := cannot_be_satisfied(out, params, with_text=True))), None
+    )
+    if unsatisfiable is not None:
+        raise HTTPError(400, unsatisfiable)
     failed = [out.error for out in results if out is not None and out.error is not None]
     if failed:  # it failed while being served (its step's fault, or its own)
         raise HTTPError(500, f"the request failed while being served: {failed[0]}")
@@ -209,6 +251,11 @@ async def stream_completion(engine, metrics, req, params, first, ids, base, crea
                 failed = True
                 message = str(out) if isinstance(out, (ValueError, TypeError, EngineDeadError)) else "internal error"
                 yield f"data: {json.dumps(error_body(500, message))}\n\n"
+                return
+            unsatisfiable = cannot_be_satisfied(out, params, with_text=False)
+            if unsatisfiable is not None:  # the client has the text so far; no choice ends this way
+                failed = True
+                yield f"data: {json.dumps(error_body(400, unsatisfiable))}\n\n"
                 return
             if out.error is not None:  # failed while being served: the stream ends with the error
                 failed = True
