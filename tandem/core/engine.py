@@ -1,15 +1,17 @@
 """The engine: a checkpoint loaded, requests in, one step at a time, outputs out.
 
-``LLMEngine`` loads the model and its configs, turns prompts into requests
-(``RequestProcessor``: input processing, the checkpoint's generation defaults,
-validation; then the request's strategy) and hands them to the ``EngineCore``
-(scheduler, block manager, worker), whose step returns plain per-request
-results. The
-``OutputProcessor`` turns those into ``RequestOutput``s (detokenizing once,
-incrementally) and reports stop-string hits back to the core.
-``AsyncLLM`` drives the core from its engine thread and runs the input side on
-its input threads (``process_request``) and the output side in its consumers
-instead.
+One path for every frontend. ``RequestProcessor`` (``process_request``) does a
+request's own work: input processing, the checkpoint's generation defaults,
+validation; ``add_request`` gives the processed request its strategy and hands
+it to the ``EngineCore`` (scheduler, block manager, executor), whose step
+returns plain per-request results. The one ``OutputProcessor`` turns those into
+``RequestOutput``s (detokenizing once, incrementally) and reports stop-string
+hits back to the core. ``LLM`` runs all of it on its caller's thread
+(``step``). ``AsyncLLM`` runs ``process_request`` on its input threads, the core
+on its engine thread, and the same output processor in its output loop on the
+event loop, which puts each output in its request's queue. Frontends read only
+the core's published snapshots (``get_stats``, ``health``); model calls between
+steps (``call_model``) go to the workers through the executor.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import itertools
 import logging
 import time
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -26,11 +29,12 @@ from tandem.core.block_manager import BlockManager
 from tandem.core.config import EngineConfig
 from tandem.core.core_outputs import RequestInfo, RequestResult
 from tandem.core.engine_core import EngineCore
-from tandem.core.faults import EngineDeadError, EngineHealth, describe
+from tandem.core.faults import EngineDeadError, EngineHealth
 from tandem.core.generation_config import load_generation_defaults
 from tandem.core.inputs import PromptType
 from tandem.core.loader import check_model_config, load_hf_config, load_tokenizer
 from tandem.core.memory import GiB
+from tandem.core.model_call import check_model_call, run_model_call
 from tandem.core.output_processor import OutputProcessor
 from tandem.core.outputs import RequestOutput
 from tandem.core.request_processor import ProcessedRequest, RequestProcessor
@@ -167,35 +171,30 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: PromptType,
+        prompt: PromptType | ProcessedRequest,
         params: SamplingParams | None = None,
         *,
         prompt_slot: PromptSlot | None = None,
+        queue: Any = None,
     ) -> RequestInfo:
-        """Validate and queue a request, following its outputs in this engine's
-        :meth:`step`; raises ``ValueError`` naming what is wrong. Fields of ``params``
-        the caller did not set come from the checkpoint's generation config
+        """Validate and queue a request, following its outputs in the output processor;
+        raises ``ValueError`` naming what is wrong. Fields of ``params`` the caller did
+        not set come from the checkpoint's generation config
         (:meth:`get_default_sampling_params`). ``prompt_slot``: the model completes the
-        decoder prompt first (Whisper's language detection)."""
-        if request_id in self.output_processor.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        info = self.add_core_request(request_id, prompt, params, prompt_slot=prompt_slot)
-        self.output_processor.add_request(info)
-        return info
-
-    def add_core_request(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: SamplingParams | None = None,
-        *,
-        prompt_slot: PromptSlot | None = None,
-    ) -> RequestInfo:
-        """:meth:`add_request` for a frontend that follows outputs itself (from
-        :meth:`step_core`'s results, with an ``output_processor.RequestState`` built
-        from the returned ``RequestInfo``)."""
+        decoder prompt first (Whisper's language detection). ``prompt`` may be a request
+        :meth:`process_request` made already (on another thread), with no ``params`` or
+        ``prompt_slot`` then. ``queue``: where the request's outputs go instead of
+        :meth:`step`'s list (``AsyncLLM``: its consumer's ``asyncio.Queue``)."""
         self._check_new(request_id)
-        return self.add_processed_request(request_id, self.process_request(prompt, params, prompt_slot=prompt_slot))
+        if isinstance(prompt, ProcessedRequest):
+            if params is not None or prompt_slot is not None:
+                raise TypeError("a processed request carries its params and prompt slot: give neither again")
+            req = prompt
+        else:
+            req = self.process_request(prompt, params, prompt_slot=prompt_slot)
+        info = self._add_to_core(request_id, req)
+        self.output_processor.add_request(info, queue)
+        return info
 
     def process_request(
         self, prompt: PromptType, params: SamplingParams | None = None, *, prompt_slot: PromptSlot | None = None
@@ -206,10 +205,9 @@ class LLMEngine:
         ``TypeError`` naming what is wrong."""
         return self.processor.process(prompt, params, prompt_slot)
 
-    def add_processed_request(self, request_id: str, req: ProcessedRequest) -> RequestInfo:
-        """Queue a request :meth:`process_request` made: its strategy and the pool
-        check; on the thread that steps the engine."""
-        self._check_new(request_id)
+    def _add_to_core(self, request_id: str, req: ProcessedRequest) -> RequestInfo:
+        """Queue a processed request in the core: its strategy and the pool check; on
+        the thread that steps the engine."""
         inputs, params, prompt_slot, prompt_len = req.inputs, req.params, req.prompt_slot, req.prompt_len
         beams = params.use_beam_search
         # Beam search starts from one sequence; it becomes num_beams after the first step.
@@ -251,7 +249,7 @@ class LLMEngine:
 
     def _check_new(self, request_id: str) -> None:
         self.core.faults.check_alive()
-        if request_id in self.scheduler.groups:
+        if request_id in self.output_processor.requests or self.core.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
 
     def compile_structured_outputs(self, so: StructuredOutputsParams, may_release: bool = False) -> Future:
@@ -274,14 +272,10 @@ class LLMEngine:
         return self.model_cls.max_decoder_len(self.hf_config) - len(inputs.prompt_token_ids)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
-        """Drop the requests and free their blocks; returns their (aborted) outputs."""
+        """Drop the requests and free their blocks; returns their (aborted) outputs
+        (those of requests that have a queue go there)."""
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
-        outs, _ = self.output_processor.process(self.core.abort(ids))
-        return outs
-
-    def abort_core_request(self, request_ids: set[str]) -> list[RequestResult]:
-        """:meth:`abort_request` for a frontend that follows outputs itself."""
-        return self.core.abort(request_ids)
+        return self.output_processor.process(self.core.abort(ids)).outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -302,31 +296,29 @@ class LLMEngine:
         every request that failed in it (``tandem/core/faults.py``: a request's own
         fault fails it alone, a fault of the step fails the step's requests, and
         ``max_consecutive_step_failures`` failed steps in a row make the engine dead)."""
-        return self.process_results(self.core.step())
+        return self.process_outputs(self.core.step())
 
-    def step_core(self) -> list[RequestResult]:
-        """:meth:`step` for a frontend that follows outputs itself."""
-        return self.core.step()
+    def process_outputs(self, results: list[RequestResult]) -> list[RequestOutput]:
+        """The outputs of the core's results (a step's, an abort's), through the one
+        output processor; stop strings found end their sequences in the core now, and a
+        request whose output cannot be built fails alone."""
+        done = self.output_processor.process(results)
+        if done.stops:
+            self.core.stop(done.stops)
+        if done.failed:
+            self.core.fail(done.failed)  # its state is gone: the failure's result is dropped
+        return done.outputs
 
-    def process_results(self, results: list[RequestResult]) -> list[RequestOutput]:
-        """The outputs of a step's results; stop strings found end their sequences in
-        the core now. A request whose output cannot be built fails alone."""
-        outputs, stops, failed = [], {}, {}
-        for res in results:
-            try:
-                outs, hits = self.output_processor.process([res])
-            except Exception as e:  # noqa: BLE001 - detokenizing this request's output
-                failed[res.request_id] = f"building its output failed: {describe(e)}"
-                continue
-            outputs += outs
-            stops.update(hits)
-        if stops:
-            self.core.stop(stops)
-        for rid, why in failed.items():
-            self.core.fail({rid: why})
-            self.output_processor.forget(rid)
-            outputs.append(RequestOutput(rid, None, [], None, [], [], True, error=why))
-        return outputs
+    # -- model calls between steps ---------------------------------------------
+    def call_model(self, method: str, *args: Any) -> Any:
+        """Run one of the model's declared calls (``model_calls``: Whisper's
+        ``alignment_attention`` and ``next_token_logits``) with ``args`` on every rank,
+        between steps, through the executor (``tandem/core/model_call.py``): rank 0's
+        answer. Raises ``ValueError`` (``ModelCallError``) when it fails; the engine
+        serves on. On the thread that steps the engine."""
+        self.core.faults.check_alive()
+        check_model_call(self.model_cls, method)
+        return run_model_call(self.executor, method, args)
 
     def health(self) -> EngineHealth:
         """The engine's health after its last step (a snapshot other threads may read);

@@ -117,6 +117,9 @@ class EngineCore:
                 self.num_requests_finished += 1
         self._after_change()
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.scheduler.groups
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

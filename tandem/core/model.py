@@ -94,6 +94,11 @@ class EncoderDecoderModel(nn.Module, ABC):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"config.json: {field}={value!r} must be a positive integer")
 
+    # Methods a frontend may run on the loaded model between steps, by name with plain
+    # arguments (tandem/core/model_call.py): each runs on every tensor-parallel rank and
+    # must return the whole answer on rank 0 (gathering what its shard holds).
+    model_calls: tuple[str, ...] = ()
+
     # Config fields tensor parallelism splits across ranks (heads, FFN widths): each must be
     # divisible by ``tensor_parallel_size``. The vocabulary is padded per rank, never split unevenly.
     tensor_parallel_fields: tuple[str, ...] = ()

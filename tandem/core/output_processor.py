@@ -8,13 +8,22 @@ token ids and lengths; stop strings need text, so they are found here, a token
 at a time, and reported back to the core, which frees the sequence
 (``stops``). Each sequence's text is detokenized once, incrementally: the final
 text is exactly what was streamed (DELTA chunks add up to it).
+
+One ``OutputProcessor`` serves both frontends, as vLLM's does: ``LLMEngine.step``
+runs it on the caller's thread and returns the outputs; ``AsyncLLM``'s output loop
+runs it on the event loop for each step's results, and each output goes to its
+request's own queue (given at ``add_request``), where its consumer awaits it. A
+request whose output cannot be built fails alone (``ProcessedOutputs.failed``:
+the frontend fails it in the core).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.core.core_outputs import RequestInfo, RequestResult
+from tandem.core.faults import describe
 from tandem.core.outputs import CompletionOutput, RequestOutput
 from tandem.core.sampling_params import RequestOutputKind
 
@@ -76,9 +85,10 @@ class _Completion:
 class RequestState:
     """One request's output state on the frontend side: everything an output shows."""
 
-    def __init__(self, info: RequestInfo, tokenizer) -> None:
+    def __init__(self, info: RequestInfo, tokenizer, queue: Any = None) -> None:
         p = info.params
         self.info, self.params, self.tokenizer = info, p, tokenizer
+        self.queue = queue  # its outputs go here (put_nowait) instead of the step's list
         self.prompt_token_ids = list(info.prompt_token_ids)
         self.probe_prob: float | None = None
         # Text is followed step by step only when someone reads it before the end;
@@ -202,40 +212,68 @@ class RequestState:
         return self.output()
 
 
+@dataclass
+class ProcessedOutputs:
+    """A step's outputs, and what the frontend reports back to the core."""
+
+    outputs: list[RequestOutput]  # of the requests without a queue (the others' went to theirs)
+    stops: dict[str, dict[int, str]]  # request id -> completion index -> the stop string found
+    failed: dict[str, str]  # request id -> why its output could not be built
+
+
 class OutputProcessor:
-    """Every live request's ``RequestState``, for a frontend that steps the engine."""
+    """Every live request's ``RequestState``, for the frontend that follows them."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
 
-    def add_request(self, info: RequestInfo) -> RequestState:
-        state = self.requests[info.request_id] = RequestState(info, self.tokenizer)
+    def add_request(self, info: RequestInfo, queue: Any = None) -> RequestState:
+        """Follow a request the core accepted; ``queue``: where its outputs go (an
+        ``asyncio.Queue``, put to from the thread that runs :meth:`process`)."""
+        state = self.requests[info.request_id] = RequestState(info, self.tokenizer, queue)
         return state
 
     def forget(self, request_id: str) -> None:
         """Drop a request's state without building its output."""
         self.requests.pop(request_id, None)
 
-    def process(self, results: list[RequestResult]) -> tuple[list[RequestOutput], dict[str, dict[int, str]]]:
-        """The step's outputs, and the stop-string hits to report to the core
-        (request id -> completion index -> the stop string). A result for a request
-        no longer followed (finished here first) is dropped."""
-        outputs, stops = [], {}
+    def process(self, results: list[RequestResult]) -> ProcessedOutputs:
+        """The step's outputs, the stop-string hits and the failed requests to report
+        to the core. A result for a request no longer followed (finished here first)
+        is dropped; a request whose output cannot be built fails alone, with an output
+        that says why (after the step's other outputs)."""
+        outputs, stops, failed, errors = [], {}, {}, []
         for result in results:
-            state = self.requests.get(result.request_id)
+            rid = result.request_id
+            state = self.requests.get(rid)
             if state is None:
                 continue
-            hits = state.update(result)
+            try:
+                hits = state.update(result)
+                finished = state.finished
+                out = state.step_output(finished)
+            except Exception as e:  # noqa: BLE001 - detokenizing this request's output
+                self.requests.pop(rid, None)
+                failed[rid] = f"building its output failed: {describe(e)}"
+                errors.append((state, RequestOutput(rid, None, [], None, [], [], True, error=failed[rid])))
+                continue
             if hits:
-                stops[result.request_id] = hits
-            finished = state.finished
-            out = state.step_output(finished)
+                stops[rid] = hits
             if finished:
-                del self.requests[result.request_id]
+                self.requests.pop(rid, None)
             if out is not None:
-                outputs.append(out)
-        return outputs, stops
+                self._emit(state, out, outputs)
+        for state, out in errors:
+            self._emit(state, out, outputs)
+        return ProcessedOutputs(outputs, stops, failed)
+
+    @staticmethod
+    def _emit(state: RequestState, out: RequestOutput, outputs: list[RequestOutput]) -> None:
+        if state.queue is None:
+            outputs.append(out)
+        else:
+            state.queue.put_nowait(out)
 
     def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
         """The final output of a request ended from outside (aborted, or failed with

@@ -92,9 +92,10 @@ class TranscriptionContext:
     hf_config: "PretrainedConfig"
     generation_config: Any
     tokenizer: Any
-    # run_on_model(fn) -> fn(the loaded model), on the thread that owns the engine, between
-    # steps (tandem/core/model_call.py: fn's failure comes back as a ValueError); None
-    # where the caller cannot reach the model between steps (options that need it fail).
+    # run_on_model(method, *args) -> the model's declared ``method(*args)`` (its
+    # ``model_calls``), run between steps on every rank through the executor
+    # (tandem/core/model_call.py: a failure comes back as a ValueError); None where the
+    # caller cannot reach the engine between steps (options that need it fail).
     run_on_model: Any = None
 
     @classmethod

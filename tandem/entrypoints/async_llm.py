@@ -4,15 +4,17 @@ The engine loop runs in a background thread that owns the ``LLMEngine``
 (which is single-threaded). Nothing heavy runs there: a request's own work
 (tokenizing, decoding audio, validating: ``LLMEngine.process_request``) runs
 first on the input threads (``input_pool.InputPool``), and only the processed
-request reaches the engine thread. Requests, aborts and stop-string hits reach it
-through a command queue (so do functions to run on the model between steps,
-``call_on_model``), and each step's plain per-request results
-(``tandem.core.core_outputs``) go back to the waiting coroutines through their
-own ``asyncio.Queue`` (``loop.call_soon_threadsafe``). Each consumer turns its
-results into ``RequestOutput``s itself (``output_processor.RequestState``:
-detokenizing, stop strings), so the engine thread never detokenizes. The event
-loop only enqueues, detokenizes and awaits, so it stays responsive while the
-engine computes (torch releases the GIL in its kernels).
+request reaches the engine thread. Requests, aborts, stop-string hits and
+failures reach it through a command queue (so do model calls between steps,
+``call_model``, which the engine sends to the workers through its executor).
+Each step's plain per-request results (``tandem.core.core_outputs``) go to the
+output loop on the event loop (``loop.call_soon_threadsafe``, one batch per
+step): the engine's one ``OutputProcessor`` (the same ``LLM`` uses: detokenizing,
+stop strings) turns them into ``RequestOutput``s and puts each in its request's
+own ``asyncio.Queue``, so the engine thread never detokenizes. The event loop
+only enqueues, detokenizes and awaits, so it stays responsive while the engine
+computes (torch releases the GIL in its kernels). Nothing here reads the
+scheduler or the model: queue figures come from the core's published snapshot.
 
 Admission is fair between client requests: requests given the same
 ``queue_group`` (a server passes one per HTTP request) take turns with other
@@ -51,10 +53,9 @@ from typing import TYPE_CHECKING, Any
 from tandem.core.config import EngineConfig
 from tandem.core.engine_args import check_kwargs, signature as engine_signature
 from tandem.core.engine import LLMEngine
-from tandem.core.core_outputs import RequestInfo, RequestResult
+from tandem.core.core_outputs import RequestResult
 from tandem.core.inputs import PromptType
 from tandem.core.model_call import ModelCall
-from tandem.core.output_processor import RequestState
 from tandem.core.outputs import RequestOutput
 from tandem.core.faults import EngineDeadError, EngineHealth, describe
 from tandem.core.request_processor import ProcessedRequest
@@ -87,20 +88,27 @@ class _Abort:
 
 @dataclass
 class _Stop:
-    """Stop strings the consumer found: completion index -> the stop string."""
+    """Stop strings the output loop found: request id -> completion index -> the stop string."""
 
-    request_id: str
-    stops: dict[int, str]
+    stops: dict[str, dict[int, str]]
+
+
+@dataclass
+class _Fail:
+    """Requests whose outputs could not be built: request id -> why."""
+
+    why: dict[str, str]
 
 
 class _Stream:
-    """One request's outputs, from the engine thread to its consumer."""
+    """One request's queue: its outputs (put by the output loop) or the error that
+    ends it (put from the engine thread)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    def put(self, item: RequestInfo | RequestResult | BaseException) -> None:  # called from the engine thread
+    def put(self, item: RequestOutput | BaseException) -> None:  # called from the engine thread
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the consumer's loop is closed: nobody is waiting
@@ -116,7 +124,7 @@ class AsyncLLM:
         check_kwargs("AsyncLLM", engine_args)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args), default_model_registry(), default_backend_registry())
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._model_calls: deque[ModelCall] = deque()  # queued by call_on_model, run by the engine thread
+        self._model_calls: deque[ModelCall] = deque()  # queued by call_model, run by the engine thread
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._inputs = InputPool(INPUT_THREADS)
@@ -230,31 +238,14 @@ class AsyncLLM:
         if self._dead is not None or self._stopping:  # the loop may have drained its commands already
             self._drain_commands(self._stopped_error())
         finished = False
-        state: RequestState | None = None
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                if isinstance(item, RequestInfo):  # accepted: outputs are followed here
-                    state = RequestState(item, self.engine.tokenizer)
-                    continue
-                try:
-                    hits = state.update(item)
-                    out = state.step_output()
-                except Exception as e:  # noqa: BLE001 - detokenizing this request's output
-                    finished = True  # the abort is sent here, with the reason
-                    self._send(_Abort(rid))
-                    why = f"building its output failed: {describe(e)}"
-                    logger.warning("request %r failed: %s", rid, why)
-                    yield RequestOutput(rid, None, [], None, [], [], True, error=why)
-                    return
-                if hits:  # the core frees those sequences (and the request, once all ended)
-                    self._send(_Stop(rid, hits))
-                finished = state.finished
-                if out is not None:
-                    yield out
+                finished = item.finished
+                yield item
                 if finished:
                     return
         finally:
@@ -274,14 +265,14 @@ class AsyncLLM:
         finally:
             self.engine.release_structured_outputs(so)
 
-    def call_on_model(self, fn) -> Future:
-        """Run ``fn(model)`` on the engine thread between two steps (see
-        ``tandem/core/model_call.py``); callable from any thread. The future gets the
-        result, or :class:`~tandem.core.model_call.ModelCallError` (``ValueError`` /
-        ``TypeError`` unchanged) when ``fn`` raises, or ``EngineDeadError``; the engine
-        serves on either way. Cancelling the future before it runs skips it."""
+    def call_model(self, method: str, *args: Any) -> Future:
+        """Run one of the model's declared calls (``LLMEngine.call_model``) between two
+        steps, on every rank through the executor; callable from any thread. The future
+        gets rank 0's answer, or a ``ValueError`` (``ModelCallError``) when it fails, or
+        ``EngineDeadError``; the engine serves on after a failed call. Cancelling the
+        future before it runs skips it."""
         self._check_alive()
-        call = ModelCall(fn)
+        call = ModelCall(method, args)
         self._send(call)
         if self._dead is not None or self._stopping:  # the loop may have drained its commands already
             self._drain_commands(self._stopped_error())
@@ -315,13 +306,13 @@ class AsyncLLM:
             while not self._stopping:
                 self._apply_commands()
                 if self._model_calls:  # one per pass: steps go on between queued calls
-                    self._model_calls.popleft().run(engine.model)
+                    self._model_calls.popleft().run(engine)
                 if not engine.has_unfinished_requests():
                     if not self._model_calls:
                         self._wake.wait(0.5)
                         self._wake.clear()
                     continue
-                self._deliver(engine.step_core())
+                self._deliver(engine.core.step())
         except BaseException as e:  # the loop is dead: every waiting request learns why
             logger.exception("engine loop died")
             self._dead = e
@@ -329,6 +320,7 @@ class AsyncLLM:
             for stream in self._streams.values():
                 stream.put(dead)
             self._streams.clear()
+            engine.output_processor.requests.clear()
             self._held.clear()
             self._num_held = 0
             self._drain_commands(dead)
@@ -340,7 +332,7 @@ class AsyncLLM:
         self._held.clear()
         self._num_held = 0
         if self._streams:
-            self._deliver(engine.abort_core_request(set(self._streams)))
+            self._deliver(engine.core.abort(set(self._streams)))
         self._drain_commands(EngineDeadError("the engine is shutting down"))
 
     def _apply_commands(self) -> None:
@@ -365,29 +357,35 @@ class AsyncLLM:
             elif isinstance(cmd, ModelCall):
                 self._model_calls.append(cmd)
             elif isinstance(cmd, _Stop):
-                engine.core.stop({cmd.request_id: cmd.stops})
-                if cmd.request_id not in engine.scheduler.groups:  # it ended: nothing more to send
-                    self._streams.pop(cmd.request_id, None)
+                engine.core.stop(cmd.stops)
+                live = engine.core.stats.live_request_ids  # published by stop()
+                for rid in cmd.stops:
+                    if rid not in live:  # it ended: nothing more to send
+                        self._streams.pop(rid, None)
+            elif isinstance(cmd, _Fail):  # its consumer has its error output already
+                for rid in cmd.why:
+                    self._streams.pop(rid, None)
+                engine.core.fail(cmd.why)
             else:
                 held = self._held.pop(cmd.request_id, None)
                 if held is not None:  # into the engine and out: its consumer gets the aborted output
                     self._admit(held)
-                self._deliver(engine.abort_core_request({cmd.request_id}))
+                self._deliver(engine.core.abort({cmd.request_id}))
                 self._streams.pop(cmd.request_id, None)
 
     def _feed(self) -> None:
         """Move held requests into the scheduler, groups in turn, while its waiting queue
         is shorter than what one step could admit (so the scheduler always has enough
         to choose from, and a later group never queues behind an earlier one's backlog)."""
-        waiting, cap = self.engine.scheduler.waiting, self.engine.scheduler_config.max_num_seqs
-        while len(self._turns) and len(waiting) < cap:
+        core, cap = self.engine.core, self.engine.config.max_num_seqs
+        while len(self._turns) and core.stats.num_requests_waiting < cap:  # the snapshot add() publishes
             cmd = self._held.pop(self._turns.pop(), None)
             if cmd is not None:  # else: aborted while held
                 self._admit(cmd)
 
     def _admit(self, cmd: _Add) -> None:
         try:
-            info = self.engine.add_processed_request(cmd.request_id, cmd.request)
+            self.engine.add_request(cmd.request_id, cmd.request, queue=cmd.stream.queue)
         except EngineDeadError:
             raise
         except (ValueError, TypeError) as e:
@@ -397,19 +395,36 @@ class AsyncLLM:
         except Exception as e:  # noqa: BLE001 - this request alone cannot be served
             self._streams.pop(cmd.request_id, None)
             cmd.stream.put(ValueError(f"the request cannot be served: {describe(e)}"))
-            return
-        cmd.stream.put(info)
 
     def _deliver(self, results: list[RequestResult]) -> None:
+        """Hand the results to the output loop of each consumer's event loop, one batch
+        per loop (most often the one loop)."""
+        batches: dict[asyncio.AbstractEventLoop, list[RequestResult]] = {}
         for res in results:
             stream = self._streams.get(res.request_id)
             if stream is not None:
                 if res.finished:
                     del self._streams[res.request_id]
-                stream.put(res)
+                batches.setdefault(stream.loop, []).append(res)
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(self._process_outputs, batch)
+            except RuntimeError:  # the consumers' loop is closed: nobody is waiting
+                for res in batch:
+                    self.engine.output_processor.forget(res.request_id)
+
+    def _process_outputs(self, results: list[RequestResult]) -> None:
+        """The output loop, on the consumers' event loop: the engine's output processor
+        puts each output in its request's queue; stop strings found and outputs that
+        could not be built go back to the engine thread."""
+        done = self.engine.output_processor.process(results)
+        if done.stops:  # the core frees those sequences (and the request, once all ended)
+            self._send(_Stop(done.stops))
+        if done.failed:  # the core logs each with why
+            self._send(_Fail(done.failed))
 
     def _drain_commands(self, error: BaseException) -> None:
-        while True:  # the caller's thread may drain too (call_on_model): pop, never peek
+        while True:  # the caller's thread may drain too (call_model): pop, never peek
             try:
                 call = self._model_calls.popleft()
             except IndexError:

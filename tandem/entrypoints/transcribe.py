@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem.core.model_call import call_model
 from tandem.core.transcription import (
     Transcription,
     TranscriptionContext,
@@ -107,8 +106,7 @@ def transcribe(
     engine = llm.llm_engine
     model_cls = engine.model_cls
 
-    def run_on_model(fn):  # this thread owns the engine: the model may run between steps
-        return call_model(fn, engine.model)
+    run_on_model = engine.call_model  # this thread owns the engine: it runs between steps
 
     session = _session(engine, dict(options), run_on_model=run_on_model)
     vad = _vad_plan(engine, vad_filter, vad_parameters)
@@ -230,8 +228,8 @@ async def transcribe_async(engine, waveform, request_id: str, *, vad_filter: Any
     yielded in order (one segment spanning the chunk without timestamps)."""
     # The engine thread runs model calls between steps; ``take`` waits for them on a
     # worker thread (as its other CPU work), never on the event loop.
-    def run_on_model(fn):
-        return engine.call_on_model(fn).result()
+    def run_on_model(method, *args):
+        return engine.call_model(method, *args).result()
 
     session = _session(engine.engine, dict(options), run_on_model=run_on_model)
     vad = _vad_plan(engine.engine, vad_filter, vad_parameters)

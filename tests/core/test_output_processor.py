@@ -98,7 +98,34 @@ def test_the_processor_drops_results_of_requests_it_no_longer_follows(tok):
     op.add_request(_info("b"))
     aborted = op.abort("a", error="why")
     assert aborted.finished and aborted.error == "why"
-    outs, stops = op.process([RequestResult("a", [CompletionDelta(0, [5], None, None, "length")], True),
-                              RequestResult("b", [CompletionDelta(0, [6], None, None, "length")], True)])
-    assert [o.request_id for o in outs] == ["b"] and stops == {}
+    done = op.process([RequestResult("a", [CompletionDelta(0, [5], None, None, "length")], True),
+                       RequestResult("b", [CompletionDelta(0, [6], None, None, "length")], True)])
+    assert [o.request_id for o in done.outputs] == ["b"] and done.stops == {} and done.failed == {}
+    assert op.requests == {}
+
+
+def test_outputs_go_to_their_requests_queue_and_a_broken_one_fails_alone(tok):
+    """The one processor of both frontends: a request given a queue (AsyncLLM's) gets
+    its outputs there, one without (LLM's) in the step's list; a request whose output
+    cannot be built gets an error output and is reported failed, the others not."""
+    import queue
+
+    op = OutputProcessor(tok)
+    q = queue.SimpleQueue()
+    op.add_request(_info("queued"), q)
+    op.add_request(_info("listed"))
+    broken = op.add_request(_info("broken"))
+
+    def fail(result):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
+
+    broken.update = fail
+    done = op.process([RequestResult(rid, [CompletionDelta(0, [7], None, None, "length")], True)
+                       for rid in ("queued", "broken", "listed")])
+    assert [(o.request_id, o.error) for o in done.outputs] == [
+        ("listed", None), ("broken", "building its output failed: UnicodeDecodeError: 'utf-8' codec can't decode "
+                                     "byte 0xff in position 0: bad byte")]
+    assert done.failed == {"broken": done.outputs[1].error} and done.stops == {}
+    out = q.get_nowait()
+    assert out.request_id == "queued" and out.finished and out.outputs[0].token_ids == [7] and q.empty()
     assert op.requests == {}

@@ -110,7 +110,7 @@ async def test_a_rejected_request_fails_alone(engine):
 
 async def test_a_dead_engine_loop_is_an_error_for_every_waiting_request(bart_dir):
     engine = AsyncLLM(model=str(bart_dir), dtype="float32", device="cpu")
-    real_step = engine.engine.step_core  # what the engine thread runs each step
+    real_step = engine.engine.core.step  # what the engine thread runs each step
     calls = {"n": 0}
 
     def failing_step():
@@ -119,7 +119,7 @@ async def test_a_dead_engine_loop_is_an_error_for_every_waiting_request(bart_dir
             raise RuntimeError("simulated device failure")
         return real_step()
 
-    engine.engine.step_core = failing_step
+    engine.engine.core.step = failing_step
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     results = await asyncio.wait_for(
         asyncio.gather(*(_collect(engine, p, params) for p in _prompts(3)), return_exceptions=True), WAIT

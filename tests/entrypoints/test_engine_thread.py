@@ -60,13 +60,13 @@ async def _until(cond, what: str) -> None:
 async def test_a_huge_prompt_is_refused_off_the_engine_thread_while_a_stream_runs(bart_dir, monkeypatch):
     engine = AsyncLLM(model=str(bart_dir), dtype="float32", device="cpu")
     spy = _spy(engine.engine)
-    step = engine.engine.step_core
+    step = engine.engine.core.step
 
     def slow_step():  # the stream is still generating when the big prompt arrives, however fast the machine
         time.sleep(0.02)
         return step()
 
-    monkeypatch.setattr(engine.engine, "step_core", slow_step)
+    monkeypatch.setattr(engine.engine.core, "step", slow_step)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     try:
         stream = engine.generate("the rain in spain", params, "running")
@@ -121,11 +121,12 @@ def _hold_engine_thread(engine: AsyncLLM) -> threading.Event:
     """Park the engine thread between two steps until the returned event is set."""
     gate, inside = threading.Event(), threading.Event()
 
-    def hold(model):
+    def hold(method, *args):
         inside.set()
         gate.wait(WAIT)
 
-    engine.call_on_model(hold)
+    engine.engine.call_model = hold  # what the engine thread runs for a model call
+    engine.call_model("hold")
     assert inside.wait(WAIT), "the engine thread never ran the call"
     return gate
 

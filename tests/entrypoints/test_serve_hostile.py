@@ -123,8 +123,8 @@ def _flac(seconds: float, rate: int = 16000, unknown_length: bool = False) -> by
 def _slow_steps(monkeypatch, engine: AsyncLLM, seconds: float = 0.05) -> None:
     """Each engine step takes at least ``seconds``: a long request stays running
     while the test looks, however fast the machine. (The engine thread runs
-    ``step_core``; patching ``step`` would slow nothing.)"""
-    step = engine.engine.step_core
+    the core's ``step``; patching ``LLMEngine.step`` would slow nothing.)"""
+    step = engine.engine.core.step
     calls = []
 
     def slow():
@@ -132,7 +132,7 @@ def _slow_steps(monkeypatch, engine: AsyncLLM, seconds: float = 0.05) -> None:
         time.sleep(seconds)
         return step()
 
-    monkeypatch.setattr(engine.engine, "step_core", slow)
+    monkeypatch.setattr(engine.engine.core, "step", slow)
     return calls
 
 

@@ -3,7 +3,8 @@ holding half of every layer's heads and of the KV pool, against one process.
 
 One engine of each kind per module (spawning ranks is slow). Greedy and beam requests
 on BART, through a pool small enough to preempt by recompute (single sequences) and by
-swap (beam groups), and Whisper with language detection and beams; then a killed rank.
+swap (beam groups), and Whisper with language detection, word timestamps, no-speech
+probabilities and beams; then a killed rank.
 """
 
 import os
@@ -138,11 +139,10 @@ def test_whisper_detects_languages_and_searches_beams_as_one_process(tmp_path_fa
         got = tp.transcribe(clips, sampling_rate=16000, timestamps=True, use_tqdm=False)
         for r, g in zip(ref, got):
             assert g.error is None and (g.language, g.token_ids) == (r.language, r.token_ids)
-        # Word timestamps recompute attention on the whole model in this process: refused
-        # per input, with why; the engine serves on (the beams below).
-        refused = tp.transcribe(clips[:2], sampling_rate=16000, language="en", timestamps=True,
-                                word_timestamps=True, use_tqdm=False)
-        assert all("worker process(es)" in r.error for r in refused)
+        # Word timestamps recompute attention between steps, on both ranks through the
+        # executor (each holds half of the heads): the same words and times as one process.
+        opts = dict(sampling_rate=16000, language="en", timestamps=True, word_timestamps=True, use_tqdm=False)
+        _same_words(one.transcribe(clips[:2], **opts), tp.transcribe(clips[:2], **opts))
         beam = {"encoder_prompt": {"audio": clips[1], "sampling_rate": 16000},
                 "decoder_prompt": {"prompt_token_ids": [I["sot"], I["en"], I["transcribe"], I["notimestamps"]]}}
         params = SamplingParams(num_beams=4, n=2, max_tokens=12)
@@ -150,6 +150,64 @@ def test_whisper_detects_languages_and_searches_beams_as_one_process(tmp_path_fa
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in r.outputs]
         for a, b in zip(g.outputs, r.outputs):
             assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=12 * LOGPROB_TOL)
+    finally:
+        _shut(tp)
+
+
+# Word and token timestamps are DTW frame indices times 0.02 s over alignment weights
+# (softmax probabilities) that two ranks reproduce within ~1e-6 (the reassociated sums
+# above): a time can only move by a whole frame, where two DTW paths tie within that,
+# so they are compared exactly (to 1e-9 s). A no-speech probability is a softmax of
+# logits that agree within ~1e-5 absolute: within 1e-4 with room.
+NO_SPEECH_TOL = 1e-4
+
+
+def _same_words(ref, got) -> None:
+    for r, g in zip(ref, got, strict=True):
+        assert g.error is None and r.error is None, (g.error, r.error)
+        assert g.token_ids == r.token_ids and len(g.segments) == len(r.segments) > 0
+        for rs, gs in zip(r.segments, g.segments):
+            assert gs["token_timestamps"] == pytest.approx(rs["token_timestamps"], abs=1e-9)
+            assert [w["word"] for w in gs.get("words") or ()] == [w["word"] for w in rs.get("words") or ()]
+            for rw, gw in zip(rs.get("words") or (), gs.get("words") or ()):
+                assert (gw["start"], gw["end"]) == pytest.approx((rw["start"], rw["end"]), abs=1e-9)
+            if "no_speech_prob" in rs:
+                assert gs["no_speech_prob"] == pytest.approx(rs["no_speech_prob"], abs=NO_SPEECH_TOL)
+
+
+def test_english_only_word_timestamps_and_no_speech_equal_one_process(tmp_path_factory):
+    """An English-only checkpoint with timestamps reads each window's no-speech
+    probability from logits recomputed on the model, and word timestamps from its
+    alignment heads (one head on each rank): both as model calls through the executor."""
+    import json
+
+    from transformers import GenerationConfig
+
+    path = make_whisper(tmp_path_factory.mktemp("whisper-en") / "ckpt", seed=5, timestamps=True)
+    gen = GenerationConfig.from_pretrained(path)
+    gen.alignment_heads = [[1, 0], [1, 3], [0, 1]]  # heads 0-1 live on rank 0, 2-3 on rank 1
+    gen.save_pretrained(path)
+    gen_file = path / "generation_config.json"
+    raw = json.loads(gen_file.read_text())  # as openai/whisper-*.en's: no language or task tokens
+    del raw["lang_to_id"], raw["task_to_id"]
+    raw["is_multilingual"] = False
+    gen_file.write_text(json.dumps(raw))
+    kw = dict(model=str(path), dtype="float32", device="cpu")
+    one, tp = LLM(**kw), LLM(**kw, tensor_parallel_size=2)
+    try:
+        clips = [synth_audio(s, seed=10 + i) for i, s in enumerate([2.5, 34.0])]  # one window, and two
+        opts = dict(sampling_rate=16000, timestamps=True, word_timestamps=True, no_speech_threshold=2.0,
+                    logprob_threshold=0.0, temperature=0.0, use_tqdm=False)
+        ref, got = one.transcribe(clips, **opts), tp.transcribe(clips, **opts)
+        assert all("no_speech_prob" in seg for r in ref for seg in r.segments)
+        _same_words(ref, got)
+        # The model call itself: rank 0 answers with every head, gathered from both ranks.
+        window = one.llm_engine.model_cls.load_transcription_audio(clips[0], 16000).new_zeros(480000)
+        window[: 16000] = 0.1
+        for method, args in [("alignment_attention", (window, [I["sot"], 5, 6, 7], [[1, 0], [1, 3]], 1)),
+                             ("next_token_logits", (window, [I["sot"]]))]:
+            a, b = one.llm_engine.call_model(method, *args), tp.llm_engine.call_model(method, *args)
+            assert a.shape == b.shape and float((a - b).abs().max()) < 1e-4, method
     finally:
         _shut(tp)
 

@@ -1,5 +1,5 @@
 """Word timestamps through ``AsyncLLM`` and the server: the alignment recompute runs
-on the engine thread between steps (``AsyncLLM.call_on_model``), and the words
+on the engine thread between steps (``AsyncLLM.call_model``), and the words
 and token timestamps equal ``LLM.transcribe``'s (themselves equal to HF's:
 ``test_whisper_word_timestamps.py``); requests with and without word timestamps
 run together; a recompute that fails fails its own request only.
@@ -91,13 +91,31 @@ def _same(ours, ref):
 
 
 @pytest.mark.asyncio
-async def test_model_calls_run_on_the_engine_thread_and_fail_alone(engine):
-    name = await asyncio.wait_for(
-        asyncio.wrap_future(engine.call_on_model(lambda m: (threading.current_thread().name, type(m).__name__))),
-        WAIT)
-    assert name == ("tandem-engine", type(engine.engine.model).__name__)
-    with pytest.raises(ValueError, match=r"running on the model failed: ZeroDivisionError"):
-        await asyncio.wait_for(asyncio.wrap_future(engine.call_on_model(lambda m: 1 / 0)), WAIT)
+async def test_model_calls_run_on_the_engine_thread_and_fail_alone(engine, monkeypatch):
+    import torch
+
+    from tandem.core.model_call import ModelCallError
+
+    threads = []
+    run = engine.engine.executor.collective_rpc
+
+    def spy(method, args=()):
+        if method == "call_model":
+            threads.append(threading.current_thread().name)
+        return run(method, args)
+
+    monkeypatch.setattr(engine.engine.executor, "collective_rpc", spy)
+    prompt = [384, 385, 387]  # sot, en, transcribe
+    audio = torch.zeros(480000)  # one padded 30 s window
+    logits = await asyncio.wait_for(asyncio.wrap_future(engine.call_model("next_token_logits", audio, prompt)), WAIT)
+    # Through the executor, on the engine thread: the model's own answer, one row of logits.
+    assert threads == ["tandem-engine"]
+    assert tuple(logits.shape) == (engine.engine.vocab_size,)
+    with pytest.raises(ModelCallError, match=r"model call 'next_token_logits' failed: "):
+        await asyncio.wait_for(asyncio.wrap_future(engine.call_model("next_token_logits", audio, [10**9])), WAIT)
+    with pytest.raises(ValueError, match=r"model call 'forward': WhisperForConditionalGeneration declares "
+                                         r"'alignment_attention', 'next_token_logits'"):
+        engine.engine.call_model("forward")
     assert engine.health().status == "ok"
 
 
@@ -108,13 +126,17 @@ async def test_queued_model_calls_take_turns_with_steps(engine, clips, monkeypat
     from tandem import RequestOutputKind, SamplingParams
 
     log = []
-    step = engine.engine.step_core
+    step = engine.engine.core.step
 
     def logged_step():
         log.append("step")
         return step()
 
-    monkeypatch.setattr(engine.engine, "step_core", logged_step)
+    def logged_call(method, tag):
+        log.append(tag)
+
+    monkeypatch.setattr(engine.engine.core, "step", logged_step)
+    monkeypatch.setattr(engine.engine, "call_model", logged_call)
     prompt = {"encoder_prompt": {"audio": clips["short"], "sampling_rate": SR},
               "decoder_prompt": {"prompt_token_ids": [384, 385, 387, 391]}}  # sot, en, transcribe, notimestamps
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
@@ -122,7 +144,7 @@ async def test_queued_model_calls_take_turns_with_steps(engine, clips, monkeypat
     async for out in engine.generate(prompt, params, "turns"):
         outs.append(out)
         if len(outs) == 2:  # decoding: queue three calls at once
-            calls = [engine.call_on_model(lambda m, i=i: log.append(f"call{i}")) for i in range(3)]
+            calls = [engine.call_model("next_token_logits", f"call{i}") for i in range(3)]
     await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(c) for c in calls)), WAIT)
     assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 40
     at = [log.index(f"call{i}") for i in range(3)]

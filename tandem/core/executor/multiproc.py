@@ -143,7 +143,8 @@ class MultiprocExecutor(Executor):
                 cause, exc, tb = rest
                 if method in ("execute_model", "start"):
                     self._die(rank, f"raised {cause}", method, tb, exc)
-                self._graceful[0] = False  # a failed start-up step: the engine will not be built
+                if method != "call_model":  # a model call fails its caller alone; the ranks serve on
+                    self._graceful[0] = False  # a failed start-up step: the engine will not be built
                 if exc is not None:
                     exc.add_note(f"(raised by tensor-parallel rank {rank} in {method})")
                     raise exc

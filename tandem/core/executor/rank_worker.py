@@ -2,7 +2,8 @@
 
 Whatever hosts a rank (a process of the ``mp`` executor, a Ray actor) builds a
 :class:`RankWorker` and calls its methods by name: ``memory_report``,
-``load_model``, ``initialize_cache``, ``execute_model``, ``describe``, ``shutdown``.
+``load_model``, ``initialize_cache``, ``execute_model``, ``call_model``, ``describe``,
+``shutdown``.
 """
 
 from __future__ import annotations
@@ -80,6 +81,17 @@ class RankWorker:
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.worker.execute_model(out)
+
+    def call_model(self, method: str, args: tuple):
+        """One of the model's declared calls (``tandem/core/model_call.py``), run on this
+        rank's shard; rank 0 answers (on the CPU, so it crosses to the driver as is)."""
+        from tandem.core.model_call import check_model_call
+
+        check_model_call(self.worker.model_cls, method)
+        result = getattr(self.worker.model, method)(*args)
+        if self.rank:
+            return None
+        return result.cpu() if isinstance(result, torch.Tensor) else result
 
     def describe(self) -> dict[str, str]:
         w = self.worker

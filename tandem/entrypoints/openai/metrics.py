@@ -98,7 +98,7 @@ class AudioMeter:
     """One audio request (a transcription or translation) counted in the same
     metrics as completions. It stands in for the ``AsyncLLM`` that
     ``transcribe_async`` drives (``engine``, ``generate``, ``get_tokenizer``,
-    ``call_on_model``), so each 30 s window's engine request is seen as it finishes:
+    ``call_model``), so each 30 s window's engine request is seen as it finishes:
 
     - prompt tokens: each window's decoder prompt tokens plus the encoder
       positions it ran (``max_encoder_len``: 1500 for Whisper's padded window);
@@ -124,8 +124,8 @@ class AudioMeter:
     def get_tokenizer(self):
         return self._async.get_tokenizer()
 
-    def call_on_model(self, fn):
-        return self._async.call_on_model(fn)
+    def call_model(self, method, *args):
+        return self._async.call_model(method, *args)
 
     async def generate(self, prompt, params=None, request_id=None, *, prompt_slot=None):
         gen = self._async.generate(prompt, params, request_id, prompt_slot=prompt_slot)

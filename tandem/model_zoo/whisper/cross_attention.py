@@ -10,7 +10,10 @@ decoder over the prompt and the generated tokens, up to the last layer that
 holds an alignment head. The hot decode path is untouched, and every backend
 gets the feature. Its cost is about one encoder pass per window (the cross
 K/V in the paged cache is in each backend's own layout, and is freed or kept
-at the encoder cache's will, so it is not read back). The no-speech
+at the encoder cache's will, so it is not read back). Under tensor parallelism
+every rank runs this on its shard (``tandem/core/model_call.py``): the parallel
+layers join the halves as in a step, and the alignment heads' probabilities
+are gathered from the ranks that hold them. The no-speech
 probability of a window whose decoder prompt ends at ``<|startoftranscript|>``
 (an English-only checkpoint with timestamps) is read from the same
 recomputation run to the logits (:func:`next_token_logits`).
@@ -65,29 +68,23 @@ def _decoder(model, enc: torch.Tensor, token_ids: list[int], num_layers: int, on
     return h
 
 
-def _check_whole(model) -> None:
-    held = model.model.decoder.layers[0].encoder_attn.attn.num_heads
-    total = model.config.decoder_attention_heads
-    if held != total:  # a tensor-parallel shard: it holds some of the heads
-        raise ValueError(f"this model holds {held} of the {total} decoder heads (tensor parallel); recomputing a "
-                         "window needs all of them on one process, not built yet")
-
-
 def alignment_attention(model, inputs: torch.Tensor, token_ids: list[int], heads: list[tuple[int, int]],
                         first_row: int) -> torch.Tensor:
     """Cross-attention probabilities ``[len(heads), len(token_ids) - first_row, 1500]``
     (float32) of the given ``(layer, head)`` pairs, in their order, for the decoder
     queries at ``token_ids[first_row:]``, the decoder reading ``token_ids`` causally."""
-    try:
-        _check_whole(model)
-    except ValueError as e:
-        raise ValueError(f"word_timestamps=True: {e}") from None
     found: dict[tuple[int, int], torch.Tensor] = {}
+    wanted = {layer for layer, _ in heads}
 
     def keep(i: int, probs: torch.Tensor) -> None:
+        if i not in wanted:
+            return
+        # A tensor-parallel rank holds its share of the heads, in rank order: every rank
+        # gathers the layer's heads (the same layers on every rank, so the collectives pair).
+        probs = model.model.decoder.layers[i].encoder_attn.q_proj.tp.all_gather(probs[:, first_row:], dim=0)
         for li, hi in heads:
             if li == i:
-                found[(li, hi)] = probs[hi, first_row:].float()
+                found[(li, hi)] = probs[hi].float()
 
     with torch.inference_mode():
         decoder = model.model.decoder
@@ -100,10 +97,6 @@ def next_token_logits(model, inputs: torch.Tensor, token_ids: list[int]) -> torc
     """The raw logits ``[vocab]`` (float32) the model gives after ``token_ids`` for one
     window (``inputs``: its encoder input), before any processor: Whisper's no-speech
     probability is read from them where the decode path has no step to read it at."""
-    try:
-        _check_whole(model)
-    except ValueError as e:
-        raise ValueError(f"no_speech_threshold: {e}") from None
     with torch.inference_mode():
         decoder = model.model.decoder
         enc = encode(model.model.encoder, inputs.to(decoder.layer_norm.weight.device))

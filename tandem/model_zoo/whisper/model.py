@@ -109,6 +109,7 @@ class WhisperModel(nn.Module):
 
 class WhisperForConditionalGeneration(EncoderDecoderModel):
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "kv_proj": ["k_proj", "v_proj"]}
+    model_calls = ("alignment_attention", "next_token_logits")  # word timestamps, no-speech
     tensor_parallel_fields = ("encoder_attention_heads", "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim")
     config_size_fields = (
         "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads", "decoder_attention_heads",

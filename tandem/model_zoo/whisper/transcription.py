@@ -246,7 +246,7 @@ class WhisperTranscription(TranscriptionSession):
         """HF's ``WhisperNoSpeechDetection`` where the prompt ends at ``<|startoftranscript|>``:
         the probability of ``<|nospeech|>`` in the softmax of the raw logits there."""
         prompt = list(prompt)
-        logits = self.ctx.run_on_model(lambda model: model.next_token_logits(inp.window_input, prompt))
+        logits = self.ctx.run_on_model("next_token_logits", inp.window_input, prompt)
         return float(torch.softmax(logits, dim=-1)[self.no_speech_token])
 
     def _token_times(self, inp: _Input, prompt: list[int], generated: list[int]) -> list[float]:
@@ -255,8 +255,8 @@ class WhisperTranscription(TranscriptionSession):
         if not generated:
             return []
         prompt, heads = list(prompt), self.alignment_heads
-        weights = self.ctx.run_on_model(
-            lambda model: model.alignment_attention(inp.window_input, prompt + generated[:-1], heads, len(prompt)))
+        weights = self.ctx.run_on_model("alignment_attention", inp.window_input, prompt + generated[:-1], heads,
+                                        len(prompt))
         rel = token_timestamps(weights, len(prompt), len(generated), median_filter_width=self.median_filter_width,
                                num_frames=inp.audio_frames - inp.seek)
         offset = inp.seek * FRAME_SECONDS
