@@ -72,7 +72,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, only: tuple[str, ...] | N
             continue
         api = f.metadata["api"]
         default = "none" if f.default is None else repr(f.default)
-        text = f"{f.metadata['help']} (SamplingParams.{f.name}; default: the generation config's, else {default})"
+        text = f"{f.metadata['help']} (default: the generation config's, else {default}; SamplingParams.{f.name})"
         if api is bool:
             group.add_argument(_flag(f), dest=_dest(f), action=argparse.BooleanOptionalAction, default=None,
                                 help=text)
