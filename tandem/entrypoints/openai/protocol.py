@@ -60,11 +60,9 @@ class StructuredOutputsRequest(BaseModel):
         return {k: v for k, v in given.items() if v is not None}
 
 
-class _CompletionRequestBase(BaseModel):
-    """``POST /v1/completions``'s own fields; ``CompletionRequest`` (below) adds the sampling
-    fields, generated from ``SamplingParams``' metadata."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _OwnFields(BaseModel):
+    """``POST /v1/completions``'s fields that are no ``SamplingParams`` field; ``CompletionRequest``
+    (below) is made of these and the sampling fields generated from ``SamplingParams``' metadata."""
 
     model: str | None = None
     prompt: Union[str, list[int], list[str], list[list[int]], dict[str, Any], list[dict[str, Any]]]
@@ -84,6 +82,10 @@ class _CompletionRequestBase(BaseModel):
     # Echoed as the response's id and logged; the engine's request ids are the
     # server's own, so one client's id never meets another's.
     request_id: str | None = Field(default=None, max_length=256, description="optional id, echoed in the response")
+
+
+class _CompletionRequestBase(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     def unsupported(self) -> str | None:
         if self.echo:
@@ -131,6 +133,16 @@ class _CompletionRequestBase(BaseModel):
 
 # Every SamplingParams field whose metadata gives it an ``api`` type: request name -> field.
 SAMPLING_FIELDS = api_fields()
+# OpenAI's completions fields in its reference's order, then the other sampling fields (vLLM's and
+# tandem's, in SamplingParams' order), then the rest: a request's problems are named in this order.
+_OPENAI_ORDER = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+                 "seed", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "user", "echo", "best_of",
+                 "suffix")
+_ALL_FIELDS = {
+    **{name: (info.annotation, info) for name, info in _OwnFields.model_fields.items()},
+    **{name: (f.metadata["api"] | None, Field(default=None, description=f.metadata["help"]))
+       for name, f in SAMPLING_FIELDS.items()},
+}
 
 CompletionRequest = create_model(
     "CompletionRequest",
@@ -142,8 +154,7 @@ CompletionRequest = create_model(
     Strict: a value of the wrong JSON type is a 400 naming the field, never
     coerced (``"max_tokens": "5"``, ``"stream": "yes"``, ``"n": true``, a float
     where an int is due). An int where a float is due is taken as that float.""",
-    **{name: (f.metadata["api"] | None, Field(default=None, description=f.metadata["help"]))
-       for name, f in SAMPLING_FIELDS.items()},
+    **{name: _ALL_FIELDS[name] for name in dict.fromkeys([*_OPENAI_ORDER, *SAMPLING_FIELDS, *_ALL_FIELDS])},
 )
 
 
