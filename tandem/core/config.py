@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 
 import torch
@@ -31,13 +30,17 @@ def is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def option(default, help: str, *, choices: tuple | None = None, flags: tuple[str, ...] = ()):
+def option(default, help: str, *, choices: tuple | None = None, flags: tuple[str, ...] = (),
+           more_values: bool = False):
     """A dataclass field that is an engine option: ``help`` is shown by ``help(LLM)`` and
     ``tandem COMMAND --help`` (another option named in backticks, `max_num_seqs`, shows as
     its flag on the command line);
-    ``choices`` are the CLI's (validation is ``__post_init__``'s); ``flags``: the CLI's
+    ``choices``: the values it takes (and None where that is the default), the one list that
+    both the CLI and ``__post_init__`` read (``check_choice``); ``more_values``: the choices
+    are only the CLI's, ``__post_init__`` checks a wider set itself; ``flags``: the CLI's
     spellings, the first shown (default: ``--name-with-dashes``)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "flags": flags})
+    return field(default=default, metadata={"help": help, "choices": choices, "flags": flags,
+                                            "more_values": more_values})
 
 
 @dataclass
@@ -70,6 +73,7 @@ class EngineConfig:
         "(avx512_bf16 / AMX), else float32; $TANDEM_AUTO_DTYPE, when set, is what auto means instead; with "
         "`quantization` int8, float32",
         choices=("auto", "float32", "bfloat16", "float16"),
+        more_values=True,  # also torch dtypes and the aliases float / half
     )
     device: str = option("auto", "cpu, cuda, cuda:N or auto (cuda where there is one)")
     block_size: int = option(16, "tokens per KV-cache block")
@@ -217,8 +221,9 @@ class EngineConfig:
         # A bad $TANDEM_AUTO_DTYPE is refused whatever dtype is asked for, so a typo
         # never goes unnoticed; a valid one changes only what "auto" means.
         auto_dtype_override()
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization={self.quantization!r}: must be None or 'int8'")
+        for f in fields(self):
+            if f.metadata.get("choices") and not f.metadata["more_values"]:
+                check_choice(f.name, getattr(self, f.name))
         if self.dtype != "auto":
             self.torch_dtype = _DTYPES[self.dtype] if isinstance(self.dtype, str) else self.dtype
             self.dtype_reason = "asked for"
@@ -227,10 +232,6 @@ class EngineConfig:
                     f"dtype={self.dtype!r} with quantization='int8': int8 dynamic quantization computes in "
                     "float32; use dtype='float32' or 'auto' (which means float32 with int8), or drop quantization"
                 )
-        if self.cpu_gemm not in ("auto", "packed", "dense"):
-            raise ValueError(f"cpu_gemm={self.cpu_gemm!r}: must be 'auto', 'packed' or 'dense'")
-        if self.cpu_malloc not in ("auto", "system"):
-            raise ValueError(f"cpu_malloc={self.cpu_malloc!r}: must be 'auto' or 'system'")
         if not is_int(self.block_size) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size={self.block_size!r}: must be an integer in [1, 1024]")
         if self.num_kv_blocks is not None and (not is_int(self.num_kv_blocks) or self.num_kv_blocks < 1):
@@ -268,9 +269,6 @@ class EngineConfig:
         if not is_int(self.seed) or not -(2**63) <= self.seed <= 2**64 - 1:
             raise ValueError(f"seed={self.seed!r}: must be an integer in [-2**63, 2**64 - 1], the range torch seeds take")
         self._check_parallel()
-        if self.ray_placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
-            raise ValueError(f"ray_placement_strategy={self.ray_placement_strategy!r}: must be one of 'STRICT_PACK', "
-                             "'PACK', 'SPREAD', 'STRICT_SPREAD'")
         gc = self.generation_config
         if not isinstance(gc, (str, Path)) or not str(gc):
             raise ValueError(
@@ -281,8 +279,7 @@ class EngineConfig:
         from tandem.core.speculative.config import SpeculativeConfig
 
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
-        # The scheduler's limits are checked by SchedulerConfig (below), at construction too.
-        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.preemption_mode)
+        _check_scheduler_limits(self)
         self._resolve_checkpoints()
         if self.dtype == "auto":
             self.torch_dtype, self.dtype_reason = resolve_auto_dtype(
@@ -294,8 +291,6 @@ class EngineConfig:
         if not is_int(tp) or tp < 1:
             raise ValueError(f"tensor_parallel_size={tp!r}: must be an integer >= 1")
         backend = self.distributed_executor_backend
-        if backend not in (None, "mp", "ray"):
-            raise ValueError(f"distributed_executor_backend={backend!r}: must be None, 'mp' or 'ray'")
         if backend is None and tp > 1:
             self.distributed_executor_backend = "mp"
         if backend == "ray":
@@ -342,30 +337,47 @@ class EngineConfig:
             )
 
 
-PreemptionMode = Literal["recompute", "swap"]
+    def scheduler_config(self) -> "SchedulerConfig":
+        """The scheduler's share of these options (``SCHEDULER_OPTIONS``), as the scheduler takes it."""
+        return SchedulerConfig(**{name: getattr(self, name) for name in SCHEDULER_OPTIONS})
 
 
-@dataclass
-class SchedulerConfig:
-    # The scheduler's share of EngineConfig (whose fields hold the defaults and help).
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    # None: recompute single-sequence groups, swap groups with n > 1.
-    preemption_mode: PreemptionMode | None = None
+def check_choice(name: str, value: object) -> None:
+    """``ValueError`` unless ``value`` is one of engine option ``name``'s ``choices`` (or None,
+    where None is its default), naming the option, the value and every allowed one."""
+    f = _ENGINE_FIELDS[name]
+    allowed = (*((None,) if f.default is None else ()), *f.metadata["choices"])
+    if value not in allowed:
+        listed = [repr(v) for v in allowed]
+        if len(listed) > 3:
+            raise ValueError(f"{name}={value!r}: must be one of {', '.join(listed)}")
+        either = f"{', '.join(listed[:-1])} or {listed[-1]}" if len(listed) > 1 else listed[0]
+        raise ValueError(f"{name}={value!r}: must be {either}")
 
-    def __post_init__(self) -> None:
-        if not is_int(self.max_num_seqs) or self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={self.max_num_seqs!r}: must be an integer >= 1")
-        if not is_int(self.max_num_batched_tokens) or self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens!r}: must be an integer >= 1"
-            )
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
-                f"max_num_seqs={self.max_num_seqs} so every running sequence can decode"
-            )
-        if self.preemption_mode not in (None, "recompute", "swap"):
-            raise ValueError(
-                f"preemption_mode={self.preemption_mode!r}: must be None, 'recompute' or 'swap'"
-            )
+
+def _check_scheduler_limits(c) -> None:
+    """The scheduler's options, of an ``EngineConfig`` or a ``SchedulerConfig``: the one check of both."""
+    if not is_int(c.max_num_seqs) or c.max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs={c.max_num_seqs!r}: must be an integer >= 1")
+    if not is_int(c.max_num_batched_tokens) or c.max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens={c.max_num_batched_tokens!r}: must be an integer >= 1")
+    if c.max_num_batched_tokens < c.max_num_seqs:
+        raise ValueError(
+            f"max_num_batched_tokens={c.max_num_batched_tokens} must be >= "
+            f"max_num_seqs={c.max_num_seqs} so every running sequence can decode"
+        )
+    check_choice("preemption_mode", c.preemption_mode)
+
+
+_ENGINE_FIELDS = {f.name: f for f in fields(EngineConfig)}
+# The options the scheduler reads. ``SchedulerConfig`` is generated from their ``EngineConfig``
+# fields (names, order, defaults, help) and checked by the same function, so it declares nothing
+# of its own; ``EngineConfig.scheduler_config()`` is where an engine builds it.
+SCHEDULER_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "preemption_mode")
+SchedulerConfig = make_dataclass(
+    "SchedulerConfig",
+    [(name, _ENGINE_FIELDS[name].type, field(default=_ENGINE_FIELDS[name].default, metadata=_ENGINE_FIELDS[name].metadata))
+     for name in SCHEDULER_OPTIONS],
+    namespace={"__post_init__": _check_scheduler_limits, "__module__": __name__,
+               "__doc__": "The scheduler's share of ``EngineConfig`` (its fields hold the defaults and help)."},
+)

@@ -39,7 +39,7 @@ from tandem.core.output_processor import OutputProcessor
 from tandem.core.outputs import RequestOutput
 from tandem.core.request_processor import ProcessedRequest, RequestProcessor
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.scheduler import Scheduler, SchedulerConfig
+from tandem.core.scheduler import Scheduler
 from tandem.core.sequence import Sequence, SequenceGroup
 from tandem.core.strategies.beam import BeamSearchStrategy
 from tandem.core.strategies.prompt_slot import PromptSlot, PromptSlotStrategy
@@ -61,9 +61,7 @@ class LLMEngine:
         ``model_registry.resolve(architectures)`` and ``backend_registry.select(...)``
         (``tandem.registry``; core imports nothing above it)."""
         self.config = config
-        self.scheduler_config = SchedulerConfig(
-            config.max_num_seqs, config.max_num_batched_tokens, config.preemption_mode
-        )
+        self.scheduler_config = config.scheduler_config()
 
         trust = config.trust_remote_code
         self.hf_config = load_hf_config(config.model_path, trust_remote_code=trust)

@@ -125,16 +125,23 @@ class RequestProcessor:
             raise ValueError(
                 f"SamplingParams.stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
-        width, what = (params.num_beams, "num_beams") if params.use_beam_search else (params.n, "n")
-        if width > self.scheduler_config.max_num_seqs:
-            raise ValueError(f"{what}={width} exceeds max_num_seqs={self.scheduler_config.max_num_seqs}")
-        # A group preempted by recompute runs its encoder and every decoder token
-        # again in one step, so the worst case must fit the step's token budget.
-        worst = enc_len + width * (dec_len + params.max_tokens - 1)
-        budget = self.scheduler_config.max_num_batched_tokens
-        if worst > budget:
-            raise ValueError(
-                f"request may need {worst} tokens in one step (encoder {enc_len} + {what}={width} x "
-                f"(decoder prompt {dec_len} + max_tokens {params.max_tokens} - 1), when recomputed "
-                f"after preemption); max_num_batched_tokens={budget}"
-            )
+        check_step_budget(self.scheduler_config, enc_len, dec_len, params)
+
+
+def check_step_budget(scheduler_config: SchedulerConfig, enc_len: int, dec_len: int, params: SamplingParams) -> None:
+    """``ValueError`` unless a request of these lengths can always be scheduled: its sequences
+    within ``max_num_seqs`` and its worst step within ``max_num_batched_tokens`` (the engine's
+    admission check; tests/core/test_scheduler.py's simulations call it too)."""
+    width, what = (params.num_beams, "num_beams") if params.use_beam_search else (params.n, "n")
+    if width > scheduler_config.max_num_seqs:
+        raise ValueError(f"{what}={width} exceeds max_num_seqs={scheduler_config.max_num_seqs}")
+    # A group preempted by recompute runs its encoder and every decoder token
+    # again in one step, so the worst case must fit the step's token budget.
+    worst = enc_len + width * (dec_len + params.max_tokens - 1)
+    budget = scheduler_config.max_num_batched_tokens
+    if worst > budget:
+        raise ValueError(
+            f"request may need {worst} tokens in one step (encoder {enc_len} + {what}={width} x "
+            f"(decoder prompt {dec_len} + max_tokens {params.max_tokens} - 1), when recomputed "
+            f"after preemption); max_num_batched_tokens={budget}"
+        )

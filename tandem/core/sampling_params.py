@@ -41,6 +41,15 @@ MAX_BAD_WORD_TOKENS = 65_536  # tokens over all sequences
 _MAX_SHOWN = 200
 
 
+def param(default, help: str, *, api: object = None, api_name: str | None = None, cli: bool | str = False):
+    """A ``SamplingParams`` field with what the entry points make of it: ``help`` (the server's
+    field description, the flag's help, docs/generation.md's table); ``api``: the JSON type the
+    server's request model takes (None: not on the server), under ``api_name`` (default: the
+    field's name) where OpenAI spells it otherwise; ``cli``: a flag of ``tandem generate`` (True:
+    ``--name-with-dashes``, or the flag to use)."""
+    return field(default=default, metadata={"help": help, "api": api, "api_name": api_name or None, "cli": cli})
+
+
 class RequestOutputKind(enum.IntEnum):
     """What ``LLMEngine.step()`` returns for a request that advanced."""
 
@@ -103,42 +112,61 @@ class SamplingParams:
     keeps track of which fields were set.
     """
 
-    n: int = 1
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: str | Sequence[str] | None = None
-    stop_token_ids: Sequence[int] | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Each field's metadata (``param``) is the one declaration the server's request model, the
+    # ``tandem generate`` flags and docs/generation.md's "Request fields" table are made from.
+    n: int = param(1, "completions to return for the prompt (with beams: the n best beams)", api=int)
+    temperature: float = param(1.0, "divides the logits before sampling; 0 is greedy", api=float, cli=True)
+    top_k: int = param(-1, "sample from the k likeliest tokens; -1 or 0 is off", api=int, cli=True)
+    top_p: float = param(1.0, "sample from the smallest set of tokens holding this much probability; 1 is off",
+                         api=float, cli=True)
+    min_p: float = param(0.0, "drop tokens less likely than min_p times the likeliest; 0 is off", api=float, cli=True)
+    seed: int | None = param(None, "the request's own sampling seed: the same samples whatever else runs (none: "
+                             "the engine's random stream)", api=int, cli="--request-seed")
+    max_tokens: int | None = param(16, "tokens to generate at most (none: as many as the decoder positions allow)",
+                                   api=int, cli=True)
+    min_tokens: int = param(0, "EOS and stop_token_ids are banned until this many tokens are generated",
+                            api=int, cli=True)
+    stop: str | Sequence[str] | None = param(None, "strings that end the output where they appear (not included)",
+                                             api=str | list[str], cli=True)
+    stop_token_ids: Sequence[int] | None = param(None, "token ids that end the output (included)", api=list[int],
+                                                 cli=True)
+    ignore_eos: bool = param(False, "keep generating past EOS", api=bool, cli=True)
+    logprobs: int | None = param(None, "log-probabilities of the k likeliest tokens (and the chosen one) at each "
+                                 "step (none: not computed)", api=int)
+    skip_special_tokens: bool = param(True, "leave special tokens out of the text", api=bool, cli=True)
+    output_kind: RequestOutputKind = param(RequestOutputKind.CUMULATIVE,
+                                           "what LLMEngine.step() returns as the request advances")
     # HF-style lengths over the whole decoder sequence (prompt included).
-    max_length: int | None = None
-    min_length: int = 0
+    max_length: int | None = param(None, "HF's max_length: the whole decoder sequence, prompt included")
+    min_length: int = param(0, "HF's min_length: EOS banned until the decoder sequence is this long")
     # Logits processors.
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    no_repeat_ngram_size: int = 0
-    bad_words_ids: Sequence[Sequence[int]] | None = None
-    forced_bos_token_id: int | None = None
-    forced_eos_token_id: int | Sequence[int] | None = None
-    suppress_tokens: Sequence[int] | None = None
-    begin_suppress_tokens: Sequence[int] | None = None
-    allowed_token_ids: Sequence[int] | None = None
-    logit_bias: Mapping[int, float] | None = None
-    logits_processors: Sequence[Callable] | None = None
+    repetition_penalty: float = param(1.0, "HF's: a token already in the decoder sequence has its score divided "
+                                      "by this (multiplied when negative); 1 is off", api=float, cli=True)
+    presence_penalty: float = param(0.0, "OpenAI's: subtracted from the score of every token already generated",
+                                    api=float, cli=True)
+    frequency_penalty: float = param(0.0, "OpenAI's: subtracted once per time a token was already generated",
+                                     api=float, cli=True)
+    no_repeat_ngram_size: int = param(0, "HF's: no n-gram of this size occurs twice; 0 is off", api=int, cli=True)
+    bad_words_ids: Sequence[Sequence[int]] | None = param(None, "HF's: token sequences never produced",
+                                                          api=list[list[int]], cli=True)
+    forced_bos_token_id: int | None = param(None, "HF's: the token forced after a one-token decoder prompt")
+    forced_eos_token_id: int | Sequence[int] | None = param(None, "HF's: the token(s) forced where the length ends")
+    suppress_tokens: Sequence[int] | None = param(None, "HF's: token ids banned at every step")
+    begin_suppress_tokens: Sequence[int] | None = param(None, "HF's: token ids banned at the first generated position")
+    allowed_token_ids: Sequence[int] | None = param(None, "only these token ids may be generated", api=list[int],
+                                                    cli=True)
+    logit_bias: Mapping[int, float] | None = param(None, "OpenAI's: token id -> bias added to its score, in "
+                                                   "[-100, 100]", api=dict[str, float], cli=True)
+    logits_processors: Sequence[Callable] | None = param(None, "callables fn(output_ids, logits) or "
+                                                         "fn(prompt_ids, output_ids, logits), run last")
     # Beam search.
-    num_beams: int = 1
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
+    num_beams: int = param(1, "beam search with this many beams; 1 is no beams", api=int, cli=True)
+    length_penalty: float = param(1.0, "beam search: a beam's score is its log-probability over its length to "
+                                  "this power", api=float, cli=True)
+    early_stopping: bool | str = param(False, "beam search: True, False or 'never', HF's")
     # Constrained output (docs/structured_output.md): a JSON schema, regex, choice or grammar.
-    structured_outputs: StructuredOutputsParams | None = None
+    structured_outputs: StructuredOutputsParams | None = param(None, "a JSON schema, regex, choice or grammar "
+                                                               "every token must follow (docs/structured_output.md)")
     # Derived from ``stop``; left out of eq/hash because ``stop`` already decides it.
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False)
 

@@ -9,6 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from tandem.core.engine_args import add_cli_args, from_cli_args
+from tandem.entrypoints.sampling_options import add_sampling_args, sampling_kwargs
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
 DEMO_WHISPER = Path(__file__).resolve().parent.parent / "demo_whisper"
@@ -16,6 +17,8 @@ DEMO_WHISPER = Path(__file__).resolve().parent.parent / "demo_whisper"
 # What a command can fail with that is the user's to fix: printed as one line, exit 2.
 # (Some prompts or files failing while the others ran is exit 1; interrupted, 130.)
 _USER_ERRORS = (ValueError, TypeError, RuntimeError, ImportError, OSError)
+# The sampling settings llm.transcribe takes (its windows' decoding sets the rest).
+_TRANSCRIBE_SAMPLING = ("temperature", "num_beams")
 
 
 def _version() -> str:
@@ -44,24 +47,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="new tokens per prompt (default: the generation config's length; values beyond the "
-                        "model's decoder positions after the decoder prompt are capped there)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="0 is greedy (default: the generation config's decoding, greedy unless it samples)")
-    p.add_argument("--top-p", type=float, default=None,
-                   help="nucleus sampling mass (default: the generation config's, else 1.0, off)")
-    p.add_argument("--top-k", type=int, default=None,
-                   help="sample from the k likeliest tokens; -1 is off (default: the generation config's, else -1)")
-    p.add_argument("--num-beams", type=int, default=None,
-                   help="beam search with this many beams (default: the generation config's, else 1, no beams)")
-    p.add_argument("--request-seed", type=int, default=None,
-                   help="each prompt's own sampling seed (SamplingParams.seed): the same samples whatever else "
-                        "runs (default: none: prompts draw from the engine's stream, which --seed seeds; "
-                        "generate's --seed used to be this flag)")
-
-
 def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = _Parser(prog="tandem", description="Encoder/decoder inference engine")
     parser.add_argument("--version", action="version", version=f"tandem-engine {_version()}")
@@ -71,7 +56,7 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     gen = sub.add_parser("generate", help="generate for each prompt and print the outputs", formatter_class=fmt)
     gen.add_argument("--model", required=True, help="local checkpoint directory or Hugging Face Hub repo id (org/name)")
     add_cli_args(gen)
-    _sampling_args(gen)
+    add_sampling_args(gen)  # every SamplingParams field marked cli=
     gen.add_argument("--json", action="store_true", help="one JSON object per line")
     gen.add_argument("prompts", nargs="+", help="encoder prompts; '-' reads one per line from stdin")
 
@@ -93,9 +78,7 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
     tr.add_argument("--output-dir", default=None,
                     help="write one FILE_STEM.<format> per input here (needed for srt/vtt with several files) "
                          "(default: none, print to stdout)")
-    tr.add_argument("--temperature", type=float, default=None, help="0 is greedy (default: the generation config's)")
-    tr.add_argument("--num-beams", type=int, default=None,
-                    help="beam search with this many beams (default: the generation config's, else 1, no beams)")
+    add_sampling_args(tr, only=_TRANSCRIBE_SAMPLING)
     tr.add_argument("--no-speech-threshold", type=float, default=None,
                     help="skip a window as silence when its <|nospeech|> probability is above this and its average "
                          "log-probability below --logprob-threshold (or above this alone, without one) (default: "
@@ -241,9 +224,10 @@ def _params_per_prompt(args, llm, prompts: list[str]) -> list:
             capped.append(room)
             want = room
         # Only what was given: the rest comes from the checkpoint's generation config.
-        given = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.request_seed,
-                     num_beams=args.num_beams, max_tokens=want)
-        params.append(SamplingParams(**{k: v for k, v in given.items() if v is not None}))
+        given = sampling_kwargs(args)
+        if want is not None:
+            given["max_tokens"] = want
+        params.append(SamplingParams(**given))
     if capped:
         positions = llm.engine.model_cls.max_decoder_len(llm.engine.hf_config)
         print(
@@ -295,7 +279,7 @@ def cmd_transcribe(args) -> int:
     if as_subtitles and len(args.files) > 1 and args.output_dir is None:
         raise ValueError(f"--format {args.format} with {len(args.files)} files: give --output-dir")
     llm = _llm(args, args.model)
-    sampling = {k: v for k, v in (("temperature", args.temperature), ("num_beams", args.num_beams)) if v is not None}
+    sampling = sampling_kwargs(args)
     results = llm.transcribe(
         list(args.files), language=args.language, task=args.task, timestamps=args.timestamps or as_subtitles,
         word_timestamps=args.word_timestamps, use_tqdm=not args.no_progress, no_speech_threshold=args.no_speech_threshold,

@@ -4,8 +4,11 @@ machinery, the model libraries or any kernel package."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -51,11 +54,36 @@ def test_the_backend_interface_imports_no_engine_state_and_no_heavy_library(stat
     assert len([m for m in loaded if m.split(".")[0] == "tandem"]) <= 8, sorted(loaded)
 
 
+def _defined_at_top_level() -> dict[str, list[str]]:
+    """Name -> the modules of ``tandem/`` (not its ``__init__``) whose source defines it at top
+    level (class, def or assignment), read with ``ast``: an oracle apart from ``tandem._LAZY``."""
+    root = Path(tandem.__file__).parent
+    out: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        if path == root / "__init__.py":
+            continue
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names = [node.target.id]
+            else:
+                names = []
+            for name in names:
+                out.setdefault(name, []).append(module)
+    return out
+
+
 def test_every_public_name_resolves_to_its_defining_module():
+    defined = _defined_at_top_level()
     for name in tandem.__all__:
-        value = getattr(tandem, name)
-        module = tandem._LAZY[name]
-        assert value is getattr(sys.modules[module], name), name
+        assert len(defined.get(name, [])) == 1, f"{name}: defined in {defined.get(name)}, expected one module"
+        module = defined[name][0]
+        assert getattr(tandem, name) is getattr(importlib.import_module(module), name), (name, module)
     assert set(tandem.__all__) == set(tandem._LAZY)
     with pytest.raises(AttributeError, match="module 'tandem' has no attribute 'NoSuchThing'"):
         tandem.NoSuchThing  # noqa: B018

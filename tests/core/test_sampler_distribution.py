@@ -9,6 +9,8 @@ as frequencies beyond the bound derived in ``distribution.py``.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
@@ -60,9 +62,17 @@ def _hf_processed(scores: torch.Tensor, fields: dict) -> torch.Tensor:
         x = SequenceBiasLogitsProcessor(sequence_bias=bias)(ids, x)
     if fields.get("repetition_penalty", 1.0) != 1.0:
         x = RepetitionPenaltyLogitsProcessor(fields["repetition_penalty"])(ids, x)
-    out = torch.bincount(torch.tensor(HISTORY[len(PROMPT):]), minlength=VOCAB).double()
-    x = x.double() - fields.get("frequency_penalty", 0.0) * out - fields.get("presence_penalty", 0.0) * (out > 0)
-    return x[0].float()
+    penalized = _openai_penalties(x[0].double().tolist(), HISTORY[len(PROMPT):], fields.get("presence_penalty", 0.0),
+                                  fields.get("frequency_penalty", 0.0))
+    return torch.tensor(penalized, dtype=torch.float64).float()
+
+
+def _openai_penalties(scores: list[float], output: list[int], presence: float, frequency: float) -> list[float]:
+    """OpenAI's documented penalties (API reference, "Frequency and presence penalties"),
+    token by token in Python floats: ``mu[j] - c[j] * frequency - (c[j] > 0) * presence``, where
+    ``c[j]`` counts how often token j was generated before (the output, not the prompt)."""
+    counts = Counter(output)
+    return [mu - counts[j] * frequency - (presence if counts[j] > 0 else 0.0) for j, mu in enumerate(scores)]
 
 
 def _warp_fields(fields: dict) -> dict:

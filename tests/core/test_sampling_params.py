@@ -175,8 +175,17 @@ def test_greedy():
 
 
 def test_every_accepted_seed_seeds_torch():
+    draws = {}
     for seed in (-(2**63), -1, 0, 2**63, 2**64 - 1):
-        torch.Generator().manual_seed(SamplingParams(seed=seed).seed)
+        kept = SamplingParams(seed=seed).seed
+        assert kept == seed and type(kept) is int
+        gen = torch.Generator().manual_seed(kept)
+        # torch reads a seed as 64 bits: a negative one is its two's complement.
+        assert gen.initial_seed() == seed % 2**64
+        draws[seed] = torch.rand(4, generator=gen).tolist()
+        assert torch.rand(4, generator=torch.Generator().manual_seed(kept)).tolist() == draws[seed]
+    # Seeds with the same 64 bits are the same stream.
+    assert draws[-(2**63)] == draws[2**63] and draws[-1] == draws[2**64 - 1]
 
 
 def test_frozen():

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from tandem.core.block_manager import BlockManager, Device, blocks_for
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
+from tandem.core.request_processor import check_step_budget
 from tandem.core.scheduler import Scheduler, SchedulerConfig
 from tandem.core.scheduler_output import ModelRunnerOutput
 from tandem.core.sequence import (
@@ -71,14 +72,17 @@ def need_at_full_length(spec: Spec, bs: int) -> int:
 
 
 def engine_accepts(spec: Spec, cfg: SchedulerConfig, bm: BlockManager) -> bool:
-    """The checks ``LLMEngine._validate`` makes before a request reaches the scheduler."""
-    need = bm.blocks_needed(make_group(spec), extra_tokens=spec.max_tokens)
+    """Whether the engine admits the request: its own token and sequence bound
+    (``check_step_budget``, called here rather than mirrored, so it cannot drift) and its
+    block bound (``LLMEngine``: the blocks at full length within the usable pool)."""
+    group = make_group(spec)
+    try:
+        check_step_budget(cfg, spec.enc_len, spec.prompt_len, group.sampling_params)
+    except ValueError:
+        return False
+    need = bm.blocks_needed(group, extra_tokens=spec.max_tokens)
     assert need == need_at_full_length(spec, bm.block_size)
-    return (
-        spec.n <= cfg.max_num_seqs
-        and spec.enc_len + spec.n * spec.prompt_len <= cfg.max_num_batched_tokens
-        and need <= bm.usable_blocks
-    )
+    return need <= bm.usable_blocks
 
 
 def _blocks_of(bm: BlockManager, group: SequenceGroup) -> tuple[list[int], dict[int, list[int]]]:
@@ -683,6 +687,16 @@ def test_scheduler_config_rejects_bad_values(kwargs, needle):
     with pytest.raises(ValueError) as err:
         SchedulerConfig(**kwargs)
     assert needle in str(err.value)
+
+
+def test_engine_accepts_is_the_engines_bound():
+    # 1 + 1 x (1 + 20 - 1) = 21 tokens when recomputed: over a 16-token step, so the engine
+    # refuses it (the former mirror, encoder + n x prompt = 2, accepted it).
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16)
+    bm = BlockManager(4, 64, 0)
+    assert not engine_accepts(Spec(1, 1, 1, 20, [20], 0), cfg, bm)
+    assert engine_accepts(Spec(1, 1, 1, 15, [15], 0), cfg, bm)  # 1 + 15 = 16 fits
+    assert not engine_accepts(Spec(1, 1, 5, 1, [1] * 5, 0), cfg, bm)  # n=5 > max_num_seqs
 
 
 def test_scheduler_config_accepts_good_values():

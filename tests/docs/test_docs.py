@@ -70,9 +70,10 @@ MARKER = re.compile(r"^\s*<!--\s*docs-check:\s*(?P<kind>[a-z]+)\s*(?::\s*(?P<arg
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>[\w+-]*)\s*$")
 
 
-# Slow (every documented command runs, many a whole engine or a benchmark): out of the
-# default run, in CI's bfloat16 stage (pyproject's `slow`).
-pytestmark = pytest.mark.slow
+# The blocks that run (shell, python, output: every documented command, many a whole engine
+# or a benchmark) are slow: out of the default run, in CI's bfloat16 stage (pyproject's
+# `slow`). Skips, excerpts and synopses are only read, and run in the default command.
+FAST_MARKERS = ("skip", "excerpt", "synopsis")
 
 
 @dataclass(frozen=True)
@@ -368,7 +369,8 @@ def cli_help(command: str) -> str:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=() if b.marker in FAST_MARKERS else pytest.mark.slow)
+                                   for b in BLOCKS])
 def test_doc_block(block: Block, request) -> None:
     kind = block.marker
     if kind == "skip":

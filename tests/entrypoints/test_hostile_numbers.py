@@ -35,9 +35,24 @@ def test_overflowing_values_are_refused_naming_the_field(field, value, says):
 
 
 def test_the_range_ends_are_accepted():
-    SamplingParams(length_penalty=10.0, top_p=sp._F32_TINY, logit_bias={3: 100, 4: -100.0},
-                   repetition_penalty=0.01, temperature=2.0)
-    SamplingParams(length_penalty=-10.0, repetition_penalty=100.0, num_beams=2, temperature=0.0)
+    p = SamplingParams(length_penalty=10.0, top_p=sp._F32_TINY, logit_bias={3: 100, 4: -100.0},
+                       repetition_penalty=0.01, temperature=2.0)
+    assert (p.length_penalty, p.top_p, p.repetition_penalty, p.temperature) == (10.0, sp._F32_TINY, 0.01, 2.0)
+    assert p.logit_bias == ((3, 100.0), (4, -100.0))
+    q = SamplingParams(length_penalty=-10.0, repetition_penalty=100.0, num_beams=2, temperature=0.0)
+    assert (q.length_penalty, q.repetition_penalty, q.num_beams) == (-10.0, 100.0, 2)
+    # Why the ends are safe, in float32 as the sampler computes: top_p stays above 0, a
+    # logit divided or multiplied by either repetition penalty stays finite, and
+    # length ** length_penalty stays a normal number for every length up to 4096.
+    f32 = torch.float32
+    assert torch.tensor(p.top_p, dtype=f32) > 0
+    big = torch.tensor(torch.finfo(f32).max / 1e4, dtype=f32)  # a large logit
+    for penalty in (p.repetition_penalty, q.repetition_penalty):
+        assert torch.isfinite(big / penalty) and torch.isfinite(big * penalty)
+    lengths = torch.arange(1, 4097, dtype=f32)
+    for lp in (p.length_penalty, q.length_penalty):
+        powers = lengths ** lp
+        assert torch.isfinite(powers).all() and (powers >= torch.finfo(f32).tiny).all()
 
 
 @pytest.mark.parametrize("field, value, says", [

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem.core.config import check_choice
 from tandem.core.layers.embedding import VocabParallelEmbedding
 from tandem.core.layers.linear import LinearBase
 from tandem.core.layers.linear_kernels import Int8DynamicKernel, PackedCPUKernel, int8_unsupported, packed_gemm_unsupported
@@ -28,15 +29,13 @@ def prepare_linear_kernels(
     or "int8" (every linear layer and the LM head int8, as CTranslate2's int8
     does; the embedding lookups stay in ``dtype``).
     """
-    if gemm not in ("auto", "packed", "dense"):
-        raise ValueError(f"cpu_gemm={gemm!r}: must be 'auto', 'packed' or 'dense'")
+    check_choice("cpu_gemm", gemm)
     reasons = packed_gemm_unsupported(device, dtype)
     if gemm == "packed" and reasons:
         raise ValueError("cpu_gemm='packed' cannot run here: " + "; ".join(reasons))
     packed = gemm != "dense" and not reasons
     if quantization is not None:
-        if quantization != "int8":
-            raise ValueError(f"quantization={quantization!r}: must be None or 'int8'")
+        check_choice("quantization", quantization)
         why = int8_unsupported(device)
         if dtype != torch.float32:
             why.append(f"int8 dynamic quantization computes in float32, not {dtype}")

@@ -31,6 +31,8 @@ import logging
 import os
 import platform
 
+from tandem.core.config import check_choice
+
 logger = logging.getLogger(__name__)
 
 # <malloc.h>
@@ -65,8 +67,7 @@ def keep_freed_memory(mode: str = "auto", environ=os.environ) -> str:
     global _applied
     if mode == "system":
         return "host malloc: system settings (cpu_malloc='system')"
-    if mode != "auto":
-        raise ValueError(f"cpu_malloc={mode!r}: must be 'auto' or 'system'")
+    check_choice("cpu_malloc", mode)
     preload = environ.get("LD_PRELOAD", "")
     chosen = next((name for name in _OTHER_ALLOCATORS if name in preload), None)
     if chosen:

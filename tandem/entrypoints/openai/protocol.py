@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from tandem.core.param_errors import shown
 from tandem.core.sampling_params import RequestOutputKind, SamplingParams
 from tandem.core.structured_output.params import StructuredOutputsParams
 from tandem.core.text_checks import check_unicode
+from tandem.entrypoints.sampling_options import api_fields
 
 PromptItem = Union[str, list[int], dict[str, Any]]
 
@@ -59,47 +60,18 @@ class StructuredOutputsRequest(BaseModel):
         return {k: v for k, v in given.items() if v is not None}
 
 
-class CompletionRequest(BaseModel):
-    """``POST /v1/completions``. Only the fields a client sets reach
-    ``SamplingParams``; the rest come from the checkpoint's generation config.
-
-    Strict: a value of the wrong JSON type is a 400 naming the field, never
-    coerced (``"max_tokens": "5"``, ``"stream": "yes"``, ``"n": true``, a float
-    where an int is due). An int where a float is due is taken as that float."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _OwnFields(BaseModel):
+    """``POST /v1/completions``'s fields that are no ``SamplingParams`` field; ``CompletionRequest``
+    (below) is made of these and the sampling fields generated from ``SamplingParams``' metadata."""
 
     model: str | None = None
     prompt: Union[str, list[int], list[str], list[list[int]], dict[str, Any], list[dict[str, Any]]]
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    logprobs: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     user: str | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
-    # vLLM's extra sampling fields
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool | None = None
-    no_repeat_ngram_size: int | None = None
-    num_beams: int | None = None
-    length_penalty: float | None = None
-    bad_words_ids: list[list[int]] | None = None
-    allowed_token_ids: list[int] | None = None
     # Structured output (structured.py reads these; at most one per request)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -111,12 +83,9 @@ class CompletionRequest(BaseModel):
     # server's own, so one client's id never meets another's.
     request_id: str | None = Field(default=None, max_length=256, description="optional id, echoed in the response")
 
-    _SAMPLING = (
-        "max_tokens", "temperature", "top_p", "n", "seed", "logprobs", "presence_penalty", "frequency_penalty",
-        "logit_bias", "top_k", "min_p", "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids",
-        "skip_special_tokens", "no_repeat_ngram_size", "num_beams", "length_penalty", "bad_words_ids",
-        "allowed_token_ids", "stop",
-    )
+
+class _CompletionRequestBase(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     def unsupported(self) -> str | None:
         if self.echo:
@@ -149,7 +118,7 @@ class CompletionRequest(BaseModel):
 
     def sampling_params(self, structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """``structured_outputs``: what ``structured.read_structured`` made of this request."""
-        given = {name: getattr(self, name) for name in self._SAMPLING if name in self.model_fields_set}
+        given = {f.name: getattr(self, name) for name, f in SAMPLING_FIELDS.items() if name in self.model_fields_set}
         given = {k: v for k, v in given.items() if v is not None}
         if "logit_bias" in given:
             try:
@@ -160,6 +129,33 @@ class CompletionRequest(BaseModel):
         if structured_outputs is not None:
             given["structured_outputs"] = structured_outputs
         return SamplingParams(**given, output_kind=kind)
+
+
+# Every SamplingParams field whose metadata gives it an ``api`` type: request name -> field.
+SAMPLING_FIELDS = api_fields()
+# OpenAI's completions fields in its reference's order, then the other sampling fields (vLLM's and
+# tandem's, in SamplingParams' order), then the rest: a request's problems are named in this order.
+_OPENAI_ORDER = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+                 "seed", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "user", "echo", "best_of",
+                 "suffix")
+_ALL_FIELDS = {
+    **{name: (info.annotation, info) for name, info in _OwnFields.model_fields.items()},
+    **{name: (f.metadata["api"] | None, Field(default=None, description=f.metadata["help"]))
+       for name, f in SAMPLING_FIELDS.items()},
+}
+
+CompletionRequest = create_model(
+    "CompletionRequest",
+    __base__=_CompletionRequestBase,
+    __module__=__name__,
+    __doc__="""``POST /v1/completions``. Only the fields a client sets reach
+    ``SamplingParams``; the rest come from the checkpoint's generation config.
+
+    Strict: a value of the wrong JSON type is a 400 naming the field, never
+    coerced (``"max_tokens": "5"``, ``"stream": "yes"``, ``"n": true``, a float
+    where an int is due). An int where a float is due is taken as that float.""",
+    **{name: _ALL_FIELDS[name] for name in dict.fromkeys([*_OPENAI_ORDER, *SAMPLING_FIELDS, *_ALL_FIELDS])},
+)
 
 
 def wrong_model(given: str | None, served: str) -> str | None:
