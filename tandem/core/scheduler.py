@@ -178,12 +178,18 @@ class Scheduler:
         # 1. Running groups, oldest first; evict from the back when short of blocks.
         queue, self.running = self.running, deque()
         if self.modes is not None:
-            self.modes.before_schedule(queue)
+            for group, e in self.modes.before_schedule(queue):
+                queue.remove(group)
+                self._fail_group(group, e)
         while queue:
             group = queue.popleft()
             # Lookahead tokens only where they fit: never preempt for them.
-            if group.strategy.lookahead(group) and not bm.can_append_slots(group):
-                self._drop_lookahead(group)
+            try:
+                if group.strategy.lookahead(group) and not bm.can_append_slots(group):
+                    self._drop_lookahead(group)
+            except Exception as e:  # noqa: BLE001 - this request's strategy: it fails alone
+                self._fail_group(group, e)
+                continue
             while not bm.can_append_slots(group):
                 victim = queue.pop() if queue else group
                 self._preempt(victim, swap_out)
@@ -202,7 +208,7 @@ class Scheduler:
                 budget -= tokens + extra
                 num_seqs += len(seqs)
                 self.running.append(group)
-                scheduled.append(self._metadata(group, run_encoder=False))
+                self._schedule_group(scheduled, group, run_encoder=False)
 
         # 2. Swapped groups come back only when nothing was evicted this step.
         while self.swapped and not preempted:
@@ -221,7 +227,7 @@ class Scheduler:
             budget -= tokens
             num_seqs += len(seqs)
             self.running.append(group)
-            scheduled.append(self._metadata(group, run_encoder=False))
+            self._schedule_group(scheduled, group, run_encoder=False)
 
         # 3. Waiting groups: run the encoder (unless shared) and prefill the decoder prompt.
         while self.waiting and not self.swapped and not preempted:
@@ -253,7 +259,7 @@ class Scheduler:
             budget -= tokens
             num_seqs += group.max_num_seqs
             self.running.append(group)
-            scheduled.append(self._metadata(group, run_encoder))
+            self._schedule_group(scheduled, group, run_encoder)
 
         self.num_preemptions += preempted
         new_requests = []
@@ -296,6 +302,17 @@ class Scheduler:
                 continue
             i += 1
         return None
+
+    def _schedule_group(self, scheduled: list[ScheduledGroup], group: SequenceGroup, run_encoder: bool) -> None:
+        try:
+            scheduled.append(self._metadata(group, run_encoder))
+        except Exception as e:  # noqa: BLE001 - its strategy's step data: it fails alone
+            self._fail_group(group, e)
+
+    def _fail_group(self, group: SequenceGroup, e: Exception) -> None:
+        """A request whose strategy raised while scheduling: kept for ``take_failures``
+        (the engine aborts it, which frees its blocks from whichever queue holds it)."""
+        self._failures[group.request_id] = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
 
     def take_failures(self) -> dict[str, str]:
         """Requests found unable to run since the last call, with why (the engine fails

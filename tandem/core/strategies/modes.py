@@ -143,25 +143,39 @@ class Modes:
         return strategy
 
     # -- batch hooks ----------------------------------------------------------------
-    def before_schedule(self, groups: Iterable["SequenceGroup"]) -> None:
+    def before_schedule(self, groups: Iterable["SequenceGroup"]) -> list[tuple["SequenceGroup", Exception]]:
+        """Returns the groups whose strategy raised giving its items (they fail alone)."""
         items: dict[str, list] = {}
+        failed = []
         for group in groups:
-            for name, item in group.strategy.batch_items(group, None):
+            try:
+                mine = list(group.strategy.batch_items(group, None))
+            except Exception as e:  # noqa: BLE001 - this request's strategy
+                failed.append((group, e))
+                continue
+            for name, item in mine:
                 items.setdefault(name, []).append((group, item))
         for name, its in items.items():
             self.by_name[name].before_schedule(its)
+        return failed
 
     def sampling_inputs(self, sched: "SchedulerOutput", groups: Mapping[str, "SequenceGroup"]
                         ) -> tuple[SamplingInputs | None, dict[str, str]]:
         """The step's logits transforms (None: none), and requests that cannot run."""
         items: dict[str, list] = {}
+        failed: dict[str, str] = {}
         for sg in sched.scheduled:
             group = groups.get(sg.request_id)
             if group is None:
                 continue
-            for name, item in group.strategy.batch_items(group, sg):
+            try:
+                mine = list(group.strategy.batch_items(group, sg))
+            except Exception as e:  # noqa: BLE001 - this request's strategy: it fails alone
+                failed[sg.request_id] = f"{type(e).__name__}: {e}"
+                continue
+            for name, item in mine:
                 items.setdefault(name, []).append(item)
-        transforms, failed = [], {}
+        transforms = []
         for name, its in items.items():
             t, f = self.by_name[name].logits_transform(its)
             failed.update(f)
