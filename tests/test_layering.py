@@ -294,3 +294,35 @@ def test_entrypoints_import_no_model_and_no_audio_code(tandem_graph):
     bad = forbidden_imports(graph, files, "tandem.entrypoints", ENTRYPOINTS_FORBIDDEN)
     into = ", ".join(ENTRYPOINTS_FORBIDDEN)
     assert not bad, f"{len(bad)} imports from tandem.entrypoints into {into}:\n" + "\n".join(bad)
+
+
+# -- no mode named in the core's mode-agnostic files -----------------------------------
+# The scheduler, engine core, sequence, kv/ and worker/ call the modes' hooks only
+# (docs/architecture.md, "Adding a mode"): a name in their code (not comments or
+# docstrings) that names a mode means a mode leaked into them.
+MODE_AGNOSTIC = ("core/scheduler.py", "core/engine_core.py", "core/sequence.py", "core/kv", "core/worker")
+MODE_WORDS = ("spec_token", "speculat", "draft", "beam", "grammar", "structured", "bitmask", "prompt_slot",
+              "promptslot", "xgrammar")
+
+
+def _code_names(path: Path) -> list[tuple[int, str]]:
+    """Identifiers and attribute names of ``path``'s code, with their lines."""
+    import io
+    import tokenize
+
+    out = []
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if tok.type == tokenize.NAME:
+            out.append((tok.start[0], tok.string))
+    return out
+
+
+def test_mode_agnostic_files_name_no_mode():
+    found = []
+    for rel in MODE_AGNOSTIC:
+        root = PACKAGE / rel
+        for path in sorted(root.rglob("*.py")) if root.is_dir() else [root]:
+            for line, name in _code_names(path):
+                if any(w in name.lower() for w in MODE_WORDS):
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {name}")
+    assert not found, "mode names in mode-agnostic code:\n" + "\n".join(found)

@@ -41,10 +41,9 @@ from tandem.core.request_processor import ProcessedRequest, RequestProcessor
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler
 from tandem.core.sequence import Sequence, SequenceGroup
-from tandem.core.strategies.beam import BeamSearchStrategy
-from tandem.core.strategies.prompt_slot import PromptSlot, PromptSlotStrategy
-from tandem.core.strategies.sampling import SamplingStrategy
-from tandem.core.strategies.speculative import SpeculativeStrategy, not_speculated_because
+from tandem.core.strategies.builtin import BuiltinModes
+from tandem.core.strategies.modes import EngineContext, Modes, RequestContext
+from tandem.core.strategies.prompt_slot import PromptSlot
 from tandem.core.structured_output.manager import StructuredOutputManager
 from tandem.core.structured_output.params import StructuredOutputsParams
 from tandem.core.executor import WorkerSpec, executor_class
@@ -55,10 +54,11 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, model_registry, backend_registry
+        self, config: EngineConfig, model_registry, backend_registry, mode_registry=None
     ) -> None:
         """The registries come from the caller (``LLM`` fills them from the plugins):
-        ``model_registry.resolve(architectures)`` and ``backend_registry.select(...)``
+        ``model_registry.resolve(architectures)``, ``backend_registry.select(...)`` and
+        ``mode_registry`` (``names()``, ``load(name)``; None: tandem's own modes alone)
         (``tandem.registry``; core imports nothing above it)."""
         self.config = config
         self.scheduler_config = config.scheduler_config()
@@ -107,15 +107,19 @@ class LLMEngine:
 
             self.draft = load_draft(config, self.model_cls, self.hf_config, self.tokenizer, model_registry,
                                     backend_registry, num_blocks, sorted(self.eos_token_ids))
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.eos_token_ids, self._seq_ids,
-                                   proposer=self.draft)
         self.vocab_size = self.model_cls.vocab_size(self.hf_config)
         # Nothing is imported or built for structured output until a request asks for it.
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
                                                   timeout=config.structured_outputs_compile_timeout,
                                                   max_chars=config.structured_outputs_max_chars)
+        # One instance of each registered mode; a request's strategy is stacked from them.
+        self.modes = Modes.build(mode_registry if mode_registry is not None else BuiltinModes(), EngineContext(
+            config, frozenset(self.eos_token_ids), self.vocab_size, config.block_size,
+            {"structured": self.structured, "draft": self.draft}))
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.eos_token_ids, self._seq_ids,
+                                   modes=self.modes)
         self.core = EngineCore(self.scheduler_config, self.block_manager, self.executor, self.scheduler,
-                               config.max_consecutive_step_failures, self.structured)
+                               config.max_consecutive_step_failures, self.modes)
         self.processor = RequestProcessor(self.hf_config, self.model_cls, self.tokenizer, self.generation_defaults,
                                           self.vocab_size, self.scheduler_config, self.executor.check_request)
         self.input_processor = self.processor.input_processor
@@ -151,6 +155,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the executor's workers (no-op in-process); idempotent."""
+        self.modes.shutdown()
         self.structured.shutdown()
         self.executor.shutdown()
 
@@ -207,24 +212,14 @@ class LLMEngine:
         """Queue a processed request in the core: its strategy and the pool check; on
         the thread that steps the engine."""
         inputs, params, prompt_slot, prompt_len = req.inputs, req.params, req.prompt_slot, req.prompt_len
-        beams = params.use_beam_search
-        # Beam search starts from one sequence; it becomes num_beams after the first step.
-        seqs = [Sequence(next(self._seq_ids), inputs.prompt_token_ids, i) for i in range(1 if beams else params.n)]
+        # Stacked from the modes that apply (tandem/core/strategies/modes.py); raises
+        # ValueError for modes that exclude each other, or a mode's own refusal.
+        strategy = self.modes.strategy(RequestContext(
+            request_id, params, prompt_len, inputs.encoder_inputs.token_ids, {"prompt_slot": prompt_slot}))
+        seqs = [Sequence(next(self._seq_ids), inputs.prompt_token_ids, i)
+                for i in range(strategy.num_initial_seqs(params))]
         group = SequenceGroup(request_id, inputs.encoder_inputs, seqs, params, time.monotonic())
-        if beams:
-            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-            strategy = BeamSearchStrategy(params, prompt_len, frozenset(stops))
-        else:
-            strategy = SamplingStrategy()
-        spec = self.config.speculative
-        if spec is not None and not_speculated_because(params) is None:
-            strategy = SpeculativeStrategy(spec, inputs.encoder_inputs.token_ids, self.scheduler.speculation, strategy,
-                                           draft=self.draft)
-        if params.structured_outputs is not None:
-            # Raises ImportError (no xgrammar) or ValueError (no tokenizer, no EOS) at the door;
-            # the compile itself runs off the step loop and a failure is this request's error.
-            strategy = self.structured.strategy(params.structured_outputs, strategy)
-        group.strategy = PromptSlotStrategy(prompt_slot, strategy) if prompt_slot is not None else strategy
+        group.strategy = strategy
         # Every sequence at full length must fit the pool, or it would preempt itself
         # forever (blocks its sequences share count once; the cross table always counts).
         slot_tokens = prompt_len - len(inputs.prompt_token_ids)

@@ -21,14 +21,13 @@ from tandem.core.core_outputs import RequestResult
 from tandem.core.faults import EngineHealth, KVTransferError, StepFaults, describe
 from tandem.core.scheduler import Scheduler, SchedulerConfig
 from tandem.core.sequence import SequenceGroup
-from tandem.core.strategies.speculative import verification_stats
-from tandem.core.structured_output.manager import StructuredOutputManager
+from tandem.core.strategies.modes import Modes
 from tandem.core.executor import Executor
 
 logger = logging.getLogger(__name__)
 _params = attrgetter("sampling_params")
-# How long a step with nothing to run waits for a compiling grammar before it returns.
-_GRAMMAR_WAIT_S = 0.05
+# How long a step with nothing to run waits for a mode's pending work before it returns.
+_PENDING_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -65,31 +64,28 @@ class EngineStats:
     # The ids of the requests the core holds, and the sampling params of those that
     # wait or are swapped out (an admission limit counts their sequences; params are
     # immutable, so reading them from another thread is safe).
-    # Speculative decoding (tandem/core/strategies/speculative.py): draft tokens
-    # proposed and accepted, sequence steps that verified drafts, and from them
-    # the share accepted and the tokens a verifying step emits on average.
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_verify_steps: int = 0
-    spec_acceptance_rate: float = 0.0
-    spec_mean_accepted_length: float = 0.0
+    # The modes' own counters (``Mode.stats``), by name.
+    mode_stats: tuple[tuple[str, int | float], ...] = ()
     live_request_ids: frozenset[str] = frozenset()
     queued_params: tuple = ()
 
     def as_dict(self) -> dict[str, int | float]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.type in ("int", "float")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.type in ("int", "float")}
+        out.update(self.mode_stats)
+        return out
 
 
 class EngineCore:
     def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager, executor: Executor,
                  scheduler: Scheduler, max_consecutive_step_failures: int,
-                 structured: StructuredOutputManager | None = None) -> None:
+                 modes: Modes | None = None) -> None:
         self.scheduler_config = scheduler_config
         self.block_manager = block_manager
         self.executor = executor  # runs the step: the in-process worker, or the ranks' workers
         self.scheduler = scheduler
-        # Compiles requests' grammars off the step loop and masks their rows each step.
-        self.structured = structured
+        # The modes' batch hooks: pending work, the logits transforms passed beside
+        # the scheduler output, their counters.
+        self.modes = modes if modes is not None else Modes(())
         self.faults = StepFaults(max_consecutive_step_failures)
         self.num_requests_finished = 0
         self.stats = EngineStats()
@@ -135,31 +131,30 @@ class EngineCore:
         of the step fails the step's requests, and ``max_consecutive_step_failures``
         failed steps in a row make the engine dead)."""
         self.faults.check_alive()
-        # Before scheduling: a grammar that finishes compiling after schedule() passed its
-        # request over explains an idle step as well as one still compiling (the step
+        # Before scheduling: pending work that finishes after schedule() passed its
+        # request over explains an idle step as well as work still pending (the step
         # takes a round trip to the workers under the mp executor, which widens the window).
-        compiling = self.structured is not None and self.structured.has_pending()
+        pending = self.modes.has_pending()
         sched = self.scheduler.schedule()
-        # Requests that cannot run (a grammar that did not compile) fail alone.
+        # Requests that cannot run (their strategy could not get ready) fail alone.
         cannot_run = self.scheduler.take_failures()
-        if self.structured is not None:
-            sched.grammar, no_mask = self.structured.grammar_bitmask(sched, self.scheduler.groups)
-            cannot_run.update(no_mask)  # their rows run unmasked; their results are dropped
+        sampling, no_transform = self.modes.sampling_inputs(sched, self.scheduler.groups)
+        cannot_run.update(no_transform)  # their rows run untransformed; their results are dropped
         failed = self.fail(cannot_run)
         try:
-            result = self.executor.execute_model(sched)
+            result = self.executor.execute_model(sched, sampling)
         except Exception as e:  # noqa: BLE001 - the forward, a backend, a KV copy: the step's fault
             return failed + self._step_failed(sched, e)
         if result is None:
             if not (sched.blocks_to_swap_out or sched.blocks_to_swap_in):
-                if compiling or (self.structured is not None and self.structured.has_pending()):
-                    self.structured.wait(_GRAMMAR_WAIT_S)  # only grammars compiling are left to admit
+                if pending or self.modes.has_pending():
+                    self.modes.wait(_PENDING_WAIT_S)  # only requests waiting for it are left to admit
                 else:
                     self._no_progress()
             self._publish()
             return failed
         self.faults.step_ok()
-        # Per-request faults in the update (a beam update, say) join the worker's.
+        # Per-request faults in the update (a strategy's update) join the worker's.
         results = failed + self.scheduler.update_from_output(sched, result)
         self.num_requests_finished += sum(r.finished for r in results)
         results += self.fail(result.failed_requests)
@@ -236,7 +231,7 @@ class EngineCore:
             num_requests_waiting=len(sch.waiting),
             num_requests_running=len(sch.running),
             num_requests_swapped=len(sch.swapped),
-            **verification_stats(sch.speculation),
+            mode_stats=tuple(self.modes.stats().items()),
             live_request_ids=frozenset(sch.groups),
             # map + attrgetter: no per-group Python frame on the step's path.
             queued_params=(*map(_params, sch.waiting), *map(_params, sch.swapped)),

@@ -35,10 +35,9 @@ from tandem.core.scheduler_output import (
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tandem.core.strategies.base import RequestFailed
 from tandem.core.strategies.sampling import SamplingStrategy
-from tandem.core.strategies.speculative import SpeculationCounters
 
 if TYPE_CHECKING:
-    from tandem.core.strategies.base import BatchProposer
+    from tandem.core.strategies.modes import Modes
 
 class Scheduler:
     def __init__(
@@ -47,12 +46,12 @@ class Scheduler:
         block_manager: BlockManager,
         eos_token_ids: Iterable[int] = (),
         seq_ids: Iterator[int] | None = None,
-        proposer: "BatchProposer | None" = None,
+        modes: "Modes | None" = None,
     ) -> None:
         self.config = config
-        # Proposes draft tokens for every running group at once before each step
-        # (speculative/draft.py); told when a group stops running.
-        self.proposer = proposer
+        # The engine's modes: their batch hooks run before each step over the running
+        # groups, and are told when a group stops running.
+        self.modes = modes
         # Ids for sequences made here (forks, and what strategies make).
         self.seq_ids = seq_ids if seq_ids is not None else itertools.count(1 << 40)
         self.block_manager = block_manager
@@ -60,8 +59,6 @@ class Scheduler:
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = 0
-        # Draft tokens proposed and accepted (speculative requests add to it).
-        self.speculation = SpeculationCounters()
         # Encoder tokens of admitted groups that ran the encoder, and of those
         # that shared a live cross table of the same input instead.
         self.encoder_tokens_computed = 0
@@ -158,8 +155,8 @@ class Scheduler:
 
     def _forget(self, group: SequenceGroup) -> None:
         self.block_manager.free_group(group)
-        if self.proposer is not None:
-            self.proposer.release(group)
+        if self.modes is not None:
+            self.modes.release(group)
         self.groups.pop(group.request_id, None)
         for seq in group.seqs:
             if self._sent_tables.pop(seq.seq_id, None) is not None:
@@ -181,13 +178,19 @@ class Scheduler:
 
         # 1. Running groups, oldest first; evict from the back when short of blocks.
         queue, self.running = self.running, deque()
-        if self.proposer is not None:
-            self.proposer.propose(queue)
+        if self.modes is not None:
+            for group, e in self.modes.before_schedule(queue):
+                queue.remove(group)
+                self._fail_group(group, e)
         while queue:
             group = queue.popleft()
-            # Draft tokens (speculative decoding) only where they fit: never preempt for them.
-            if group.strategy.propose(group) and not bm.can_append_slots(group):
-                self._drop_drafts(group)
+            # Lookahead tokens only where they fit: never preempt for them.
+            try:
+                if group.strategy.lookahead(group) and not bm.can_append_slots(group):
+                    self._drop_lookahead(group)
+            except Exception as e:  # noqa: BLE001 - this request's strategy: it fails alone
+                self._fail_group(group, e)
+                continue
             while not bm.can_append_slots(group):
                 victim = queue.pop() if queue else group
                 self._preempt(victim, swap_out)
@@ -197,16 +200,16 @@ class Scheduler:
             else:
                 seqs = group.get_seqs(SequenceStatus.RUNNING)
                 tokens = sum(s.num_new_tokens for s in seqs)
-                drafts = sum(len(s.spec_token_ids) for s in seqs)
-                if drafts and tokens + drafts > budget:
-                    self._drop_drafts(group)
-                    drafts = 0
+                extra = sum(len(s.lookahead_token_ids) for s in seqs)
+                if extra and tokens + extra > budget:
+                    self._drop_lookahead(group)
+                    extra = 0
                 for seq in seqs:
                     copies += bm.append_slots(seq)
-                budget -= tokens + drafts
+                budget -= tokens + extra
                 num_seqs += len(seqs)
                 self.running.append(group)
-                scheduled.append(self._metadata(group, run_encoder=False))
+                self._schedule_group(scheduled, group, run_encoder=False)
 
         # 2. Swapped groups come back only when nothing was evicted this step.
         while self.swapped and not preempted:
@@ -225,7 +228,7 @@ class Scheduler:
             budget -= tokens
             num_seqs += len(seqs)
             self.running.append(group)
-            scheduled.append(self._metadata(group, run_encoder=False))
+            self._schedule_group(scheduled, group, run_encoder=False)
 
         # 3. Waiting groups: run the encoder (unless shared) and prefill the decoder prompt.
         while self.waiting and not self.swapped and not preempted:
@@ -257,7 +260,7 @@ class Scheduler:
             budget -= tokens
             num_seqs += group.max_num_seqs
             self.running.append(group)
-            scheduled.append(self._metadata(group, run_encoder))
+            self._schedule_group(scheduled, group, run_encoder)
 
         self.num_preemptions += preempted
         new_requests = []
@@ -280,13 +283,13 @@ class Scheduler:
         )
 
     @staticmethod
-    def _drop_drafts(group: SequenceGroup) -> None:
+    def _drop_lookahead(group: SequenceGroup) -> None:
         for seq in group.seqs:
-            seq.spec_token_ids = []
+            seq.lookahead_token_ids = []
 
     def _first_ready(self) -> SequenceGroup | None:
-        """The oldest waiting group its strategy says may run (one whose grammar is
-        still compiling waits, the others go past it). A group whose readiness check
+        """The oldest waiting group its strategy says may run (one whose strategy is
+        not ready waits, the others go past it). A group whose readiness check
         raises leaves the queue: its failure is kept for ``take_failures``."""
         waiting, i = self.waiting, 0
         while i < len(waiting):
@@ -294,12 +297,23 @@ class Scheduler:
             try:
                 if group.strategy.ready(group):
                     return group
-            except Exception as e:  # noqa: BLE001 - this request's own (its grammar did not compile)
+            except Exception as e:  # noqa: BLE001 - this request's own (its strategy could not get ready)
                 del waiting[i]
                 self._failures[group.request_id] = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
                 continue
             i += 1
         return None
+
+    def _schedule_group(self, scheduled: list[ScheduledGroup], group: SequenceGroup, run_encoder: bool) -> None:
+        try:
+            scheduled.append(self._metadata(group, run_encoder))
+        except Exception as e:  # noqa: BLE001 - its strategy's step data: it fails alone
+            self._fail_group(group, e)
+
+    def _fail_group(self, group: SequenceGroup, e: Exception) -> None:
+        """A request whose strategy raised while scheduling: kept for ``take_failures``
+        (the engine aborts it, which frees its blocks from whichever queue holds it)."""
+        self._failures[group.request_id] = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
 
     def take_failures(self) -> dict[str, str]:
         """Requests found unable to run since the last call, with why (the engine fails
@@ -314,19 +328,19 @@ class Scheduler:
             table = bm.get_block_table(seq)
             sent = self._sent_tables.get(seq.seq_id)
             block_ids, replace = table_update(table, sent)
-            # A sequence the worker has not seen but with computed tokens was forked (a beam).
+            # A sequence the worker has not seen but with computed tokens was forked.
             prefix = seq.token_ids[: seq.num_computed_tokens] if sent is None and seq.num_computed_tokens else None
             self._sent_tables[seq.seq_id] = list(table)
             seqs.append(
                 ScheduledSequence(
                     seq_id=seq.seq_id,
-                    token_ids=seq.token_ids[seq.num_computed_tokens :] + seq.spec_token_ids,
+                    token_ids=seq.token_ids[seq.num_computed_tokens :] + seq.lookahead_token_ids,
                     num_computed_tokens=seq.num_computed_tokens,
                     block_ids=block_ids,
                     replace_blocks=replace,
                     num_output_tokens=len(seq.output_token_ids),
                     prefix_token_ids=prefix,
-                    num_logits=1 + len(seq.spec_token_ids),
+                    num_logits=1 + len(seq.lookahead_token_ids),
                 )
             )
         return ScheduledGroup(
@@ -359,7 +373,7 @@ class Scheduler:
             except RequestFailed as e:  # the strategy says why, for the request's error
                 result.failed_requests[sg.request_id] = str(e)
                 continue
-            except Exception as e:  # noqa: BLE001 - this request's own update (its beams, its lengths)
+            except Exception as e:  # noqa: BLE001 - this request's own update (its strategy, its lengths)
                 result.failed_requests[sg.request_id] = f"updating it after the step failed: {type(e).__name__}: {e}"
                 continue
             if res is not None:
@@ -417,9 +431,9 @@ class Scheduler:
 
     def _preempt(self, group: SequenceGroup, swap_out: list[tuple[int, int]]) -> None:
         bm = self.block_manager
-        self._drop_drafts(group)
-        if self.proposer is not None:
-            self.proposer.release(group)
+        self._drop_lookahead(group)
+        if self.modes is not None:
+            self.modes.release(group)
         mode = self.config.preemption_mode
         if mode is None:
             mode = "recompute" if len(group.unfinished_seqs()) == 1 else "swap"

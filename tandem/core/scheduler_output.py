@@ -11,14 +11,10 @@ drops it when the request id shows up in ``finished_request_ids``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    import torch
-
 
 @dataclass(frozen=True)
 class NewRequestData:
@@ -63,9 +59,8 @@ class ScheduledGroup:
     encoder_inputs: EncoderInputs | None
     num_encoder_positions: int  # cross K/V length every sequence attends to
     cross_block_table: list[int]
-    # The request's mode this step (beam search, a prompt slot), as plain data the
-    # worker hands the rows of this group to (``tandem.core.strategies``); None: plain
-    # sampling by the request's params.
+    # The request's step mode, as plain data the worker hands the rows of this group
+    # to (``tandem.core.strategies``); None: plain sampling by the request's params.
     mode: Any = None  # a tandem.core.strategies.base.StepMode
 
     @property
@@ -74,14 +69,12 @@ class ScheduledGroup:
 
 
 @dataclass(frozen=True)
-class GrammarBitmask:
-    """The step's structured-output masks: bit ``t`` of ``bitmask[r]`` (int32
-    ``[>= rows, ceil(vocab / 32)]``) is set where token ``t`` is allowed, for each
-    step row ``r`` in ``rows`` (the worker's rows: the scheduled groups in order,
-    their sequences in order); other rows are not masked."""
+class SamplingInputs:
+    """What sampling needs beside the scheduler output: the modes' logits
+    transforms for this step (``tandem.core.strategies.base.LogitsTransform``),
+    applied in order to the raw logits."""
 
-    bitmask: "torch.Tensor"
-    rows: list[int]
+    transforms: list[Any]
 
 
 @dataclass
@@ -100,8 +93,6 @@ class SchedulerOutput:
     # forgets them (their blocks are already free in the block manager).
     finished_request_ids: list[str] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
-    # Masks of the structured-output rows, applied before the logits processors.
-    grammar: GrammarBitmask | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -56,9 +56,10 @@ class Sequence:
         self.cumulative_logprob: float | None = 0.0
         self.output_logprobs: list[dict[int, float]] = []
         self.stop_reason: int | str | None = None
-        # Draft tokens to verify this step (speculative decoding): computed after
-        # ``token_ids`` and given slots, but not the sequence's until accepted.
-        self.spec_token_ids: list[int] = []
+        # Tokens its strategy schedules beyond the next one this step (drafts to
+        # verify): computed after ``token_ids`` and given slots, but not the
+        # sequence's until the strategy accepts them.
+        self.lookahead_token_ids: list[int] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -81,7 +82,7 @@ class Sequence:
 
     def reset_for_recompute(self) -> None:
         self.num_computed_tokens = 0
-        self.spec_token_ids = []
+        self.lookahead_token_ids = []
         self.status = SequenceStatus.WAITING
 
     def fork(self, seq_id: int) -> "Sequence":
@@ -128,7 +129,7 @@ class SequenceGroup:
 
     @property
     def max_num_seqs(self) -> int:
-        """Sequences the group may run at once (its beams, or its unfinished samples)."""
+        """Sequences the group may run at once (as its strategy says)."""
         return self.strategy.max_num_seqs(self)
 
     @property

@@ -119,10 +119,11 @@ class AsyncLLM:
     def __init__(self, model: str, *, start: bool = True, **engine_args: Any) -> None:
         """``engine_args``: the same options as :class:`tandem.LLM` (``help(LLM)`` lists them);
         ``start=False`` leaves the engine thread to :meth:`start`."""
-        from tandem.plugins import default_backend_registry, default_model_registry
+        from tandem.plugins import default_backend_registry, default_mode_registry, default_model_registry
 
         check_kwargs("AsyncLLM", engine_args)
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), default_model_registry(), default_backend_registry())
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), default_model_registry(), default_backend_registry(),
+                                 default_mode_registry())
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._model_calls: deque[ModelCall] = deque()  # queued by call_model, run by the engine thread
         self._wake = threading.Event()

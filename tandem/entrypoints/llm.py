@@ -18,7 +18,7 @@ from tandem.core.faults import EngineDeadError, describe
 from tandem.core.inputs import PromptType, preview
 from tandem.core.outputs import RequestOutput
 from tandem.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from tandem.plugins import default_backend_registry, default_model_registry
+from tandem.plugins import default_backend_registry, default_mode_registry, default_model_registry
 
 if TYPE_CHECKING:
     from tandem.core.strategies import PromptSlot
@@ -35,7 +35,7 @@ class LLM:
     def __init__(self, model: str, **engine_args) -> None:
         check_kwargs("LLM", engine_args)
         config = EngineConfig(model=model, **engine_args)
-        self.llm_engine = LLMEngine(config, default_model_registry(), default_backend_registry())
+        self.llm_engine = LLMEngine(config, default_model_registry(), default_backend_registry(), default_mode_registry())
         self._ids = itertools.count()
         # The engine is single-threaded: concurrent generate() calls take turns.
         self._lock = threading.Lock()

@@ -2,6 +2,7 @@
 
 from tandem.plugins.defaults import (
     default_backend_registry,
+    default_mode_registry,
     default_model_registry,
     plugin_manager,
     plugin_report,
@@ -16,6 +17,7 @@ __all__ = [
     "PluginInfo",
     "PluginManager",
     "default_backend_registry",
+    "default_mode_registry",
     "default_model_registry",
     "hookimpl",
     "hookspec",

@@ -7,10 +7,11 @@ registry package knows nothing of plugins.
 from __future__ import annotations
 
 from tandem.plugins.manager import PluginManager, allowed_plugins
-from tandem.registry import AttentionBackendRegistry, ModelRegistry
+from tandem.registry import AttentionBackendRegistry, ModelRegistry, ModeRegistry
 
 _model_registry: ModelRegistry | None = None
 _backend_registry: AttentionBackendRegistry | None = None
+_mode_registry: ModeRegistry | None = None
 _plugin_manager = None
 
 
@@ -18,12 +19,12 @@ def _populate() -> None:
     """Load the ``tandem.plugins`` entry points once per process and run their hooks.
 
     Strict: a broken plugin raises ``PluginError`` rather than the engine running without it."""
-    global _model_registry, _backend_registry, _plugin_manager
+    global _model_registry, _backend_registry, _mode_registry, _plugin_manager
     manager = PluginManager(allow=allowed_plugins())
     manager.load()
-    models, backends = ModelRegistry(), AttentionBackendRegistry()
-    manager.register_all(models, backends)
-    _model_registry, _backend_registry, _plugin_manager = models, backends, manager
+    models, backends, modes = ModelRegistry(), AttentionBackendRegistry(), ModeRegistry()
+    manager.register_all(models, backends, mode_registry=modes)
+    _model_registry, _backend_registry, _mode_registry, _plugin_manager = models, backends, modes, manager
 
 
 def default_model_registry() -> ModelRegistry:
@@ -38,6 +39,13 @@ def default_backend_registry() -> AttentionBackendRegistry:
     if _backend_registry is None:
         _populate()
     return _backend_registry
+
+
+def default_mode_registry() -> ModeRegistry:
+    """The process-wide mode registry: tandem's modes and the plugins' (first use fills it)."""
+    if _mode_registry is None:
+        _populate()
+    return _mode_registry
 
 
 def plugin_manager():
@@ -106,5 +114,5 @@ def _capabilities(registry: AttentionBackendRegistry, name: str, device, dtype) 
 
 def reset_registries() -> None:
     """Forget the plugins and their registrations; the next use loads them again."""
-    global _model_registry, _backend_registry, _plugin_manager
-    _model_registry = _backend_registry = _plugin_manager = None
+    global _model_registry, _backend_registry, _mode_registry, _plugin_manager
+    _model_registry = _backend_registry = _mode_registry = _plugin_manager = None

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from tandem.registry import AttentionBackendRegistry, ModelRegistry
+    from tandem.registry import AttentionBackendRegistry, ModelRegistry, ModeRegistry
 
 PROJECT = "tandem"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -46,6 +46,24 @@ def tandem_register_attention_backends(registry: "AttentionBackendRegistry") -> 
         CUDA libraries) out of the plugin module: the target is imported only
         when the backend is selected. Duplicate names are an error unless
         ``override=True`` (logged as a warning, as for models).
+    :return: nothing; every plugin's implementation is called (not
+        ``firstresult``).
+    """
+
+
+@hookspec
+def tandem_register_modes(registry: "ModeRegistry") -> None:
+    """Register request modes (docs/architecture.md, "Adding a mode").
+
+    :param registry: call ``registry.register_mode(name, target)`` where
+        ``target`` is a ``tandem.core.strategies.modes.Mode`` subclass or a
+        lazily imported ``"package.module:Class"`` whose ``name`` class
+        attribute equals ``name``. Every engine then builds one instance of it
+        and asks it, for each request, whether it ``applies`` and for the
+        request's strategy; which modes combine is declared on the class
+        (``excludes``, ``yields_to``). Duplicate names (tandem's own
+        ``sampling``, ``beam_search``, ``speculative``, ``structured_output``,
+        ``prompt_slot`` included) are an error unless ``override=True``.
     :return: nothing; every plugin's implementation is called (not
         ``firstresult``).
     """

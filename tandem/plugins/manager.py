@@ -29,6 +29,7 @@ class PluginInfo:
     distribution: str | None
     models: list[str] = field(default_factory=list)
     backends: list[str] = field(default_factory=list)
+    modes: list[str] = field(default_factory=list)
     # Each backend's capabilities as lines of text (BackendCapabilities.describe()),
     # plus "here": whether it can serve on this machine; filled by plugin_report.
     backend_capabilities: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -164,7 +165,7 @@ class PluginManager:
             return
         self._objects[ep.name] = obj
 
-    def register_all(self, model_registry, backend_registry, strict: bool = True) -> None:
+    def register_all(self, model_registry, backend_registry, strict: bool = True, mode_registry=None) -> None:
         """Call each plugin's hooks, one plugin at a time, so that every
         registration (and every failure) is attributed to its plugin.
 
@@ -176,10 +177,11 @@ class PluginManager:
         for name in order:
             others = [o for n, o in self._objects.items() if n != name]
             before = model_registry.snapshot(), backend_registry.snapshot()
-            for hook, registry in (
-                ("tandem_register_models", model_registry),
-                ("tandem_register_attention_backends", backend_registry),
-            ):
+            before_modes = mode_registry.snapshot() if mode_registry is not None else None
+            hooks = [("tandem_register_models", model_registry), ("tandem_register_attention_backends", backend_registry)]
+            if mode_registry is not None:
+                hooks.append(("tandem_register_modes", mode_registry))
+            for hook, registry in hooks:
                 caller = self.pm.subset_hook_caller(hook, remove_plugins=others)
                 with registry.owned_by(name):
                     try:
@@ -193,9 +195,13 @@ class PluginManager:
                 if name not in self._objects:
                     model_registry.restore(before[0])
                     backend_registry.restore(before[1])
+                    if mode_registry is not None:
+                        mode_registry.restore(before_modes)
                     if strict:
                         self._raise_first_failure()
                     break  # broken: its other hook is not called
         for name, info in self.plugins.items():
+            if mode_registry is not None:
+                info.modes = [n for n in mode_registry.names() if mode_registry.owner(n) == name]
             info.models = [n for n in model_registry.names() if model_registry.owner(n) == name]
             info.backends = [n for n in backend_registry.names() if backend_registry.owner(n) == name]

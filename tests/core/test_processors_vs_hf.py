@@ -124,7 +124,8 @@ def _step(rows: list[Row], kind: str, seed: int, scale: float = 3.0) -> tuple[to
         return history[idx, : int(sub.max())].clone(), sub.clone()
 
     batch = ProcessorRows(
-        [r.params for r in rows], [r.num_out for r in rows], [len(r.tokens) for r in rows], get_history
+        [r.params for r in rows], [r.num_out for r in rows], [len(r.tokens) for r in rows], get_history,
+        [r.params.num_beams > 1 for r in rows],  # the worker marks beam rows joint (BeamStep.joint_rows)
     )
     out = LogitsProcessors(list(EOS))(scores.clone(), batch)
     return scores, out

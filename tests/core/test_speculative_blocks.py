@@ -65,7 +65,7 @@ def test_propose_accept_reject_keeps_blocks_exact(block_size, groups, rounds):
     for num_drafts, num_accepted in rounds:
         for g in live:
             for s in g.seqs:
-                s.spec_token_ids = [next(_tokens) for _ in range(num_drafts)]
+                s.lookahead_token_ids = [next(_tokens) for _ in range(num_drafts)]
                 for src, dst in bm.append_slots(s):  # copy-on-write, as the worker does
                     for slot in range(block_size):
                         if (src, slot) in cache:
@@ -73,11 +73,11 @@ def test_propose_accept_reject_keeps_blocks_exact(block_size, groups, rounds):
                 assert len(bm.get_block_table(s)) == blocks_for(len(s) + num_drafts, block_size)
             check_pool(bm)
             for s in g.seqs:  # the forward writes the new tokens and the drafts
-                write(s, s.token_ids[s.num_computed_tokens:] + s.spec_token_ids)
+                write(s, s.token_ids[s.num_computed_tokens:] + s.lookahead_token_ids)
             for s in g.seqs:
                 a = min(num_accepted, num_drafts)
                 held = len(bm.get_block_table(s))
-                accepted, s.spec_token_ids = s.spec_token_ids[:a], []
+                accepted, s.lookahead_token_ids = s.lookahead_token_ids[:a], []
                 s.num_computed_tokens = len(s) + a
                 for t in accepted + [next(_tokens)]:  # the accepted drafts, then the target's token
                     s.append_token(t, None, None)

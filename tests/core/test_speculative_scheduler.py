@@ -25,7 +25,7 @@ from tandem.core.scheduler_output import ModelRunnerOutput
 from tandem.core.sequence import Sequence, SequenceGroup
 from tandem.core.speculative.config import SpeculativeConfig
 from tandem.core.speculative.verify import Verified
-from tandem.core.strategies.speculative import SpeculativeStrategy, VerifyStep
+from tandem.core.strategies.speculative import SpeculationCounters, SpeculativeStrategy, VerifyStep
 
 EOS = 4
 DEV, HOST = Device.DEVICE, Device.HOST
@@ -99,6 +99,7 @@ class FakeWorker:
 def run(specs, spec_config, block_size, num_blocks, mode):
     bm = BlockManager(block_size, num_blocks, 400, watermark=0.0)
     sched = Scheduler(SchedulerConfig(8, 64, mode), bm, eos_token_ids=[EOS])
+    sched.counters = counters = SpeculationCounters()  # the speculative mode's, in an engine
     worker = FakeWorker(bm, block_size)
     groups = {}
     ids = itertools.count()
@@ -107,7 +108,7 @@ def run(specs, spec_config, block_size, num_blocks, mode):
         g = SequenceGroup(f"r{r}", EncoderInputs.from_token_ids(enc), seqs,
                           SamplingParams(n=n, max_tokens=max_tokens, temperature=0), 0.0)
         if spec_config is not None:
-            g.strategy = SpeculativeStrategy(spec_config, enc, sched.speculation)
+            g.strategy = SpeculativeStrategy(spec_config, enc, counters)
         groups[g.request_id] = g
         sched.add(g)
     for _ in range(2000):
@@ -148,7 +149,7 @@ def test_outputs_equal_plain_and_tables_stay_in_step(specs, k, block_size, num_b
     plain, _ = run(specs, None, block_size, 400, None)
     spec, sched = run(specs, config, block_size, num_blocks, mode)
     assert spec == plain
-    c = sched.speculation
+    c = sched.counters
     assert 0 <= c.accepted <= c.proposed and c.verify_steps <= c.proposed
 
 
@@ -159,4 +160,4 @@ def test_a_small_pool_preempts_speculating_groups_and_outputs_stay_plain():
     for mode in ("recompute", "swap"):
         spec, sched = run(specs, config, 2, 40, mode)
         assert spec == plain
-        assert sched.num_preemptions > 0 and 0 < sched.speculation.accepted < sched.speculation.proposed
+        assert sched.num_preemptions > 0 and 0 < sched.counters.accepted < sched.counters.proposed

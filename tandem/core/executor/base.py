@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.core.executor.kv_sizing import RankMemory, size_kv_pools
-from tandem.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tandem.core.scheduler_output import ModelRunnerOutput, SamplingInputs, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -86,11 +86,12 @@ class Executor(ABC):
         ...
 
     # -- the step ------------------------------------------------------------------
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, out: SchedulerOutput, sampling: SamplingInputs | None = None) -> ModelRunnerOutput | None:
         """Run one step on every rank; rank 0's answer (None when nothing was scheduled).
+        ``sampling``: the modes' inputs of sampling, beside the scheduler output.
         A worker that raised or died raises ``EngineDeadError`` naming its rank and cause."""
         self.count_swaps(out)
-        return self.collective_rpc("execute_model", (out,))[0]
+        return self.collective_rpc("execute_model", (out, sampling))[0]
 
     def count_swaps(self, out: SchedulerOutput) -> None:
         self._swapped[0] += len(out.blocks_to_swap_out)

@@ -29,7 +29,7 @@ from tandem.core.executor.base import Executor, WorkerSpec
 from tandem.core.executor.rank_worker import free_port
 from tandem.core.executor.worker_proc import worker_main
 from tandem.core.faults import EngineDeadError
-from tandem.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tandem.core.scheduler_output import ModelRunnerOutput, SamplingInputs, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
@@ -101,9 +101,9 @@ class MultiprocExecutor(Executor):
         self.pids = self._collect(range(self.tp_size), "start")  # each rank's pid, once it is ready
 
     # -- the step --------------------------------------------------------------------
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, out: SchedulerOutput, sampling: SamplingInputs | None = None) -> ModelRunnerOutput | None:
         self.count_swaps(out)
-        self._broadcast(("execute_model", (out,)), "execute_model")
+        self._broadcast(("execute_model", (out, sampling)), "execute_model")
         return self._collect((0,), "execute_model")[0]
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:

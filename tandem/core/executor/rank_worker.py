@@ -18,7 +18,7 @@ from tandem.core.executor.base import WorkerSpec
 from tandem.core.executor.kv_sizing import RankMemory
 from tandem.core.layers.parallel_state import TensorParallelGroup
 from tandem.core.memory import available_bytes
-from tandem.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tandem.core.scheduler_output import ModelRunnerOutput, SamplingInputs, SchedulerOutput
 from tandem.core.worker import Worker
 
 # Long enough for the slowest step; a dead peer is found by the driver, not by this.
@@ -79,8 +79,8 @@ class RankWorker:
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self.worker.initialize_cache(num_blocks, num_cpu_blocks)
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.worker.execute_model(out)
+    def execute_model(self, out: SchedulerOutput, sampling: SamplingInputs | None = None) -> ModelRunnerOutput | None:
+        return self.worker.execute_model(out, sampling)
 
     def call_model(self, method: str, args: tuple):
         """One of the model's declared calls (``tandem/core/model_call.py``), run on this

@@ -78,8 +78,8 @@ class _RankActor:
     def call(self, method: str, args: tuple) -> Any:
         return getattr(self.rank_worker, method)(*args)
 
-    def execute_model(self, out):
-        result = self.rank_worker.execute_model(out)
+    def execute_model(self, out, sampling=None):
+        result = self.rank_worker.execute_model(out, sampling)
         return result if self.rank == 0 else None  # only rank 0 samples
 
     def sentinel(self) -> None:
@@ -213,14 +213,14 @@ class RayExecutor(Executor):
         return pg
 
     # -- the step --------------------------------------------------------------------
-    def execute_model(self, out):
+    def execute_model(self, out, sampling=None):
         import ray
 
         self.count_swaps(out)
         if self._dead is not None:
             raise self._dead
         ref = ray.put(out)  # serialized once, read by every rank
-        return self._gather([a.execute_model.remote(ref) for a in self._actors], "execute_model")[0]
+        return self._gather([a.execute_model.remote(ref, sampling) for a in self._actors], "execute_model")[0]
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         if self._dead is not None:

@@ -13,8 +13,8 @@ class UniProcExecutor(Executor):
         super().__init__(spec)
         self.rank_worker = RankWorker(spec, 0, 1)
 
-    def execute_model(self, out):
-        return self.rank_worker.worker.execute_model(out)  # the worker counts its swaps itself
+    def execute_model(self, out, sampling=None):
+        return self.rank_worker.worker.execute_model(out, sampling)  # the worker counts its swaps itself
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         return [getattr(self.rank_worker, method)(*args)]

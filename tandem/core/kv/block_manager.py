@@ -314,7 +314,7 @@ class BlockManager:
     def _written(self, seq: Sequence, table: list[int]) -> range:
         """Indices of the existing table blocks the next forward writes into (its
         draft tokens' slots included)."""
-        n = len(seq) + len(seq.spec_token_ids)
+        n = len(seq) + len(seq.lookahead_token_ids)
         if seq.num_computed_tokens >= n:
             return range(0)
         end = min(len(table), blocks_for(n, self.block_size))
@@ -331,7 +331,7 @@ class BlockManager:
             table = self._self.get(seq.seq_id)
             if table is None:
                 continue
-            n, computed = len(seq) + len(seq.spec_token_ids), seq.num_computed_tokens
+            n, computed = len(seq) + len(seq.lookahead_token_ids), seq.num_computed_tokens
             full = -(-n // bs)
             if full > len(table):
                 need += full - len(table)
@@ -348,7 +348,7 @@ class BlockManager:
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Make the sequence's self table hold all its tokens and its draft tokens
-        (``spec_token_ids``), copying each shared block its new tokens go into.
+        (``lookahead_token_ids``), copying each shared block its new tokens go into.
         Returns the ``(src, dst)`` device blocks the engine must copy before the
         forward pass."""
         pool, table = self.pools[Device.DEVICE], self._self[seq.seq_id]
@@ -361,7 +361,7 @@ class BlockManager:
                 table[i] = pool.allocate(1)[0]
                 pool.decref([old])
                 copies.append((old, table[i]))
-        grow = blocks_for(len(seq) + len(seq.spec_token_ids), self.block_size) - len(table)
+        grow = blocks_for(len(seq) + len(seq.lookahead_token_ids), self.block_size) - len(table)
         if grow > 0:
             self._make_room(grow)
             table.extend(pool.allocate(grow))
@@ -371,7 +371,7 @@ class BlockManager:
         """Free the self-table blocks past what the sequence's tokens need (after
         rejected draft tokens: blocks that held only those). Returns how many."""
         table = self._self[seq.seq_id]
-        keep = blocks_for(len(seq) + len(seq.spec_token_ids), self.block_size)
+        keep = blocks_for(len(seq) + len(seq.lookahead_token_ids), self.block_size)
         extra = table[keep:]
         if extra:
             del table[keep:]

@@ -44,9 +44,9 @@ from tandem.core.faults import describe
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler_output import NewRequestData, ScheduledGroup, ScheduledSequence, SchedulerOutput, table_update
 from tandem.core.sequence import Sequence, SequenceGroup
-from tandem.core.strategies.speculative import SpeculativeStrategy
 
 if TYPE_CHECKING:
+    from tandem.core.strategies.speculative import SpeculativeStrategy
     from tandem.core.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -80,14 +80,13 @@ class DraftProposer:
         self.failures = 0  # draft forwards that raised (each logged; the step went on without drafts)
 
     # -- the scheduler's calls -------------------------------------------------------
-    def propose(self, groups: Iterable[SequenceGroup]) -> None:
+    def propose(self, items: Iterable[tuple[SequenceGroup, "SpeculativeStrategy"]]) -> None:
+        """Drafts for the running requests the speculative mode gave, each with its
+        strategy (which says how many each sequence may get)."""
         jobs = []
-        for group in groups:
-            strategy = group.strategy
-            if not isinstance(strategy, SpeculativeStrategy) or strategy.draft is not self:
-                continue
+        for group, strategy in items:
             for seq in group.seqs:
-                seq.spec_token_ids = []
+                seq.lookahead_token_ids = []
             lengths = strategy.draft_lengths(group)
             if lengths:
                 job = self._prepare(group, lengths)
@@ -103,12 +102,12 @@ class DraftProposer:
                            exc_info=e)
             for _, items in jobs:
                 for t, _, _ in items:
-                    t.spec_token_ids = []
+                    t.lookahead_token_ids = []
             self.reset()
             return
         for _, items in jobs:
             for t, d, _ in items:
-                t.spec_token_ids = proposals[d.seq_id]
+                t.lookahead_token_ids = proposals[d.seq_id]
 
     def release(self, group: SequenceGroup) -> None:
         """Free the request's draft state (blocks, the worker's tables)."""

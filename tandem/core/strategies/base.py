@@ -55,25 +55,33 @@ class SchedulerOps(Protocol):
         ...
 
     def rollback(self, group: "SequenceGroup", seq: "Sequence") -> None:
-        """Free the blocks past what ``seq``'s tokens need (rejected draft tokens')."""
+        """Free the blocks past what ``seq``'s tokens need (rejected lookahead tokens')."""
         ...
 
 
-class BatchProposer(Protocol):
-    """Proposes draft tokens for many requests at once (a draft model,
-    ``tandem/core/speculative/draft.py``). The scheduler calls ``propose`` before
-    each step over its running groups (it sets ``Sequence.spec_token_ids`` of the
-    groups whose strategy proposes with it) and ``release`` when a group stops
-    running (preempted, aborted, finished), which frees what it keeps for it."""
+class LogitsTransform(ABC):
+    """A mode's change to the step's logits, plain data sent beside the scheduler
+    output (``SamplingInputs``), applied by the worker to the raw logits before any
+    mode or processor reads them (a grammar's mask, forced tokens)."""
 
-    def propose(self, groups: "Iterable[SequenceGroup]") -> None: ...
+    # The sequences whose rows it changes; the worker finds their rows.
+    seq_ids: list[int]
 
-    def release(self, group: "SequenceGroup") -> None: ...
+    @abstractmethod
+    def apply(self, logits: "torch.Tensor", rows: list[int], owners: list[int], num_output_tokens: list[int]) -> None:
+        """Change ``logits`` (float32 ``[S, vocab]``) in place at ``rows``: row ``rows[i]``
+        is a row of sequence ``seq_ids[owners[i]]``, predicting its output token number
+        ``num_output_tokens[i]`` (several rows of one sequence when it verifies
+        lookahead tokens)."""
 
 
 class StepMode(ABC):
     """Worker side of a mode: plain data sent with a scheduled group (so it can
     cross to another process), told which logits rows are its group's."""
+
+    # True where the group's rows are alternatives of one continuation (beams): a
+    # row-wise fallback of the processors then applies on the request's first step only.
+    joint_rows = False
 
     @abstractmethod
     def prepare(self, logits: "torch.Tensor", rows: list[int]) -> Any:
@@ -101,10 +109,23 @@ class RequestStrategy(ABC):
         request alone, with the exception as its ``error``."""
         return True
 
-    def propose(self, group: "SequenceGroup") -> bool:
-        """Before the step: give running sequences draft tokens to verify
-        (``Sequence.spec_token_ids``); True if any got some. Default: none."""
+    def num_initial_seqs(self, params: "SamplingParams") -> int:
+        """Sequences the request starts with (its sequences may fork later)."""
+        return params.n
+
+    def lookahead(self, group: "SequenceGroup") -> bool:
+        """Before the step: give running sequences tokens to compute beyond their
+        next one (``Sequence.lookahead_token_ids``: draft tokens to verify); True if
+        any got some. They run only where they fit the blocks and the token budget.
+        Default: none."""
         return False
+
+    def batch_items(self, group: "SequenceGroup", sg: "ScheduledGroup | None") -> "Iterable[tuple[str, Any]]":
+        """What the request gives its modes' batch hooks (``modes.Mode``), as
+        ``(mode name, item)`` pairs: before scheduling (``sg`` None) for
+        ``before_schedule``, and for its ``ScheduledGroup`` for ``logits_transform``.
+        A wrapping strategy adds its own to its inner strategy's."""
+        return ()
 
     def step_mode(self, group: "SequenceGroup") -> StepMode | None:
         """What the worker needs this step; None: sample each row by its params."""

@@ -23,6 +23,7 @@ from tandem.core.kv.block_pool import blocks_for
 from tandem.core.core_outputs import CompletionDelta, RequestResult
 from tandem.core.sequence import SequenceStatus
 from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode
+from tandem.core.strategies.modes import Mode, RequestContext
 
 if TYPE_CHECKING:
     from tandem.core.sampling_params import SamplingParams
@@ -38,6 +39,7 @@ class BeamStep(StepMode):
     scores: list[float]
     num_beams: int
     beams_to_keep: int
+    joint_rows = True  # the rows are one request's beams
 
     def prepare(self, logits: torch.Tensor, rows: list[int]) -> None:
         r = torch.tensor(rows, device=logits.device)
@@ -82,6 +84,9 @@ class BeamSearchStrategy(RequestStrategy):
 
     def max_num_seqs(self, group: "SequenceGroup") -> int:
         return group.sampling_params.num_beams
+
+    def num_initial_seqs(self, params: "SamplingParams") -> int:
+        return 1  # one sequence stands for every beam until the first step forks them
 
     def blocks_needed_at_most(self, group: "SequenceGroup", full_len: int, block_size: int) -> int:
         # Every beam at full length, sharing nothing but the cross table.
@@ -153,3 +158,19 @@ class BeamSearchStrategy(RequestStrategy):
         group.seqs = finished
         ops.release_finished(group)
         return RequestResult(group.request_id, deltas, True)
+
+
+class BeamSearchMode(Mode):
+    """Requests with ``num_beams > 1``: a base mode (it picks the tokens)."""
+
+    name = "beam_search"
+    order = 0
+    base = True
+
+    def applies(self, req: RequestContext) -> bool:
+        return req.params.use_beam_search
+
+    def strategy(self, req: RequestContext, inner: RequestStrategy | None) -> RequestStrategy:
+        p = req.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.ctx.eos_token_ids))
+        return BeamSearchStrategy(p, req.prompt_len, frozenset(stops))

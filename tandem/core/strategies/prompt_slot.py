@@ -10,6 +10,7 @@ import torch
 
 from tandem.core.core_outputs import RequestResult
 from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode
+from tandem.core.strategies.modes import Mode, RequestContext
 
 if TYPE_CHECKING:
     from tandem.core.sampling_params import SamplingParams
@@ -61,6 +62,9 @@ class PromptSlotStrategy(RequestStrategy):
     def max_num_seqs(self, group: "SequenceGroup") -> int:
         return self.then.max_num_seqs(group)
 
+    def num_initial_seqs(self, params: "SamplingParams") -> int:
+        return self.then.num_initial_seqs(params)
+
     def blocks_needed_at_most(self, group: "SequenceGroup", full_len: int, block_size: int) -> int | None:
         return self.then.blocks_needed_at_most(group, full_len, block_size)
 
@@ -86,3 +90,16 @@ class PromptSlotStrategy(RequestStrategy):
             seq.token_ids = seq.token_ids + extra
         group.strategy = self.then
         return RequestResult(group.request_id, prompt_token_ids=list(group.seqs[0].prompt_token_ids), probe_prob=prob)
+
+
+class PromptSlotMode(Mode):
+    """Requests given a ``prompt_slot`` option: outermost, its step comes first."""
+
+    name = "prompt_slot"
+    order = 100
+
+    def applies(self, req: RequestContext) -> bool:
+        return req.options.get("prompt_slot") is not None
+
+    def strategy(self, req: RequestContext, inner: RequestStrategy | None) -> RequestStrategy:
+        return PromptSlotStrategy(req.options["prompt_slot"], inner)

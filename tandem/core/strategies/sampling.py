@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from tandem.core.core_outputs import CompletionDelta, RequestResult
 from tandem.core.sequence import SequenceStatus
 from tandem.core.strategies.base import RequestStrategy, SchedulerOps
+from tandem.core.strategies.modes import Mode, RequestContext
 
 if TYPE_CHECKING:
     from tandem.core.scheduler_output import ModelRunnerOutput, ScheduledGroup
@@ -54,3 +55,17 @@ class SamplingStrategy(RequestStrategy):
         if any_finished:
             ops.release_finished(group)
         return RequestResult(group.request_id, deltas, group.is_finished)
+
+
+class SamplingMode(Mode):
+    """Every request: the base mode where no other applies."""
+
+    name = "sampling"
+    order = 1
+    base = True
+
+    def applies(self, req: RequestContext) -> bool:
+        return True
+
+    def strategy(self, req: RequestContext, inner: RequestStrategy | None) -> RequestStrategy:
+        return SamplingStrategy()

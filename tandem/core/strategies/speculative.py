@@ -3,9 +3,9 @@ and up to ``k`` draft tokens in one forward, and keep the accepted prefix.
 
 Scheduler side (``SpeculativeStrategy``): before the step, the n-gram proposer
 (``tandem/core/speculative/ngram.py``), or the draft model for every running
-request at once (``tandem/core/speculative/draft.py``, called by the scheduler
-before it walks the running groups), gives each decoding sequence its drafts
-(``Sequence.spec_token_ids``, which get slots and run as a chunk after its
+request at once (``tandem/core/speculative/draft.py``, through the mode's
+``before_schedule`` batch hook), gives each decoding sequence its drafts
+(``Sequence.lookahead_token_ids``, which get slots and run as a chunk after its
 last token); after it, the accepted tokens are appended with the usual stops
 (EOS, stop token ids, ``max_tokens``: the first stop truncates what follows),
 the rejected drafts' slots are rolled back (``BlockManager.rollback_slots``)
@@ -28,7 +28,8 @@ from tandem.core.core_outputs import CompletionDelta, RequestResult
 from tandem.core.sequence import SequenceStatus
 from tandem.core.speculative import ngram
 from tandem.core.speculative.config import SpeculativeConfig
-from tandem.core.strategies.base import BatchProposer, RequestStrategy, SchedulerOps, StepMode
+from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode
+from tandem.core.strategies.modes import EngineContext, Mode, RequestContext
 from tandem.core.strategies.sampling import SamplingStrategy, finish_reason
 
 if TYPE_CHECKING:
@@ -39,22 +40,6 @@ if TYPE_CHECKING:
     from tandem.core.sampling_params import SamplingParams
     from tandem.core.scheduler_output import ModelRunnerOutput, ScheduledGroup
     from tandem.core.sequence import SequenceGroup
-
-
-def not_speculated_because(params: "SamplingParams") -> str | None:
-    """Why a request runs without speculation (None: it speculates). Each of these
-    would make a draft position differ from plain decoding or cannot be verified
-    per position: beam search (its beams are not one sequence's continuation),
-    structured output (its grammar matcher advances one accepted token at a
-    time), and user logits processors (user code, possibly stateful, would be
-    called for positions that are then rejected)."""
-    if params.use_beam_search:
-        return "beam search"
-    if params.structured_outputs is not None:
-        return "structured output"
-    if params.logits_processors:
-        return "user logits processors"
-    return None
 
 
 @dataclass(frozen=True)
@@ -85,7 +70,7 @@ class SpeculationCounters:
 class SpeculativeStrategy(RequestStrategy):
     def __init__(self, config: SpeculativeConfig, encoder_token_ids: list[int] | None,
                  counters: SpeculationCounters, inner: RequestStrategy | None = None,
-                 draft: "BatchProposer | None" = None) -> None:
+                 draft: Any = None) -> None:
         """``draft``: the engine's draft model, which proposes for this request (None:
         the n-gram proposer)."""
         self.config = config
@@ -96,6 +81,17 @@ class SpeculativeStrategy(RequestStrategy):
 
     def max_num_seqs(self, group: "SequenceGroup") -> int:
         return self.inner.max_num_seqs(group)
+
+    def num_initial_seqs(self, params: "SamplingParams") -> int:
+        return self.inner.num_initial_seqs(params)
+
+    def blocks_needed_at_most(self, group: "SequenceGroup", full_len: int, block_size: int) -> int | None:
+        return self.inner.blocks_needed_at_most(group, full_len, block_size)
+
+    def batch_items(self, group: "SequenceGroup", sg: "ScheduledGroup | None"):
+        yield from self.inner.batch_items(group, sg)
+        if sg is None and self.draft is not None:
+            yield SpeculativeMode.name, self
 
     def draft_lengths(self, group: "SequenceGroup") -> list[tuple["Sequence", int]]:
         """The sequences that may get drafts this step, each with how many at most:
@@ -111,24 +107,24 @@ class SpeculativeStrategy(RequestStrategy):
                 out.append((seq, k))
         return out
 
-    def propose(self, group: "SequenceGroup") -> bool:
+    def lookahead(self, group: "SequenceGroup") -> bool:
         if self.draft is not None:  # the draft model proposed for every running group already
-            return any(s.spec_token_ids for s in group.seqs)
+            return any(s.lookahead_token_ids for s in group.seqs)
         c = self.config
         for seq in group.seqs:
-            seq.spec_token_ids = []
+            seq.lookahead_token_ids = []
         any_draft = False
         for seq, k in self.draft_lengths(group):
             decoder = np.asarray(seq.token_ids, dtype=np.int64)
-            seq.spec_token_ids = ngram.propose(decoder, self.encoder, k, c.prompt_lookup_max, c.prompt_lookup_min)
-            any_draft |= bool(seq.spec_token_ids)
+            seq.lookahead_token_ids = ngram.propose(decoder, self.encoder, k, c.prompt_lookup_max, c.prompt_lookup_min)
+            any_draft |= bool(seq.lookahead_token_ids)
         return any_draft
 
     def step_mode(self, group: "SequenceGroup") -> StepMode | None:
         seqs = group.get_seqs(SequenceStatus.RUNNING)
-        if not any(s.spec_token_ids for s in seqs):
+        if not any(s.lookahead_token_ids for s in seqs):
             return self.inner.step_mode(group)
-        return VerifyStep(tuple(tuple(s.spec_token_ids) for s in seqs))
+        return VerifyStep(tuple(tuple(s.lookahead_token_ids) for s in seqs))
 
     def update(
         self, ops: SchedulerOps, group: "SequenceGroup", sg: "ScheduledGroup", result: "ModelRunnerOutput",
@@ -142,8 +138,8 @@ class SpeculativeStrategy(RequestStrategy):
         deltas, any_finished, counters = [], False, self.counters
         for ss, v in zip(sg.seqs, verified):
             seq = by_id[ss.seq_id]
-            num_drafts = len(seq.spec_token_ids)
-            seq.spec_token_ids = []
+            num_drafts = len(seq.lookahead_token_ids)
+            seq.lookahead_token_ids = []
             if seq.finished:
                 continue
             if v.error is not None:
@@ -187,3 +183,40 @@ def verification_stats(c: SpeculationCounters) -> dict[str, Any]:
         "spec_acceptance_rate": c.accepted / c.proposed if c.proposed else 0.0,
         "spec_mean_accepted_length": 1 + c.accepted / c.verify_steps if c.verify_steps else 0.0,
     }
+
+
+class SpeculativeMode(Mode):
+    """Requests of an engine with ``speculative_config``, unless they use user logits
+    processors (user code, possibly stateful, would be called for positions that are
+    then rejected). It steps aside for modes whose draft positions would differ from
+    plain decoding or cannot be verified per position: beam search (its beams are not
+    one sequence's continuation) and structured output (its grammar matcher advances
+    one accepted token at a time). The draft model, when there is one, is the engine's
+    ``services["draft"]``."""
+
+    name = "speculative"
+    order = 10
+    yields_to = frozenset({"beam_search", "structured_output"})
+
+    def __init__(self, ctx: EngineContext) -> None:
+        super().__init__(ctx)
+        self.config: SpeculativeConfig | None = ctx.config.speculative
+        self.draft = ctx.services.get("draft")
+        self.counters = SpeculationCounters()
+
+    def applies(self, req: RequestContext) -> bool:
+        return self.config is not None and not req.params.logits_processors
+
+    def strategy(self, req: RequestContext, inner: RequestStrategy | None) -> RequestStrategy:
+        return SpeculativeStrategy(self.config, req.encoder_token_ids, self.counters, inner, draft=self.draft)
+
+    def before_schedule(self, items: list) -> None:
+        if self.draft is not None:
+            self.draft.propose(items)
+
+    def release(self, group: "SequenceGroup") -> None:
+        if self.draft is not None:
+            self.draft.release(group)
+
+    def stats(self) -> dict[str, Any]:
+        return verification_stats(self.counters)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from tandem.core.core_outputs import RequestResult
 from tandem.core.sequence import SequenceStatus
 from tandem.core.strategies.base import RequestFailed, RequestStrategy, SchedulerOps, StepMode
+from tandem.core.strategies.modes import Mode, RequestContext
 
 if TYPE_CHECKING:
     from tandem.core.scheduler_output import ModelRunnerOutput, ScheduledGroup
@@ -60,6 +61,18 @@ class StructuredStrategy(RequestStrategy):
 
     def max_num_seqs(self, group: "SequenceGroup") -> int:
         return self.inner.max_num_seqs(group)
+
+    def num_initial_seqs(self, params) -> int:
+        return self.inner.num_initial_seqs(params)
+
+    def lookahead(self, group: "SequenceGroup") -> bool:
+        return self.inner.lookahead(group)
+
+    def batch_items(self, group: "SequenceGroup", sg: "ScheduledGroup | None"):
+        yield from self.inner.batch_items(group, sg)
+        if sg is not None:
+            ids = [ss.seq_id for ss in sg.seqs]
+            yield StructuredOutputMode.name, (sg.request_id, ids, [self.matchers[i] for i in ids])
 
     def blocks_needed_at_most(self, group: "SequenceGroup", full_len: int, block_size: int) -> int | None:
         return self.inner.blocks_needed_at_most(group, full_len, block_size)
@@ -125,3 +138,34 @@ class StructuredStrategy(RequestStrategy):
                 f"{where}, its grammar allows {allowed} token{'s' if allowed > 1 else ''} and the request bans "
                 f"{'each' if allowed > 1 else 'it'} (allowed_token_ids, bad_words_ids, suppress_tokens, logit_bias, "
                 "min_tokens)")
+
+class StructuredOutputMode(Mode):
+    """Requests with ``structured_outputs``: the engine's grammar compiler
+    (``services["structured"]``, a ``StructuredOutputManager``) compiles off the step
+    loop; each step its ``grammar_mask`` is the logits transform of their rows."""
+
+    name = "structured_output"
+    order = 20
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.manager = ctx.services.get("structured")
+
+    def applies(self, req: RequestContext) -> bool:
+        return req.params.structured_outputs is not None
+
+    def strategy(self, req: RequestContext, inner: RequestStrategy | None) -> RequestStrategy:
+        # Raises ImportError (no xgrammar) or ValueError (no tokenizer, no EOS) at the door;
+        # the compile itself runs off the step loop and a failure is this request's error.
+        m = self.manager
+        backend = m.backend
+        return StructuredStrategy(m.grammar(req.params.structured_outputs), backend.matcher, inner, backend.num_allowed)
+
+    def logits_transform(self, items: list):
+        return self.manager.grammar_mask(items)
+
+    def has_pending(self) -> bool:
+        return self.manager.has_pending()
+
+    def wait(self, timeout: float) -> None:
+        self.manager.wait(timeout)

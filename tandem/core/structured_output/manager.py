@@ -29,19 +29,18 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tandem.core.faults import describe
-from tandem.core.scheduler_output import GrammarBitmask, SchedulerOutput
-from tandem.core.strategies.structured import StructuredStrategy
+from tandem.core.strategies.base import LogitsTransform
 from tandem.core.structured_output.backend import (
-    GrammarCompileError, XgrammarBackend, fill_bitmask, import_xgrammar, new_bitmask,
+    GrammarCompileError, XgrammarBackend, apply_bitmask, fill_bitmask, import_xgrammar, new_bitmask,
 )
 
 if TYPE_CHECKING:
-    from tandem.core.sequence import SequenceGroup
+    import torch
+
     from tandem.core.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -51,6 +50,22 @@ CACHE_SIZE = 512
 # The engine options' defaults (EngineConfig.structured_outputs_compile_timeout / _max_chars).
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 DEFAULT_MAX_CHARS = 64 * 1024
+
+
+@dataclass(frozen=True)
+class GrammarMask(LogitsTransform):
+    """The step's structured-output masks, sent beside the scheduler output: bit ``t``
+    of ``bitmask[j]`` (int32 ``[len(seq_ids), ceil(vocab / 32)]``) is set where token
+    ``t`` is allowed for sequence ``seq_ids[j]``."""
+
+    seq_ids: list[int]
+    bitmask: "torch.Tensor"
+
+    def apply(self, logits, rows, owners, num_output_tokens) -> None:
+        # Disallowed tokens to -inf on a copy of the rows (the mask's rows are its own).
+        sub = logits[rows]
+        apply_bitmask(sub, self.bitmask[owners], list(range(len(rows))))
+        logits[rows] = sub
 
 
 @dataclass
@@ -156,11 +171,6 @@ class StructuredOutputManager:
             if entry.waiters == 0 and not entry.pinned and entry.future.cancel():  # False once running or done
                 self._cache.pop(so.cache_key, None)
 
-    def strategy(self, so: "StructuredOutputsParams", inner) -> StructuredStrategy:
-        """The request's strategy: ``inner`` (plain sampling), constrained to ``so``."""
-        backend = self.backend
-        return StructuredStrategy(self.grammar(so), backend.matcher, inner, backend.num_allowed)
-
     def has_pending(self) -> bool:
         with self._lock:
             return any(not e.future.done() for e in self._cache.values())
@@ -232,29 +242,19 @@ class StructuredOutputManager:
                 self._work.wait(None if not self._deadlines else max(0.0, self._deadlines[0].at - now))
 
     # -- the step ------------------------------------------------------------
-    def grammar_bitmask(
-        self, sched: SchedulerOutput, groups: Mapping[str, "SequenceGroup"]
-    ) -> tuple[GrammarBitmask | None, dict[str, str]]:
-        """The step's mask for its structured rows (None when it has none), and the
-        requests whose matcher failed to give one, with why (they fail alone)."""
-        if self._backend is None:
+    def grammar_mask(self, items: list[tuple[str, list[int], list]]) -> tuple["GrammarMask | None", dict[str, str]]:
+        """The step's mask (None when no row needs one) from ``(request id, seq ids,
+        their matchers)`` of the scheduled structured requests, and the requests whose
+        matcher failed to give one, with why (they fail alone)."""
+        owners, seq_ids, matchers = [], [], []
+        for rid, ids, ms in items:
+            owners += [rid] * len(ids)
+            seq_ids += ids
+            matchers += ms
+        if not seq_ids:
             return None, {}
-        rows, matchers, owners = [], [], []
-        row = 0
-        for sg in sched.scheduled:
-            group = groups.get(sg.request_id)
-            strategy = group.strategy if group is not None else None
-            if isinstance(strategy, StructuredStrategy):
-                for ss in sg.seqs:
-                    rows.append(row)  # the worker's row: groups in order, their sequences in order
-                    matchers.append(strategy.matchers[ss.seq_id])
-                    owners.append(sg.request_id)
-                    row += 1
-            else:  # a sequence verifying draft tokens has a row per position
-                row += sum(ss.num_logits for ss in sg.seqs)
-        if not rows:
-            return None, {}
-        bitmask = self._buffer(row)
+        rows = list(range(len(seq_ids)))  # the mask's own rows: the worker maps seq ids to its rows
+        bitmask = self._buffer(len(rows))
         failed: dict[str, str] = {}
         try:
             fill_bitmask(matchers, bitmask, rows, self._batch)
@@ -265,10 +265,11 @@ class StructuredOutputManager:
                 except Exception as e:  # noqa: BLE001
                     failed.setdefault(rid, f"its grammar could not give the next-token mask: {describe(e)}")
             keep = [i for i, rid in enumerate(owners) if rid not in failed]
-            rows = [rows[i] for i in keep]
-            if not rows:
+            if not keep:
                 return None, failed
-        return GrammarBitmask(bitmask, rows), failed
+            bitmask = bitmask[keep]
+            seq_ids = [seq_ids[i] for i in keep]
+        return GrammarMask(seq_ids, bitmask.clone()), failed
 
     def _buffer(self, num_rows: int):
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:

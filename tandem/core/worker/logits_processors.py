@@ -95,6 +95,9 @@ class ProcessorRows:
     # The rows' decoder tokens, padded: ``history(rows)`` -> ([len(rows), L] long, lengths);
     # only asked for rows whose params ``needs_history``.
     history: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # Per row: True where the request's rows are alternatives of one continuation
+    # (``StepMode.joint_rows``); None: no such row.
+    joint: list[bool] | None = None
 
     def prompt_len(self, i: int) -> int:
         return self.seq_lens[i] - self.num_output_tokens[i]
@@ -164,7 +167,7 @@ class LogitsProcessors:
         for p, idx in groups:
             if p.allowed_token_ids is None:
                 continue
-            idx = [i for i in idx if p.num_beams == 1 or rows.num_output_tokens[i] == 0]
+            idx = [i for i in idx if not (rows.joint and rows.joint[i]) or rows.num_output_tokens[i] == 0]
             if not idx:
                 continue
             r = torch.tensor(idx, device=scores.device)

@@ -23,8 +23,7 @@ from tandem.core.worker.host_malloc import keep_freed_memory
 from tandem.core.loader import load_model
 from tandem.core.model import EncoderDecoderModel
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from tandem.core.structured_output.backend import apply_bitmask
+from tandem.core.scheduler_output import ModelRunnerOutput, SamplingInputs, SchedulerOutput
 from tandem.core.worker.input_batch import BlockTableRows
 from tandem.core.worker.logits_processors import ProcessorRows, needs_history
 from tandem.core.worker.model_runner import ModelRunner
@@ -109,8 +108,9 @@ class Worker:
         self.runner = ModelRunner(self.model, builder, self.block_size, self.device, self.config.max_num_seqs, max_blocks)
 
     # -- the step --------------------------------------------------------------
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, out: SchedulerOutput, sampling: SamplingInputs | None = None) -> ModelRunnerOutput | None:
         """Apply the step's swaps and copies, run the scheduled sequences, sample.
+        ``sampling``: the modes' logits transforms, applied to the raw logits first.
         Returns None when nothing was scheduled."""
         self._update_states(out)
         try:
@@ -131,13 +131,13 @@ class Worker:
             with torch.inference_mode():
                 self.runner.execute(out, self.kv_caches)
             return None
-        params, generators, num_out, seq_lens, seq_ids, row_request = [], [], [], [], [], []
+        params, generators, num_out, seq_lens, seq_ids, row_request, joint = [], [], [], [], [], [], []
         modes = []  # (request id, its StepMode, its rows)
         for group in out.scheduled:
             state = self.requests[group.request_id]
             start = len(params)
             for seq in group.seqs:
-                # One row per position whose logits are returned (several when draft
+                # One row per position whose logits are returned (several when lookahead
                 # tokens are verified), each with the lengths it would have in plain decoding.
                 end = seq.num_computed_tokens + len(seq.token_ids)
                 for j in range(seq.num_logits - 1, -1, -1):
@@ -147,16 +147,17 @@ class Worker:
                     seq_lens.append(end - j)
                     seq_ids.append(seq.seq_id)
                     row_request.append(group.request_id)
+                    joint.append(group.mode is not None and group.mode.joint_rows)
                 if state.keeps_history:
                     self._record_history(seq)
             if group.mode is not None:
                 modes.append((group.request_id, group.mode, list(range(start, len(params)))))
         rows = ProcessorRows(params, num_out, seq_lens,
-                             lambda idx: self._histories([seq_ids[i] for i in idx], [seq_lens[i] for i in idx]))
+                             lambda idx: self._histories([seq_ids[i] for i in idx], [seq_lens[i] for i in idx]), joint)
         with torch.inference_mode():
             logits = self.runner.execute(out, self.kv_caches)
-            if out.grammar is not None:  # before everything else reads the logits
-                apply_bitmask(logits, out.grammar.bitmask, out.grammar.rows)
+            if sampling is not None:  # before everything else reads the logits
+                self._transform(logits, sampling, seq_ids, num_out)
             prepared = [mode.prepare(logits, mode_rows) for _, mode, mode_rows in modes]
             claimed = sorted(i for *_, mode_rows in modes for i in mode_rows)
             sampled = self.sampler(logits, rows, generators, claimed)
@@ -174,6 +175,20 @@ class Worker:
         return ModelRunnerOutput(
             plain_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, mode_outputs, failed, no_token
         )
+
+    @staticmethod
+    def _transform(logits: torch.Tensor, sampling: SamplingInputs, seq_ids: list[int], num_out: list[int]) -> None:
+        rows_of: dict[int, list[int]] = {}
+        for i, s in enumerate(seq_ids):
+            rows_of.setdefault(s, []).append(i)
+        for t in sampling.transforms:
+            rows, owners = [], []
+            for j, s in enumerate(t.seq_ids):
+                for i in rows_of.get(s, ()):
+                    rows.append(i)
+                    owners.append(j)
+            if rows:
+                t.apply(logits, rows, owners, [num_out[i] for i in rows])
 
     def _record_history(self, seq) -> None:
         h = self.histories

@@ -1,0 +1,115 @@
+"""A mode added from outside ``tandem/`` (``forced_words_mode.py``) through the
+``tandem_register_modes`` hook runs mixed with plain, n > 1 and beam requests,
+against a plain greedy loop over HF's model with the forced tokens inserted; a
+fault injected in each of its hooks fails only its request."""
+
+from importlib.metadata import EntryPoint
+
+import pytest
+import torch
+
+import forced_words_mode as fw
+from helpers import make_bart
+from tandem import SamplingParams
+from tandem.core.config import EngineConfig
+from tandem.core.engine import LLMEngine
+from tandem.plugins import PluginManager, default_backend_registry, default_model_registry
+from tandem.registry import AttentionBackendRegistry, ModelRegistry, ModeRegistry
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def bart_dir(tmp_path_factory):
+    return make_bart(tmp_path_factory.mktemp("bart") / "ckpt", seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(bart_dir):
+    modes = ModeRegistry()
+    manager = PluginManager(allow=None, entry_point_list=[
+        EntryPoint(name="forced-words", value="forced_words_mode:plugin", group="tandem.plugins")])
+    manager.load()
+    manager.register_all(ModelRegistry(), AttentionBackendRegistry(), mode_registry=modes)
+    assert "forced_words" in modes.names() and modes.owner("forced_words") == "forced-words"
+    cfg = EngineConfig(model=str(bart_dir), dtype="float32", device="cpu")
+    eng = LLMEngine(cfg, default_model_registry(), default_backend_registry(), modes)
+    yield eng
+    eng.shutdown()
+
+
+def _oracle(bart_dir, prompt, max_tokens, forced):
+    from transformers import BartForConditionalGeneration
+
+    model = BartForConditionalGeneration.from_pretrained(str(bart_dir)).eval()
+    dec, out = [2, 0], []
+    with torch.no_grad():
+        for n in range(max_tokens):
+            tok = forced.get(n)
+            if tok is None:
+                logits = model(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([dec])).logits
+                tok = int(logits[0, -1].argmax())
+            out.append(tok)
+            dec.append(tok)
+            if tok == EOS:
+                break
+    return out
+
+
+def _run(engine, requests):
+    for rid, prompt, params in requests:
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    return done
+
+
+PROMPTS = [[5, 17, 33, 8, 41, 2], [9, 12, 60, 3, 2], [44, 21, 7, 2]]
+
+
+def test_forced_words_mixed_with_sampling_n_and_beams(engine, bart_dir):
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    n2 = SamplingParams(temperature=0.0, n=2, max_tokens=8)
+    beams = SamplingParams(num_beams=3, max_tokens=8)
+    sampled = SamplingParams(temperature=0.9, seed=1, max_tokens=8)
+    done = _run(engine, [("forced-a", PROMPTS[0], greedy), ("plain-b", PROMPTS[1], greedy),
+                         ("forced-c", PROMPTS[1], n2), ("forced-d", PROMPTS[2], beams),
+                         ("forced-e", PROMPTS[2], sampled)])
+    assert done["forced-a"].outputs[0].token_ids == _oracle(bart_dir, PROMPTS[0], 8, fw.FORCED)
+    assert done["plain-b"].outputs[0].token_ids == _oracle(bart_dir, PROMPTS[1], 8, {})
+    want = _oracle(bart_dir, PROMPTS[1], 8, fw.FORCED)
+    assert [c.token_ids for c in done["forced-c"].outputs] == [want, want]
+    for out in (done["forced-d"], done["forced-e"]):
+        for c in out.outputs:
+            for pos, tok in fw.FORCED.items():
+                if pos < len(c.token_ids):
+                    assert c.token_ids[pos] == tok, (out.request_id, c.token_ids)
+    assert all(o.error is None for o in done.values())
+
+
+def test_forced_words_with_structured_output_is_refused_naming_both(engine):
+    from tandem.core.structured_output.params import StructuredOutputsParams
+
+    p = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    with pytest.raises(ValueError, match="forced_words.*structured_output"):
+        engine.add_request("forced-so", {"prompt_token_ids": PROMPTS[0]}, p)
+
+
+@pytest.mark.parametrize("hook", ["ready", "lookahead", "step_mode", "batch_items", "update"])
+def test_a_fault_in_a_hook_fails_only_its_request(engine, bart_dir, hook):
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    fw.FAULT = (f"forced-bad-{hook}", hook)
+    try:
+        done = _run(engine, [(f"forced-bad-{hook}", PROMPTS[0], greedy), (f"forced-ok-{hook}", PROMPTS[1], greedy),
+                             (f"plain-{hook}", PROMPTS[2], greedy)])
+    finally:
+        fw.FAULT = None
+    assert "injected fault" in done[f"forced-bad-{hook}"].error
+    assert done[f"forced-ok-{hook}"].outputs[0].token_ids == _oracle(bart_dir, PROMPTS[1], 8, fw.FORCED)
+    assert done[f"plain-{hook}"].outputs[0].token_ids == _oracle(bart_dir, PROMPTS[2], 8, {})
+    assert engine.block_manager.num_free_blocks() == engine.block_manager.num_total_blocks()
+    # The engine serves on.
+    assert _run(engine, [(f"again-{hook}", PROMPTS[0], greedy)])[f"again-{hook}"].error is None
