@@ -8,8 +8,6 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from tandem.core.engine_args import add_cli_args, from_cli_args
-
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
 DEMO_WHISPER = Path(__file__).resolve().parent.parent / "demo_whisper"
 
@@ -62,7 +60,16 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                         "generate's --seed used to be this flag)")
 
 
-def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+def _add_engine_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from tandem.core.engine_args import add_cli_args
+
+    return add_cli_args(p)
+
+
+def _build_parser(engine_flags: bool = True) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    # The engine flags come from EngineConfig, whose module imports torch (seconds): a
+    # command line that names no command (`tandem --help`, `--version`) is parsed without them.
+    add_cli_args = _add_engine_flags if engine_flags else (lambda p: p)
     parser = _Parser(prog="tandem", description="Encoder/decoder inference engine")
     parser.add_argument("--version", action="version", version=f"tandem-engine {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,transcribe,serve,plugins,demo}")
@@ -181,6 +188,8 @@ def _json_object(text: str) -> dict:
 
 def _llm(args, model: str):
     from tandem import LLM
+
+    from tandem.core.engine_args import from_cli_args
 
     return LLM(model=model, **from_cli_args(args))
 
@@ -448,7 +457,9 @@ def _demo_whisper(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, subparsers = _build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The top level takes no option with a value, so a word that is not an option names a command.
+    parser, subparsers = _build_parser(engine_flags=any(not a.startswith("-") for a in argv))
     args, extra = parser.parse_known_args(argv)
     if extra:  # a bad flag: named by the subcommand it was given to
         subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
