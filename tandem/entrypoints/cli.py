@@ -120,6 +120,10 @@ def _build_parser(engine_flags: bool = True) -> tuple[argparse.ArgumentParser, d
                     help="with --vad-filter: faster-whisper's VadOptions as a JSON object, e.g. "
                          "'{\"threshold\": 0.6, \"min_silence_duration_ms\": 500}' (default: faster-whisper's "
                          "batched defaults)")
+    tr.add_argument("--vad-method", default=None, choices=["silero", "energy"],
+                    help="with --vad-filter: silero (Silero VAD, the vad extra) or energy (loudness against the "
+                         "input's quiet level, numpy only: for audio Silero does not hear as speech, such as the demo's "
+                         "tone speech; takes the same --vad-parameters) (default: silero)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     sv = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API", formatter_class=fmt)
@@ -266,7 +270,14 @@ def cmd_transcribe(args) -> int:
     model_cls.check_audio_support()  # before the model loads
     if args.vad_parameters is not None and not args.vad_filter:
         raise ValueError("--vad-parameters without --vad-filter: give --vad-filter to use them")
-    if args.vad_filter:
+    if args.vad_method is not None and not args.vad_filter:
+        raise ValueError(f"--vad-method {args.vad_method} without --vad-filter: give --vad-filter to use it")
+    vad_filter, vad_parameters = args.vad_filter, args.vad_parameters
+    if args.vad_filter and args.vad_method == "energy":
+        from tandem.entrypoints.vad_energy import EnergyVad
+
+        vad_filter, vad_parameters = EnergyVad(args.vad_parameters), None  # a bad key or value fails here
+    elif args.vad_filter:
         from tandem.entrypoints.vad import VadOptions, check_vad_support
 
         check_vad_support()
@@ -279,8 +290,8 @@ def cmd_transcribe(args) -> int:
     results = llm.transcribe(
         list(args.files), language=args.language, task=args.task, timestamps=args.timestamps or as_subtitles,
         word_timestamps=args.word_timestamps, use_tqdm=not args.no_progress, no_speech_threshold=args.no_speech_threshold,
-        logprob_threshold=args.logprob_threshold, initial_prompt=args.initial_prompt, vad_filter=args.vad_filter,
-        vad_parameters=args.vad_parameters, **sampling,
+        logprob_threshold=args.logprob_threshold, initial_prompt=args.initial_prompt, vad_filter=vad_filter,
+        vad_parameters=vad_parameters, **sampling,
     )
     failed = 0
     for path, r in zip(args.files, results):
