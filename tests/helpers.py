@@ -342,8 +342,13 @@ def synth_audio(seconds: float, seed: int = 0, sr: int = 16000):
 def installed_example(name: str, module: str, work_dir: Path, config_types: tuple[str, ...] = ()):
     """pip-install ``examples/<name>`` (a plugin package) for the block, then uninstall it;
     the plugin registries and the package's modules (and the transformers config
-    types it registers) are forgotten on both sides, so every test sees the truth."""
+    types it registers) are forgotten on both sides, so every test sees the truth.
+
+    Where the user has installed the package already (the README suggests
+    ``pip install ./examples/tandem-marian``), the block uses that install and leaves it
+    in place: uninstalling it would change the user's environment behind their back."""
     import importlib
+    import importlib.metadata
     import shutil
     import subprocess
     import sys
@@ -363,6 +368,17 @@ def installed_example(name: str, module: str, work_dir: Path, config_types: tupl
         for loaded in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
             del sys.modules[loaded]
 
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    else:
+        forget()
+        try:
+            yield
+        finally:
+            forget()
+        return
     # Build from a copy so setuptools' build/ and *.egg-info never land in the source tree.
     src = work_dir / name
     shutil.copytree(EXAMPLES / name, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))

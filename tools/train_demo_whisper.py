@@ -128,7 +128,8 @@ def build_model(args, tok):
         task_to_id={"translate": ids["translate"], "transcribe": ids["transcribe"]},
         no_timestamps_token_id=ids["notimestamps"], prev_sot_token_id=ids["startofprev"],
         max_initial_timestamp_index=50, suppress_tokens=[], begin_suppress_tokens=[ids["endoftext"]],
-        forced_decoder_ids=None, return_timestamps=False,
+        # As openai's checkpoints: generate() with no prompt asks for <|transcribe|> after the language.
+        forced_decoder_ids=[[1, None], [2, ids["transcribe"]]], return_timestamps=False,
     )
     return model
 

@@ -9,6 +9,7 @@ token lists, the text) and builds ``RequestOutput``s from these.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from tandem.core.sampling_params import SamplingParams
@@ -24,6 +25,8 @@ class RequestInfo:
     encoder_prompt_token_ids: list[int]
     prompt: str | None  # the decoder prompt
     prompt_token_ids: list[int]
+    # Tokens the text leaves out (Whisper's timestamps): the model's non_text_token_ids.
+    non_text_token_ids: Collection[int] = ()
 
 
 @dataclass(slots=True)

@@ -79,6 +79,7 @@ class LLMEngine:
         )
         self.attn_backend, self._backend_reason = selection.backend, selection.reason
         self.generation_defaults = load_generation_defaults(config.model_path, self.hf_config, config.generation_config)
+        self.non_text_token_ids = self.model_cls.non_text_token_ids(self.hf_config, self.generation_defaults.hf)
         eos = self.hf_config.eos_token_id
         if self.generation_defaults.eos_token_ids is not None:  # HF generate stops on the generation config's
             eos = list(self.generation_defaults.eos_token_ids)
@@ -237,7 +238,7 @@ class LLMEngine:
             request_id, params, inputs.encoder_prompt,
             list(inputs.encoder_prompt_token_ids if inputs.encoder_prompt_token_ids is not None
                  else inputs.encoder_inputs.token_ids or ()),
-            inputs.prompt, list(inputs.prompt_token_ids),
+            inputs.prompt, list(inputs.prompt_token_ids), self.non_text_token_ids,
         )
 
     def _check_new(self, request_id: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -157,6 +157,12 @@ class EncoderDecoderModel(nn.Module, ABC):
         start = cls.decoder_start_token_id(config)
         bos = config.bos_token_id
         return [start] if bos is None else [start, bos]
+
+    @classmethod
+    def non_text_token_ids(cls, config: "PretrainedConfig", generation_config) -> Collection[int]:
+        """Tokens an output's ``text`` leaves out (they stay in its ``token_ids``), as the
+        model's HF tokenizer decodes by default (Whisper: timestamps). None by default."""
+        return ()
 
     @classmethod
     def default_decoder_prompt(cls, config: "PretrainedConfig", generation_config) -> tuple[list[int], "PromptSlot | None"]:

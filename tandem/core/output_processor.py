@@ -19,6 +19,7 @@ the frontend fails it in the core).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,9 +36,10 @@ class IncrementalDetokenizer:
     just enough of the tail to emit complete characters. Other tokenizers fall
     back to decoding the whole output and taking the new suffix."""
 
-    def __init__(self, tokenizer, skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool, non_text_token_ids: Collection[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.non_text = non_text_token_ids
         self.text = ""
         self._ids: list[int] = []
         backend = getattr(tokenizer, "_tokenizer", None)
@@ -50,6 +52,8 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> str:
         """Feed new tokens; returns the text they complete (possibly empty)."""
+        if self.non_text:
+            token_ids = [t for t in token_ids if t not in self.non_text]
         if self._stream is not None:
             pieces = [self._stream.step(self._backend, t) for t in token_ids]
             new = "".join(p for p in pieces if p)
@@ -102,8 +106,12 @@ class RequestState:
         self.error: str | None = None
 
     def _new(self) -> _Completion:
-        detok = IncrementalDetokenizer(self.tokenizer, self.params.skip_special_tokens) if self.tokenizer else None
-        return _Completion(detok, logprobs=[] if self.params.logprobs is not None else None)
+        return _Completion(self._detokenizer(), logprobs=[] if self.params.logprobs is not None else None)
+
+    def _detokenizer(self) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, self.params.skip_special_tokens, self.info.non_text_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -128,7 +136,7 @@ class RequestState:
             if d.replace:
                 c.token_ids, c.num_detok, c.text = list(d.new_token_ids), 0, ""
                 if c.detok is not None:
-                    c.detok = IncrementalDetokenizer(self.tokenizer, self.params.skip_special_tokens)
+                    c.detok = self._detokenizer()
                 if c.logprobs is not None:
                     c.logprobs = list(d.new_logprobs or ())
             else:

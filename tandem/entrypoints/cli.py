@@ -8,9 +8,6 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from tandem.core.engine_args import add_cli_args, from_cli_args
-from tandem.entrypoints.sampling_options import add_sampling_args, sampling_kwargs
-
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo_model"
 DEMO_WHISPER = Path(__file__).resolve().parent.parent / "demo_whisper"
 
@@ -47,7 +44,29 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+def _add_engine_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from tandem.core.engine_args import add_cli_args
+
+    return add_cli_args(p)
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser, **kwargs) -> argparse.ArgumentParser:
+    from tandem.entrypoints.sampling_options import add_sampling_args
+
+    return add_sampling_args(p, **kwargs)
+
+
+def _sampling_kwargs(args) -> dict:
+    from tandem.entrypoints.sampling_options import sampling_kwargs
+
+    return sampling_kwargs(args)
+
+
+def _build_parser(engine_flags: bool = True) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    # The engine flags come from EngineConfig, whose module imports torch (seconds): a
+    # command line that names no command (`tandem --help`, `--version`) is parsed without them.
+    add_cli_args = _add_engine_flags if engine_flags else (lambda p: p)
+    add_sampling_args = _add_sampling_flags if engine_flags else (lambda p, **kwargs: p)
     parser = _Parser(prog="tandem", description="Encoder/decoder inference engine")
     parser.add_argument("--version", action="version", version=f"tandem-engine {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,transcribe,serve,plugins,demo}")
@@ -96,6 +115,10 @@ def _build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argumen
                     help="with --vad-filter: faster-whisper's VadOptions as a JSON object, e.g. "
                          "'{\"threshold\": 0.6, \"min_silence_duration_ms\": 500}' (default: faster-whisper's "
                          "batched defaults)")
+    tr.add_argument("--vad-method", default=None, choices=["silero", "energy"],
+                    help="with --vad-filter: silero (Silero VAD, the vad extra) or energy (loudness against the "
+                         "input's quiet level, numpy only: for audio Silero does not hear as speech, such as the demo's "
+                         "tone speech; takes the same --vad-parameters) (default: silero)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     sv = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API", formatter_class=fmt)
@@ -194,6 +217,8 @@ def _json_object(text: str) -> dict:
 def _llm(args, model: str):
     from tandem import LLM
 
+    from tandem.core.engine_args import from_cli_args
+
     return LLM(model=model, **from_cli_args(args))
 
 
@@ -224,7 +249,7 @@ def _params_per_prompt(args, llm, prompts: list[str]) -> list:
             capped.append(room)
             want = room
         # Only what was given: the rest comes from the checkpoint's generation config.
-        given = sampling_kwargs(args)
+        given = _sampling_kwargs(args)
         if want is not None:
             given["max_tokens"] = want
         params.append(SamplingParams(**given))
@@ -270,7 +295,14 @@ def cmd_transcribe(args) -> int:
     model_cls.check_audio_support()  # before the model loads
     if args.vad_parameters is not None and not args.vad_filter:
         raise ValueError("--vad-parameters without --vad-filter: give --vad-filter to use them")
-    if args.vad_filter:
+    if args.vad_method is not None and not args.vad_filter:
+        raise ValueError(f"--vad-method {args.vad_method} without --vad-filter: give --vad-filter to use it")
+    vad_filter, vad_parameters = args.vad_filter, args.vad_parameters
+    if args.vad_filter and args.vad_method == "energy":
+        from tandem.entrypoints.vad_energy import EnergyVad
+
+        vad_filter, vad_parameters = EnergyVad(args.vad_parameters), None  # a bad key or value fails here
+    elif args.vad_filter:
         from tandem.entrypoints.vad import VadOptions, check_vad_support
 
         check_vad_support()
@@ -279,12 +311,12 @@ def cmd_transcribe(args) -> int:
     if as_subtitles and len(args.files) > 1 and args.output_dir is None:
         raise ValueError(f"--format {args.format} with {len(args.files)} files: give --output-dir")
     llm = _llm(args, args.model)
-    sampling = sampling_kwargs(args)
+    sampling = _sampling_kwargs(args)
     results = llm.transcribe(
         list(args.files), language=args.language, task=args.task, timestamps=args.timestamps or as_subtitles,
         word_timestamps=args.word_timestamps, use_tqdm=not args.no_progress, no_speech_threshold=args.no_speech_threshold,
-        logprob_threshold=args.logprob_threshold, initial_prompt=args.initial_prompt, vad_filter=args.vad_filter,
-        vad_parameters=args.vad_parameters, **sampling,
+        logprob_threshold=args.logprob_threshold, initial_prompt=args.initial_prompt, vad_filter=vad_filter,
+        vad_parameters=vad_parameters, **sampling,
     )
     failed = 0
     for path, r in zip(args.files, results):
@@ -461,7 +493,9 @@ def _demo_whisper(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, subparsers = _build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The top level takes no option with a value, so a word that is not an option names a command.
+    parser, subparsers = _build_parser(engine_flags=any(not a.startswith("-") for a in argv))
     args, extra = parser.parse_known_args(argv)
     if extra:  # a bad flag: named by the subcommand it was given to
         subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")

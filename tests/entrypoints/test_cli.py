@@ -91,6 +91,21 @@ def test_version_help_defaults_and_bad_flags():
     assert res.returncode == 0 and res.stdout.count("(default: auto)") >= 2  # --dtype and --device
 
 
+def test_help_and_version_do_not_import_torch():
+    # `tandem --help` used to import torch (seconds) through the engine flags before parsing;
+    # what is imported is the measure here, not the time, which a loaded machine would skew.
+    code = ("import sys\nfrom tandem.entrypoints.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('torch imported:', 'torch' in sys.modules)")
+    for args in (["--help"], ["--version"], []):
+        res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+        assert res.stdout.rstrip().endswith("torch imported: False"), (args, res.stdout, res.stderr)
+    assert "generate,transcribe,serve,plugins,demo" in res.stderr  # no command: the usage error
+    # A command's own help still lists the engine flags.
+    res = subprocess.run([sys.executable, "-c", code, "serve", "--help"], capture_output=True, text=True)
+    assert "engine options:" in res.stdout and "--dtype" in res.stdout
+
+
 @pytest.mark.parametrize("args, command, names", [
     (["generate", "--model", "m", "--bogus-flag", "x"], "generate", "unrecognized arguments: --bogus-flag"),
     (["demo", "--dtype", "float8"], "demo", "argument --dtype: invalid choice: 'float8'"),

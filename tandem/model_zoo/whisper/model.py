@@ -198,11 +198,22 @@ class WhisperForConditionalGeneration(EncoderDecoderModel):
     @classmethod
     def default_decoder_prompt(cls, config, generation_config) -> tuple[list[int], PromptSlot | None]:
         """The prompt HF ``generate`` builds for audio given no decoder prompt and no
-        language or task: ``<|startoftranscript|>``, the detected language (a prompt
-        slot) on multilingual checkpoints, ``<|notimestamps|>``."""
+        arguments: ``<|startoftranscript|>``, the language (detected, a prompt slot, on
+        multilingual checkpoints unless the generation config sets one), the task its
+        ``task`` or ``forced_decoder_ids`` give, ``<|notimestamps|>``
+        (``WhisperPrompts.default_prompt``)."""
         if generation_config is None:
             return cls.get_default_decoder_prompt(config), None
-        return WhisperPrompts.from_generation_config(generation_config, config).default_prompt()
+        return WhisperPrompts.from_generation_config(generation_config, config).default_prompt(generation_config, config)
+
+    @classmethod
+    def non_text_token_ids(cls, config, generation_config) -> range:
+        """The timestamp tokens: HF's Whisper tokenizer leaves them out of decoded text
+        (unless asked for ``decode_with_timestamps``); they stay in ``token_ids``."""
+        no_timestamps = getattr(generation_config, "no_timestamps_token_id", None)
+        if no_timestamps is None:
+            return range(0)
+        return range(int(no_timestamps) + 1, cls.vocab_size(config))
 
     @classmethod
     def process_decoder_prompt(cls, config, token_ids: list[int]) -> list[int]:

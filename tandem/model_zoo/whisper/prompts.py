@@ -98,11 +98,50 @@ class WhisperPrompts:
             return [self.start], PromptSlot(tuple(self.lang_to_id.values()), tuple(tail))
         return [self.start, self.language_id(language), *tail], None
 
-    def default_prompt(self) -> tuple[list[int], PromptSlot | None]:
+    def default_prompt(self, gen, hf_config) -> tuple[list[int], PromptSlot | None]:
         """The prompt HF ``generate`` builds for audio given no decoder prompt and no
-        language or task: ``<|startoftranscript|>``, the detected language (a prompt
-        slot) on multilingual checkpoints, ``<|notimestamps|>``."""
-        tail = (self.no_timestamps,) if self.no_timestamps is not None else ()
-        if self.multilingual:
-            return [self.start], PromptSlot(tuple(self.lang_to_id.values()), tail)
-        return [self.start, *tail], None
+        arguments (transformers' ``_retrieve_init_tokens``), from the generation config
+        ``gen``: ``<|startoftranscript|>``; then its ``language`` and ``task``, or else
+        its ``forced_decoder_ids`` (the model config's when it has none: openai's
+        checkpoints force ``<|transcribe|>`` there); the language detected (a prompt
+        slot) on multilingual checkpoints where none is set; a task token where a
+        language is set; ``<|notimestamps|>`` last."""
+        language, task = getattr(gen, "language", None), getattr(gen, "task", None)
+        init: list[int | None] = [self.start]
+        if language is None and task is None:
+            forced = getattr(gen, "forced_decoder_ids", None) or getattr(hf_config, "forced_decoder_ids", None)
+            if forced and forced[0][0] == 1:
+                for position, (at, token) in enumerate(forced, start=1):
+                    if at != position:
+                        raise ValueError(
+                            f"forced_decoder_ids={forced!r} (generation config): positions must run 1, 2, 3, ... "
+                            "after <|startoftranscript|>, as Whisper's prompt does"
+                        )
+                    init.append(None if token is None else int(token))
+        detect = False
+        if language is not None:
+            if len(init) > 1:
+                init[1] = self.language_id(language)
+            else:
+                init.append(self.language_id(language))
+        elif self.multilingual and (len(init) <= 1 or init[1] is None):
+            detect = True
+            if len(init) <= 1:
+                init.append(None)
+        task_ids = set(self.task_to_id.values())
+        if task is not None:
+            if task not in self.task_to_id:
+                raise ValueError(f"task={task!r} (generation config): must be one of {', '.join(self.task_to_id)}")
+            if task_ids & set(init):
+                init = [self.task_to_id[task] if t in task_ids else t for t in init]
+            else:
+                init.append(self.task_to_id[task])
+        elif language is not None and "transcribe" in self.task_to_id and not task_ids & set(init):
+            init.append(self.task_to_id["transcribe"])
+        # tandem's generate() decodes without timestamp rules, so the prompt says so too.
+        if self.no_timestamps is not None and init[-1] != self.no_timestamps:
+            init.append(self.no_timestamps)
+        if detect:
+            then = tuple(t for t in init[2:] if t is not None)
+            return [self.start], PromptSlot(tuple(self.lang_to_id.values()), then)
+        return [t for t in init if t is not None], None
