@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from tandem.core.structured_output.params import StructuredOutputsParams
     from tandem.entrypoints.async_llm import AsyncLLM, EngineDeadError
     from tandem.entrypoints.llm import LLM
+    from tandem.entrypoints.vllm_compat import EngineArgs
     from tandem.plugins.hookspecs import hookimpl
 
 # Public name -> the module that defines it.
@@ -63,6 +64,7 @@ _LAZY = {
     "AsyncLLM": "tandem.entrypoints.async_llm",
     "EngineDeadError": "tandem.entrypoints.async_llm",
     "LLM": "tandem.entrypoints.llm",
+    "EngineArgs": "tandem.entrypoints.vllm_compat",
     "hookimpl": "tandem.plugins.hookspecs",
 }
 
@@ -91,6 +93,7 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "EngineDeadError",
+    "EngineArgs",
     "LLMEngine",
     "Attention",
     "AttentionBackend",

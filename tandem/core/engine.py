@@ -160,6 +160,16 @@ class LLMEngine:
         self.structured.shutdown()
         self.executor.shutdown()
 
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer (None for a model without one)."""
+        return self.tokenizer
+
+    def get_tokenizer_group(self):
+        """vLLM's ``TokenizerGroup`` over the tokenizer (``encode(prompt, ...)``)."""
+        from tandem.core.tokenizer_group import TokenizerGroup
+
+        return TokenizerGroup(self.tokenizer)
+
     # -- requests ------------------------------------------------------------
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request gets for every field it does not set: the checkpoint's

@@ -21,6 +21,7 @@ import torch
 from typing_extensions import NotRequired
 
 from tandem.core.text_checks import check_unicode
+from tandem.core.vllm_prompts import normalize_prompt
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -28,11 +29,16 @@ if TYPE_CHECKING:
 
 class TextPrompt(TypedDict):
     prompt: str
+    # vLLM's keys (core/vllm_prompts.py): {"audio": (samples, rate)}; an empty mm_processor_kwargs
+    multi_modal_data: NotRequired[dict[str, Any]]
+    mm_processor_kwargs: NotRequired[dict[str, Any]]
 
 
 class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
     prompt: NotRequired[str]
+    multi_modal_data: NotRequired[dict[str, Any]]
+    mm_processor_kwargs: NotRequired[dict[str, Any]]
 
 
 class AudioPrompt(TypedDict):
@@ -49,6 +55,7 @@ SingletonPrompt = Union[str, TextPrompt, TokensPrompt]
 class ExplicitEncoderDecoderPrompt(TypedDict):
     encoder_prompt: SingletonPrompt | AudioPrompt
     decoder_prompt: NotRequired[SingletonPrompt | None]
+    mm_processor_kwargs: NotRequired[dict[str, Any]]
 
 
 PromptType = Union[SingletonPrompt, AudioPrompt, ExplicitEncoderDecoderPrompt]
@@ -113,6 +120,7 @@ class InputProcessor:
         self.max_tokens = {True: model_cls.max_encoder_len(hf_config), False: model_cls.max_decoder_len(hf_config)}
 
     def process(self, prompt: Any) -> EncoderDecoderInputs:
+        prompt = normalize_prompt(prompt)
         if isinstance(prompt, dict) and "encoder_prompt" in prompt:
             unknown = set(prompt) - {"encoder_prompt", "decoder_prompt"}
             if unknown:
@@ -189,13 +197,22 @@ class InputProcessor:
         self._refuse_long_text(text, is_encoder)
         # verbose=False: no transformers warning that an over-long prompt "will result in
         # indexing errors"; the engine checks every prompt's length and refuses it naming both.
-        ids = list(self.tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
+        # A decoder prompt that opens with a special token spells its own prefix
+        # ("<|startoftranscript|>", "<s>"): the tokenizer's would double it (vLLM's rule for Whisper).
+        add = is_encoder or not text.startswith(self._special_tokens)
+        ids = list(self.tokenizer(text, add_special_tokens=add, verbose=False)["input_ids"])
         eos = self.tokenizer.eos_token_id
         # A decoder prompt is a prefix to continue, never a finished sequence.
         if not is_encoder and ids and eos is not None and ids[-1] == eos:
             ids.pop()
         return ids
 
+    @functools.cached_property
+    def _special_tokens(self) -> tuple[str, ...]:
+        tok = self.tokenizer
+        added = getattr(tok, "added_tokens_decoder", {}) or {}
+        names = {t.content for t in added.values() if getattr(t, "special", False)}
+        return tuple(sorted(names | set(tok.all_special_tokens)))
 
     def _refuse_long_text(self, text: str, is_encoder: bool) -> None:
         """Refuse a text far longer than the model takes after tokenizing only a prefix

@@ -18,6 +18,7 @@ from tandem.core.faults import EngineDeadError, describe
 from tandem.core.inputs import PromptType, preview
 from tandem.core.outputs import RequestOutput
 from tandem.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from tandem.entrypoints.vllm_compat import split_vllm_options
 from tandem.plugins import default_backend_registry, default_mode_registry, default_model_registry
 
 if TYPE_CHECKING:
@@ -33,9 +34,16 @@ class LLM:
     """
 
     def __init__(self, model: str, **engine_args) -> None:
+        # vLLM's keywords (max_model_len, kv_cache_dtype, limit_mm_per_prompt, ...): entrypoints/vllm_compat.py
+        engine_args, vllm_options = split_vllm_options(engine_args)
         check_kwargs("LLM", engine_args)
         config = EngineConfig(model=model, **engine_args)
         self.llm_engine = LLMEngine(config, default_model_registry(), default_backend_registry(), default_mode_registry())
+        try:
+            vllm_options.check_engine(self.llm_engine)
+        except ValueError:
+            self.llm_engine.shutdown()
+            raise
         self._ids = itertools.count()
         # The engine is single-threaded: concurrent generate() calls take turns.
         self._lock = threading.Lock()
@@ -55,7 +63,12 @@ class LLM:
         return self.llm_engine
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+        """The Hugging Face tokenizer."""
+        return self.llm_engine.get_tokenizer()
+
+    def get_tokenizer_group(self):
+        """vLLM's ``TokenizerGroup``: ``encode(prompt, ...)`` over the tokenizer."""
+        return self.llm_engine.get_tokenizer_group()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The defaults every request starts from: the checkpoint's generation config
@@ -171,6 +184,7 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """Outputs in prompt order. A prompt that fails validation gets an output
         whose ``error`` says why; the other prompts are generated as usual.
@@ -178,6 +192,9 @@ class LLM:
         Calls from several threads are served one after another. If the call
         raises or is interrupted, its requests are aborted and their blocks
         freed, so the engine is as it was before the call."""
+        # vLLM's keyword; None (or a list of None) is what a script without adapters passes.
+        if lora_request is not None and not (isinstance(lora_request, list) and all(r is None for r in lora_request)):
+            raise ValueError(f"lora_request={preview(lora_request)}: LoRA adapters are not supported")
         prompts = _prompt_list(prompts)
         params = _params_list(sampling_params, len(prompts))
         self._check_no_session("generate()")
