@@ -116,11 +116,15 @@ class WindowRequest:
 @dataclass(frozen=True)
 class WindowOutcome:
     """What a finished window did: whether its input is ``done``, and the ``segments``
-    it finished (``{"start", "end", "text", "token_ids"}``; what a stream sends as a
-    delta; empty when the input has no segments to report before its result)."""
+    it finished (``{"start", "end", "text", "token_ids"}``; sent with a stream's delta;
+    empty when the input has no segments to report before its result). ``text``: the
+    input's transcript so far, when the model can say (a stream's delta is its new
+    part, so the deltas join to the result's text); None: the server joins the
+    segments' texts."""
 
     done: bool
     segments: list[dict] = field(default_factory=list)
+    text: str | None = None
 
 
 class TranscriptionSession(ABC):

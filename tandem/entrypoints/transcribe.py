@@ -27,6 +27,7 @@ from tandem.core.transcription import (
     TranscriptionContext,
     TranscriptionOptions,
     TranscriptionSession,
+    WindowOutcome,
     check_transcription,
 )
 
@@ -221,11 +222,13 @@ def transcribe(
 async def transcribe_async(engine, waveform, request_id: str, *, vad_filter: Any = False,
                            vad_parameters: dict | None = None, **options: Any):
     """One input (a waveform from the model's ``load_transcription_audio``) through an
-    ``AsyncLLM``, window by window (requests ``{request_id}-w0``, ``-w1``...): yields each
-    window's new segments as it finishes (when the model reports any), then the final
-    :class:`Transcription`. With ``vad_filter``: the speech chunks' windows run
-    concurrently (requests ``{request_id}-c{k}-w{n}``) and each chunk's segments are
-    yielded in order (one segment spanning the chunk without timestamps)."""
+    ``AsyncLLM``, window by window (requests ``{request_id}-w0``, ``-w1``...): yields a
+    :class:`WindowOutcome` as each window finishes (its new segments and, when the model
+    says, the text so far; one whose window added neither is not yielded), then the
+    final :class:`Transcription`. With ``vad_filter``: the speech chunks' windows run
+    concurrently (requests ``{request_id}-c{k}-w{n}``) and each chunk is yielded in
+    order as one outcome (its segments, one spanning the chunk without timestamps, and
+    the merged text so far)."""
     # The engine thread runs model calls between steps; ``take`` waits for them on a
     # worker thread (as its other CPU work), never on the event loop.
     def run_on_model(method, *args):
@@ -249,16 +252,20 @@ async def transcribe_async(engine, waveform, request_id: str, *, vad_filter: Any
 
     results: list[Transcription] = []
     tasks: list[asyncio.Future] = []
+
+    def so_far(k: int) -> WindowOutcome:  # merge() joins the chunks' texts so
+        return WindowOutcome(False, chunk_segments(chunks[k], results[k]), " ".join(r.text for r in results if r.text))
+
     try:
         if chunks and _detects_language(engine.engine, options):  # the first chunk's language, for the others
             results.append(await run(0, session))
-            yield chunk_segments(chunks[0], results[0])
+            yield so_far(0)
             session = _session(engine.engine, {**options, "language": results[0].language},
                                run_on_model=run_on_model)
         tasks = [asyncio.ensure_future(run(k, session)) for k in range(len(results), len(chunks))]
         for k, task in enumerate(tasks, start=len(results)):
             results.append(await task)
-            yield chunk_segments(chunks[k], results[-1])
+            yield so_far(k)
     finally:
         for task in tasks:
             task.cancel()
@@ -269,7 +276,7 @@ async def transcribe_async(engine, waveform, request_id: str, *, vad_filter: Any
 
 async def _windows(engine, session: TranscriptionSession, state: Any, request_id: str):
     """One session input's windows in turn (requests ``{request_id}-w{n}``): yields each
-    window's new segments, then the :class:`Transcription`."""
+    window's outcome that has new segments or text, then the :class:`Transcription`."""
     n = 0
     while True:
         w = session.next_window(state)
@@ -280,8 +287,8 @@ async def _windows(engine, session: TranscriptionSession, state: Any, request_id
         if last.error is not None:
             raise ValueError(last.error)
         outcome = await asyncio.to_thread(session.take, state, last)
-        if outcome.segments:
-            yield outcome.segments
+        if outcome.segments or outcome.text:
+            yield outcome
         if outcome.done:
             yield session.result(state)
             return

@@ -46,6 +46,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.core.transcription import AudioTooLongError, Transcription, supports_transcription
 from tandem.entrypoints.async_llm import AsyncLLM, EngineDeadError
+from tandem.core.sampling_params import SamplingParams
+from tandem.entrypoints.openai.audio_fields import check_other_fields, refuse_unknown, sampling_options
 from tandem.entrypoints.openai.completions import complete, first_outputs, stream_completion
 from tandem.entrypoints.openai.guard import BodyTooLarge, Guard
 from tandem.entrypoints.openai.media import PromptAudio, find_audio
@@ -66,8 +68,9 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 # FLAC) is refused after at most 30 minutes were decoded: 115 MB of 16 kHz float32
 # and 60 of Whisper's 30-second windows.
 DEFAULT_MAX_AUDIO_SECONDS = 1800.0
-# The non-file fields of an audio upload (model, language, prompt, ...): few and short.
-MAX_FORM_FIELDS = 16
+# The non-file fields of an audio upload (model, language, prompt, sampling fields, ...):
+# few and short. audio_fields.py names about 25, each given once.
+MAX_FORM_FIELDS = 32
 MAX_FORM_FIELD_BYTES = 64 << 10
 
 
@@ -251,6 +254,7 @@ def build_app(
             raise HTTPError(400, f"{engine.engine.architecture} takes no audio: the audio endpoints need a model "
                                   "that supports transcription, such as Whisper")
         form, data = await _read_form(request)
+        refuse_unknown(form)
         model_name = form.get("model")
         if model_name not in (None, "", served_model_name):
             raise HTTPError(400, wrong_model(model_name, served_model_name))
@@ -283,6 +287,10 @@ def build_app(
             if prompt:
                 options["prompt_ids"] = prompt_ids_of(engine.get_tokenizer(), prompt)
             options.update(_vad_fields(form))
+            check_other_fields(form, task)
+            sampling = sampling_options(form)
+            SamplingParams(**sampling)  # a value out of range: a 400 here, before any audio is decoded
+            options.update(sampling)
             # Decoding is CPU work (and bounded by max_audio_seconds): off the event loop.
             waveform = await asyncio.to_thread(model_cls.load_transcription_audio, data,
                                                max_seconds=max_audio_seconds)
@@ -464,8 +472,15 @@ async def _transcribe(engine, waveform, rid, options):
 
 
 async def _audio_stream(gen, rid, cut, meter: AudioMeter, duration: float):
-    """Server-sent events: a ``transcript.text.delta`` per finished window's text,
-    then ``transcript.text.done`` with the whole text, then ``[DONE]``."""
+    """Server-sent events: a ``transcript.text.delta`` per finished window that adds text
+    (or segments), a single-window clip's one window included, then
+    ``transcript.text.done`` with the whole text, then ``[DONE]``. The deltas joined are
+    the done event's text: each is the new part of the transcript so far (``_new_text``).
+
+    Why per window and not per token: a window's tokens are not final until the window
+    is: with timestamps the input seeks back to the window's last complete segment
+    (its tail is decoded again with the next window), and a fallback temperature
+    decodes the whole window again; a stream cannot take back text it sent."""
     queue: asyncio.Queue = asyncio.Queue()
     end = object()
 
@@ -485,6 +500,7 @@ async def _audio_stream(gen, rid, cut, meter: AudioMeter, duration: float):
 
     tasks = [asyncio.create_task(pump()), asyncio.create_task(on_cut())]
     failed = False
+    sent = ""  # the text the deltas so far make
     try:
         while True:
             item = await queue.get()
@@ -501,11 +517,20 @@ async def _audio_stream(gen, rid, cut, meter: AudioMeter, duration: float):
                 yield f"data: {json.dumps(error_body(400 if known else 500, str(item) if known else 'internal error'))}\n\n"
                 return
             if isinstance(item, Transcription):
+                rest = _new_text(sent, item.text, final=True)
+                if rest or not sent:  # the text no window reported (one at least, even empty)
+                    yield f"data: {json.dumps({'type': 'transcript.text.delta', 'delta': rest, 'segments': []})}\n\n"
                 yield f"data: {json.dumps({'type': 'transcript.text.done', 'text': item.text})}\n\n"
             else:
-                delta = {"type": "transcript.text.delta", "delta": " ".join(seg["text"] for seg in item),
-                         "segments": item}
-                yield f"data: {json.dumps(delta)}\n\n"
+                text = item.text
+                if text is None:  # the model does not say its text so far: its segments' texts, joined
+                    joined = " ".join(seg["text"] for seg in item.segments if seg["text"])
+                    text = sent + (" " if sent and joined else "") + joined
+                new = _new_text(sent, text)
+                if new or item.segments:
+                    sent += new
+                    delta = {"type": "transcript.text.delta", "delta": new, "segments": item.segments}
+                    yield f"data: {json.dumps(delta)}\n\n"
         yield "data: [DONE]\n\n"
     finally:  # a disconnect or the cut: stop the pump (its window's request aborts)
         for t in tasks:
@@ -513,3 +538,14 @@ async def _audio_stream(gen, rid, cut, meter: AudioMeter, duration: float):
         if not failed:
             meter.aborted()  # counted once: a no-op after finished()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _new_text(sent: str, text: str, final: bool = False) -> str:
+    """What ``text`` (the transcript so far) adds to the ``sent`` deltas: its new part, less
+    (until the end) a trailing replacement character, the first bytes of a character a
+    later window may complete. Nothing when ``text`` does not go on from what was sent
+    (sent text cannot be taken back; the done event has the whole text)."""
+    if not text.startswith(sent):
+        return ""
+    new = text[len(sent):]
+    return new if final else new.rstrip("\ufffd")

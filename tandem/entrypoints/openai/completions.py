@@ -104,22 +104,65 @@ def _choice(index: int, completion, text: str, logprobs_out) -> dict:
             "stop_reason": completion.stop_reason}
 
 
-def _logprobs(completion, tokenizer, token_ids=None, entries=None) -> dict | None:
+class TokenText:
+    """One choice's generated tokens as text, for its logprobs: each token's piece (the
+    text it adds to the completion, made as the engine makes the text: its own
+    incremental detokenizer, with the request's ``skip_special_tokens`` and the
+    model's non-text tokens, so the pieces joined are the completion's text) and
+    ``text_offset``, where each piece starts in the completion's text (OpenAI's and
+    vLLM's meaning, without ``echo``): cumulative across a stream's chunks, so a
+    token's offset indexes the whole text however it was streamed. A token that adds
+    no text (a skipped special token, a timestamp, the first bytes of a character
+    that a later token completes) has an empty piece at the current offset."""
+
+    def __init__(self, tokenizer, params, non_text_token_ids=()) -> None:
+        from tandem.core.output_processor import IncrementalDetokenizer
+
+        self.detok = (IncrementalDetokenizer(tokenizer, params.skip_special_tokens, non_text_token_ids)
+                      if tokenizer is not None else None)
+        self.at = 0  # characters of text the pieces so far make
+
+    def pieces(self, token_ids) -> tuple[list[str], list[int]]:
+        tokens, offsets = [], []
+        for t in token_ids:
+            piece = self.detok.add([t]) if self.detok is not None else ""
+            tokens.append(piece)
+            offsets.append(self.at)
+            self.at += len(piece)
+        return tokens, offsets
+
+
+def _logprobs(completion, tokenizer, text: TokenText, token_ids=None, entries=None) -> dict | None:
     entries = completion.logprobs if entries is None else entries
     if entries is None:
         return None
     token_ids = completion.token_ids if token_ids is None else token_ids
+    tokens, offsets = text.pieces(token_ids)
+    if tokenizer is None:  # no text: tokens are named by their ids
+        tokens = [str(t) for t in token_ids]
 
     def name(t: int) -> str:
-        return tokenizer.convert_ids_to_tokens(t) if tokenizer is not None else str(t)
+        return tokenizer.decode([t]) if tokenizer is not None else str(t)
+
+    def top(entry: dict, chosen: int, piece: str) -> dict:
+        # Keyed by each token's text, as OpenAI's; the chosen token by its piece, so
+        # top_logprobs[i][tokens[i]] finds it. Two tokens of one text keep the likelier.
+        out: dict[str, float] = {}
+        for k, v in entry.items():
+            if _finite(v) is None:
+                continue
+            key = piece if k == chosen else name(k)
+            if key not in out or v > out[key]:
+                out[key] = v
+        return out
 
     # JSON has no -Infinity or NaN: a chosen token of probability 0 (every token
     # banned, say) gets null, and top entries of probability 0 are left out.
     return {
-        "tokens": [name(t) for t in token_ids],
+        "tokens": tokens,
         "token_logprobs": [_finite(e.get(t)) for e, t in zip(entries, token_ids)],
-        "top_logprobs": [{name(k): v for k, v in e.items() if _finite(v) is not None} for e in entries],
-        "text_offset": [],
+        "top_logprobs": [top(e, t, p) for e, t, p in zip(entries, token_ids, tokens)],
+        "text_offset": offsets,
     }
 
 
@@ -198,6 +241,7 @@ async def complete(engine, metrics, request, params, prompts, ids, base, created
     if failed:  # it failed while being served (its step's fault, or its own)
         raise HTTPError(500, f"the request failed while being served: {failed[0]}")
     tokenizer = engine.get_tokenizer()
+    non_text = engine.engine.non_text_token_ids
     choices, outs = [], []
     for i, out in enumerate(results):
         outs.append(out)
@@ -205,7 +249,8 @@ async def complete(engine, metrics, request, params, prompts, ids, base, created
         metrics.generation_tokens.inc(n_tokens)
         _record(metrics, ids[i], out, start, time.monotonic() if n_tokens else None)
         for j, c in enumerate(out.outputs):
-            choices.append(_choice(i * len(out.outputs) + j, c, c.text, _logprobs(c, tokenizer)))
+            text = TokenText(tokenizer, params, non_text)
+            choices.append(_choice(i * len(out.outputs) + j, c, c.text, _logprobs(c, tokenizer, text)))
     return {"id": base, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": _usage(outs)}
 
@@ -214,6 +259,7 @@ async def stream_completion(engine, metrics, req, params, first, ids, base, crea
     """Server-sent events: one chunk per new text per choice, then (with
     ``stream_options.include_usage``) a usage chunk, then ``[DONE]``."""
     tokenizer = engine.get_tokenizer()
+    texts: dict[tuple[int, int], TokenText] = {}  # (prompt, choice) -> its tokens' text so far: offsets go on
     start = time.monotonic()
     queue: asyncio.Queue = asyncio.Queue()
     n_per = None
@@ -274,8 +320,10 @@ async def stream_completion(engine, metrics, req, params, first, ids, base, crea
                 last_token_at[i] = now
             for j, c in enumerate(out.outputs):
                 if c.text or c.token_ids or c.finish_reason:
+                    if (i, j) not in texts:
+                        texts[(i, j)] = TokenText(tokenizer, params, engine.engine.non_text_token_ids)
                     chunk = {"id": base, "object": "text_completion", "created": created, "model": model,
-                             "choices": [_choice(i * n_per + j, c, c.text, _logprobs(c, tokenizer))]}
+                             "choices": [_choice(i * n_per + j, c, c.text, _logprobs(c, tokenizer, texts[(i, j)]))]}
                     yield f"data: {json.dumps(chunk)}\n\n"
             if out.finished:
                 finals[i] = out

@@ -230,7 +230,7 @@ class WhisperTranscription(TranscriptionSession):
             inp.segments = [] if skip else [{"start": 0.0, "end": inp.waveform.numel() / SAMPLE_RATE, "tokens": tokens}]
             self._mark(inp.segments, no_speech_prob)
             self._words(inp, inp.segments, times)
-            return WindowOutcome(done=True)
+            return WindowOutcome(done=True, text=self._text(tokens if not skip else []))
         num = min(WINDOW_FRAMES, inp.max_frames - inp.seek)
         if tokens and not skip:  # HF: a skipped window seeks past itself and adds nothing
             segments, advance = retrieve_segments(tokens, prompts.timestamp_begin, inp.seek * FRAME_SECONDS, num)
@@ -240,7 +240,8 @@ class WhisperTranscription(TranscriptionSession):
         self._words(inp, segments, times)
         inp.segments += segments
         inp.seek += advance
-        return WindowOutcome(inp.seek >= inp.max_frames, [self._segment(s) for s in segments])
+        text = self._text([t for seg in inp.segments for t in seg["tokens"]])  # as result() makes it
+        return WindowOutcome(inp.seek >= inp.max_frames, [self._segment(s) for s in segments], text)
 
     def _no_speech_prob(self, inp: _Input, prompt: list[int]) -> float:
         """HF's ``WhisperNoSpeechDetection`` where the prompt ends at ``<|startoftranscript|>``:
