@@ -12,6 +12,8 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
+from tandem.core.structured_output.joined import joined_decoding, joined_vocab
+
 if TYPE_CHECKING:
     import torch
 
@@ -42,7 +44,9 @@ class XgrammarBackend:
     allowed. The tokenizer's special tokens (``<s>``, ``<pad>``, ``<unk>``...) are
     never grammar text either: a detokenizer skips them, so text made of them would
     not be the text the grammar matched. ``stop_token_ids`` (the engine's EOS ids)
-    are allowed exactly where the grammar is complete."""
+    are allowed exactly where the grammar is complete. A tokenizer whose decoder
+    joins tokens with a separator (``joined``) is refused here when that cannot be
+    mapped token by token, and its grammars are the separator then the spec."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
         if tokenizer is None:
@@ -52,6 +56,7 @@ class XgrammarBackend:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
+        self.joined = joined_decoding(tokenizer)  # raises ValueError at the door
         self._lock = threading.Lock()
         self._compiler = None
         self.tokenizer_info = None
@@ -61,7 +66,8 @@ class XgrammarBackend:
         with self._lock:
             if self._compiler is None:
                 xgr = import_xgrammar()
-                self.tokenizer_info = build_tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
+                self.tokenizer_info = build_tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids,
+                                                           self.joined)
                 self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=min(8, os.cpu_count() or 1))
             return self._compiler
 
@@ -70,6 +76,8 @@ class XgrammarBackend:
         compiler = self.compiler()
         kind, spec = so.kind, so.spec
         try:
+            if self.joined is not None:
+                return compiler.compile_grammar(self._joined_grammar(so))
             if kind == "json":
                 return compiler.compile_json_schema(spec, any_whitespace=not so.disable_any_whitespace)
             if kind == "json_object":  # OpenAI's: any JSON object
@@ -83,6 +91,20 @@ class XgrammarBackend:
             return compiler.compile_grammar(spec)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the parser's message
             raise GrammarCompileError(f"StructuredOutputsParams.{kind}: cannot be compiled: {_cause(e)}") from e
+
+    def _joined_grammar(self, so: "StructuredOutputsParams"):
+        # The first token's separator is written by no decoder: the grammar's, not the text's.
+        xgr, kind, spec = import_xgrammar(), so.kind, so.spec
+        ws = not so.disable_any_whitespace
+        if kind == "json":
+            g = xgr.Grammar.from_json_schema(spec, any_whitespace=ws)
+        elif kind == "json_object":
+            g = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=ws, strict_mode=False)
+        elif kind == "regex":
+            g = xgr.Grammar.from_regex(spec)
+        else:
+            g = xgr.Grammar.from_ebnf(choice_grammar(spec) if kind == "choice" else spec)
+        return xgr.Grammar.concat(xgr.Grammar.from_ebnf("root ::= " + json.dumps(self.joined.separator)), g)
 
     def matcher(self, compiled):
         return import_xgrammar().GrammarMatcher(compiled)
@@ -98,19 +120,26 @@ class XgrammarBackend:
         return int(bits.flatten()[: self.vocab_size].sum())
 
 
-def build_tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]):
+def build_tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int], joined=None):
     """xgrammar's view of the vocabulary, ``vocab_size`` ids (the LM head's), with the
-    tokenizer's special tokens other than the stop tokens made empty (so never allowed)."""
+    tokenizer's special tokens other than the stop tokens made empty (so never allowed).
+    ``joined`` (a ``Joined``): each token is what it adds to the text after another."""
     xgr = import_xgrammar()
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    for idx, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            special.add(idx)
+    if joined is not None:
+        encoded = joined_vocab(tokenizer, vocab_size, joined, special | set(stop_token_ids))
+        for idx, token in ((i, tokenizer.convert_ids_to_tokens(i)) for i in stop_token_ids):
+            if 0 <= idx < vocab_size:
+                encoded[idx] = token
+        return xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
     detected = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
     encoded = [""] * vocab_size
     for token, idx in tokenizer.get_vocab().items():
         if idx < vocab_size:
             encoded[idx] = token
-    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
-    for idx, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
-        if getattr(added, "special", False):
-            special.add(idx)
     for idx in special - set(stop_token_ids):
         if 0 <= idx < vocab_size:
             encoded[idx] = ""
