@@ -16,7 +16,7 @@ from tandem.core.inputs import EncoderInputs
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from tandem.core.strategies import PromptSlot
+    from tandem.core.strategies.prompt_slot import PromptSlot
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from tandem.core.outputs import RequestOutput
     from tandem.core.sampling_params import SamplingParams
-    from tandem.core.strategies import PromptSlot
+    from tandem.core.strategies.prompt_slot import PromptSlot
 
 
 @dataclass

@@ -27,7 +27,7 @@ from tandem.core.attention import AttentionMetadata
 from tandem.core.inputs import EncoderInputs
 from tandem.core.layers import VocabParallelEmbedding
 from tandem.core.model import EncoderDecoderModel, KVCacheSpec, ModelContext
-from tandem.core.strategies import PromptSlot
+from tandem.core.strategies.prompt_slot import PromptSlot
 from tandem.core.transcription import (
     AudioTooLongError,
     TranscriptionContext,

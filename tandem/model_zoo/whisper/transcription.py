@@ -40,7 +40,7 @@ import torch
 
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import RequestOutputKind, SamplingParams
-from tandem.core.strategies import PromptSlot
+from tandem.core.strategies.prompt_slot import PromptSlot
 from tandem.core.transcription import (
     Transcription,
     TranscriptionContext,

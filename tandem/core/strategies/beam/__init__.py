@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.core.beam_search import BeamCandidates, BeamSearchState
+from tandem.core.strategies.beam.search import BeamCandidates, BeamSearchState
 from tandem.core.kv.block_pool import blocks_for
 from tandem.core.core_outputs import CompletionDelta, RequestResult
 from tandem.core.sequence import SequenceStatus

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from tandem.core.structured_output.params import StructuredOutputsParams
+    from tandem.core.structured_params import StructuredOutputsParams
 
 INSTALL_HINT = "pip install 'tandem-engine[structured]'"
 
