@@ -287,6 +287,21 @@ def core_graph(graph) -> dict[str, dict[str, int]]:
     return {m: {t: line for t, line in ts.items() if inside(t)} for m, ts in graph.items() if inside(m)}
 
 
+def core_units_graph(graph) -> dict[str, dict[str, int]]:
+    """Core's graph with each of its files and packages as one node (``tandem.core.kv``
+    stands for all of kv/): a feature package and the modules it imports must not
+    import each other in a loop even when no two single modules do."""
+    def unit(m):
+        return ".".join(m.split(".")[:3])
+    out: dict[str, dict[str, int]] = {}
+    for m, targets in core_graph(graph).items():
+        edges = out.setdefault(unit(m), {})
+        for t, line in targets.items():
+            if unit(t) != unit(m):
+                edges.setdefault(unit(t), line)
+    return out
+
+
 @pytest.fixture(scope="module")
 def tandem_graph():
     files = module_files(PACKAGE)
@@ -466,6 +481,28 @@ def test_no_cycle_inside_core(tandem_graph):
     assert not comps, "core modules importing each other in a loop: " + "; ".join(", ".join(c) for c in comps)
 
 
+def test_no_loop_among_cores_files_and_packages(tandem_graph):
+    _, graph = tandem_graph
+    units = core_units_graph(graph)
+    comps = strongly_connected(units)
+    assert not comps, (f"core's files and packages importing each other in a loop (of {len(units)}): "
+                       + "; ".join(", ".join(c) for c in comps))
+
+
+def test_the_unit_graph_joins_a_package(tmp_path):
+    _write(tmp_path, {
+        "tandem/__init__.py": "",
+        "tandem/core/__init__.py": "",
+        "tandem/core/model.py": "from tandem.core.feature import mode\n",
+        "tandem/core/feature/__init__.py": "",
+        "tandem/core/feature/mode.py": "",
+        "tandem/core/feature/loader.py": "from tandem.core import model\n",
+    })
+    graph = import_graph(module_files(tmp_path / "tandem"))
+    assert strongly_connected(core_graph(graph)) == []  # no loop between single modules
+    assert strongly_connected(core_units_graph(graph)) == [["tandem.core.feature", "tandem.core.model"]]
+
+
 def test_no_core_module_only_re_exports(tandem_graph):
     """No shims: a core module whose body is only imports (and ``__all__``) re-exports
     another's names; import them from where they live. ``tandem.core.layers`` is the
@@ -497,6 +534,11 @@ def _report(root: Path) -> None:
     core = [m for m in files if m == "tandem.core" or m.startswith("tandem.core.")]
     comps = strongly_connected(core_graph(graph))
     print(f"{len(comps)} loops among core's {len(core)} modules:")
+    for c in comps:
+        print(f"  {len(c)}: " + ", ".join(c))
+    units = core_units_graph(graph)
+    comps = strongly_connected(units)
+    print(f"{len(comps)} loops among core's {len(units)} files and packages:")
     for c in comps:
         print(f"  {len(c)}: " + ", ".join(c))
 

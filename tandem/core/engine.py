@@ -25,13 +25,13 @@ from typing import Any
 import torch
 
 from tandem.core.attention import AttentionType
-from tandem.core.kv.block_manager import BlockManager
 from tandem.core.config import EngineConfig
 from tandem.core.core_outputs import RequestInfo, RequestResult
 from tandem.core.engine_core import EngineCore
 from tandem.core.faults import EngineDeadError, EngineHealth
 from tandem.core.generation_config import load_generation_defaults
-from tandem.core.inputs import PromptType
+from tandem.core.inputs import PromptSlot, PromptType
+from tandem.core.kv.block_manager import BlockManager
 from tandem.core.loader import check_model_config, load_hf_config, load_tokenizer
 from tandem.core.memory import GiB
 from tandem.core.model_call import check_model_call, run_model_call
@@ -43,7 +43,6 @@ from tandem.core.sched.scheduler import Scheduler
 from tandem.core.sequence import Sequence, SequenceGroup
 from tandem.core.strategies.builtin import BuiltinModes
 from tandem.core.strategies.modes import EngineContext, Modes, RequestContext
-from tandem.core.strategies.prompt_slot import PromptSlot
 from tandem.core.strategies.structured.manager import StructuredOutputManager
 from tandem.core.structured_params import StructuredOutputsParams
 from tandem.core.executor import WorkerSpec, executor_class

@@ -21,7 +21,7 @@ from tandem.core.sampling_params import BeamSearchParams, RequestOutputKind, Sam
 from tandem.plugins import default_backend_registry, default_mode_registry, default_model_registry
 
 if TYPE_CHECKING:
-    from tandem.core.strategies.prompt_slot import PromptSlot
+    from tandem.core.inputs import PromptSlot
 
 
 class LLM:

@@ -26,11 +26,11 @@ import numpy as np
 
 from tandem.core.core_outputs import CompletionDelta, RequestResult
 from tandem.core.sequence import SequenceStatus
-from tandem.core.strategies.speculative import ngram
 from tandem.core.speculative_config import SpeculativeConfig
 from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode
 from tandem.core.strategies.modes import EngineContext, Mode, RequestContext
 from tandem.core.strategies.sampling import SamplingStrategy, finish_reason
+from tandem.core.strategies.speculative import ngram
 
 if TYPE_CHECKING:
     import torch
