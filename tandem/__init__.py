@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from tandem.core.model import EncoderDecoderModel, KVCacheSpec, ModelContext
     from tandem.core.outputs import CompletionOutput, RequestOutput
     from tandem.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-    from tandem.core.structured_output.params import StructuredOutputsParams
+    from tandem.core.structured_params import StructuredOutputsParams
     from tandem.entrypoints.async_llm import AsyncLLM, EngineDeadError
     from tandem.entrypoints.llm import LLM
     from tandem.entrypoints.vllm_compat import EngineArgs
@@ -60,7 +60,7 @@ _LAZY = {
     "BeamSearchParams": "tandem.core.sampling_params",
     "RequestOutputKind": "tandem.core.sampling_params",
     "SamplingParams": "tandem.core.sampling_params",
-    "StructuredOutputsParams": "tandem.core.structured_output.params",
+    "StructuredOutputsParams": "tandem.core.structured_params",
     "AsyncLLM": "tandem.entrypoints.async_llm",
     "EngineDeadError": "tandem.entrypoints.async_llm",
     "LLM": "tandem.entrypoints.llm",

@@ -8,7 +8,9 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from tandem.core.block_manager import BlockManager, Device
+from tandem.core.kv.block_manager import BlockManager
+
+from tandem.core.kv.block_pool import Device
 from tandem.core.sequence import Sequence, SequenceGroup
 
 DEV, HOST = Device.DEVICE, Device.HOST

@@ -16,7 +16,14 @@ capabilities": frontends and ``core/`` import no model):
 (b) ``tandem.core`` imports none of ``tandem.backends``, ``tandem.model_zoo``,
     ``tandem.registry``, ``tandem.entrypoints``, ``tandem.plugins``;
 (c) ``tandem.entrypoints`` imports neither ``tandem.model_zoo`` nor
-    ``tandem.audio``.
+    ``tandem.audio``;
+(d) inside ``tandem.core``, every module sits on a floor (``CORE_FLOORS``) and no
+    import runs from a lower floor to a higher one (docs/architecture.md, "Floors
+    inside core"); a new core module fails the test until it is given a floor.
+
+``python tests/test_layering.py [TANDEM_DIR]`` prints, for a tree, its core modules
+without a floor, the imports that run up a floor and the groups of core modules
+that import each other in a loop.
 """
 
 from __future__ import annotations
@@ -198,6 +205,103 @@ def _cycle_report(graph, files) -> list[str]:
     return lines
 
 
+# -- floors inside tandem.core -----------------------------------------------------------
+# A module may import from its own floor or a lower one, never a higher one; inside a
+# floor the no-cycle rule keeps the order. A key ending in ".*" is a package with all
+# its modules; any other key is one module. Every module of tandem/core must match a
+# key, and every key a module, so the table stays the map of core.
+CORE_FLOORS: dict[str, tuple[int, str]] = {}
+_FLOOR_NAMES = {
+    1: "data: params, inputs, outputs, scheduler output, core outputs, sequence state, config",
+    2: "kv: block pool, block manager, prefix and encoder caches, cache ops",
+    3: "model interface, worker, strategies (each mode's per-request state and batch hooks)",
+    4: "sched: the scheduler",
+    5: "the engine core and the executors",
+    6: "the frontend path inside core: LLMEngine, request processor, output processor",
+}
+for _floor, _keys in {
+    1: ("tandem.core", "tandem.core.param_errors", "tandem.core.text_checks", "tandem.core.sampling_params",
+        "tandem.core.structured_params", "tandem.core.schema_check", "tandem.core.speculative_config",
+        "tandem.core.generation_config", "tandem.core.inputs", "tandem.core.outputs", "tandem.core.core_outputs",
+        "tandem.core.scheduler_output", "tandem.core.sequence", "tandem.core.config", "tandem.core.engine_args",
+        "tandem.core.dtype", "tandem.core.checkpoint_source", "tandem.core.memory", "tandem.core.faults",
+        "tandem.core.model_call", "tandem.core.vllm_prompts", "tandem.core.tokenizer_group"),
+    2: ("tandem.core.kv.*",),
+    3: ("tandem.core.attention", "tandem.core.relative_position", "tandem.core.layers.*", "tandem.core.model",
+        "tandem.core.transcription", "tandem.core.weight_loading", "tandem.core.checkpoint", "tandem.core.loader",
+        "tandem.core.worker.*", "tandem.core.strategies.*"),
+    4: ("tandem.core.sched.*",),
+    5: ("tandem.core.engine_core", "tandem.core.executor.*"),
+    6: ("tandem.core.engine", "tandem.core.request_processor", "tandem.core.output_processor"),
+}.items():
+    for _key in _keys:
+        CORE_FLOORS[_key] = (_floor, _FLOOR_NAMES[_floor])
+
+
+def floor_of(module: str, table: dict[str, tuple[int, str]] = CORE_FLOORS) -> int | None:
+    """The floor of a core module by the table (an exact key first, then the
+    innermost package key), or None when no key covers it."""
+    if module in table:
+        return table[module][0]
+    parts = module.split(".")
+    for i in range(len(parts), 0, -1):
+        key = ".".join(parts[:i]) + ".*"
+        if key in table:
+            return table[key][0]
+    return None
+
+
+def core_without_floor(files, table=CORE_FLOORS) -> list[str]:
+    return sorted(m for m in files if (m == "tandem.core" or m.startswith("tandem.core.")) and floor_of(m, table) is None)
+
+
+def floor_keys_without_module(files, table=CORE_FLOORS) -> list[str]:
+    out = []
+    for key in table:
+        if key.endswith(".*"):
+            if key[:-2] not in files:
+                out.append(key)
+        elif key not in files:
+            out.append(key)
+    return sorted(out)
+
+
+def upward_imports(graph, files, table=CORE_FLOORS, root: Path = PACKAGE) -> list[str]:
+    """``file:line: module (floor a) imports target (floor b)`` for each core import with b > a."""
+    out = []
+    for m, targets in graph.items():
+        low = floor_of(m, table)
+        if low is None:
+            continue
+        for target, line in targets.items():
+            high = floor_of(target, table)
+            if high is not None and high > low:
+                out.append(f"{files[m].relative_to(root.parent)}:{line}: {m} (floor {low}) imports {target} (floor {high})")
+    return sorted(out)
+
+
+def core_graph(graph) -> dict[str, dict[str, int]]:
+    """The graph restricted to tandem.core's modules."""
+    def inside(m):
+        return m == "tandem.core" or m.startswith("tandem.core.")
+    return {m: {t: line for t, line in ts.items() if inside(t)} for m, ts in graph.items() if inside(m)}
+
+
+def core_units_graph(graph) -> dict[str, dict[str, int]]:
+    """Core's graph with each of its files and packages as one node (``tandem.core.kv``
+    stands for all of kv/): a feature package and the modules it imports must not
+    import each other in a loop even when no two single modules do."""
+    def unit(m):
+        return ".".join(m.split(".")[:3])
+    out: dict[str, dict[str, int]] = {}
+    for m, targets in core_graph(graph).items():
+        edges = out.setdefault(unit(m), {})
+        for t, line in targets.items():
+            if unit(t) != unit(m):
+                edges.setdefault(unit(t), line)
+    return out
+
+
 @pytest.fixture(scope="module")
 def tandem_graph():
     files = module_files(PACKAGE)
@@ -300,7 +404,7 @@ def test_entrypoints_import_no_model_and_no_audio_code(tandem_graph):
 # The scheduler, engine core, sequence, kv/ and worker/ call the modes' hooks only
 # (docs/architecture.md, "Adding a mode"): a name in their code (not comments or
 # docstrings) that names a mode means a mode leaked into them.
-MODE_AGNOSTIC = ("core/scheduler.py", "core/engine_core.py", "core/sequence.py", "core/kv", "core/worker")
+MODE_AGNOSTIC = ("core/sched", "core/engine_core.py", "core/sequence.py", "core/kv", "core/worker")
 MODE_WORDS = ("spec_token", "speculat", "draft", "beam", "grammar", "structured", "bitmask", "prompt_slot",
               "promptslot", "xgrammar")
 
@@ -326,3 +430,120 @@ def test_mode_agnostic_files_name_no_mode():
                 if any(w in name.lower() for w in MODE_WORDS):
                     found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {name}")
     assert not found, "mode names in mode-agnostic code:\n" + "\n".join(found)
+
+
+
+# -- floors inside core ----------------------------------------------------------------------
+
+
+def test_the_floor_checker_finds_upward_imports_and_unassigned_modules(tmp_path):
+    _write(tmp_path, {
+        "tandem/__init__.py": "",
+        "tandem/core/__init__.py": "",
+        "tandem/core/params.py": "def f():\n    from tandem.core.sched.scheduler import S\n",  # lazy, up two floors
+        "tandem/core/sched/__init__.py": "",
+        "tandem/core/sched/scheduler.py": "from tandem.core import params\n",  # down: allowed
+        "tandem/core/kv/__init__.py": "",
+        "tandem/core/kv/pool.py": "from tandem.core.kv import new_thing\n",  # its own floor: allowed
+        "tandem/core/kv/new_thing.py": "",
+        "tandem/core/stray.py": "",
+    })
+    table = {"tandem.core": (1, ""), "tandem.core.params": (1, ""), "tandem.core.kv.*": (2, ""),
+             "tandem.core.sched.*": (4, ""), "tandem.core.gone": (1, "")}
+    files = module_files(tmp_path / "tandem")
+    graph = import_graph(files)
+    assert floor_of("tandem.core.kv.new_thing", table) == 2
+    assert floor_of("tandem.core.kv", table) == 2
+    assert upward_imports(graph, files, table, root=tmp_path / "tandem") == [
+        "tandem/core/params.py:2: tandem.core.params (floor 1) imports tandem.core.sched.scheduler (floor 4)"]
+    assert core_without_floor(files, table) == ["tandem.core.stray"]
+    assert floor_keys_without_module(files, table) == ["tandem.core.gone"]
+
+
+def test_every_core_module_has_a_floor(tandem_graph):
+    files, _ = tandem_graph
+    missing = core_without_floor(files)
+    assert not missing, ("core modules without a floor (give each one in CORE_FLOORS, "
+                         "and a line in docs/architecture.md): " + ", ".join(missing))
+    stale = floor_keys_without_module(files)
+    assert not stale, "CORE_FLOORS names modules that do not exist: " + ", ".join(stale)
+
+
+def test_no_core_import_runs_up_a_floor(tandem_graph):
+    files, graph = tandem_graph
+    bad = upward_imports(graph, files)
+    assert not bad, f"{len(bad)} imports run up a floor of tandem.core:\n" + "\n".join(bad)
+
+
+def test_no_cycle_inside_core(tandem_graph):
+    files, graph = tandem_graph
+    comps = strongly_connected(core_graph(graph))
+    assert not comps, "core modules importing each other in a loop: " + "; ".join(", ".join(c) for c in comps)
+
+
+def test_no_loop_among_cores_files_and_packages(tandem_graph):
+    _, graph = tandem_graph
+    units = core_units_graph(graph)
+    comps = strongly_connected(units)
+    assert not comps, (f"core's files and packages importing each other in a loop (of {len(units)}): "
+                       + "; ".join(", ".join(c) for c in comps))
+
+
+def test_the_unit_graph_joins_a_package(tmp_path):
+    _write(tmp_path, {
+        "tandem/__init__.py": "",
+        "tandem/core/__init__.py": "",
+        "tandem/core/model.py": "from tandem.core.feature import mode\n",
+        "tandem/core/feature/__init__.py": "",
+        "tandem/core/feature/mode.py": "",
+        "tandem/core/feature/loader.py": "from tandem.core import model\n",
+    })
+    graph = import_graph(module_files(tmp_path / "tandem"))
+    assert strongly_connected(core_graph(graph)) == []  # no loop between single modules
+    assert strongly_connected(core_units_graph(graph)) == [["tandem.core.feature", "tandem.core.model"]]
+
+
+def test_no_core_module_only_re_exports(tandem_graph):
+    """No shims: a core module whose body is only imports (and ``__all__``) re-exports
+    another's names; import them from where they live. ``tandem.core.layers`` is the
+    exception: the building blocks model authors import (docs/adding_a_model.md)."""
+    files, _ = tandem_graph
+    shims = []
+    for m, path in files.items():
+        if not m.startswith("tandem.core.") or m == "tandem.core.layers":
+            continue
+        body = [n for n in ast.parse(path.read_text()).body
+                if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]  # docstring
+        imports = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))
+                   and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")]
+        rest = [n for n in body if n not in imports and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")
+                and not (isinstance(n, ast.Assign) and [getattr(x, "id", None) for x in n.targets] == ["__all__"])]
+        if imports and not rest:
+            shims.append(f"{path.relative_to(PACKAGE.parent)}")
+    assert not shims, "modules that only re-export others' names: " + ", ".join(sorted(shims))
+
+
+def _report(root: Path) -> None:
+    files = module_files(root)
+    graph = import_graph(files)
+    print("core modules without a floor:", ", ".join(core_without_floor(files)) or "none")
+    up = upward_imports(graph, files, root=root)
+    print(f"{len(up)} imports up a floor:")
+    for line in up:
+        print("  " + line)
+    core = [m for m in files if m == "tandem.core" or m.startswith("tandem.core.")]
+    comps = strongly_connected(core_graph(graph))
+    print(f"{len(comps)} loops among core's {len(core)} modules:")
+    for c in comps:
+        print(f"  {len(c)}: " + ", ".join(c))
+    units = core_units_graph(graph)
+    comps = strongly_connected(units)
+    print(f"{len(comps)} loops among core's {len(units)} files and packages:")
+    for c in comps:
+        print(f"  {len(c)}: " + ", ".join(c))
+
+
+if __name__ == "__main__":
+    import sys
+
+    _report(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else PACKAGE)

@@ -142,7 +142,7 @@ class EngineConfig:
         "auto or float32) (default: none, the checkpoint's weights in `dtype`)",
         choices=("int8",),
     )
-    # core/speculative/: vLLM's shape; a JSON object on the command line.
+    # core/strategies/speculative/: vLLM's shape; a JSON object on the command line.
     speculative_config: dict | str | None = option(
         None, 'speculative decoding: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, '
         '"prompt_lookup_min": m} drafts up to k tokens per step by prompt lookup (the longest suffix of n down to m '
@@ -173,7 +173,7 @@ class EngineConfig:
         3, "failed steps in a row (no good step between) after which the engine declares itself dead (a server's "
         "/health answers 503); each failed step fails only its own requests"
     )
-    # core/structured_output/manager.py: compiling one request's grammar, bounded.
+    # core/strategies/structured/manager.py: compiling one request's grammar, bounded.
     structured_outputs_compile_timeout: float = option(
         30.0, "seconds a structured-output grammar may take to compile, from the request asking; a request whose "
         "compile passes it fails naming it (the compile, which cannot be interrupted, ends in a daemon thread)"
@@ -276,7 +276,7 @@ class EngineConfig:
                 "holding a generation_config.json, or a Hugging Face Hub repo id"
             )
         self.generation_config = str(gc)
-        from tandem.core.speculative.config import SpeculativeConfig
+        from tandem.core.speculative_config import SpeculativeConfig
 
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
         _check_scheduler_limits(self)

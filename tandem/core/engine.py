@@ -25,13 +25,13 @@ from typing import Any
 import torch
 
 from tandem.core.attention import AttentionType
-from tandem.core.block_manager import BlockManager
 from tandem.core.config import EngineConfig
 from tandem.core.core_outputs import RequestInfo, RequestResult
 from tandem.core.engine_core import EngineCore
 from tandem.core.faults import EngineDeadError, EngineHealth
 from tandem.core.generation_config import load_generation_defaults
-from tandem.core.inputs import PromptType
+from tandem.core.inputs import PromptSlot, PromptType
+from tandem.core.kv.block_manager import BlockManager
 from tandem.core.loader import check_model_config, load_hf_config, load_tokenizer
 from tandem.core.memory import GiB
 from tandem.core.model_call import check_model_call, run_model_call
@@ -39,13 +39,12 @@ from tandem.core.output_processor import OutputProcessor
 from tandem.core.outputs import RequestOutput
 from tandem.core.request_processor import ProcessedRequest, RequestProcessor
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.scheduler import Scheduler
+from tandem.core.sched.scheduler import Scheduler
 from tandem.core.sequence import Sequence, SequenceGroup
 from tandem.core.strategies.builtin import BuiltinModes
 from tandem.core.strategies.modes import EngineContext, Modes, RequestContext
-from tandem.core.strategies.prompt_slot import PromptSlot
-from tandem.core.structured_output.manager import StructuredOutputManager
-from tandem.core.structured_output.params import StructuredOutputsParams
+from tandem.core.strategies.structured.manager import StructuredOutputManager
+from tandem.core.structured_params import StructuredOutputsParams
 from tandem.core.executor import WorkerSpec, executor_class
 
 
@@ -104,7 +103,7 @@ class LLMEngine:
         # speculative_config={"model": DIR, ...}: the draft model, checked against this one.
         self.draft = None
         if config.speculative is not None and config.speculative.model is not None:
-            from tandem.core.speculative.draft_checkpoint import load_draft
+            from tandem.core.strategies.speculative.draft_checkpoint import load_draft
 
             self.draft = load_draft(config, self.model_cls, self.hf_config, self.tokenizer, model_registry,
                                     backend_registry, num_blocks, sorted(self.eos_token_ids))

@@ -16,10 +16,12 @@ import logging
 from operator import attrgetter
 from dataclasses import dataclass, fields
 
-from tandem.core.block_manager import BlockManager, Device
+from tandem.core.kv.block_manager import BlockManager
+
+from tandem.core.kv.block_pool import Device
 from tandem.core.core_outputs import RequestResult
 from tandem.core.faults import EngineHealth, KVTransferError, StepFaults, describe
-from tandem.core.scheduler import Scheduler, SchedulerConfig
+from tandem.core.sched.scheduler import Scheduler, SchedulerConfig
 from tandem.core.sequence import SequenceGroup
 from tandem.core.strategies.modes import Modes
 from tandem.core.executor import Executor

@@ -105,6 +105,23 @@ class EncoderDecoderInputs:
     decoder_prompt_is_default: bool = False  # the request gave no decoder prompt
 
 
+@dataclass(frozen=True)
+class PromptSlot:
+    """A decoder prompt completed by the model: after the prompt's first step, the
+    token among ``choices`` the model scores highest (argmax over just those, as
+    HF's Whisper language detection) joins the prompt, followed by ``then``;
+    generation proper starts after them. The whole prompt is known before the
+    first token is generated, so processors and lengths count it as prompt.
+    ``probe``: a token whose probability at the slot position (softmax of the raw
+    logits, before any processor) the request reports as ``RequestOutput.probe_prob``
+    (Whisper's no-speech probability, as HF's ``WhisperNoSpeechDetection`` reads it).
+    A slot with one choice forces that token: a prompt split there just to probe."""
+
+    choices: tuple[int, ...]
+    then: tuple[int, ...] = ()
+    probe: int | None = None
+
+
 class InputProcessor:
     def __init__(
         self,

@@ -11,12 +11,10 @@ import torch
 from torch import nn
 
 from tandem.core.attention import AttentionBackend, AttentionMetadata, KVCacheSpec
-from tandem.core.inputs import EncoderInputs
+from tandem.core.inputs import EncoderInputs, PromptSlot
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-    from tandem.core.strategies import PromptSlot
 
 
 @dataclass(frozen=True)

@@ -33,5 +33,5 @@ class RequestOutput:
     # served (outputs hold what it had generated).
     error: str | None = None
     # The probability of the prompt slot's probe token at the slot position
-    # (tandem.core.strategies.PromptSlot.probe); None without one.
+    # (tandem.core.inputs.PromptSlot.probe); None without one.
     probe_prob: float | None = None

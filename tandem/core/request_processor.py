@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tandem.core.generation_config import GenerationDefaults, merge_params, resolve_lengths
-from tandem.core.inputs import EncoderDecoderInputs, InputProcessor
+from tandem.core.inputs import EncoderDecoderInputs, InputProcessor, PromptSlot
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.scheduler import SchedulerConfig
-from tandem.core.strategies.prompt_slot import PromptSlot
+from tandem.core.sched.scheduler import SchedulerConfig
 
 
 @dataclass

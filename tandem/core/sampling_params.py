@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tandem.core.param_errors import type_error, value_error
-from tandem.core.structured_output.params import StructuredOutputsParams
+from tandem.core.structured_params import StructuredOutputsParams
 from tandem.core.text_checks import check_unicode
 
 _GREEDY_EPS = 1e-5

@@ -29,9 +29,9 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
+    from tandem.core.inputs import PromptSlot
     from tandem.core.outputs import RequestOutput
     from tandem.core.sampling_params import SamplingParams
-    from tandem.core.strategies import PromptSlot
 
 
 @dataclass

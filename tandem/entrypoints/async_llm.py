@@ -63,7 +63,7 @@ from tandem.core.sampling_params import SamplingParams
 from tandem.entrypoints.input_pool import InputPool, RoundRobin
 
 if TYPE_CHECKING:
-    from tandem.core.structured_output.params import StructuredOutputsParams
+    from tandem.core.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

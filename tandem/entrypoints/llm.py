@@ -22,7 +22,7 @@ from tandem.entrypoints.vllm_compat import split_vllm_options
 from tandem.plugins import default_backend_registry, default_mode_registry, default_model_registry
 
 if TYPE_CHECKING:
-    from tandem.core.strategies import PromptSlot
+    from tandem.core.inputs import PromptSlot
 
 
 class LLM:

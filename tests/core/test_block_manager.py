@@ -1,4 +1,4 @@
-"""Property-based tests for ``tandem.core.block_manager``.
+"""Property-based tests for ``tandem.core.kv.block_manager``.
 
 A hypothesis state machine drives one ``BlockManager`` through random
 allocate / step (append + copy-on-write) / fork / swap / free / recompute /
@@ -25,7 +25,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from tandem.core.block_manager import AllocStatus, BlockManager, BlockPool, Device, blocks_for
+from tandem.core.kv.block_manager import AllocStatus, BlockManager
+
+from tandem.core.kv.block_pool import BlockPool, Device, blocks_for
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus

@@ -31,7 +31,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from tandem.core.block_manager import AllocStatus, BlockManager, BlockPool, Device
+from tandem.core.kv.block_manager import AllocStatus, BlockManager
+
+from tandem.core.kv.block_pool import BlockPool, Device
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus

@@ -9,7 +9,9 @@ from collections import Counter
 
 import pytest
 
-from tandem.core.block_manager import AllocStatus, BlockManager, Device
+from tandem.core.kv.block_manager import AllocStatus, BlockManager
+
+from tandem.core.kv.block_pool import Device
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup

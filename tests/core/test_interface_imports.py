@@ -17,9 +17,8 @@ import tandem
 # Stateful engine parts and heavy libraries the interface does not need.
 HEAVY = (
     "tandem.core.engine",
-    "tandem.core.scheduler",
+    "tandem.core.sched.scheduler",
     "tandem.core.sequence",
-    "tandem.core.block_manager",
     "tandem.core.kv.block_manager",
     "tandem.core.kv.block_pool",
     "tandem.core.worker",

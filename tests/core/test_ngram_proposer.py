@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.core.speculative.ngram import propose
+from tandem.core.strategies.speculative.ngram import propose
 
 
 def oracle(decoder: list[int], encoder: list[int] | None, k: int, hi: int, lo: int) -> list[int]:

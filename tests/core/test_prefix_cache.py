@@ -30,7 +30,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from tandem.core.block_manager import AllocStatus, BlockManager, Device
+from tandem.core.kv.block_manager import AllocStatus, BlockManager
+
+from tandem.core.kv.block_pool import Device
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -162,7 +164,7 @@ def test_eviction_takes_the_least_recently_kept_of_both_caches():
 
 
 def test_the_scheduler_charges_and_sends_only_the_tokens_left():
-    from tandem.core.scheduler import Scheduler, SchedulerConfig
+    from tandem.core.sched.scheduler import Scheduler, SchedulerConfig
 
     bm = BlockManager(4, 32, 0, watermark=0.0, prefix_cache_blocks=None)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm)

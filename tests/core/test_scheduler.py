@@ -1,4 +1,4 @@
-"""Property-based tests for ``tandem.core.scheduler``.
+"""Property-based tests for ``tandem.core.sched.scheduler``.
 
 No model: a fake worker in this file does what ``Worker.execute_model`` does
 with the scheduler's plain-data output (keep block tables from the updates it
@@ -20,11 +20,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.core.block_manager import BlockManager, Device, blocks_for
+from tandem.core.kv.block_manager import BlockManager
+
+from tandem.core.kv.block_pool import Device, blocks_for
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.request_processor import check_step_budget
-from tandem.core.scheduler import Scheduler, SchedulerConfig
+from tandem.core.sched.scheduler import Scheduler, SchedulerConfig
 from tandem.core.scheduler_output import ModelRunnerOutput
 from tandem.core.sequence import (
     Sequence,

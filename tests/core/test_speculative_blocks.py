@@ -19,7 +19,9 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.core.block_manager import BlockManager, Device, blocks_for
+from tandem.core.kv.block_manager import BlockManager
+
+from tandem.core.kv.block_pool import Device, blocks_for
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from tandem.core.engine_args import add_cli_args, from_cli_args
-from tandem.core.speculative.config import SpeculativeConfig
+from tandem.core.speculative_config import SpeculativeConfig
 
 
 def test_ngram_config_parses_with_defaults():

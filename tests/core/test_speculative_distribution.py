@@ -23,7 +23,7 @@ import torch
 
 from distribution import FALSE_FAILURE, assert_draws_follow, hf_probs
 from tandem import SamplingParams
-from tandem.core.speculative.verify import verify
+from tandem.core.strategies.speculative.verify import verify
 
 V = 8
 N = 12_000

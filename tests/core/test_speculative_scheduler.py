@@ -16,15 +16,17 @@ import itertools
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from tandem.core.block_manager import BlockManager, Device, blocks_for
+from tandem.core.kv.block_manager import BlockManager
+
+from tandem.core.kv.block_pool import Device, blocks_for
 from tandem.core.config import SchedulerConfig
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
-from tandem.core.scheduler import Scheduler
+from tandem.core.sched.scheduler import Scheduler
 from tandem.core.scheduler_output import ModelRunnerOutput
 from tandem.core.sequence import Sequence, SequenceGroup
-from tandem.core.speculative.config import SpeculativeConfig
-from tandem.core.speculative.verify import Verified
+from tandem.core.speculative_config import SpeculativeConfig
+from tandem.core.strategies.speculative.verify import Verified
 from tandem.core.strategies.speculative import SpeculationCounters, SpeculativeStrategy, VerifyStep
 
 EOS = 4

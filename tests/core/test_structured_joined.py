@@ -19,7 +19,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from tandem import StructuredOutputsParams as SO  # noqa: E402
 from tandem.core.output_processor import IncrementalDetokenizer  # noqa: E402
-from tandem.core.structured_output.backend import XgrammarBackend  # noqa: E402
+from tandem.core.strategies.structured.backend import XgrammarBackend  # noqa: E402
 
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
 EOS = 2

@@ -16,8 +16,8 @@ import threading
 import pytest
 
 from tandem import StructuredOutputsParams as SO
-from tandem.core.structured_output.backend import GrammarCompileError
-from tandem.core.structured_output.manager import StructuredOutputManager
+from tandem.core.strategies.structured.backend import GrammarCompileError
+from tandem.core.strategies.structured.manager import StructuredOutputManager
 
 WAIT = 30.0  # generous: each wait below ends in well under a second when the code is right
 

@@ -67,7 +67,7 @@ def test_bad_values_name_the_field(kwargs, exc, words):
 
 
 def test_a_spec_too_large_is_refused_without_echoing_it():
-    from tandem.core.structured_output.params import MAX_SPEC_CHARS
+    from tandem.core.structured_params import MAX_SPEC_CHARS
 
     with pytest.raises(ValueError) as e:
         StructuredOutputsParams(regex="a" * (MAX_SPEC_CHARS + 1))

@@ -15,7 +15,7 @@ import pytest
 
 from tandem import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 from tandem.core import output_processor
-from tandem.core.block_manager import Device
+from tandem.core.kv.block_pool import Device
 
 WAIT = 60.0
 PROMPTS = [{"prompt_token_ids": [0, 5 + i, 9 + 2 * i, 17, 2]} for i in range(4)]

@@ -14,7 +14,7 @@ import torch
 from helpers import WHISPER_IDS as I
 from helpers import hf_greedy, make_whisper, synth_audio
 from tandem import LLM, SamplingParams
-from tandem.core.block_manager import Device, blocks_for
+from tandem.core.kv.block_pool import Device, blocks_for
 
 rng = random.Random(11)
 DOCS = [[0, *(rng.randrange(4, 96) for _ in range(28)), 2] for _ in range(6)]  # 30 tokens: 8 blocks of 4

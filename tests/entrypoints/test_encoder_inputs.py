@@ -9,7 +9,8 @@ import torch
 
 from helpers import hf_greedy
 from tandem import LLM, SamplingParams
-from tandem.core.block_manager import BlockManager, blocks_for
+from tandem.core.kv.block_manager import BlockManager
+from tandem.core.kv.block_pool import blocks_for
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams as SP
 from tandem.core.sequence import Sequence, SequenceGroup

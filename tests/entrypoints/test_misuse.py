@@ -14,7 +14,7 @@ import pytest
 from helpers import hf_greedy
 from tandem import LLM, SamplingParams
 from tandem.backends.cpu_paged import ops
-from tandem.core.block_manager import Device
+from tandem.core.kv.block_pool import Device
 from tandem.core.memory import GiB, available_bytes
 
 PROMPTS = [{"prompt_token_ids": [0, 5 + i, 20 + 2 * i, 40 + i, 2]} for i in range(8)]

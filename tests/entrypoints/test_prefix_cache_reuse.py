@@ -14,7 +14,7 @@ import pytest
 from helpers import WHISPER_IDS as I
 from helpers import hf_greedy, hf_search, make_whisper, synth_audio
 from tandem import LLM, SamplingParams
-from tandem.core.block_manager import Device
+from tandem.core.kv.block_pool import Device
 
 rng = random.Random(5)
 DOC = [0, *(rng.randrange(4, 96) for _ in range(18)), 2]

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import assert_preempted, hf_greedy
 from tandem import LLM, SamplingParams
-from tandem.core.block_manager import Device
+from tandem.core.kv.block_pool import Device
 
 rng = random.Random(7)
 DOC = [0, *(rng.randrange(4, 96) for _ in range(28)), 2]  # 30 encoder tokens

@@ -27,7 +27,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from helpers import assert_preempted, make_bart_bytes, make_byte_tokenizer  # noqa: E402
 from tandem import LLM, SamplingParams, StructuredOutputsParams as SO  # noqa: E402
-from tandem.core.structured_output.backend import XgrammarBackend  # noqa: E402
+from tandem.core.strategies.structured.backend import XgrammarBackend  # noqa: E402
 from structured_specs import CHOICES, REGEX, SCHEMA  # noqa: E402
 
 EOS = 2
@@ -261,7 +261,7 @@ def test_identical_specs_compile_once(llm, monkeypatch):
 def test_a_frontend_can_check_a_spec_before_queueing_it(llm):
     """The server's hook: a bad spec fails its future with the field and the cause, a
     good one compiles (and the request that follows reuses the compile)."""
-    from tandem.core.structured_output.backend import GrammarCompileError
+    from tandem.core.strategies.structured.backend import GrammarCompileError
 
     bad = llm.engine.compile_structured_outputs(SO(json={"type": "object", "properties": {"a": {"type": 5}}}))
     with pytest.raises(GrammarCompileError, match=r"^StructuredOutputsParams.json: cannot be compiled: ") as e:

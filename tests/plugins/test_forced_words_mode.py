@@ -91,7 +91,7 @@ def test_forced_words_mixed_with_sampling_n_and_beams(engine, bart_dir):
 
 
 def test_forced_words_with_structured_output_is_refused_naming_both(engine):
-    from tandem.core.structured_output.params import StructuredOutputsParams
+    from tandem.core.structured_params import StructuredOutputsParams
 
     p = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
     with pytest.raises(ValueError, match="forced_words.*structured_output"):

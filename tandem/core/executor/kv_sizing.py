@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.core.block_manager import blocks_for
+from tandem.core.kv.block_pool import blocks_for
 from tandem.core.config import DEFAULT_KV_CACHE_GIB
 from tandem.core.memory import GiB
 

@@ -19,7 +19,7 @@ from tandem.core.executor.kv_sizing import RankMemory
 from tandem.core.layers.parallel_state import TensorParallelGroup
 from tandem.core.memory import available_bytes
 from tandem.core.scheduler_output import ModelRunnerOutput, SamplingInputs, SchedulerOutput
-from tandem.core.worker import Worker
+from tandem.core.worker.worker import Worker
 
 # Long enough for the slowest step; a dead peer is found by the driver, not by this.
 _COLLECTIVE_TIMEOUT = timedelta(minutes=30)

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from tandem.core.param_errors import shown
 from tandem.core.sampling_params import RequestOutputKind, SamplingParams
-from tandem.core.structured_output.params import StructuredOutputsParams
+from tandem.core.structured_params import StructuredOutputsParams
 from tandem.core.text_checks import check_unicode
 from tandem.entrypoints.sampling_options import api_fields
 

@@ -11,7 +11,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.core.structured_output.params import StructuredOutputsParams
+from tandem.core.structured_params import StructuredOutputsParams
 from tandem.entrypoints.openai.protocol import HTTPError
 from tandem.entrypoints.openai.shutdown import watch
 

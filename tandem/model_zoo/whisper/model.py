@@ -24,10 +24,9 @@ import torch
 from torch import nn
 
 from tandem.core.attention import AttentionMetadata
-from tandem.core.inputs import EncoderInputs
+from tandem.core.inputs import EncoderInputs, PromptSlot
 from tandem.core.layers import VocabParallelEmbedding
 from tandem.core.model import EncoderDecoderModel, KVCacheSpec, ModelContext
-from tandem.core.strategies import PromptSlot
 from tandem.core.transcription import (
     AudioTooLongError,
     TranscriptionContext,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.core.strategies import PromptSlot
+from tandem.core.inputs import PromptSlot
 from tandem.model_zoo.whisper.constants import TASKS
 
 

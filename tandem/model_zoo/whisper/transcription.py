@@ -38,9 +38,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from tandem.core.inputs import EncoderInputs
+from tandem.core.inputs import EncoderInputs, PromptSlot
 from tandem.core.sampling_params import RequestOutputKind, SamplingParams
-from tandem.core.strategies import PromptSlot
 from tandem.core.transcription import (
     Transcription,
     TranscriptionContext,

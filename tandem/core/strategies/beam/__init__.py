@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.core.beam_search import BeamCandidates, BeamSearchState
-from tandem.core.kv.block_pool import blocks_for
 from tandem.core.core_outputs import CompletionDelta, RequestResult
+from tandem.core.kv.block_pool import blocks_for
 from tandem.core.sequence import SequenceStatus
 from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode
+from tandem.core.strategies.beam.search import BeamCandidates, BeamSearchState
 from tandem.core.strategies.modes import Mode, RequestContext
 
 if TYPE_CHECKING:

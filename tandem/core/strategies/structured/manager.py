@@ -34,14 +34,14 @@ from typing import TYPE_CHECKING
 
 from tandem.core.faults import describe
 from tandem.core.strategies.base import LogitsTransform
-from tandem.core.structured_output.backend import (
+from tandem.core.strategies.structured.backend import (
     GrammarCompileError, XgrammarBackend, apply_bitmask, fill_bitmask, import_xgrammar, new_bitmask,
 )
 
 if TYPE_CHECKING:
     import torch
 
-    from tandem.core.structured_output.params import StructuredOutputsParams
+    from tandem.core.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-from tandem.core.structured_output.joined import joined_decoding, joined_vocab
+from tandem.core.strategies.structured.joined import joined_decoding, joined_vocab
 
 if TYPE_CHECKING:
     import torch
 
-    from tandem.core.structured_output.params import StructuredOutputsParams
+    from tandem.core.structured_params import StructuredOutputsParams
 
 INSTALL_HINT = "pip install 'tandem-engine[structured]'"
 

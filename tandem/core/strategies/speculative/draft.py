@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tandem.core.block_manager import AllocStatus, BlockManager
+from tandem.core.kv.block_manager import AllocStatus, BlockManager
 from tandem.core.faults import describe
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler_output import NewRequestData, ScheduledGroup, ScheduledSequence, SchedulerOutput, table_update
@@ -47,7 +47,7 @@ from tandem.core.sequence import Sequence, SequenceGroup
 
 if TYPE_CHECKING:
     from tandem.core.strategies.speculative import SpeculativeStrategy
-    from tandem.core.worker import Worker
+    from tandem.core.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0)

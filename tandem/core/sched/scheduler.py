@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from tandem.core.block_manager import AllocStatus, BlockManager
+from tandem.core.kv.block_manager import AllocStatus, BlockManager
 from tandem.core.config import SchedulerConfig  # noqa: F401 - also imported from here
 from tandem.core.core_outputs import CompletionDelta, RequestResult
 from tandem.core.scheduler_output import (

@@ -1,7 +1,7 @@
 """Structured output as a mode: another strategy (plain sampling) whose every token
 is one the request's grammar allows.
 
-The request is ready once its grammar compiled (``structured_output.manager``
+The request is ready once its grammar compiled (``manager.py``
 compiles it off the step loop); then each of its sequences gets a matcher (the
 ``n > 1``: one each). Each step the manager
 fills the masks of the scheduled sequences from their matchers and the worker

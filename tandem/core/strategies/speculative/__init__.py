@@ -2,8 +2,8 @@
 and up to ``k`` draft tokens in one forward, and keep the accepted prefix.
 
 Scheduler side (``SpeculativeStrategy``): before the step, the n-gram proposer
-(``tandem/core/speculative/ngram.py``), or the draft model for every running
-request at once (``tandem/core/speculative/draft.py``, through the mode's
+(``tandem/core/strategies/speculative/ngram.py``), or the draft model for every running
+request at once (``tandem/core/strategies/speculative/draft.py``, through the mode's
 ``before_schedule`` batch hook), gives each decoding sequence its drafts
 (``Sequence.lookahead_token_ids``, which get slots and run as a chunk after its
 last token); after it, the accepted tokens are appended with the usual stops
@@ -14,7 +14,7 @@ which no sequence of the request has a draft is a plain step (``inner``).
 
 Worker side (``VerifyStep``): the group's rows are its sequences' ``k_i + 1``
 positions, each processed with the history it would have had
-(``tandem/core/speculative/verify.py`` accepts and samples from them).
+(``tandem/core/strategies/speculative/verify.py`` accepts and samples from them).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import numpy as np
 
 from tandem.core.core_outputs import CompletionDelta, RequestResult
 from tandem.core.sequence import SequenceStatus
-from tandem.core.speculative import ngram
-from tandem.core.speculative.config import SpeculativeConfig
+from tandem.core.speculative_config import SpeculativeConfig
 from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode
 from tandem.core.strategies.modes import EngineContext, Mode, RequestContext
 from tandem.core.strategies.sampling import SamplingStrategy, finish_reason
+from tandem.core.strategies.speculative import ngram
 
 if TYPE_CHECKING:
     import torch
@@ -52,7 +52,7 @@ class VerifyStep(StepMode):
         return None
 
     def select(self, scores, rows, params, prepared, generator=None, default_generator=None) -> list:
-        from tandem.core.speculative.verify import verify
+        from tandem.core.strategies.speculative.verify import verify
 
         return verify(scores, rows, [list(d) for d in self.drafts], params, generator, default_generator)
 

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 
 from tandem.core.param_errors import type_error, value_error
-from tandem.core.structured_output.schema_check import UnenforcedSchemaError, check_enforceable
+from tandem.core.schema_check import UnenforcedSchemaError, check_enforceable
 
 # Bounds on one request's spec, so parsing and hashing it stay cheap at the door;
 # compiling is bounded by the engine running it off the step loop.

@@ -14,13 +14,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from tandem.core.block_manager import BlockManager, blocks_for
+from tandem.core.kv.block_manager import BlockManager
+
+from tandem.core.kv.block_pool import blocks_for
 from tandem.core.config import EngineConfig
 from tandem.core.loader import check_model_config, load_hf_config, load_tokenizer
 from tandem.core.memory import check_fits
 from tandem.core.model import EncoderDecoderModel
-from tandem.core.speculative.config import SpeculativeConfig
-from tandem.core.speculative.draft import DraftProposer
+from tandem.core.speculative_config import SpeculativeConfig
+from tandem.core.strategies.speculative.draft import DraftProposer
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ def load_draft(config: EngineConfig, target_cls, target_hf, target_tokenizer, mo
     as many blocks as the target's plus ``k`` tokens' worth per sequence (it mirrors
     the target's decoding sequences and their draft tokens)."""
     from tandem.core.attention import AttentionType
-    from tandem.core.worker import Worker
+    from tandem.core.worker.worker import Worker
 
     spec = config.speculative
     where = f"speculative_config: model={spec.model!r}"
