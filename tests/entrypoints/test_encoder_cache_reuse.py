@@ -197,11 +197,11 @@ def test_a_failed_step_keeps_no_table(bart_dir, monkeypatch):
     worker, calls = llm.engine.worker, {"n": 0}
     real = worker.execute_model
 
-    def failing_third(out):
+    def failing_third(out, *rest):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("the forward failed")
-        return real(out)
+        return real(out, *rest)
 
     monkeypatch.setattr(worker, "execute_model", failing_third)
     out = llm.generate(_prompt(DOCS[4], [0, 5]), SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
