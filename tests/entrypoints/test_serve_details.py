@@ -114,7 +114,9 @@ async def test_openai_and_vllm_transcription_fields_are_taken_and_sampling_appli
             (ROUTES[0], {"chunking_strategy": '{"type": "server_vad"}'}, "chunking_strategy"),
             (ROUTES[0], {"to_language": "fr"}, "to_language"),
             (ROUTES[1], {"to_language": "fr"}, "to_language"),
-            (ROUTES[0], {"stream_include_usage": "true", "stream": "true"}, "stream_include_usage"),
+            (ROUTES[0], {"stream_include_usage": "true"}, "stream_include_usage"),  # vLLM's: only with stream
+            (ROUTES[0], {"stream_continuous_usage_stats": "true"}, "stream_continuous_usage_stats"),
+            (ROUTES[0], {"stream_include_usage": "yes", "stream": "true"}, "stream_include_usage"),
         ]
         for route, fields, name in bad:
             r = await _post_audio(c, route, audio, fields)
