@@ -6,7 +6,10 @@
 - completion logprobs' ``text_offset``: where each token's text starts in the
   completion's text, cumulative across a stream's chunks;
 - a streamed transcription sends a ``transcript.text.delta`` for a clip of one window
-  too, and its deltas join to the done event's text (several windows too).
+  too, and its deltas join to the done event's text (several windows too);
+- each stream event carries vLLM's chunk shape beside OpenAI's (``choices[0].delta.content``
+  joining to the text, a done chunk with no choices), and its usage with vLLM's
+  ``stream_include_usage`` / ``stream_continuous_usage_stats``, as the server counted it.
 """
 
 from __future__ import annotations
@@ -114,7 +117,9 @@ async def test_openai_and_vllm_transcription_fields_are_taken_and_sampling_appli
             (ROUTES[0], {"chunking_strategy": '{"type": "server_vad"}'}, "chunking_strategy"),
             (ROUTES[0], {"to_language": "fr"}, "to_language"),
             (ROUTES[1], {"to_language": "fr"}, "to_language"),
-            (ROUTES[0], {"stream_include_usage": "true", "stream": "true"}, "stream_include_usage"),
+            (ROUTES[0], {"stream_include_usage": "true"}, "stream_include_usage"),  # vLLM's: only with stream
+            (ROUTES[0], {"stream_continuous_usage_stats": "true"}, "stream_continuous_usage_stats"),
+            (ROUTES[0], {"stream_include_usage": "yes", "stream": "true"}, "stream_include_usage"),
         ]
         for route, fields, name in bad:
             r = await _post_audio(c, route, audio, fields)
@@ -190,3 +195,62 @@ async def test_a_streamed_transcription_sends_deltas_that_join_to_its_text(whisp
     assert "".join(d["delta"] for d in deltas) == text
     if len(words.split()) > 100:
         assert len(deltas) >= 2  # a delta per window, as it finished
+
+
+# -- the stream's vLLM shape and usage ------------------------------------------------
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in metrics")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("route,words", [
+    (ROUTES[0], "three one four"),  # one window
+    (ROUTES[0], " ".join(["one two three four five six seven eight nine zero"] * 11)),  # 33.2 s: two windows
+    (ROUTES[1], "hello world"),
+])
+async def test_a_stream_carries_vllms_chunk_shape_and_its_usage_when_asked(whisper, tmp_path, route, words):
+    audio = _wav(words, tmp_path, "d.wav")
+    obj = "translation.chunk" if route == ROUTES[1] else "transcription.chunk"
+    async with _client(whisper) as c:
+        plain = await _post_audio(c, route, audio, {"language": "en"})
+        assert plain.status_code == 200, plain.text
+        text = plain.json()["text"]
+        before = (await c.get("/metrics")).text
+        r = await _post_audio(c, route, audio, {"language": "en", "stream": "true", "stream_include_usage": "true",
+                                                "stream_continuous_usage_stats": "true"})
+        assert r.status_code == 200, r.text
+        after = (await c.get("/metrics")).text
+        bare = await _post_audio(c, route, audio, {"language": "en", "stream": "true"})
+        alone = await _post_audio(c, route, audio, {"language": "en", "stream": "true",
+                                                    "stream_continuous_usage_stats": "true"})
+    events = _events(r)
+    *deltas, done = events
+    for e in events:  # vLLM's TranscriptionStreamResponse keys, beside OpenAI's
+        assert e["object"] == obj and e["model"] == "m" and isinstance(e["created"], int)
+        assert e["id"] == events[0]["id"]
+    # vLLM's reading: each chunk's choices[0].delta.content, joined; a finish reason per chunk
+    # (each is whole windows); the last chunk has no choices and the usage
+    assert "".join(e["choices"][0]["delta"]["content"] for e in events if e["choices"]) == text
+    assert all(len(d["choices"]) == 1 and d["choices"][0]["finish_reason"] in ("stop", "length") for d in deltas)
+    assert [d["choices"][0]["delta"]["content"] for d in deltas] == [d["delta"] for d in deltas]
+    assert done["choices"] == [] and done["text"] == text
+    # usage: what the server's own counters counted for this request
+    prompt = _metric(after, "tandem:prompt_tokens_total") - _metric(before, "tandem:prompt_tokens_total")
+    generated = _metric(after, "tandem:generation_tokens_total") - _metric(before, "tandem:generation_tokens_total")
+    assert done["usage"] == {"prompt_tokens": prompt, "completion_tokens": generated,
+                             "total_tokens": prompt + generated}
+    assert generated >= len(text.split()) > 0 and prompt > 0  # each word one token at least
+    # continuous: on every delta, counting up to the final usage
+    used = [d["usage"]["total_tokens"] for d in deltas]
+    assert used == sorted(used) and used[-1] <= done["usage"]["total_tokens"]
+    assert all(d["usage"]["total_tokens"] == d["usage"]["prompt_tokens"] + d["usage"]["completion_tokens"]
+               for d in deltas)
+    # without stream_include_usage, no usage (the continuous stats alone too, as vLLM)
+    for other in (bare, alone):
+        assert other.status_code == 200 and not any("usage" in e for e in _events(other))
+        assert _events(other)[-1]["text"] == text

@@ -23,7 +23,8 @@ request would queue (prompts times ``n``), not HTTP requests.
 
 Here: the app, its routes and the audio endpoints; ``guard.py``: the ASGI guard
 (API key, body limit); ``completions.py``: serving completions, plain and
-streamed; ``media.py``: the audio a completion prompt carries; ``shutdown.py``:
+streamed; ``audio_stream.py``: a streamed transcription's events; ``media.py``: the
+audio a completion prompt carries; ``shutdown.py``:
 the drain, the cut and the signals; ``metrics.py``.
 """
 
@@ -44,10 +45,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.core.transcription import AudioTooLongError, Transcription, supports_transcription
+from tandem.core.transcription import AudioTooLongError, supports_transcription
 from tandem.entrypoints.async_llm import AsyncLLM, EngineDeadError
 from tandem.core.sampling_params import SamplingParams
-from tandem.entrypoints.openai.audio_fields import check_other_fields, refuse_unknown, sampling_options
+from tandem.entrypoints.openai.audio_fields import check_other_fields, refuse_unknown, sampling_options, stream_usage
+from tandem.entrypoints.openai.audio_stream import StreamEvents, audio_stream
 from tandem.entrypoints.openai.completions import complete, first_outputs, stream_completion
 from tandem.entrypoints.openai.guard import BodyTooLarge, Guard
 from tandem.entrypoints.openai.media import PromptAudio, find_audio
@@ -55,7 +57,7 @@ from tandem.entrypoints.openai.metrics import AudioMeter, ServerMetrics
 from tandem.entrypoints.openai.protocol import (
     CompletionRequest, HTTPError, error_body, validation_message, wrong_model,
 )
-from tandem.entrypoints.openai.shutdown import CUT, CUT_GRACE_SECONDS, DrainCut, make_server, watch
+from tandem.entrypoints.openai.shutdown import CUT_GRACE_SECONDS, DrainCut, make_server, watch
 from tandem.entrypoints.openai.structured import check_compiles, read_structured
 from tandem.entrypoints.transcribe import prompt_ids_of
 
@@ -288,6 +290,7 @@ def build_app(
                 options["prompt_ids"] = prompt_ids_of(engine.get_tokenizer(), prompt)
             options.update(_vad_fields(form))
             check_other_fields(form, task)
+            include_usage, continuous_usage = stream_usage(form, stream)
             sampling = sampling_options(form)
             SamplingParams(**sampling)  # a value out of range: a 400 here, before any audio is decoded
             options.update(sampling)
@@ -308,7 +311,10 @@ def build_app(
         gen = _transcribe(meter, waveform, rid, options)
         if stream:
             admission.admit([f"{rid}-w0"], 1, track=False)  # its first window is submitted once the stream runs
-            return StreamingResponse(_audio_stream(gen, rid, cut, meter, duration), media_type="text/event-stream")
+            events = StreamEvents(rid, task, served_model_name, meter, include_usage=include_usage,
+                                  continuous_usage=continuous_usage)
+            return StreamingResponse(audio_stream(gen, rid, cut, meter, duration, events),
+                                     media_type="text/event-stream")
         first = [f"{rid}-w0"]
         admission.admit(first, 1)
         consume = asyncio.ensure_future(_last(gen))
@@ -469,83 +475,3 @@ async def _transcribe(engine, waveform, rid, options):
 
     async for item in transcribe_async(engine, waveform, rid, **options):
         yield item
-
-
-async def _audio_stream(gen, rid, cut, meter: AudioMeter, duration: float):
-    """Server-sent events: a ``transcript.text.delta`` per finished window that adds text
-    (or segments), a single-window clip's one window included, then
-    ``transcript.text.done`` with the whole text, then ``[DONE]``. The deltas joined are
-    the done event's text: each is the new part of the transcript so far (``_new_text``).
-
-    Why per window and not per token: a window's tokens are not final until the window
-    is: with timestamps the input seeks back to the window's last complete segment
-    (its tail is decoded again with the next window), and a fallback temperature
-    decodes the whole window again; a stream cannot take back text it sent."""
-    queue: asyncio.Queue = asyncio.Queue()
-    end = object()
-
-    async def pump():
-        try:
-            async for item in gen:
-                await queue.put(item)
-            await queue.put(end)
-        except BaseException as e:  # noqa: BLE001 - delivered to the response loop
-            await queue.put(e)
-        finally:
-            await gen.aclose()
-
-    async def on_cut():
-        await cut.wait()
-        await queue.put(CUT)
-
-    tasks = [asyncio.create_task(pump()), asyncio.create_task(on_cut())]
-    failed = False
-    sent = ""  # the text the deltas so far make
-    try:
-        while True:
-            item = await queue.get()
-            if item is end:
-                meter.finished(rid, duration)
-                break
-            if item is CUT:  # logged once for all (shutdown.py)
-                logger.debug("request %s: stream cut off (%s)", rid, cut.reason)
-                yield f"data: {json.dumps(error_body(503, cut.message))}\n\n"
-                return
-            if isinstance(item, BaseException):
-                failed = True
-                known = isinstance(item, (ValueError, TypeError, EngineDeadError))
-                yield f"data: {json.dumps(error_body(400 if known else 500, str(item) if known else 'internal error'))}\n\n"
-                return
-            if isinstance(item, Transcription):
-                rest = _new_text(sent, item.text, final=True)
-                if rest or not sent:  # the text no window reported (one at least, even empty)
-                    yield f"data: {json.dumps({'type': 'transcript.text.delta', 'delta': rest, 'segments': []})}\n\n"
-                yield f"data: {json.dumps({'type': 'transcript.text.done', 'text': item.text})}\n\n"
-            else:
-                text = item.text
-                if text is None:  # the model does not say its text so far: its segments' texts, joined
-                    joined = " ".join(seg["text"] for seg in item.segments if seg["text"])
-                    text = sent + (" " if sent and joined else "") + joined
-                new = _new_text(sent, text)
-                if new or item.segments:
-                    sent += new
-                    delta = {"type": "transcript.text.delta", "delta": new, "segments": item.segments}
-                    yield f"data: {json.dumps(delta)}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:  # a disconnect or the cut: stop the pump (its window's request aborts)
-        for t in tasks:
-            t.cancel()
-        if not failed:
-            meter.aborted()  # counted once: a no-op after finished()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _new_text(sent: str, text: str, final: bool = False) -> str:
-    """What ``text`` (the transcript so far) adds to the ``sent`` deltas: its new part, less
-    (until the end) a trailing replacement character, the first bytes of a character a
-    later window may complete. Nothing when ``text`` does not go on from what was sent
-    (sent text cannot be taken back; the done event has the whole text)."""
-    if not text.startswith(sent):
-        return ""
-    new = text[len(sent):]
-    return new if final else new.rstrip("\ufffd")

@@ -8,8 +8,8 @@ refusal of any other, as ``/v1/completions`` refuses a field it does not know.
   (refused when given: it asks for ``logprobs``, which no transcript here carries);
 - vLLM's (its ``TranscriptionRequest``): the sampling fields below, ``to_language``
   (a translation's is English, the only language Whisper translates into) and
-  ``stream_include_usage`` / ``stream_continuous_usage_stats`` (``false`` only: the
-  stream carries no usage);
+  ``stream_include_usage`` / ``stream_continuous_usage_stats`` (read by
+  :func:`stream_usage`; the stream's shapes: ``audio_stream.py``);
 - tandem's: ``vad_filter``, ``vad_parameters`` (api_server.py reads them).
 
 The sampling fields are vLLM's transcription sampling fields that ``SamplingParams``
@@ -98,9 +98,20 @@ def check_other_fields(form, task: str) -> None:
         if task == "transcribe":
             raise ValueError(f"to_language={to[:40]!r}: a transcription is in the audio's own language; use "
                              "/v1/audio/translations to translate into English")
+
+
+def stream_usage(form, stream: bool) -> tuple[bool, bool]:
+    """vLLM's flattened stream options: (usage in the done event, usage in every delta
+    event). As vLLM: either true without ``stream=true`` is refused, and the continuous
+    stats are sent only beside ``stream_include_usage=true`` (vLLM ignores them alone,
+    and a client written for vLLM must get the same stream here)."""
+    values = {}
     for name in ("stream_include_usage", "stream_continuous_usage_stats"):
-        value = (form.get(name) or "false").lower()
-        if value not in ("true", "false"):
-            raise ValueError(f"{name}={form.get(name)[:40]!r}: must be true or false")
-        if value == "true":
-            raise ValueError(f"{name}=true: not served (the transcription stream carries no usage)")
+        text = form.get(name) or "false"
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"{name}={text[:40]!r}: must be true or false")
+        values[name] = text.lower() == "true"
+        if values[name] and not stream:
+            raise ValueError(f"{name}=true: stream options need stream=true")
+    include = values["stream_include_usage"]
+    return include, include and values["stream_continuous_usage_stats"]
