@@ -34,7 +34,6 @@ from tandem.core.scheduler_output import (
 )
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tandem.core.strategies.base import RequestFailed
-from tandem.core.strategies.sampling import SamplingStrategy
 
 if TYPE_CHECKING:
     from tandem.core.strategies.modes import Modes
@@ -77,7 +76,8 @@ class Scheduler:
         if group.request_id in self.groups:
             raise ValueError(f"request id {group.request_id!r} is already in use")
         if group.strategy is None:
-            group.strategy = SamplingStrategy()
+            # The engine gives every request the strategy its modes stack (Modes.plan).
+            raise ValueError(f"request {group.request_id!r} has no strategy: give it one before adding it")
         self.groups[group.request_id] = group
         self.waiting.append(group)
 

@@ -113,3 +113,25 @@ def test_a_fault_in_a_hook_fails_only_its_request(engine, bart_dir, hook):
     assert engine.block_manager.num_free_blocks() == engine.block_manager.num_total_blocks()
     # The engine serves on.
     assert _run(engine, [(f"again-{hook}", PROMPTS[0], greedy)])[f"again-{hook}"].error is None
+
+
+def test_beam_requests_declare_final_whole_outputs(engine):
+    """The output processor names no mode: beam search's shape (nothing until the
+    end, no stop strings cutting a hypothesis) comes from its mode, carried in the
+    request's info; a plain request streams its n completions."""
+    from tandem.core.core_outputs import OutputShape
+    from tandem.core.sampling_params import RequestOutputKind
+
+    beams = SamplingParams(num_beams=3, n=2, max_tokens=6, output_kind=RequestOutputKind.CUMULATIVE)
+    plain = SamplingParams(temperature=0.0, n=2, max_tokens=6, output_kind=RequestOutputKind.CUMULATIVE)
+    info_b = engine.add_request("shape-beams", {"prompt_token_ids": PROMPTS[0]}, beams)
+    info_p = engine.add_request("forced-shape-plain", {"prompt_token_ids": PROMPTS[1]}, plain)
+    assert info_b.shape == OutputShape(0, streams=False, stop_strings=False)
+    assert info_p.shape == OutputShape(2)  # the forced-words mode leaves the shape as it is
+    seen: dict[str, list] = {"shape-beams": [], "forced-shape-plain": []}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            seen[o.request_id].append(o)
+    assert len(seen["shape-beams"]) == 1 and seen["shape-beams"][0].finished
+    assert len(seen["shape-beams"][0].outputs) == 2
+    assert len(seen["forced-shape-plain"]) > 1 and all(len(o.outputs) == 2 for o in seen["forced-shape-plain"])
