@@ -115,6 +115,26 @@ def test_a_fault_in_a_hook_fails_only_its_request(engine, bart_dir, hook):
     assert _run(engine, [(f"again-{hook}", PROMPTS[0], greedy)])[f"again-{hook}"].error is None
 
 
+@pytest.mark.parametrize("hook", ["before_schedule", "logits_transform"])
+def test_a_fault_in_a_mode_level_hook_fails_only_that_modes_requests(engine, bart_dir, hook):
+    """A mode's own batch hook concerns every request of the mode it was given that
+    step: those fail; a request of no mode of that kind finishes as without the fault."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    fw.FAULT = (f"forced-bad-{hook}", hook)
+    try:
+        done = _run(engine, [(f"forced-bad-{hook}", PROMPTS[0], greedy), (f"forced-also-{hook}", PROMPTS[1], greedy),
+                             (f"plain-{hook}", PROMPTS[2], greedy)])
+    finally:
+        fw.FAULT = None
+    for rid in (f"forced-bad-{hook}", f"forced-also-{hook}"):
+        assert f"mode 'forced_words': {hook} failed: RuntimeError: injected fault in {hook}" in done[rid].error
+    assert done[f"plain-{hook}"].error is None
+    assert done[f"plain-{hook}"].outputs[0].token_ids == _oracle(bart_dir, PROMPTS[2], 8, {})
+    assert engine.block_manager.num_free_blocks() == engine.block_manager.num_total_blocks()
+    assert _run(engine, [(f"forced-again-{hook}", PROMPTS[1], greedy)])[f"forced-again-{hook}"].outputs[0].token_ids \
+        == _oracle(bart_dir, PROMPTS[1], 8, fw.FORCED)
+
+
 def test_beam_requests_declare_final_whole_outputs(engine):
     """The output processor names no mode: beam search's shape (nothing until the
     end, no stop strings cutting a hypothesis) comes from its mode, carried in the

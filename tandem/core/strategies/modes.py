@@ -161,7 +161,8 @@ class Modes:
 
     # -- batch hooks ----------------------------------------------------------------
     def before_schedule(self, groups: Iterable["SequenceGroup"]) -> list[tuple["SequenceGroup", Exception]]:
-        """Returns the groups whose strategy raised giving its items (they fail alone)."""
+        """Returns the groups whose strategy raised giving its items (they fail alone),
+        and those of a mode whose hook raised (it concerns every request it was given)."""
         items: dict[str, list] = {}
         failed = []
         for group in groups:
@@ -173,7 +174,15 @@ class Modes:
             for name, item in mine:
                 items.setdefault(name, []).append((group, item))
         for name, its in items.items():
-            self.by_name[name].before_schedule(its)
+            try:
+                self.by_name[name].before_schedule(its)
+            except Exception as e:  # noqa: BLE001 - the mode's batch work for these requests
+                why = RuntimeError(f"mode {name!r}: before_schedule failed: {type(e).__name__}: {e}")
+                seen = {id(g) for g, _ in failed}
+                for group, _ in its:
+                    if id(group) not in seen:
+                        seen.add(id(group))
+                        failed.append((group, why))
         return failed
 
     def sampling_inputs(self, sched: "SchedulerOutput", groups: Mapping[str, "SequenceGroup"]
@@ -191,10 +200,15 @@ class Modes:
                 failed[sg.request_id] = f"{type(e).__name__}: {e}"
                 continue
             for name, item in mine:
-                items.setdefault(name, []).append(item)
+                items.setdefault(name, []).append((sg.request_id, item))
         transforms = []
         for name, its in items.items():
-            t, f = self.by_name[name].logits_transform(its)
+            try:
+                t, f = self.by_name[name].logits_transform([item for _, item in its])
+            except Exception as e:  # noqa: BLE001 - the mode's transform of these requests' rows
+                why = f"mode {name!r}: logits_transform failed: {type(e).__name__}: {e}"
+                failed.update((rid, why) for rid, _ in its if rid not in failed)
+                continue
             failed.update(f)
             if t is not None:
                 transforms.append(t)
