@@ -155,3 +155,37 @@ def test_beam_requests_declare_final_whole_outputs(engine):
     assert len(seen["shape-beams"]) == 1 and seen["shape-beams"][0].finished
     assert len(seen["shape-beams"][0].outputs) == 2
     assert len(seen["forced-shape-plain"]) > 1 and all(len(o.outputs) == 2 for o in seen["forced-shape-plain"])
+
+
+@pytest.fixture(scope="module")
+def spec_engine(bart_dir):
+    modes = ModeRegistry()
+    manager = PluginManager(allow=None, entry_point_list=[
+        EntryPoint(name="forced-words", value="forced_words_mode:plugin", group="tandem.plugins")])
+    manager.load()
+    manager.register_all(ModelRegistry(), AttentionBackendRegistry(), mode_registry=modes)
+    cfg = EngineConfig(model=str(bart_dir), dtype="float32", device="cpu",
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    eng = LLMEngine(cfg, default_model_registry(), default_backend_registry(), modes)
+    yield eng
+    eng.shutdown()
+
+
+def test_forced_words_yields_to_speculation(spec_engine, bart_dir):
+    """The mode declares ``yields_to={"speculative"}``: where speculation runs a
+    request, the forced words step aside (the request decodes as plain greedy, its
+    drafts verified); where speculation does not apply (a request with a logits
+    processor), the words are forced. Prompts repeat tokens so ngram drafts exist."""
+    assert "speculative" in fw.ForcedWordsMode.yields_to
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    with_proc = greedy.replace(logits_processors=[lambda ids, logits: logits])
+    prompt = [5, 17, 33, 5, 17, 33, 5, 17, 2]
+    before = spec_engine.get_stats()["spec_draft_tokens"]
+    done = _run(spec_engine, [("forced-spec", prompt, greedy), ("forced-nospec", prompt, with_proc),
+                              ("plain-spec", PROMPTS[1], greedy)])
+    assert all(o.error is None for o in done.values())
+    assert done["forced-spec"].outputs[0].token_ids == _oracle(bart_dir, prompt, 8, {})
+    assert done["forced-nospec"].outputs[0].token_ids == _oracle(bart_dir, prompt, 8, fw.FORCED)
+    assert done["plain-spec"].outputs[0].token_ids == _oracle(bart_dir, PROMPTS[1], 8, {})
+    assert spec_engine.get_stats()["spec_draft_tokens"] > before  # speculation did run
+    assert spec_engine.block_manager.num_free_blocks() == spec_engine.block_manager.num_total_blocks()
