@@ -401,10 +401,12 @@ def test_entrypoints_import_no_model_and_no_audio_code(tandem_graph):
 
 
 # -- no mode named in the core's mode-agnostic files -----------------------------------
-# The scheduler, engine core, sequence, kv/ and worker/ call the modes' hooks only
+# The scheduler, engine core, sequence, kv/, worker/ and the output processor (which
+# follows each request's declared OutputShape) call the modes' hooks only
 # (docs/architecture.md, "Adding a mode"): a name in their code (not comments or
 # docstrings) that names a mode means a mode leaked into them.
-MODE_AGNOSTIC = ("core/sched", "core/engine_core.py", "core/sequence.py", "core/kv", "core/worker")
+MODE_AGNOSTIC = ("core/sched", "core/engine_core.py", "core/sequence.py", "core/kv", "core/worker",
+                 "core/output_processor.py")
 MODE_WORDS = ("spec_token", "speculat", "draft", "beam", "grammar", "structured", "bitmask", "prompt_slot",
               "promptslot", "xgrammar")
 

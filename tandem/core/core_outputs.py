@@ -16,8 +16,24 @@ from tandem.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class OutputShape:
+    """How a request's outputs are shaped, as its modes declare it
+    (``Mode.output_shape``): plain data the frontend's ``OutputProcessor`` follows,
+    so it needs no knowledge of the modes."""
+
+    # Completions the request shows from its start (results may add more by index).
+    num_completions: int
+    # Whether outputs come before the end; False: nothing shows until the request
+    # finishes, when its completions arrive whole (beam search's best hypotheses).
+    streams: bool = True
+    # Whether the frontend looks for the params' stop strings in the text.
+    stop_strings: bool = True
+
+
+@dataclass(frozen=True)
 class RequestInfo:
-    """A request as the engine accepted it: what an output repeats about its prompt."""
+    """A request as the engine accepted it: what an output repeats about its prompt,
+    and how its outputs are shaped (None: ``params.n`` streamed completions)."""
 
     request_id: str
     params: SamplingParams
@@ -27,6 +43,7 @@ class RequestInfo:
     prompt_token_ids: list[int]
     # Tokens the text leaves out (Whisper's timestamps): the model's non_text_token_ids.
     non_text_token_ids: Collection[int] = ()
+    shape: OutputShape | None = None
 
 
 @dataclass(slots=True)

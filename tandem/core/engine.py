@@ -224,7 +224,7 @@ class LLMEngine:
         inputs, params, prompt_slot, prompt_len = req.inputs, req.params, req.prompt_slot, req.prompt_len
         # Stacked from the modes that apply (tandem/core/strategies/modes.py); raises
         # ValueError for modes that exclude each other, or a mode's own refusal.
-        strategy = self.modes.strategy(RequestContext(
+        strategy, shape = self.modes.plan(RequestContext(
             request_id, params, prompt_len, inputs.encoder_inputs.token_ids, {"prompt_slot": prompt_slot}))
         seqs = [Sequence(next(self._seq_ids), inputs.prompt_token_ids, i)
                 for i in range(strategy.num_initial_seqs(params))]
@@ -247,7 +247,7 @@ class LLMEngine:
             request_id, params, inputs.encoder_prompt,
             list(inputs.encoder_prompt_token_ids if inputs.encoder_prompt_token_ids is not None
                  else inputs.encoder_inputs.token_ids or ()),
-            inputs.prompt, list(inputs.prompt_token_ids), self.non_text_token_ids,
+            inputs.prompt, list(inputs.prompt_token_ids), self.non_text_token_ids, shape,
         )
 
     def _check_new(self, request_id: str) -> None:

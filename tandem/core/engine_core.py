@@ -20,7 +20,7 @@ from tandem.core.kv.block_manager import BlockManager
 
 from tandem.core.kv.block_pool import Device
 from tandem.core.core_outputs import RequestResult
-from tandem.core.faults import EngineHealth, KVTransferError, StepFaults, describe
+from tandem.core.faults import EngineDeadError, EngineHealth, KVTransferError, StepFaults, describe
 from tandem.core.sched.scheduler import Scheduler, SchedulerConfig
 from tandem.core.sequence import SequenceGroup
 from tandem.core.strategies.modes import Modes
@@ -142,7 +142,10 @@ class EngineCore:
         cannot_run = self.scheduler.take_failures()
         sampling, no_transform = self.modes.sampling_inputs(sched, self.scheduler.groups)
         cannot_run.update(no_transform)  # their rows run untransformed; their results are dropped
-        failed = self.fail(cannot_run)
+        block_fault = self.scheduler.block_fault
+        failed = self.fail(cannot_run, check_blocks=not block_fault)
+        if block_fault:
+            self._check_pool_after_fault()
         try:
             result = self.executor.execute_model(sched, sampling)
         except Exception as e:  # noqa: BLE001 - the forward, a backend, a KV copy: the step's fault
@@ -163,8 +166,9 @@ class EngineCore:
         self._after_change()
         return results
 
-    def fail(self, why_by_id: dict[str, str]) -> list[RequestResult]:
-        """End each request with its reason as ``error``, freeing its blocks."""
+    def fail(self, why_by_id: dict[str, str], check_blocks: bool = True) -> list[RequestResult]:
+        """End each request with its reason as ``error``, freeing its blocks
+        (``check_blocks``: check no block is held once no request is left)."""
         failed = []
         for rid, why in why_by_id.items():
             logger.warning("request %r failed: %s", rid, why)
@@ -172,7 +176,7 @@ class EngineCore:
                 failed.append(RequestResult(rid, res.completions, True, error=why))
                 self.num_requests_finished += 1
         if why_by_id:
-            self._after_change()
+            self._after_change(check_blocks)
         return failed
 
     def _step_failed(self, sched, e: Exception) -> list[RequestResult]:
@@ -191,6 +195,21 @@ class EngineCore:
         if dead:
             self.faults.check_alive()  # raises EngineDeadError
         return failed
+
+    def _check_pool_after_fault(self) -> None:
+        """The block manager raised while scheduling: its requests failed and were
+        freed, but the fault may have left a change half made. Serve on only if the
+        pools' accounting still holds; otherwise the engine is dead (a broken pool is
+        never repaired silently)."""
+        self.scheduler.block_fault = False
+        errors = self.block_manager.accounting_errors()
+        if errors:
+            e = EngineDeadError("KV block accounting is broken after a block manager fault while scheduling: "
+                                + "; ".join(errors))
+            self.faults.step_failed(e)
+            logger.error("%s", e)
+            self._publish()
+            raise e
 
     def _after_change(self, check_blocks: bool = True) -> None:
         if not self.scheduler.groups:

@@ -23,7 +23,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.core.core_outputs import RequestInfo, RequestResult
+from tandem.core.core_outputs import OutputShape, RequestInfo, RequestResult
 from tandem.core.faults import describe
 from tandem.core.outputs import CompletionOutput, RequestOutput
 from tandem.core.sampling_params import RequestOutputKind
@@ -95,14 +95,16 @@ class RequestState:
         self.queue = queue  # its outputs go here (put_nowait) instead of the step's list
         self.prompt_token_ids = list(info.prompt_token_ids)
         self.probe_prob: float | None = None
+        # The request's modes say how its outputs are shaped (core_outputs.OutputShape).
+        shape = self.shape = info.shape if info.shape is not None else OutputShape(p.n)
+        self.stop_strings = p.stop_strings if shape.stop_strings else []
         # Text is followed step by step only when someone reads it before the end;
         # otherwise it is detokenized once, when the sequence finishes.
-        self.follow = tokenizer is not None and not p.use_beam_search and (
-            bool(p.stop_strings) or p.output_kind is not RequestOutputKind.FINAL_ONLY
+        self.follow = tokenizer is not None and shape.streams and (
+            bool(self.stop_strings) or p.output_kind is not RequestOutputKind.FINAL_ONLY
         )
-        self.hold = max((len(x) for x in p.stop_strings), default=1) - 1
-        n = 0 if p.use_beam_search else p.n  # beams: the best n hypotheses, at the end
-        self.completions = [self._new() for _ in range(n)]
+        self.hold = max((len(x) for x in self.stop_strings), default=1) - 1
+        self.completions = [self._new() for _ in range(shape.num_completions)]
         self.error: str | None = None
 
     def _new(self) -> _Completion:
@@ -148,7 +150,7 @@ class RequestState:
             if self.follow or c.finished:
                 before = len(c.text)
                 self._detokenize(c)
-                if self.params.stop_strings and not self.params.use_beam_search:
+                if self.stop_strings:
                     hit = self._check_stop_strings(c, before)
                     if hit is not None:
                         stops[d.index] = hit
@@ -162,13 +164,12 @@ class RequestState:
         c.text = c.detok.text
 
     def _check_stop_strings(self, c: _Completion, before: int) -> str | None:
-        p = self.params
         # Stop ids and EOS take precedence; a length finish still yields to a stop string.
-        if c.finish_reason == "stop" or len(c.token_ids) < p.min_tokens:
+        if c.finish_reason == "stop" or len(c.token_ids) < self.params.min_tokens:
             return None
         # Only the new text and the longest stop string's worth before it can hold a new match.
         start = max(0, before - self.hold)
-        hits = [(at, x) for x in p.stop_strings if (at := c.text.find(x, start)) >= 0]
+        hits = [(at, x) for x in self.stop_strings if (at := c.text.find(x, start)) >= 0]
         if not hits:
             return None
         at, x = min(hits)
@@ -187,7 +188,7 @@ class RequestState:
         outs = []
         for i, c in enumerate(self.completions):
             text = c.text
-            if not c.finished and p.stop_strings:
+            if not c.finished and self.stop_strings:
                 # Hold back a possible stop string's beginning: sent text cannot be taken back.
                 text = text[: max(0, len(text) - self.hold)]
             tokens, logprobs = c.token_ids, c.logprobs
@@ -215,7 +216,7 @@ class RequestState:
         request's :attr:`finished` when the caller knows it), or None."""
         if finished is None:
             finished = self.finished
-        if not finished and (self.params.use_beam_search or self.params.output_kind is RequestOutputKind.FINAL_ONLY):
+        if not finished and (not self.shape.streams or self.params.output_kind is RequestOutputKind.FINAL_ONLY):
             return None
         return self.output()
 

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from helpers import make_tokenizer
-from tandem.core.core_outputs import CompletionDelta, RequestInfo, RequestResult
+from tandem.core.core_outputs import CompletionDelta, OutputShape, RequestInfo, RequestResult
 from tandem.core.output_processor import OutputProcessor, RequestState
 from tandem.core.sampling_params import RequestOutputKind, SamplingParams
 
@@ -20,8 +20,8 @@ def tok():
     return make_tokenizer(96)
 
 
-def _info(rid="r", **params) -> RequestInfo:
-    return RequestInfo(rid, SamplingParams(**params), "the rain", [0, 4, 5, 2], None, [2, 0])
+def _info(rid="r", shape=None, **params) -> RequestInfo:
+    return RequestInfo(rid, SamplingParams(**params), "the rain", [0, 4, 5, 2], None, [2, 0], shape=shape)
 
 
 def _feed(state: RequestState, ids_per_step: list[list[int]], index: int = 0, finish_last: str = "length"):
@@ -81,7 +81,11 @@ def test_a_stop_string_cuts_the_text_and_is_reported_to_the_core_once(tok):
 
 
 def test_beam_results_show_nothing_until_the_end_then_replace(tok):
-    state = RequestState(_info(num_beams=2, temperature=0.0, n=2, output_kind=RequestOutputKind.CUMULATIVE), tok)
+    # The shape beam search declares (BeamSearchMode.output_shape; the engine's
+    # test_beam_requests_declare_final_whole_outputs checks it).
+    shape = OutputShape(0, streams=False, stop_strings=False)
+    state = RequestState(_info(shape=shape, num_beams=2, temperature=0.0, n=2,
+                               output_kind=RequestOutputKind.CUMULATIVE), tok)
     assert state.update(RequestResult("r")) == {} and state.step_output() is None
     final = RequestResult("r", [CompletionDelta(0, [10, 11], None, -1.5, "stop", replace=True),
                                 CompletionDelta(1, [12], None, -2.5, "length", replace=True)], True)

@@ -36,6 +36,7 @@ from tandem.core.kv.block_pool import Device
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from tandem.core.strategies.sampling import SamplingStrategy
 from kv_machine import KVMachine, live_seqs
 
 _ids = itertools.count()
@@ -47,7 +48,9 @@ PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 11, 12], [20, 21, 22]]
 def make_group(doc: list[int], prompt: list[int], n: int = 1) -> SequenceGroup:
     gid = next(_ids)
     seqs = [Sequence(next(_ids), prompt) for _ in range(n)]
-    return SequenceGroup(f"req-{gid}", EncoderInputs.from_token_ids(doc), seqs, SamplingParams(n=n), 0.0)
+    group = SequenceGroup(f"req-{gid}", EncoderInputs.from_token_ids(doc), seqs, SamplingParams(n=n), 0.0)
+    group.strategy = SamplingStrategy()  # what the engine's modes give a plain request
+    return group
 
 
 def _run(bm: BlockManager, g: SequenceGroup) -> None:

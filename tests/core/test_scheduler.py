@@ -28,6 +28,7 @@ from tandem.core.sampling_params import SamplingParams
 from tandem.core.request_processor import check_step_budget
 from tandem.core.sched.scheduler import Scheduler, SchedulerConfig
 from tandem.core.scheduler_output import ModelRunnerOutput
+from tandem.core.strategies.sampling import SamplingStrategy
 from tandem.core.sequence import (
     Sequence,
     SequenceGroup,
@@ -63,7 +64,9 @@ def make_group(spec: Spec) -> SequenceGroup:
     prompt = [1_000_000 * (gid + 1) + i for i in range(spec.prompt_len)]
     seqs = [Sequence(next(_ids), prompt) for _ in range(spec.n)]
     params = SamplingParams(n=spec.n, max_tokens=spec.max_tokens, temperature=0.0)
-    return SequenceGroup(f"req-{gid}", enc, seqs, params, float(spec.arrival))
+    group = SequenceGroup(f"req-{gid}", enc, seqs, params, float(spec.arrival))
+    group.strategy = SamplingStrategy()  # what the engine's modes give a plain request
+    return group
 
 
 def need_at_full_length(spec: Spec, bs: int) -> int:

@@ -27,6 +27,7 @@ from tandem.core.scheduler_output import ModelRunnerOutput
 from tandem.core.sequence import Sequence, SequenceGroup
 from tandem.core.speculative_config import SpeculativeConfig
 from tandem.core.strategies.speculative.verify import Verified
+from tandem.core.strategies.sampling import SamplingStrategy
 from tandem.core.strategies.speculative import SpeculationCounters, SpeculativeStrategy, VerifyStep
 
 EOS = 4
@@ -109,6 +110,7 @@ def run(specs, spec_config, block_size, num_blocks, mode):
         seqs = [Sequence(next(ids), prompt, i) for i in range(n)]
         g = SequenceGroup(f"r{r}", EncoderInputs.from_token_ids(enc), seqs,
                           SamplingParams(n=n, max_tokens=max_tokens, temperature=0), 0.0)
+        g.strategy = SamplingStrategy()  # what the engine's modes give a plain request
         if spec_config is not None:
             g.strategy = SpeculativeStrategy(spec_config, enc, counters)
         groups[g.request_id] = g

@@ -64,7 +64,9 @@ class ForcedStrategy(RequestStrategy):
 
     def batch_items(self, group, sg):
         yield from self.inner.batch_items(group, sg)
-        if sg is not None:
+        if sg is None:
+            yield ForcedWordsMode.name, self.request_id  # for before_schedule: which requests run
+        else:
             self._maybe_fail("batch_items")
             yield ForcedWordsMode.name, [ss.seq_id for ss in sg.seqs]
 
@@ -85,7 +87,14 @@ class ForcedWordsMode(Mode):
     def strategy(self, req: RequestContext, inner):
         return ForcedStrategy(req.request_id, inner)
 
+    def before_schedule(self, items):
+        # A mode-level fault: it concerns every request the mode was given.
+        if FAULT is not None and FAULT[1] == "before_schedule" and any(rid == FAULT[0] for _, rid in items):
+            raise RuntimeError("injected fault in before_schedule")
+
     def logits_transform(self, items):
+        if FAULT is not None and FAULT[1] == "logits_transform":
+            raise RuntimeError("injected fault in logits_transform")
         return ForceTokens([s for ids in items for s in ids], dict(FORCED)), {}
 
 

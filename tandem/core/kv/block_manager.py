@@ -128,6 +128,31 @@ class BlockManager:
         out += [t.blocks for t in self._cross.values() if t.device is device]
         return out
 
+    def accounting_errors(self) -> list[str]:
+        """Where the pools' accounting breaks its identity (empty: it holds): on each
+        device every block's reference count equals the tables listing it, a listed
+        block is not kept, the free count is the blocks neither held nor kept, and the
+        kept ones are the caches'. For after a fault that may have left a change half
+        made; O(blocks)."""
+        errors = []
+        for device, pool in self.pools.items():
+            listed = Counter(b for t in self.tables(device) for b in t)
+            wrong = [(b, pool.refcount(b), c) for b in range(pool.num_blocks)
+                     if pool.refcount(b) != (c := listed.get(b, 0))]
+            if wrong:
+                errors.append(f"{device.value}: {len(wrong)} blocks' reference counts differ from the tables "
+                              f"listing them (block, count, tables: {wrong[:5]})")
+            kept = set(pool.kept_ids())
+            if kept & listed.keys():
+                errors.append(f"{device.value}: blocks {sorted(kept & listed.keys())[:5]} are kept and listed")
+            if pool.num_free != len(pool.free_ids()) or pool.num_kept != len(kept):
+                errors.append(f"{device.value}: {pool.num_free} free and {pool.num_kept} kept counted, "
+                              f"{len(pool.free_ids())} and {len(kept)} found")
+            cached = self.encoder_cache.num_blocks + self.prefix_cache.num_blocks if device is Device.DEVICE else 0
+            if len(kept) != cached:
+                errors.append(f"{device.value}: {len(kept)} blocks kept but the caches hold {cached}")
+        return errors
+
     def device_of(self, group: SequenceGroup) -> Device | None:
         """Where the group's self tables live; None when it holds nothing."""
         return self._location.get(group.request_id)

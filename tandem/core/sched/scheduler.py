@@ -17,6 +17,7 @@ encoder and fills its cross table in the same step. Sequences about to write int
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -34,10 +35,11 @@ from tandem.core.scheduler_output import (
 )
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tandem.core.strategies.base import RequestFailed
-from tandem.core.strategies.sampling import SamplingStrategy
 
 if TYPE_CHECKING:
     from tandem.core.strategies.modes import Modes
+
+logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(
@@ -71,13 +73,17 @@ class Scheduler:
         self._finished_requests: list[str] = []
         self._finished_seqs: list[int] = []
         self._failures: dict[str, str] = {}  # request id -> why it cannot run
+        # Set when the block manager raised while scheduling: the engine checks the
+        # pool's accounting once the failed requests are freed (and clears it).
+        self.block_fault = False
 
     # -- queue management --------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
         if group.request_id in self.groups:
             raise ValueError(f"request id {group.request_id!r} is already in use")
         if group.strategy is None:
-            group.strategy = SamplingStrategy()
+            # The engine gives every request the strategy its modes stack (Modes.plan).
+            raise ValueError(f"request {group.request_id!r} has no strategy: give it one before adding it")
         self.groups[group.request_id] = group
         self.waiting.append(group)
 
@@ -155,8 +161,6 @@ class Scheduler:
 
     def _forget(self, group: SequenceGroup) -> None:
         self.block_manager.free_group(group)
-        if self.modes is not None:
-            self.modes.release(group)
         self.groups.pop(group.request_id, None)
         for seq in group.seqs:
             if self._sent_tables.pop(seq.seq_id, None) is not None:
@@ -164,6 +168,12 @@ class Scheduler:
         if group.request_id in self._announced:
             self._announced.discard(group.request_id)
             self._finished_requests.append(group.request_id)
+        if self.modes is not None:
+            try:
+                self.modes.release(group)
+            except Exception:  # noqa: BLE001 - the request is gone already; other requests are not its
+                logger.error("request %r: a mode's release raised (its state for the request may be left)",
+                             group.request_id, exc_info=True)
 
     # -- the step ----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -177,6 +187,8 @@ class Scheduler:
         preempted = 0
 
         # 1. Running groups, oldest first; evict from the back when short of blocks.
+        # A fault in a group's strategy or in the block manager's work for it fails
+        # that group alone (``_fail_group``); the step goes on without it.
         queue, self.running = self.running, deque()
         if self.modes is not None:
             for group, e in self.modes.before_schedule(queue):
@@ -188,28 +200,43 @@ class Scheduler:
             try:
                 if group.strategy.lookahead(group) and not bm.can_append_slots(group):
                     self._drop_lookahead(group)
-            except Exception as e:  # noqa: BLE001 - this request's strategy: it fails alone
+            except Exception as e:  # noqa: BLE001 - this request's strategy or blocks: it fails alone
                 self._fail_group(group, e)
                 continue
-            while not bm.can_append_slots(group):
-                victim = queue.pop() if queue else group
-                self._preempt(victim, swap_out)
-                preempted += 1
-                if victim is group:
+            fits = True
+            while fits:
+                try:
+                    if bm.can_append_slots(group):
+                        break
+                except Exception as e:  # noqa: BLE001 - the block manager's work for this request
+                    self._fail_group(group, e, blocks=True)
+                    fits = None
                     break
-            else:
-                seqs = group.get_seqs(SequenceStatus.RUNNING)
-                tokens = sum(s.num_new_tokens for s in seqs)
-                extra = sum(len(s.lookahead_token_ids) for s in seqs)
-                if extra and tokens + extra > budget:
-                    self._drop_lookahead(group)
-                    extra = 0
-                for seq in seqs:
-                    copies += bm.append_slots(seq)
-                budget -= tokens + extra
-                num_seqs += len(seqs)
-                self.running.append(group)
-                self._schedule_group(scheduled, group, run_encoder=False)
+                victim = queue.pop() if queue else group
+                try:
+                    self._preempt(victim, swap_out)
+                    preempted += 1
+                except Exception as e:  # noqa: BLE001 - preempting it failed: the victim fails alone
+                    self._fail_group(victim, e, blocks=True)
+                if victim is group:
+                    fits = False
+            if not fits:
+                continue
+            seqs = group.get_seqs(SequenceStatus.RUNNING)
+            tokens = sum(s.num_new_tokens for s in seqs)
+            extra = sum(len(s.lookahead_token_ids) for s in seqs)
+            if extra and tokens + extra > budget:
+                self._drop_lookahead(group)
+                extra = 0
+            try:
+                copies += [c for seq in seqs for c in bm.append_slots(seq)]
+            except Exception as e:  # noqa: BLE001 - the block manager's work for this request
+                self._fail_group(group, e, blocks=True)
+                continue
+            budget -= tokens + extra
+            num_seqs += len(seqs)
+            self.running.append(group)
+            self._schedule_group(scheduled, group, run_encoder=False)
 
         # 2. Swapped groups come back only when nothing was evicted this step.
         while self.swapped and not preempted:
@@ -218,13 +245,19 @@ class Scheduler:
             tokens = sum(s.num_new_tokens for s in seqs)
             if num_seqs + len(seqs) > self.config.max_num_seqs or tokens > budget:
                 break
-            if not bm.can_swap_in(group):
-                break
-            self.swapped.popleft()
-            swap_in.extend(bm.swap_in(group))
-            for seq in seqs:
-                seq.status = SequenceStatus.RUNNING
-                copies += bm.append_slots(seq)
+            try:
+                if not bm.can_swap_in(group):
+                    break
+                self.swapped.popleft()
+                swap_in.extend(bm.swap_in(group))
+                for seq in seqs:
+                    seq.status = SequenceStatus.RUNNING
+                copies += [c for seq in seqs for c in bm.append_slots(seq)]
+            except Exception as e:  # noqa: BLE001 - the block manager's work for this request
+                if self.swapped and self.swapped[0] is group:
+                    self.swapped.popleft()
+                self._fail_group(group, e, blocks=True)
+                continue
             budget -= tokens
             num_seqs += len(seqs)
             self.running.append(group)
@@ -235,28 +268,16 @@ class Scheduler:
             group = self._first_ready()
             if group is None:
                 break
-            seqs = group.unfinished_seqs()
-            run_encoder = not bm.has_encoder_output(group)  # a live or kept cross table
-            cached = bm.num_prefix_hit_tokens(group)  # decoder prompt tokens each sequence skips
-            tokens = (group.encoder_len if run_encoder else 0) + sum(len(s) - cached for s in seqs)
-            if num_seqs + group.max_num_seqs > self.config.max_num_seqs or tokens > budget:
+            try:
+                admitted = self._admit(group, num_seqs, budget)
+            except Exception as e:  # noqa: BLE001 - the block manager's work for this request
+                if group in self.waiting:
+                    self.waiting.remove(group)
+                self._fail_group(group, e, blocks=True)
+                continue
+            if admitted is None:
                 break
-            status = bm.can_allocate(group)
-            if status is not AllocStatus.OK:
-                # NEVER cannot happen for requests the engine validated on entry.
-                break
-            if self.waiting[0] is group:
-                self.waiting.popleft()
-            else:
-                self.waiting.remove(group)
-            if bm.allocate(group) != run_encoder:
-                raise RuntimeError(f"request {group.request_id!r}: cross table sharing changed while admitting")
-            for seq in seqs:
-                seq.status = SequenceStatus.RUNNING
-            if run_encoder:
-                self.encoder_tokens_computed += group.encoder_len
-            else:
-                self.encoder_tokens_reused += group.encoder_len
+            run_encoder, tokens = admitted
             budget -= tokens
             num_seqs += group.max_num_seqs
             self.running.append(group)
@@ -281,6 +302,33 @@ class Scheduler:
             finished_request_ids=finished_requests,
             finished_seq_ids=finished_seqs,
         )
+
+    def _admit(self, group: SequenceGroup, num_seqs: int, budget: int) -> tuple[bool, int] | None:
+        """Admit a waiting group if the step's sequences, tokens and the free blocks
+        allow: whether it runs its encoder, and the tokens it computes; None if not."""
+        bm = self.block_manager
+        seqs = group.unfinished_seqs()
+        run_encoder = not bm.has_encoder_output(group)  # a live or kept cross table
+        cached = bm.num_prefix_hit_tokens(group)  # decoder prompt tokens each sequence skips
+        tokens = (group.encoder_len if run_encoder else 0) + sum(len(s) - cached for s in seqs)
+        if num_seqs + group.max_num_seqs > self.config.max_num_seqs or tokens > budget:
+            return None
+        if bm.can_allocate(group) is not AllocStatus.OK:
+            # NEVER cannot happen for requests the engine validated on entry.
+            return None
+        if self.waiting[0] is group:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(group)
+        if bm.allocate(group) != run_encoder:
+            raise RuntimeError(f"request {group.request_id!r}: cross table sharing changed while admitting")
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+        if run_encoder:
+            self.encoder_tokens_computed += group.encoder_len
+        else:
+            self.encoder_tokens_reused += group.encoder_len
+        return run_encoder, tokens
 
     @staticmethod
     def _drop_lookahead(group: SequenceGroup) -> None:
@@ -310,10 +358,16 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - its strategy's step data: it fails alone
             self._fail_group(group, e)
 
-    def _fail_group(self, group: SequenceGroup, e: Exception) -> None:
-        """A request whose strategy raised while scheduling: kept for ``take_failures``
-        (the engine aborts it, which frees its blocks from whichever queue holds it)."""
-        self._failures[group.request_id] = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+    def _fail_group(self, group: SequenceGroup, e: Exception, blocks: bool = False) -> None:
+        """A request whose strategy (or, ``blocks``, the block manager's work for it)
+        raised while scheduling: kept for ``take_failures`` (the engine aborts it,
+        which frees its blocks from whichever queue holds it)."""
+        why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        if blocks:
+            # Its blocks may be half moved or half allocated: the engine checks the pool.
+            self.block_fault = True
+            why = f"scheduling it failed in the KV block manager: {why}"
+        self._failures.setdefault(group.request_id, why)
 
     def take_failures(self) -> dict[str, str]:
         """Requests found unable to run since the last call, with why (the engine fails

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from tandem.core.core_outputs import OutputShape
 from tandem.core.scheduler_output import SamplingInputs
 
 if TYPE_CHECKING:
@@ -74,6 +75,12 @@ class Mode:
         """The request's strategy; ``inner`` is what it wraps (None for a base mode)."""
         raise NotImplementedError
 
+    def output_shape(self, req: RequestContext, shape: OutputShape) -> OutputShape:
+        """How the request's outputs are shaped, given the shape the modes inside this
+        one gave (``params.n`` streamed completions where none changed it). Plain data
+        the frontend's output processor follows (``core_outputs.OutputShape``)."""
+        return shape
+
     # -- batch hooks -------------------------------------------------------------
     def before_schedule(self, items: list[tuple["SequenceGroup", Any]]) -> None:
         """Before the scheduler walks its running groups: ``items`` are what the
@@ -122,6 +129,19 @@ class Modes:
     def strategy(self, req: RequestContext) -> "RequestStrategy":
         """The request's stacked strategy; ``ValueError`` naming both modes where two
         that apply exclude each other."""
+        return self.plan(req)[0]
+
+    def plan(self, req: RequestContext) -> tuple["RequestStrategy", OutputShape]:
+        """The request's stacked strategy and its output shape (each mode that runs
+        it refines the shape, innermost first); ``ValueError`` as :meth:`strategy`."""
+        active = self._active(req)
+        strategy, shape = None, OutputShape(req.params.n)
+        for m in active:
+            strategy = m.strategy(req, strategy)
+            shape = m.output_shape(req, shape)
+        return strategy, shape
+
+    def _active(self, req: RequestContext) -> list[Mode]:
         active = [m for m in self.modes if m.applies(req)]
         names = {m.name for m in active}
         active = [m for m in active if not (m.yields_to & names)]
@@ -137,14 +157,12 @@ class Modes:
                         f"{other.name!r} (declared by {m.name!r}: excludes {sorted(m.excludes)})")
         if not any(m.base for m in active):
             raise ValueError(f"request {req.request_id!r}: no base mode applies (modes: {sorted(names)})")
-        strategy = None
-        for m in active:
-            strategy = m.strategy(req, strategy)
-        return strategy
+        return active
 
     # -- batch hooks ----------------------------------------------------------------
     def before_schedule(self, groups: Iterable["SequenceGroup"]) -> list[tuple["SequenceGroup", Exception]]:
-        """Returns the groups whose strategy raised giving its items (they fail alone)."""
+        """Returns the groups whose strategy raised giving its items (they fail alone),
+        and those of a mode whose hook raised (it concerns every request it was given)."""
         items: dict[str, list] = {}
         failed = []
         for group in groups:
@@ -156,7 +174,15 @@ class Modes:
             for name, item in mine:
                 items.setdefault(name, []).append((group, item))
         for name, its in items.items():
-            self.by_name[name].before_schedule(its)
+            try:
+                self.by_name[name].before_schedule(its)
+            except Exception as e:  # noqa: BLE001 - the mode's batch work for these requests
+                why = RuntimeError(f"mode {name!r}: before_schedule failed: {type(e).__name__}: {e}")
+                seen = {id(g) for g, _ in failed}
+                for group, _ in its:
+                    if id(group) not in seen:
+                        seen.add(id(group))
+                        failed.append((group, why))
         return failed
 
     def sampling_inputs(self, sched: "SchedulerOutput", groups: Mapping[str, "SequenceGroup"]
@@ -174,10 +200,15 @@ class Modes:
                 failed[sg.request_id] = f"{type(e).__name__}: {e}"
                 continue
             for name, item in mine:
-                items.setdefault(name, []).append(item)
+                items.setdefault(name, []).append((sg.request_id, item))
         transforms = []
         for name, its in items.items():
-            t, f = self.by_name[name].logits_transform(its)
+            try:
+                t, f = self.by_name[name].logits_transform([item for _, item in its])
+            except Exception as e:  # noqa: BLE001 - the mode's transform of these requests' rows
+                why = f"mode {name!r}: logits_transform failed: {type(e).__name__}: {e}"
+                failed.update((rid, why) for rid, _ in its if rid not in failed)
+                continue
             failed.update(f)
             if t is not None:
                 transforms.append(t)

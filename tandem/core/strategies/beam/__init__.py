@@ -13,12 +13,12 @@ completions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.core.core_outputs import CompletionDelta, RequestResult
+from tandem.core.core_outputs import CompletionDelta, OutputShape, RequestResult
 from tandem.core.kv.block_pool import blocks_for
 from tandem.core.sequence import SequenceStatus
 from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode
@@ -169,6 +169,11 @@ class BeamSearchMode(Mode):
 
     def applies(self, req: RequestContext) -> bool:
         return req.params.use_beam_search
+
+    def output_shape(self, req: RequestContext, shape: OutputShape) -> OutputShape:
+        # The best n hypotheses are known only at the end: nothing streams, and their
+        # text is whole (stop strings do not cut a hypothesis).
+        return replace(shape, num_completions=0, streams=False, stop_strings=False)
 
     def strategy(self, req: RequestContext, inner: RequestStrategy | None) -> RequestStrategy:
         p = req.params
