@@ -516,3 +516,20 @@ def process_alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def count_audio_reads(monkeypatch) -> list:
+    """Record the frames of every ``soundfile`` read from now on (a list the caller
+    checks): empty means no audio was decoded."""
+    import soundfile as sf
+
+    reads: list = []
+    original = sf.SoundFile.read
+
+    def counting_read(self, frames=-1, *args, **kwargs):
+        out = original(self, frames, *args, **kwargs)
+        reads.append(len(out))
+        return out
+
+    monkeypatch.setattr(sf.SoundFile, "read", counting_read)
+    return reads

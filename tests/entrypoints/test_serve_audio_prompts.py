@@ -35,6 +35,7 @@ import soundfile as sf
 from tandem import LLM, AsyncLLM, SamplingParams
 from tandem.demo_whisper import PATH as DEMO
 from tandem.entrypoints.openai.api_server import build_app
+from helpers import count_audio_reads
 from test_serve import _start, _stop
 from test_serve_hostile import _error, _flac
 
@@ -200,19 +201,6 @@ def _watch_disk(monkeypatch, needle: str, *, stats: bool) -> list:
     return seen
 
 
-def _count_reads(monkeypatch) -> list:
-    reads: list = []
-    original = sf.SoundFile.read
-
-    def counting_read(self, frames=-1, *args, **kwargs):
-        out = original(self, frames, *args, **kwargs)
-        reads.append(len(out))
-        return out
-
-    monkeypatch.setattr(sf.SoundFile, "read", counting_read)
-    return reads
-
-
 @pytest.mark.asyncio
 async def test_no_file_is_opened_or_looked_at_for_a_clients_path(engine, disk, monkeypatch):
     root, paths = disk
@@ -234,7 +222,7 @@ async def test_allowed_local_media_path_allows_its_directory_only(engine, tmp_pa
     (allowed / "link.wav").symlink_to(outside / "x.wav")  # inside by name, outside in fact
     (allowed / "hour.flac").write_bytes(_flac(3600))
     app = build_app(engine, served_model_name="w", allowed_local_media_path=str(allowed))
-    reads = _count_reads(monkeypatch)
+    reads = count_audio_reads(monkeypatch)
     opened = _watch_disk(monkeypatch, str(outside), stats=False)
     async with _client(app) as c:
         async def post(prompt, **fields):
@@ -263,7 +251,7 @@ async def test_allowed_local_media_path_allows_its_directory_only(engine, tmp_pa
 @pytest.mark.asyncio
 async def test_max_audio_seconds_bounds_a_requests_prompt_audio_from_the_header(engine, monkeypatch):
     app = build_app(engine, served_model_name="w", max_audio_seconds=20)
-    reads = _count_reads(monkeypatch)
+    reads = count_audio_reads(monkeypatch)
     async with _client(app) as c:
         async def post(prompt):
             return await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
@@ -300,7 +288,7 @@ def test_offline_an_hour_long_file_is_refused_from_its_header(offline, tmp_path,
     (``transcribe`` takes any length, window by window)."""
     hour = tmp_path / "hour.flac"
     hour.write_bytes(_flac(3600))
-    reads = _count_reads(monkeypatch)
+    reads = count_audio_reads(monkeypatch)
     out = offline.generate({"audio": str(hour)}, SamplingParams(temperature=0), use_tqdm=False)[0]
     assert "declares 3600.0 s" in out.error and "30 s window; use LLM.transcribe" in out.error
     assert reads == []

@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from helpers import count_audio_reads
 from tandem import AsyncLLM
 from tandem.audio import AudioError, AudioTooLongError, load_audio
 from tandem.entrypoints.openai.api_server import MAX_FORM_FIELDS, build_app
@@ -213,15 +214,7 @@ def test_load_audio_holds_files_to_the_array_rate_range_and_max_seconds(monkeypa
         load_audio(np.zeros(12 * 8000, np.float32), 8000, max_seconds=10)
     assert load_audio(np.zeros(10 * 8000, np.float32), 8000, max_seconds=10).numel() == 10 * 16000
     # A header that says how long: refused before any of it is decoded.
-    reads = []
-    original = sf.SoundFile.read
-
-    def counting_read(self, frames=-1, *args, **kwargs):
-        out = original(self, frames, *args, **kwargs)
-        reads.append(len(out))
-        return out
-
-    monkeypatch.setattr(sf.SoundFile, "read", counting_read)
+    reads = count_audio_reads(monkeypatch)
     hour = _flac(3600)
     with pytest.raises(AudioTooLongError, match=r"declares 3600\.0 s, over the 1800-second limit") as e:
         load_audio(hour, max_seconds=1800)
