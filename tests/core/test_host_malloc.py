@@ -20,6 +20,11 @@ from tandem.core.worker.host_malloc import keep_freed_memory
 _PROBE = """
 import json, resource, sys
 import torch
+# Laid out as an engine process is (its worker's modules loaded) before measuring: in a
+# bare interpreter that has imported torch and this module alone, glibc's heap could not
+# keep the freed 64 MiB in about half of the runs here (the old worker/__init__ imported
+# the worker; since it stopped, this probe measured a process no engine runs in).
+import tandem.core.worker.worker  # noqa: F401
 from tandem.core.worker.host_malloc import keep_freed_memory
 
 SIZE = 64 << 20  # over glibc's largest mmap threshold (32 MiB): mmapped unless told otherwise
