@@ -61,7 +61,6 @@ import gc
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -74,9 +73,10 @@ from throughput import (  # noqa: E402 - the sibling benchmark's helpers
     MODEL_SIZES,
     Workload,
     available_engines,
+    build_random,
+    checkpoint_dir,
     cpu_flags,
     load_config,
-    make_model,
     make_requests,
 )
 
@@ -450,18 +450,8 @@ def main(argv=None) -> int:
         return 1
     from tandem import LLM, SamplingParams
 
-    tmp = None
-    if args.model:
-        model_dir = args.model
-    else:
-        if args.save_model:
-            model_dir = args.save_model
-        else:
-            tmp = tempfile.TemporaryDirectory(prefix="tandem-step-profile-")
-            model_dir = tmp.name
-        print(f"building random {MODEL_SIZES[args.make_model].family} ({args.make_model}) in {model_dir}",
-              flush=True)
-        make_model(args.make_model, model_dir, args.seed)
+    model_dir, tmp = checkpoint_dir(args.model, args.save_model, "tandem-step-profile-",
+                                    lambda d: build_random(args.make_model, d, args.seed))
     config = load_config(model_dir)
 
     llm = LLM(model=model_dir, dtype="float32", device="cpu", seed=args.seed)

@@ -793,6 +793,23 @@ def parse_args(argv=None):
     return args
 
 
+
+def build_random(size: str, model_dir: str, seed: int) -> None:
+    print(f"building random {MODEL_SIZES[size].family} ({size}) in {model_dir}", flush=True)
+    make_model(size, model_dir, seed)
+
+
+def checkpoint_dir(model: str | None, save_model: str | None, prefix: str, build) -> tuple[str, object]:
+    """The checkpoint a benchmark runs: ``model`` as given, else one that ``build(dir)``
+    makes in ``save_model`` (kept) or in a temporary directory; the second value is that
+    directory's handle (``cleanup()`` it at the end), None when nothing was made there."""
+    if model:
+        return model, None
+    tmp = None if save_model else tempfile.TemporaryDirectory(prefix=prefix)
+    model_dir = save_model or tmp.name
+    build(model_dir)
+    return model_dir, tmp
+
 def available_engines(engines: list[str]) -> list[str]:
     """Drop engines whose package cannot be imported, with a note."""
     needs = {"tandem": ("tandem", "LLM"), "hf": ("transformers", "AutoModelForSeq2SeqLM"),
@@ -823,18 +840,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    tmp = None
-    if args.model:
-        model_dir = args.model
-    else:
-        if args.save_model:
-            model_dir = args.save_model
-        else:
-            tmp = tempfile.TemporaryDirectory(prefix="tandem-bench-model-")
-            model_dir = tmp.name
-        print(f"building random {MODEL_SIZES[args.make_model].family} ({args.make_model}) in {model_dir}",
-              flush=True)
-        make_model(args.make_model, model_dir, args.seed)
+    model_dir, tmp = checkpoint_dir(args.model, args.save_model, "tandem-bench-model-",
+                                    lambda d: build_random(args.make_model, d, args.seed))
 
     config = load_config(model_dir)
     names = list(WORKLOADS) if args.workload == "all" else [args.workload]

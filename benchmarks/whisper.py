@@ -655,17 +655,11 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    tmp = None
-    if args.model:
-        model_dir = args.model
-    else:
-        if args.save_model:
-            model_dir = args.save_model
-        else:
-            tmp = tempfile.TemporaryDirectory(prefix="tandem-bench-whisper-")
-            model_dir = tmp.name
+    def build(model_dir: str) -> None:
         print(f"building random Whisper ({args.size}) in {model_dir}", flush=True)
         make_model(args.size, model_dir, args.seed)
+
+    model_dir, tmp = throughput.checkpoint_dir(args.model, args.save_model, "tandem-bench-whisper-", build)
 
     config = load_config(model_dir)
     clips = make_clips(args.num_clips, args.seed)
