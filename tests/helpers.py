@@ -533,3 +533,11 @@ def count_audio_reads(monkeypatch) -> list:
 
     monkeypatch.setattr(sf.SoundFile, "read", counting_read)
     return reads
+
+
+async def final_output(engine, prompt, params, request_id=None):
+    """The last output ``AsyncLLM.generate`` yields for one request (the finished one)."""
+    last = None
+    async for out in engine.generate(prompt, params, request_id):
+        last = out
+    return last

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from faulty_backend import FaultyBackend
+from helpers import final_output
 from tandem import LLM, AsyncLLM, EngineDeadError, SamplingParams
 from tandem.core.output_processor import RequestState
 from tandem.core.strategies.beam import BeamSearchStrategy
@@ -149,13 +150,6 @@ def test_one_requests_output_fault_fails_it_alone(bart_dir, clean, monkeypatch):
 
 
 # -- AsyncLLM and the server -------------------------------------------------------------
-async def _final(engine, prompt, params, rid):
-    last = None
-    async for out in engine.generate(prompt, params, rid):
-        last = out
-    return last
-
-
 @pytest.mark.asyncio
 async def test_async_llm_serves_on_after_a_failed_step(bart_dir, clean):
     engine = AsyncLLM(model=str(bart_dir), dtype="float32", device="cpu", attention_backend="faulty_sdpa",
@@ -163,7 +157,7 @@ async def test_async_llm_serves_on_after_a_failed_step(bart_dir, clean):
     try:
         FaultyBackend.reset(fail_steps={2})
         outs = await asyncio.wait_for(
-            asyncio.gather(*(_final(engine, p, GREEDY, f"r{i}") for i, p in enumerate(PROMPTS))), WAIT)
+            asyncio.gather(*(final_output(engine, p, GREEDY, f"r{i}") for i, p in enumerate(PROMPTS))), WAIT)
         failed = [i for i, o in enumerate(outs) if o.error is not None]
         assert 0 < len(failed) <= 2
         assert all("injected fault" in outs[i].error for i in failed)
@@ -171,14 +165,14 @@ async def test_async_llm_serves_on_after_a_failed_step(bart_dir, clean):
             if i not in failed:
                 assert o.outputs[0].token_ids == clean["greedy"][i]
         assert engine.health().status == "ok"
-        again = await asyncio.wait_for(_final(engine, PROMPTS[0], GREEDY, "after"), WAIT)
+        again = await asyncio.wait_for(final_output(engine, PROMPTS[0], GREEDY, "after"), WAIT)
         assert again.outputs[0].token_ids == clean["greedy"][0]
         FaultyBackend.reset(fail_always=True)  # max_consecutive_step_failures=3: the third failed step kills
         for k in range(2):
-            out = await asyncio.wait_for(_final(engine, PROMPTS[0], GREEDY, f"fails-{k}"), WAIT)
+            out = await asyncio.wait_for(final_output(engine, PROMPTS[0], GREEDY, f"fails-{k}"), WAIT)
             assert "injected fault" in out.error and engine.health().status == "degraded"
         with pytest.raises(EngineDeadError):
-            await asyncio.wait_for(_final(engine, PROMPTS[0], GREEDY, "dies"), WAIT)
+            await asyncio.wait_for(final_output(engine, PROMPTS[0], GREEDY, "dies"), WAIT)
         assert engine.health().status == "dead"
     finally:
         FaultyBackend.reset()
@@ -197,12 +191,12 @@ async def test_async_llm_a_raising_logits_processor_fails_only_its_request(bart_
     try:
         params = [bad if i == 2 else GREEDY for i in range(len(PROMPTS))]
         outs = await asyncio.wait_for(
-            asyncio.gather(*(_final(engine, p, sp, f"r{i}") for i, (p, sp) in enumerate(zip(PROMPTS, params)))), WAIT)
+            asyncio.gather(*(final_output(engine, p, sp, f"r{i}") for i, (p, sp) in enumerate(zip(PROMPTS, params)))), WAIT)
         assert "logits processor 'broken' raised ValueError: bad state" in outs[2].error
         assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != 2] == \
             [t for i, t in enumerate(clean["greedy"]) if i != 2]
         assert engine.health().status == "ok"  # a request's own fault is no step failure
-        again = await asyncio.wait_for(_final(engine, PROMPTS[2], GREEDY, "after"), WAIT)
+        again = await asyncio.wait_for(final_output(engine, PROMPTS[2], GREEDY, "after"), WAIT)
         assert again.outputs[0].token_ids == clean["greedy"][2]
         s = engine.get_stats()
         assert s["kv_blocks_free"] == s["kv_blocks_total"]

@@ -17,6 +17,7 @@ import asyncio
 import httpx
 import pytest
 
+from helpers import final_output
 from tandem import LLM, AsyncLLM, EngineDeadError, SamplingParams
 from tandem.core.kv.block_manager import BlockManager
 from tandem.core.strategies.beam import BeamSearchStrategy
@@ -165,13 +166,6 @@ def test_a_fault_that_breaks_the_pool_accounting_makes_the_engine_dead(bart_dir,
     assert engine.health().status == "dead"
 
 
-async def _final(engine, prompt, params, rid):
-    last = None
-    async for out in engine.generate(prompt, params, rid):
-        last = out
-    return last
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize("where", ["append_slots", "step_mode"])
 async def test_async_llm_a_schedule_fault_fails_only_its_request(bart_dir, monkeypatch, where):
@@ -183,11 +177,11 @@ async def test_async_llm_a_schedule_fault_fails_only_its_request(bart_dir, monke
         else:
             hit = inject(monkeypatch, SamplingStrategy, where, _group_rid)
         outs = await asyncio.wait_for(
-            asyncio.gather(*(_final(engine, p, GREEDY, f"r{i}") for i, p in enumerate(PROMPTS))), WAIT)
+            asyncio.gather(*(final_output(engine, p, GREEDY, f"r{i}") for i, p in enumerate(PROMPTS))), WAIT)
         monkeypatch.undo()
         _check(outs, hit, want, engine.get_stats(), where)
         assert engine.health().status == "ok"
-        again = await asyncio.wait_for(_final(engine, PROMPTS[1], GREEDY, "after"), WAIT)
+        again = await asyncio.wait_for(final_output(engine, PROMPTS[1], GREEDY, "after"), WAIT)
         assert again.error is None and again.outputs[0].token_ids == want[1][0]
     finally:
         await asyncio.wait_for(engine.shutdown(), WAIT)
