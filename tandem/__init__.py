@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from tandem.entrypoints.async_llm import AsyncLLM, EngineDeadError
     from tandem.entrypoints.llm import LLM
     from tandem.entrypoints.vllm_compat import EngineArgs
+    from tandem.lora import LoRARequest
     from tandem.plugins.hookspecs import hookimpl
 
 # Public name -> the module that defines it.
@@ -66,6 +67,7 @@ _LAZY = {
     "LLM": "tandem.entrypoints.llm",
     "EngineArgs": "tandem.entrypoints.vllm_compat",
     "hookimpl": "tandem.plugins.hookspecs",
+    "LoRARequest": "tandem.lora",
 }
 
 
@@ -91,6 +93,7 @@ except PackageNotFoundError:  # a source tree on sys.path without an install
 
 __all__ = [
     "LLM",
+    "LoRARequest",
     "AsyncLLM",
     "EngineDeadError",
     "EngineArgs",

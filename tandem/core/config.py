@@ -183,6 +183,18 @@ class EngineConfig:
         "have to be compiled; a longer one is refused before compiling, naming its size and this limit"
     )
 
+    # tandem/lora/: PEFT LoRA adapters picked per request (LoRARequest); docs/lora.md
+    enable_lora: bool = option(
+        False, "serve PEFT LoRA adapters per request (a request's lora_request): each request may name its own adapter; the "
+        "base weights are shared"
+    )
+    max_loras: int = option(1, "LoRA adapters resident on the device at once (one step serves at most this many)")
+    max_lora_rank: int = option(16, "the largest LoRA rank an adapter may have; higher ranks are refused per request")
+    max_cpu_loras: int | None = option(
+        None, "LoRA adapters kept loaded in CPU memory (least recently used evicted first; default: none, "
+        "`max_loras`)"
+    )
+
     def __post_init__(self) -> None:
         from tandem.core.checkpoint_source import check_revision
 
@@ -256,6 +268,7 @@ class EngineConfig:
             raise ValueError(f"swap_space={self.swap_space!r}: must be a finite number of GiB >= 0")
         if not isinstance(self.trust_remote_code, bool):
             raise ValueError(f"trust_remote_code={self.trust_remote_code!r}: must be True or False")
+        self._check_lora()
         if not is_int(self.max_consecutive_step_failures) or self.max_consecutive_step_failures < 1:
             raise ValueError(
                 f"max_consecutive_step_failures={self.max_consecutive_step_failures!r}: must be an integer >= 1"
@@ -284,6 +297,20 @@ class EngineConfig:
         if self.dtype == "auto":
             self.torch_dtype, self.dtype_reason = resolve_auto_dtype(
                 self.model_path, self.torch_device, self.quantization
+            )
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora={self.enable_lora!r}: must be True or False")
+        if not is_int(self.max_loras) or self.max_loras < 1:
+            raise ValueError(f"max_loras={self.max_loras!r}: must be an integer >= 1")
+        if not is_int(self.max_lora_rank) or not 1 <= self.max_lora_rank <= 1024:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank!r}: must be an integer in [1, 1024]")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif not is_int(self.max_cpu_loras) or self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras={self.max_cpu_loras!r}: must be None or an integer >= max_loras ({self.max_loras})"
             )
 
     def _check_parallel(self) -> None:

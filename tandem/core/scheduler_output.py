@@ -62,6 +62,8 @@ class ScheduledGroup:
     # The request's step mode, as plain data the worker hands the rows of this group
     # to (``tandem.core.strategies``); None: plain sampling by the request's params.
     mode: Any = None  # a tandem.core.strategies.base.StepMode
+    # The request's LoRA adapter (tandem.lora.LoRARequest); None: the base weights.
+    lora_request: Any = None
 
     @property
     def run_encoder(self) -> bool:

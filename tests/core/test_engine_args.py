@@ -78,7 +78,7 @@ def _non_default(f):
     if f.default is False:
         return True, []
     kind = type(f.default) if f.default is not None else {"num_kv_blocks": int, "encoder_cache_blocks": int,
-                                                               "prefix_cache_blocks": int,
+                                                               "prefix_cache_blocks": int, "max_cpu_loras": int,
                                                                "kv_cache_memory": float}.get(f.name, str)
     value = {int: 7, float: 2.5, str: "some/where"}[kind]
     return value, [str(value)]
