@@ -182,6 +182,12 @@ class EngineConfig:
         64 * 1024, "characters a structured-output spec (a JSON schema's text, a regex, a grammar, the choices) may "
         "have to be compiled; a longer one is refused before compiling, naming its size and this limit"
     )
+    # core/strategies/structured/jump.py; docs/structured_output.md
+    structured_outputs_disable_jump_forward: bool = option(
+        False, "decode every structured-output token with a forward pass of its own: without it, where the grammar "
+        "admits exactly one continuation (a key, punctuation, the rest of an enum value) its tokens are appended at "
+        "once and computed as one chunk"
+    )
 
     # tandem/lora/: PEFT LoRA adapters picked per request (LoRARequest); docs/lora.md
     enable_lora: bool = option(
@@ -279,6 +285,9 @@ class EngineConfig:
         if not is_int(self.structured_outputs_max_chars) or self.structured_outputs_max_chars < 1:
             raise ValueError(f"structured_outputs_max_chars={self.structured_outputs_max_chars!r}: must be an "
                              "integer >= 1")
+        if not isinstance(self.structured_outputs_disable_jump_forward, bool):
+            raise ValueError(f"structured_outputs_disable_jump_forward={self.structured_outputs_disable_jump_forward!r}: "
+                             "must be True or False")
         if not is_int(self.seed) or not -(2**63) <= self.seed <= 2**64 - 1:
             raise ValueError(f"seed={self.seed!r}: must be an integer in [-2**63, 2**64 - 1], the range torch seeds take")
         self._check_parallel()

@@ -16,6 +16,12 @@ with an ``error`` saying which and after how many tokens: its completion ends
 is not a finish: text the grammar cannot complete does not follow the spec, and
 an output without ``error`` is always one the grammar ended or ``max_tokens`` cut.
 
+Where the grammar then admits exactly one continuation, the sequence jumps over it
+(``jump.py``): its tokens follow the sampled one in the same update and are
+computed as one chunk the next step. Not where the request asks for what a jumped
+token, which is never scored, cannot give (``jump.why_not_exact``), nor where the
+engine option ``structured_outputs_disable_jump_forward`` is set.
+
 The matchers live with the request on the scheduler's side, so preemption
 leaves them as they are: a swapped-out sequence keeps its tokens and its
 matcher, and a recomputed one recomputes the keys and values of the same
@@ -33,6 +39,8 @@ from tandem.core.core_outputs import RequestResult
 from tandem.core.sequence import SequenceStatus
 from tandem.core.strategies.base import RequestFailed, RequestStrategy, SchedulerOps, StepMode
 from tandem.core.strategies.modes import Mode, RequestContext
+from tandem.core.strategies.sampling import finish_reason
+from tandem.core.strategies.structured.jump import JumpCounters, JumpForward, jump_stats, why_not_exact
 
 if TYPE_CHECKING:
     from tandem.core.scheduler_output import ModelRunnerOutput, ScheduledGroup
@@ -41,12 +49,15 @@ if TYPE_CHECKING:
 
 class StructuredStrategy(RequestStrategy):
     def __init__(self, grammar: Future, new_matcher: Callable[[Any], Any], inner: RequestStrategy,
-                 num_allowed: Callable[[Any], int]) -> None:
+                 num_allowed: Callable[[Any], int], jump: Callable[[], JumpForward] | None = None) -> None:
         """``grammar``: the future of the compiled grammar; ``new_matcher(compiled)``:
         a fresh matcher; ``inner``: the strategy whose tokens are constrained;
-        ``num_allowed(matcher)``: how many ids the matcher allows next."""
+        ``num_allowed(matcher)``: how many ids the matcher allows next; ``jump``: the
+        engine's jump-forward, once the grammar compiled (None: the request never jumps)."""
         self.grammar, self.new_matcher, self.inner, self.num_allowed = grammar, new_matcher, inner, num_allowed
         self.matchers: dict[int, Any] = {}  # seq id -> its matcher
+        self._jump_factory = jump
+        self.jump: JumpForward | None = None
 
     def ready(self, group: "SequenceGroup") -> bool:
         if not self.grammar.done():
@@ -57,6 +68,8 @@ class StructuredStrategy(RequestStrategy):
             # as a fork, which xgrammar only has from 0.2).
             for seq in group.seqs:
                 self.matchers[seq.seq_id] = self.new_matcher(compiled)
+            if self._jump_factory is not None:
+                self.jump = self._jump_factory()
         return True
 
     def max_num_seqs(self, group: "SequenceGroup") -> int:
@@ -119,7 +132,47 @@ class StructuredStrategy(RequestStrategy):
                 delta.finish_reason = seq.status.value if seq.finished else None
             ops.release_finished(group)
             res.finished = group.is_finished
+        if self.jump is not None and res is not None and not group.is_finished:
+            self._jump(ops, group, sg, res, by_id)
         return res
+
+    def _jump(self, ops: SchedulerOps, group: "SequenceGroup", sg: "ScheduledGroup", res: RequestResult,
+              by_id: dict) -> None:
+        """Each sequence that just sampled a token jumps over what its grammar forces
+        next (``jump.py``): the forced tokens join this step's output (the sampled
+        token replaced where the two tokenize differently together) and are computed
+        with it as one chunk in the next step. Never past ``max_tokens``."""
+        p = group.sampling_params
+        stops = frozenset(p.stop_token_ids or ())
+        deltas = {d.index: d for d in res.completions}
+        ended = False
+        for ss in sg.seqs:
+            seq = by_id[ss.seq_id]
+            d = deltas.get(seq.index)
+            if (seq.finished or d is None or d.replace or not d.new_token_ids
+                    or d.new_token_ids[-1] != seq.output_token_ids[-1]):
+                continue
+            matcher = self.matchers[ss.seq_id]
+            ids = self.jump.after(matcher, seq.output_token_ids[-1], p.max_tokens - len(seq.output_token_ids), stops)
+            if ids is None:
+                continue
+            # Not emitted and its keys and values not computed yet: replacing it is free.
+            seq.output_token_ids[-1] = seq.token_ids[-1] = d.new_token_ids[-1] = ids[0]
+            for j, token in enumerate(ids[1:], 1):
+                seq.append_token(token, None, None)
+                d.new_token_ids.append(token)
+                ops.check_stop(seq, group)
+                if seq.finished:
+                    if j < len(ids) - 1:
+                        matcher.rollback(len(ids) - 1 - j)  # the matcher holds what the sequence holds
+                    break
+            d.cumulative_logprob = seq.cumulative_logprob
+            if seq.finished:
+                d.finish_reason, d.stop_reason = finish_reason(seq), seq.stop_reason
+                ended = True
+        if ended:
+            ops.release_finished(group)
+            res.finished = group.is_finished
 
     def _dead_end(self, group: "SequenceGroup", seq) -> str:
         """Why ``seq`` has no token to sample: the grammar allows none of the vocabulary,
@@ -150,6 +203,9 @@ class StructuredOutputMode(Mode):
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self.manager = ctx.services.get("structured")
+        self.jump_enabled = not getattr(ctx.config, "structured_outputs_disable_jump_forward", False)
+        self.jump_counters = JumpCounters()
+        self._jump: JumpForward | None = None
 
     def applies(self, req: RequestContext) -> bool:
         return req.params.structured_outputs is not None
@@ -159,7 +215,20 @@ class StructuredOutputMode(Mode):
         # the compile itself runs off the step loop and a failure is this request's error.
         m = self.manager
         backend = m.backend
-        return StructuredStrategy(m.grammar(req.params.structured_outputs), backend.matcher, inner, backend.num_allowed)
+        jump = self._jump_forward if self.jump_enabled and why_not_exact(req.params) is None else None
+        return StructuredStrategy(m.grammar(req.params.structured_outputs), backend.matcher, inner, backend.num_allowed,
+                                  jump)
+
+    def _jump_forward(self) -> JumpForward:
+        # Once a grammar compiled: the vocabulary table is built with the compiler.
+        if self._jump is None:
+            backend = self.manager.backend
+            strings, never = backend.token_bytes()
+            self._jump = JumpForward(backend.tokenizer, strings, never, self.jump_counters)
+        return self._jump
+
+    def stats(self) -> dict[str, int]:
+        return jump_stats(self.jump_counters)
 
     def logits_transform(self, items: list):
         return self.manager.grammar_mask(items)

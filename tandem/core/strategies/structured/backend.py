@@ -109,6 +109,19 @@ class XgrammarBackend:
     def matcher(self, compiled):
         return import_xgrammar().GrammarMatcher(compiled)
 
+    def token_bytes(self) -> tuple[list[bytes], set[int]]:
+        """Each id's text as the grammar matches it, and the ids that are never text
+        (special and stop tokens, empty ones, ids past the tokenizer's vocabulary).
+        After the first compile (the vocabulary table is built with the compiler)."""
+        info = self.tokenizer_info
+        if info is None:
+            raise RuntimeError("the vocabulary table is built with the first compile")
+        strings = list(info.decoded_vocab)[: self.vocab_size]
+        strings += [b""] * (self.vocab_size - len(strings))
+        never = set(self.stop_token_ids) | set(getattr(self.tokenizer, "all_special_ids", ()) or ())
+        never |= {i for i, s in enumerate(strings) if not s}
+        return strings, never
+
     def num_allowed(self, matcher) -> int:
         """How many ids ``matcher`` allows next (special tokens never; EOS where the
         grammar is complete). One row's mask, so only for explaining a dead end."""
