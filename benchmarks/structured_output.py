@@ -19,6 +19,17 @@ grammar completes first (random weights rarely finish a whole invoice). So
 throughput is compared per generated token, and each row's token count is
 printed beside it. Encoder prompts are ``--input-len`` random token ids.
 
+``--jump-forward`` measures jump-forward decoding instead (``docs/structured_output.md``):
+the invoice schema served by an engine with jump-forward (the default) and one with
+``structured_outputs_disable_jump_forward``, interleaved: forward passes (executor
+steps that ran the model), generated tokens and throughput of each, and a JSON
+summary (``--json PATH`` too) whose ``forward_passes_ratio`` is the passes with
+over the passes without, summed over the batch sizes' runs. The schema is asked
+with ``disable_any_whitespace`` (``--any-whitespace``: without; a random model
+then spends its tokens on whitespace, which no grammar forces):
+
+  python benchmarks/structured_output.py --jump-forward --batch-sizes 1,16 --json jump.json
+
 Compile times: "cold" is the first compile of the schema in a fresh engine,
 once the tokenizer's vocabulary table is built (that, once per engine, is
 timed apart); "cached" is the same schema asked for again (tandem's cache by
@@ -31,6 +42,8 @@ import argparse
 import cProfile
 import importlib.metadata
 import io
+import json
+import statistics
 import os
 import pstats
 import random
@@ -216,7 +229,99 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", help="a local BART checkpoint with a tokenizer, instead of the random one")
     p.add_argument("--profile", action="store_true", help="cProfile the largest constrained batch")
+    p.add_argument("--jump-forward", action="store_true",
+                   help="forward passes and throughput with jump-forward decoding against without")
+    p.add_argument("--any-whitespace", action="store_true",
+                   help="with --jump-forward: allow any whitespace between JSON tokens (default: "
+                        "disable_any_whitespace, one way to write the JSON)")
+    p.add_argument("--json", dest="json_path", help="with --jump-forward: also write the summary here")
     return p.parse_args(argv)
+
+
+def counted(llm) -> list[int]:
+    """Counts the engine's forward passes (executor steps that ran the model)."""
+    ex = llm.engine.executor
+    run, n = ex.execute_model, [0]
+
+    def execute_model(*a, **k):
+        result = run(*a, **k)
+        n[0] += result is not None
+        return result
+
+    ex.execute_model = execute_model
+    return n
+
+
+def jump_forward(model_dir: str, args) -> dict:
+    """The invoice batch by an engine with jump-forward and one without, interleaved:
+    per batch size the forward passes, tokens and seconds of each (the best and the
+    median of ``--repeat`` rounds for seconds; passes and tokens are the same each round)."""
+    from tandem import LLM, SamplingParams, StructuredOutputsParams
+
+    so = StructuredOutputsParams(json=INVOICE_SCHEMA, disable_any_whitespace=not args.any_whitespace)
+    engines = {}
+    for name, off in (("with", False), ("without", True)):
+        llm = LLM(model=model_dir, dtype=args.dtype, device="cpu", seed=args.seed,
+                  structured_outputs_disable_jump_forward=off)
+        llm.generate([{"prompt_token_ids": [0, 5, 6, 2]}], SamplingParams(max_tokens=4, structured_outputs=so),
+                     use_tqdm=False)  # warm-up and the compile
+        engines[name] = (llm, counted(llm))
+    vocab = engines["with"][0].engine.vocab_size
+    rng = random.Random(args.seed)
+    ids = [i for i in range(4, vocab)]
+    rows = []
+    for bs in [int(x) for x in args.batch_sizes.split(",")]:
+        prompts = [{"prompt_token_ids": [0] + [rng.choice(ids) for _ in range(args.input_len - 2)] + [2]}
+                   for _ in range(bs)]
+        row = {"batch": bs}
+        times: dict[str, list[float]] = {"with": [], "without": []}
+        for _ in range(args.repeat):  # interleaved, so a burst of load hits both alike
+            for name, (llm, passes) in engines.items():
+                before, jumped = passes[0], llm.get_stats()["structured_jump_forward_tokens"]
+                seconds, counts = run_batch(llm, prompts, so, args)
+                times[name].append(seconds)
+                row[f"{name}_passes"] = passes[0] - before
+                row[f"{name}_tokens"] = sum(counts)
+                row[f"{name}_jumped"] = llm.get_stats()["structured_jump_forward_tokens"] - jumped
+        for name in engines:
+            row[f"{name}_best_s"] = min(times[name])
+            row[f"{name}_median_s"] = statistics.median(times[name])
+            row[f"{name}_tok_s_best"] = row[f"{name}_tokens"] / row[f"{name}_best_s"]
+        rows.append(row)
+    passes_with = sum(r["with_passes"] for r in rows)
+    passes_without = sum(r["without_passes"] for r in rows)
+    return {
+        "forward_passes_ratio": passes_with / passes_without,
+        "tokens_per_pass_with": sum(r["with_tokens"] for r in rows) / passes_with,
+        "tokens_per_pass_without": sum(r["without_tokens"] for r in rows) / passes_without,
+        "throughput_ratio_best": (sum(r["with_tokens"] for r in rows) / sum(r["with_best_s"] for r in rows))
+        / (sum(r["without_tokens"] for r in rows) / sum(r["without_best_s"] for r in rows)),
+        "rows": rows,
+        "settings": {"max_tokens": args.max_tokens, "input_len": args.input_len, "repeat": args.repeat,
+                     "d_model": args.d_model, "layers": args.layers, "vocab_size": vocab, "dtype": args.dtype,
+                     "disable_any_whitespace": not args.any_whitespace, "batch_sizes": args.batch_sizes},
+        "machine": {"cpu_flags": cpu_flags(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                    "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "load_avg_1min": os.getloadavg()[0]},
+    }
+
+
+def print_jump_report(summary: dict) -> None:
+    m, st = summary["machine"], summary["settings"]
+    print(f"\ncpu_flags={m['cpu_flags']}  cpu_capability={m['cpu_capability']}  cpus={m['cpus']}  "
+          f"torch_threads={m['torch_threads']}  load_avg_1min={m['load_avg_1min']:.2f}")
+    print(f"invoice schema, disable_any_whitespace={st['disable_any_whitespace']}, greedy, ignore_eos, "
+          f"max_tokens={st['max_tokens']}, input_len={st['input_len']}, {st['repeat']} interleaved rounds\n")
+    print("| batch | passes with / without | tokens with / without | jumped | tok/s with (best, median s) "
+          "| tok/s without (best, median s) |")
+    print("|---|---|---|---|---|---|")
+    for r in summary["rows"]:
+        print(f"| {r['batch']} | {r['with_passes']} / {r['without_passes']} | {r['with_tokens']} / "
+              f"{r['without_tokens']} | {r['with_jumped']} | {r['with_tok_s_best']:.1f} ({r['with_best_s']:.2f}, "
+              f"{r['with_median_s']:.2f}) | {r['without_tok_s_best']:.1f} ({r['without_best_s']:.2f}, "
+              f"{r['without_median_s']:.2f}) |")
+    keys = ("forward_passes_ratio", "tokens_per_pass_with", "tokens_per_pass_without", "throughput_ratio_best")
+    print("\n" + json.dumps({k: round(summary[k], 4) for k in keys}))
 
 
 def main(argv=None) -> int:
@@ -231,6 +336,12 @@ def main(argv=None) -> int:
             vocab = make_model(tmp, args)
             print(f"# random BART d_model={args.d_model} layers={args.layers}, byte-level BPE of {vocab} ids "
                   f"(built in {time.perf_counter() - start:.1f} s)")
+        if args.jump_forward:
+            summary = jump_forward(model_dir, args)
+            print_jump_report(summary)
+            if args.json_path:
+                Path(args.json_path).write_text(json.dumps(summary, indent=2) + "\n")
+            return 0
         compiles = compile_times(model_dir, args)
         llm = LLM(model=model_dir, dtype=args.dtype, device="cpu", seed=args.seed)
         vocab = llm.engine.vocab_size
