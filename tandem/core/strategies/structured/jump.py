@@ -95,7 +95,7 @@ class JumpForward:
         cut = len(text) > MAX_JUMP_CHARS
         text = text[:MAX_JUMP_CHARS]
         ids = self._tokens(last, text)
-        if ids is None:
+        if ids is None or (ids[0] != last and ids[0] in stop_ids):
             return None
         if cut and len(ids) > 2:
             ids = ids[:-1]  # its last token may be the start of a longer one past the cut
