@@ -17,7 +17,8 @@ clips, and prints:
   profiler) and GFLOP/s, also as a fraction of the ``torch.mm`` 2048^3 rate
   and of the same-shape rate;
 - ``--rounds R`` interleaved rounds (default 3: references, one unprofiled
-  step, one profiled step, in turn), each figure the best and the median over
+  step, one profiled step, in turn, each step on clips not seen before, so the
+  engine's encoder cache never serves one), each figure the best and the median over
   the rounds, each ratio taken within its round; the load average (the
   machine may be shared) before and after;
 - an op census from a ``TorchDispatchMode`` over one more encoder step: each
@@ -179,13 +180,15 @@ def main(argv=None) -> int:
               f"  threads={torch.get_num_threads()}  dtype={dtype}  quantization={args.quantization}  "
               f"clips={args.num_clips}  rounds={args.rounds}  {llm.llm_engine.worker.linear_kernels}")
         print(f"load average before: {load_average()}")
-        clips = clips_bench.make_clips(args.num_clips, args.seed)
-        run(llm, clips_bench.make_clips(args.num_clips, args.seed + 1))  # warm-up, other clips
-        timed_clips = clips_bench.make_clips(args.num_clips, args.seed + 2)
+        # New clips for every run: the engine's encoder cache would serve a repeated clip
+        # without running the encoder.
+        run(llm, clips_bench.make_clips(args.num_clips, args.seed + 1))  # warm-up
+        fresh = [(clips_bench.make_clips(args.num_clips, args.seed + 10 + 2 * i),
+                  clips_bench.make_clips(args.num_clips, args.seed + 11 + 2 * i)) for i in range(args.rounds)]
         flops = {k: v * args.num_clips for k, v in flops_per_clip(config).items()}
         labels = [c for c, _ in CLASSES] + ["other"]
         rounds = []  # per round: mm rate, same-shape rates, unprofiled seconds, class seconds, top ops
-        for _ in range(args.rounds):
+        for timed_clips, clips in fresh:
             rate = mm_rate(torch_dtype)
             same = {} if args.quantization else same_shape_rates(config, args.num_clips, torch_dtype)
             start = time.perf_counter()
@@ -236,8 +239,8 @@ def main(argv=None) -> int:
               + ", ".join(f"{e.key} {e.self_cpu_time_total / 1e6:.3f} s x{e.count}" for e in top))
         print(f"load average after: {load_average()}")
         if not args.no_census:
-            print("\nop census (one encoder step of the same clips: ops on [.., 1500 | 3000, ..] tensors)")
-            for (name, desc), n in sorted(census(llm, clips_bench.make_clips(args.num_clips, args.seed + 3)).items()):
+            print("\nop census (one more encoder step, new clips: ops on [.., 1500 | 3000, ..] tensors)")
+            for (name, desc), n in sorted(census(llm, clips_bench.make_clips(args.num_clips, args.seed + 2)).items()):
                 print(f"{n:5d}  {name:<40} {desc}")
     return 0
 
