@@ -68,7 +68,9 @@ def _add_residual(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tenso
     so the result is bit-equal to ``residual + y``)."""
     if residual is None:
         return y
-    return y + residual if y.requires_grad or residual.requires_grad else y.add_(residual)
+    if y.requires_grad or residual.requires_grad or residual.shape != y.shape or residual.dtype != y.dtype:
+        return residual + y  # autograd, broadcasting or type promotion: out of place, as the caller's add
+    return y.add_(residual)
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
