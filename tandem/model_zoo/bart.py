@@ -73,9 +73,11 @@ class _SelfAttention(nn.Module):
         self.split = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
         self.attn = Attention(num_heads, head_size, head_size**-0.5, ctx.attn_backend, self.attn_type)
 
-    def forward(self, hidden: torch.Tensor, kv_cache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, kv_cache, attn_metadata: AttentionMetadata,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual``: added to the output (in ``out_proj``'s GEMM where its kernel can)."""
         q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
-        return self.out_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+        return self.out_proj(self.attn(q, k, v, kv_cache, attn_metadata), residual=residual)
 
 
 class BartEncoderAttention(_SelfAttention):
@@ -127,10 +129,10 @@ class _FFNMixin:
         self.act = ACT2FN[name]
         self.act_name = name if name in FUSABLE_ACTIVATIONS else None
 
-    def ffn(self, h: torch.Tensor) -> torch.Tensor:
+    def ffn(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.act_name is not None:
-            return self.fc2(self.fc1(h, activation=self.act_name))
-        return self.fc2(self.act(self.fc1(h)))
+            return self.fc2(self.fc1(h, activation=self.act_name), residual=residual)
+        return self.fc2(self.act(self.fc1(h)), residual=residual)
 
 
 class BartEncoderLayer(_FFNMixin, nn.Module):
@@ -145,11 +147,13 @@ class BartEncoderLayer(_FFNMixin, nn.Module):
         self.final_layer_norm = nn.LayerNorm(dim)
 
     def forward(self, h: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        # The residual adds happen in out_proj's and fc2's GEMM epilogues (one pass fewer
+        # over [tokens, d] each; equal to h + ...: see RowParallelLinear.forward).
         if self.pre_ln:
-            h = h + self.self_attn(self.self_attn_layer_norm(h), None, attn_metadata)
-            return h + self.ffn(self.final_layer_norm(h))
-        h = self.self_attn_layer_norm(h + self.self_attn(h, None, attn_metadata))
-        return self.final_layer_norm(h + self.ffn(h))
+            h = self.self_attn(self.self_attn_layer_norm(h), None, attn_metadata, residual=h)
+            return self.ffn(self.final_layer_norm(h), residual=h)
+        h = self.self_attn_layer_norm(self.self_attn(h, None, attn_metadata, residual=h))
+        return self.final_layer_norm(self.ffn(h, residual=h))
 
 
 class BartDecoderLayer(_FFNMixin, nn.Module):

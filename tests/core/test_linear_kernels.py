@@ -11,8 +11,10 @@ from tandem import LLM, SamplingParams
 from tandem.core.config import EngineConfig
 from tandem.core.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tandem.core.layers.linear_kernels import (
+    DenseKernel,
     Int8DynamicKernel,
     PackedCPUKernel,
+    fused_epilogues,
     packed_gemm_unsupported,
 )
 from tandem.core.layers.kernel_setup import prepare_linear_kernels
@@ -51,6 +53,54 @@ def test_packed_kernel_matches_float64(activation, shape):
     # float32 dot products of length 96 with O(1) terms: error ~ sqrt(96) * 2^-24 * |terms| ~ 1e-6;
     # 1e-5 relative (norm-wise) leaves room for any blocking order.
     assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def _kernel(name, layer):
+    if name == "packed":
+        return PackedCPUKernel(layer.weight, batch_hint=16)
+    if name == "int8":
+        return Int8DynamicKernel(layer.weight, layer.bias)
+    return DenseKernel()
+
+
+@pytest.mark.parametrize("kernel", ["dense", "packed", "int8"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_row_parallel_residual_equals_adding_it_after(kernel, layout):
+    """``layer(x, residual=r)`` (oneDNN's binary post-op for a packed kernel and a dense
+    residual; an in-place add after the GEMM otherwise) is bit-equal to ``r + layer(x)``
+    in float32, and a float64 reference confirms the residual is there at all."""
+    if kernel == "packed" and packed_gemm_unsupported(CPU, torch.float32):
+        pytest.skip("no oneDNN packed GEMM in this build")
+    layer, g = _layer(RowParallelLinear, 96, 64, seed=21)
+    w, b = layer.weight.clone(), layer.bias.clone()
+    layer.set_kernel(_kernel(kernel, layer))
+    x = torch.randn(37, 96, generator=g)
+    r = torch.randn(37, 64, generator=g) * 3
+    if layout == "strided":  # a residual oneDNN cannot take: the fallback add
+        r = torch.randn(64, 37, generator=g).T * 3
+    expected = r + layer(x)
+    y = layer(x, residual=r)
+    assert torch.equal(y, expected)
+    ref = _reference(w, b, x, None) + r.double()
+    bound = 0.05 if kernel == "int8" else 1e-5  # the int8 quantization error (see below), or float32 rounding
+    assert ((y.double() - ref).norm() / (ref - r.double()).norm()).item() < bound
+    assert torch.equal(r, r.clone())  # the residual itself is left alone
+    if kernel != "int8":
+        assert not torch.equal(layer(x, residual=r), layer(x))
+
+
+def test_row_parallel_residual_under_tensor_parallelism_needs_reduced_results():
+    layer = RowParallelLinear(8, 4, reduce_results=False, tp_size=2, tp_rank=0)
+    with pytest.raises(ValueError, match="a residual needs reduce_results=True when tp_size > 1"):
+        layer(torch.zeros(3, 4), residual=torch.zeros(3, 4))
+
+
+def test_gelu_is_fused_into_the_gemm_only_on_avx512():
+    """The erf-GELU epilogue lost to a separate GELU on an AVX2 EPYC and won on an AVX-512
+    one (docs/performance.md); ReLU is fused everywhere."""
+    assert "gelu" not in fused_epilogues("AVX2") and "relu" in fused_epilogues("AVX2")
+    assert "gelu" in fused_epilogues("AVX512") and "relu" in fused_epilogues("AVX512")
+    assert "gelu" not in fused_epilogues("DEFAULT")
 
 
 @needs_packed

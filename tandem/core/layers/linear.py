@@ -243,7 +243,17 @@ class RowParallelLinear(LinearBase):
         check_shape(loaded_weight, (param.shape[0], cols * self.tp_size))
         param.data.copy_(loaded_weight.narrow(1, self.tp_rank * cols, cols))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual`` ``[..., output_size]``: added to the (reduced) output, in the GEMM's
+        epilogue where the kernel can and nothing is left to sum across ranks; the result
+        equals ``residual + self(x)``."""
         bias = self.bias if self.tp_rank == 0 else None  # added once, not tp_size times
+        if self.tp_size == 1 and residual is not None:
+            return self.kernel(self, x, bias, None, residual=residual)
         y = self.kernel(self, x, bias, None)  # [..., output_size], this rank's partial sum
-        return self.tp.all_reduce(y) if self.reduce_results else y
+        y = self.tp.all_reduce(y) if self.reduce_results else y
+        if residual is not None:
+            if not self.reduce_results:
+                raise ValueError("RowParallelLinear: a residual needs reduce_results=True when tp_size > 1")
+            y = residual + y
+        return y

@@ -5,7 +5,9 @@
 - :class:`PackedCPUKernel` multiplies by a copy of the weight that oneDNN has
   reordered once into its blocked GEMM layout (``mkldnn._reorder_linear_weight``
   / ``mkldnn._linear_pointwise``, the ops inductor's CPU freezing emits), with
-  ReLU fused into the GEMM's epilogue (GELU runs after it: see ``_FUSED``). ``F.linear`` re-packs the
+  ReLU fused into the GEMM's epilogue (GELU too on AVX-512 CPUs: see
+  ``fused_epilogues``) and a row-parallel layer's residual add as oneDNN's
+  binary post-op. ``F.linear`` re-packs the
   ``[out, in]`` weight on every call; for decode-sized batches that is most of
   the work (bart-base's LM head, 128 rows: 64 -> 113 GFLOP/s on a 2-core AVX2
   EPYC, see docs/performance.md).
@@ -33,18 +35,42 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 # Epilogues the packed kernel fuses; any other activation runs after the GEMM.
-# GELU is not fused: oneDNN's erf-GELU epilogue cost more than the GEMM saved on
-# a 2-core AVX2 EPYC (768 -> 3072 at M=128: 95 GFLOP/s-equivalent fused vs 121-124
-# with a separate F.gelu; at M=4480: 87-93 vs 106-112; tanh GELU no better).
+# GELU is fused only where torch runs AVX-512 kernels: on a 2-core AVX2 EPYC
+# oneDNN's erf-GELU epilogue cost more than the GEMM saved (768 -> 3072 at M=128:
+# 95 GFLOP/s-equivalent fused vs 121-124 with a separate F.gelu; at M=4480: 87-93
+# vs 106-112; tanh GELU no better), while on an AVX-512 EPYC (avx512_bf16) the
+# fused epilogue is no slower in float32 (bit-equal output) and saves bfloat16 a
+# pass over the [M, ffn] output and its second rounding (docs/performance.md,
+# "Issue 40"). ``fused_epilogues`` is the one place that decides.
 _FUSED = {"relu": ("relu", [], "")}
+_FUSED_AVX512 = {**_FUSED, "gelu": ("gelu", [], "none")}
+
+
+def fused_epilogues(capability: str | None = None) -> dict[str, tuple[str, list, str]]:
+    """The activations :class:`PackedCPUKernel` fuses into its GEMM on a CPU whose torch
+    capability is ``capability`` (this process's by default)."""
+    if capability is None:
+        capability = torch.backends.cpu.get_cpu_capability()
+    return _FUSED_AVX512 if capability.startswith("AVX512") else _FUSED
 
 
 class DenseKernel:
     name = "dense"
 
-    def __call__(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
+    def __call__(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                 residual: torch.Tensor | None = None):
         y = F.linear(x, layer.weight, bias)
-        return _activate(y, activation)
+        return _add_residual(_activate(y, activation), residual)
+
+
+def _add_residual(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """``residual + y`` written into the GEMM's fresh output (float addition commutes,
+    so the result is bit-equal to ``residual + y``)."""
+    if residual is None:
+        return y
+    if y.requires_grad or residual.requires_grad or residual.shape != y.shape or residual.dtype != y.dtype:
+        return residual + y  # autograd, broadcasting or type promotion: out of place, as the caller's add
+    return y.add_(residual)
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -67,11 +93,25 @@ class PackedCPUKernel:
     def __init__(self, weight: torch.Tensor, batch_hint: int) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
         self.out_features = weight.shape[0]
+        self.fused = fused_epilogues()
 
-    def __call__(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
-        attr, scalars, algorithm = _FUSED.get(activation, ("none", [], ""))
+    def __call__(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                 residual: torch.Tensor | None = None):
+        if residual is not None and activation is None and _fusable_residual(x, residual, self.out_features):
+            # oneDNN's binary post-op: (x W^T + bias) + residual in the GEMM's epilogue, one
+            # pass fewer over the output (bit-equal in float32; bfloat16 rounds once, not twice).
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, bias, "add")
+        attr, scalars, algorithm = self.fused.get(activation, ("none", [], ""))
         y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, attr, scalars, algorithm)
-        return y if activation is None or activation in _FUSED else _activate(y, activation)
+        y = y if activation is None or activation in self.fused else _activate(y, activation)
+        return _add_residual(y, residual)
+
+
+def _fusable_residual(x: torch.Tensor, residual: torch.Tensor, out_features: int) -> bool:
+    """Whether oneDNN can add ``residual`` in the GEMM: the output's exact shape, dtype and a
+    dense row-major layout (anything else is added after the GEMM)."""
+    return (residual.dtype == x.dtype and residual.shape == (*x.shape[:-1], out_features)
+            and residual.is_contiguous() and not (x.requires_grad or residual.requires_grad))
 
 
 class Int8DynamicKernel:
@@ -89,7 +129,8 @@ class Int8DynamicKernel:
         self.packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.detach().float())
         self.has_bias = bias is not None
 
-    def __call__(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
+    def __call__(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                 residual: torch.Tensor | None = None):
         shape = x.shape
         # reduce_range: 7-bit activations, so AVX2's int16 pair sums (vpmaddubsw) never saturate.
         y = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).float(), self.packed, True)
@@ -97,7 +138,7 @@ class Int8DynamicKernel:
             raise RuntimeError("Int8DynamicKernel: a packed bias cannot be dropped on this rank")
         if bias is not None and not self.has_bias:  # a call-time bias (the LM head's final_logits_bias)
             y.add_(bias)
-        return _activate(y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype), activation)
+        return _add_residual(_activate(y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype), activation), residual)
 
 
 def onednn_bf16_gemm() -> bool:
