@@ -920,7 +920,8 @@ def parse_args(argv=None):
                      help="save the random checkpoint here instead of a temp dir")
 
     run = p.add_argument_group("run")
-    run.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
+    run.add_argument("--workload", default="all",
+                     help=f"comma list from {','.join(WORKLOADS)}, or all (default: all)")
     run.add_argument("--engines", default="tandem,hf",
                      help=f"comma list from {','.join(ENGINES)} (default: tandem,hf)")
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -976,6 +977,12 @@ def parse_args(argv=None):
     unknown = [e for e in args.engines if e not in ENGINES]
     if unknown:
         p.error(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
+    args.workloads = list(WORKLOADS) if args.workload == "all" else list(dict.fromkeys(
+        w.strip() for w in args.workload.split(",") if w.strip()))
+    bad = [w for w in args.workloads if w not in WORKLOADS]
+    if bad or not args.workloads:
+        p.error(f"--workload: unknown {', '.join(bad) or repr(args.workload)}; "
+                f"choose from {', '.join(WORKLOADS)} or all")
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
     if args.num_prompts is not None and args.num_prompts < 1:
@@ -1047,7 +1054,7 @@ def main(argv=None) -> int:
                                     lambda d: build_random(args.make_model, d, args.seed))
 
     config = load_config(model_dir)
-    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    names = args.workloads
     workloads = [make_requests(WORKLOADS[n], config, scaled_count(WORKLOADS[n], args), args.seed)
                  for n in names]
 
