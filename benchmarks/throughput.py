@@ -10,8 +10,11 @@ Workloads (request token ids are random, seeded ids from the vocabulary with
 the special ids left out, wrapped as ``[bos] + ids + [eos]``, or ``ids + [eos]``
 for a model without bos (T5); the encoder lengths below count those tokens):
 
-  summarization  64 requests, encoder length uniform in [64, 512], 64 new tokens
-  translation   256 requests, encoder length uniform in [10, 60],  48 new tokens
+  summarization        64 requests, encoder length uniform in [64, 512], 64 new tokens
+  translation         256 requests, encoder length uniform in [10, 60],  48 new tokens
+  summarization-beam4  16 requests, as summarization, beam search with 4 beams
+  latency               8 requests, encoder length uniform in [20, 40],  64 new tokens,
+                       served one at a time, each timed alone: ms per token, p50 and p99
 
 Output lengths are fixed: every request generates exactly its number of new
 tokens (tandem ``min_tokens == max_tokens``, HF ``min_new_tokens ==
@@ -22,14 +25,29 @@ decoding. Decoding is greedy. The decoder prompt is the model's default,
 (the pad token) for T5 (tandem's defaults; given explicitly to the other
 engines). Only new tokens are counted.
 
-Timing: every engine is loaded first, each runs one small warm-up request
-batch, then ``time.perf_counter`` is taken around the single call (or, for HF,
-the loop of batched ``generate`` calls) that serves all requests of a workload.
-With ``--repeat N`` the engines take turns, N rounds of one run each, and the
-table reports each engine's median run and the spread ((slowest - fastest) /
-median): on a shared machine one run can be 10-30% off, and interleaving keeps
-a slow minute from landing on one engine only. Loading time is reported
-separately in the JSON output, not in tokens/s.
+Timing: every engine is loaded first, each setting runs one small warm-up
+request batch, then ``time.perf_counter`` is taken around the single call (or,
+for HF, the loop of batched ``generate`` calls) that serves all requests of a
+workload; the latency workload times each request alone and reports, per round,
+the p50 and p99 over requests of milliseconds per generated token. ``--repeat N``
+(default 3) runs N interleaved rounds, engines taking turns, so that a slow minute
+on a shared machine lands on all of them; every figure is reported as the best
+and the median of the rounds. Loading time is reported separately in the JSON
+output, not in tokens/s.
+
+Each engine at its best setting: in round 1 every engine runs every setting it
+is swept over (engines still taking turns) and keeps its fastest for the later
+rounds (benchmarks/rounds.py); the table prints the kept setting, and a line per
+swept engine gives round 1's figure for each setting. HF is swept over batch
+sizes (``--batch-sizes``, default 16,32,64,128, each capped at the workload's
+request count; ``--hf-batch-size`` pins one), CTranslate2 over ``max_batch_size``
+(the same list; ``--ct2-batch-size`` pins one) times thread layouts
+(``intra_threads x inter_threads``: N x 1, N/2 x 2 when N >= 4, and 1 x N for N
+threads; ``--ct2-threads`` pins or lists them), tandem over ``--max-num-seqs``
+when given a comma list. torch's thread count is process-wide, so tandem and HF
+run at ``--threads`` (default: torch's); run again with another ``--threads`` to
+compare. The latency workload batches nothing: HF and CTranslate2 run at batch 1
+and only the thread layouts are swept.
 
 Roofline: the table's "model GFLOP/s" divides the FLOPs the model itself needs
 for the workload (the dense matmuls of encoder, decoder, cross-attention K/V
@@ -42,11 +60,14 @@ bound by matmul throughput and can only get faster by doing less arithmetic
 or by faster arithmetic (int8, native bf16).
 
 HF is run the way one would serve it offline: requests sorted by encoder
-length (longest first), cut into batches of ``--hf-batch-size``, right-padded
+length (longest first), cut into batches of the swept batch size, right-padded
 with ``pad_token_id`` and an attention mask. Sorting minimises padding, which
 favours HF; ``--hf-no-sort`` keeps the request order instead. CTranslate2 gets
-all requests in one ``translate_batch`` call with ``max_batch_size`` equal to
-the HF batch size (it sorts by length itself).
+all requests in one ``translate_batch`` call with the swept ``max_batch_size``
+(it sorts by length itself; with inter_threads > 1 it runs that many batches at
+once). "vs ct2" divides each engine's speed by CTranslate2's at the same
+precision (``*-int8`` rows by ct2-int8's, the others by ct2's): tokens/s for the
+throughput workloads, 1 / p50 ms per token for latency; above 1 is faster.
 
 The "same as HF" column counts requests whose generated tokens equal HF's
 exactly. It is a sanity check, not a parity test: batched padded float32 (and
@@ -63,6 +84,11 @@ Examples (from the repository root):
   # any local BART checkpoint, only the summarization workload, HF and tandem
   python benchmarks/throughput.py --model /path/to/bart --workload summarization \\
       --engines tandem,hf --json results.json
+
+  # batch-1 latency and 256 short translations against CTranslate2 at its best
+  # batch size and thread layout, fp32 and int8, best and median of 3 rounds
+  python benchmarks/throughput.py --make-model base --workload latency,translation \
+      --engines tandem,tandem-int8,hf,ct2,ct2-int8
 
   # flan-t5-base-sized random model, all five engines
   python benchmarks/throughput.py --make-model flan-t5-base \\

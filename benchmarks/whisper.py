@@ -7,7 +7,8 @@ the ratio to HF.
 Workload: ``--num-clips`` clips (default 16) of 30 s of synthetic, seeded
 speech-like audio at 16 kHz (voiced "syllables": a few harmonics of a gliding
 pitch under a syllable-rate envelope, plus a hum and noise; nothing is
-downloaded). Every clip decodes exactly ``--new-tokens`` tokens (default 64)
+downloaded). Every clip decodes exactly ``--new-tokens`` tokens (default 64,128:
+a row per count; 128 is realistic speech, which runs 100-150 tokens per 30 s)
 after the prompt ``<|startoftranscript|> <|en|> <|transcribe|>
 <|notimestamps|>``, greedy:
 
@@ -36,14 +37,17 @@ All three apply the checkpoint's ``suppress_tokens`` and suppress
 ``begin_suppress_tokens`` at the first position (CTranslate2 through
 ``suppress_blank``, from the converted config). Throughput is audio seconds
 (30 per clip) / wall seconds around the call(s) that serve all clips, after
-loading and a warm-up on two other clips (``--repeats R``: R timed runs, the
-median reported, every run in the JSON). The "same as HF" column counts clips
-whose tokens equal HF's: a sanity check, not a parity test (int8 and bfloat16
-change argmaxes).
+loading every engine and a warm-up on two other clips (``--repeats R``: R
+interleaved rounds, each running every token count on every engine in turn;
+the best and the median reported, every run in the JSON). A tandem row's "best
+peer" is the fastest other engine at the same token count (for tandem: among
+the ``--dtype`` rows; for tandem int8: among all, HF having no int8). The
+"same as HF" column counts clips whose tokens equal HF's: a sanity check, not a
+parity test (int8 and bfloat16 change argmaxes).
 
 tandem's encoder share: the same clips are run again with ``max_tokens=1``
-(the encoder, the decoder prompt and one token per clip), alternating with
-the full runs, and ``encoder share = t(1 token) / t(full)`` is printed (with
+(the encoder, the decoder prompt and one token per clip), once in each round,
+and ``encoder share = t(1 token) / t(full)`` is printed per token count (with
 ``--repeats`` > 1 also from the fastest run of each): the part of tandem's time
 that is encoder work (plus log-mel and one decoder step), the rest being the
 ``T - 1`` further decoder steps.
