@@ -711,11 +711,14 @@ def run_benchmarks(runners: dict, workloads: list[Requests], config, args) -> li
         for v in variants:
             _warmup(v, runners, requests, args)
 
+        last_p99 = [0.0]  # for the progress line
+
         def measure(v: rounds.Variant):
             gc.collect()
             if latency:
                 out, seconds = v.run()
                 p50, p99 = latency_figures(out, seconds)
+                last_p99[0] = p99
                 return p50, (out, sum(seconds), p50, p99)
             start = time.perf_counter()
             out = v.run()
@@ -723,7 +726,7 @@ def run_benchmarks(runners: dict, workloads: list[Requests], config, args) -> li
             return seconds, (out, seconds, None, None)
 
         def progress(v: rounds.Variant, value: float, round_: int):
-            figure = f"p50 {value:8.2f} ms/token" if latency else \
+            figure = f"p50 {value:8.2f} p99 {last_p99[0]:8.2f} ms/token" if latency else \
                 f"{requests.workload.new_tokens * len(requests.encoder_ids) / value:10.1f} tok/s"
             print(f"  {v.engine:<11} {requests.workload.name:<19} {figure}  "
                   f"[{v.label}] (round {round_}/{args.repeat})", flush=True)
