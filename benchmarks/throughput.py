@@ -350,7 +350,7 @@ class TandemRunner:
         extra = {
             key: getattr(args, key)
             for key in ("block_size", "num_kv_blocks",
-                        "max_num_batched_tokens", "kv_cache_memory",
+                        "max_num_batched_tokens", "kv_cache_memory", "swap_space",
                         "attention_backend", "cpu_gemm", "cpu_malloc")
             if getattr(args, key) is not None
         }
@@ -996,6 +996,8 @@ def parse_args(argv=None):
                     help="comma list: one tandem engine per value, swept like the batch sizes")
     td.add_argument("--max-num-batched-tokens", type=int)
     td.add_argument("--kv-cache-memory", type=float, help="GiB")
+    td.add_argument("--swap-space", type=float,
+                    help="GiB for swapped-out KV blocks (0 on a machine short of RAM)")
     td.add_argument("--attention-backend")
     td.add_argument("--cpu-gemm", choices=("auto", "packed", "dense"))
     td.add_argument("--cpu-malloc", choices=("auto", "system"),
