@@ -10,8 +10,11 @@ Workloads (request token ids are random, seeded ids from the vocabulary with
 the special ids left out, wrapped as ``[bos] + ids + [eos]``, or ``ids + [eos]``
 for a model without bos (T5); the encoder lengths below count those tokens):
 
-  summarization  64 requests, encoder length uniform in [64, 512], 64 new tokens
-  translation   256 requests, encoder length uniform in [10, 60],  48 new tokens
+  summarization        64 requests, encoder length uniform in [64, 512], 64 new tokens
+  translation         256 requests, encoder length uniform in [10, 60],  48 new tokens
+  summarization-beam4  16 requests, as summarization, beam search with 4 beams
+  latency               8 requests, encoder length uniform in [20, 40],  64 new tokens,
+                       served one at a time, each timed alone: ms per token, p50 and p99
 
 Output lengths are fixed: every request generates exactly its number of new
 tokens (tandem ``min_tokens == max_tokens``, HF ``min_new_tokens ==
@@ -22,14 +25,29 @@ decoding. Decoding is greedy. The decoder prompt is the model's default,
 (the pad token) for T5 (tandem's defaults; given explicitly to the other
 engines). Only new tokens are counted.
 
-Timing: every engine is loaded first, each runs one small warm-up request
-batch, then ``time.perf_counter`` is taken around the single call (or, for HF,
-the loop of batched ``generate`` calls) that serves all requests of a workload.
-With ``--repeat N`` the engines take turns, N rounds of one run each, and the
-table reports each engine's median run and the spread ((slowest - fastest) /
-median): on a shared machine one run can be 10-30% off, and interleaving keeps
-a slow minute from landing on one engine only. Loading time is reported
-separately in the JSON output, not in tokens/s.
+Timing: every engine is loaded first, each setting runs one small warm-up
+request batch, then ``time.perf_counter`` is taken around the single call (or,
+for HF, the loop of batched ``generate`` calls) that serves all requests of a
+workload; the latency workload times each request alone and reports, per round,
+the p50 and p99 over requests of milliseconds per generated token. ``--repeat N``
+(default 3) runs N interleaved rounds, engines taking turns, so that a slow minute
+on a shared machine lands on all of them; every figure is reported as the best
+and the median of the rounds. Loading time is reported separately in the JSON
+output, not in tokens/s.
+
+Each engine at its best setting: in round 1 every engine runs every setting it
+is swept over (engines still taking turns) and keeps its fastest for the later
+rounds (benchmarks/rounds.py); the table prints the kept setting, and a line per
+swept engine gives round 1's figure for each setting. HF is swept over batch
+sizes (``--batch-sizes``, default 16,32,64,128, each capped at the workload's
+request count; ``--hf-batch-size`` pins one), CTranslate2 over ``max_batch_size``
+(the same list; ``--ct2-batch-size`` pins one) times thread layouts
+(``intra_threads x inter_threads``: N x 1, N/2 x 2 when N >= 4, and 1 x N for N
+threads; ``--ct2-threads`` pins or lists them), tandem over ``--max-num-seqs``
+when given a comma list. torch's thread count is process-wide, so tandem and HF
+run at ``--threads`` (default: torch's); run again with another ``--threads`` to
+compare. The latency workload batches nothing: HF and CTranslate2 run at batch 1
+and only the thread layouts are swept.
 
 Roofline: the table's "model GFLOP/s" divides the FLOPs the model itself needs
 for the workload (the dense matmuls of encoder, decoder, cross-attention K/V
@@ -42,11 +60,14 @@ bound by matmul throughput and can only get faster by doing less arithmetic
 or by faster arithmetic (int8, native bf16).
 
 HF is run the way one would serve it offline: requests sorted by encoder
-length (longest first), cut into batches of ``--hf-batch-size``, right-padded
+length (longest first), cut into batches of the swept batch size, right-padded
 with ``pad_token_id`` and an attention mask. Sorting minimises padding, which
 favours HF; ``--hf-no-sort`` keeps the request order instead. CTranslate2 gets
-all requests in one ``translate_batch`` call with ``max_batch_size`` equal to
-the HF batch size (it sorts by length itself).
+all requests in one ``translate_batch`` call with the swept ``max_batch_size``
+(it sorts by length itself; with inter_threads > 1 it runs that many batches at
+once). "vs ct2" divides each engine's speed by CTranslate2's at the same
+precision (``*-int8`` rows by ct2-int8's, the others by ct2's): tokens/s for the
+throughput workloads, 1 / p50 ms per token for latency; above 1 is faster.
 
 The "same as HF" column counts requests whose generated tokens equal HF's
 exactly. It is a sanity check, not a parity test: batched padded float32 (and
@@ -63,6 +84,11 @@ Examples (from the repository root):
   # any local BART checkpoint, only the summarization workload, HF and tandem
   python benchmarks/throughput.py --model /path/to/bart --workload summarization \\
       --engines tandem,hf --json results.json
+
+  # batch-1 latency and 256 short translations against CTranslate2 at its best
+  # batch size and thread layout, fp32 and int8, best and median of 3 rounds
+  python benchmarks/throughput.py --make-model base --workload latency,translation \
+      --engines tandem,tandem-int8,hf,ct2,ct2-int8
 
   # flan-t5-base-sized random model, all five engines
   python benchmarks/throughput.py --make-model flan-t5-base \\
@@ -91,6 +117,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rounds  # noqa: E402  (the sweep, interleaved rounds and percentiles)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("tandem", "tandem-int8", "hf", "ct2", "ct2-int8")
 
@@ -103,6 +132,7 @@ class Workload:
     max_encoder_len: int
     new_tokens: int
     num_beams: int = 1  # > 1: beam search, the best beam returned
+    one_at_a_time: bool = False  # latency: each request served alone, timed alone
 
 
 WORKLOADS = {
@@ -110,6 +140,8 @@ WORKLOADS = {
     "translation": Workload("translation", 256, 10, 60, 48),
     # The summarization shape with beam search (bart-large-cnn decodes with 4 beams).
     "summarization-beam4": Workload("summarization-beam4", 16, 64, 512, 64, num_beams=4),
+    # Batch 1: one request at a time, each timed alone (ms per token, p50 / p99).
+    "latency": Workload("latency", 8, 20, 40, 64, one_at_a_time=True),
 }
 
 @dataclass(frozen=True)
@@ -166,11 +198,19 @@ class Result:
     output_tokens: int
     seconds: float
     load_seconds: float
-    tokens_per_s: float = 0.0
-    runs: list[float] = field(default_factory=list)  # seconds of every timed run (--repeat)
+    tokens_per_s: float = 0.0  # from the median run
+    best_tokens_per_s: float = 0.0  # from the fastest run
+    setting: str = ""  # the kept setting of the sweep (batch size, threads, max_num_seqs)
+    sweep: dict[str, float] = field(default_factory=dict)  # setting -> first-round seconds (latency: p50 ms/token)
+    runs: list[float] = field(default_factory=list)  # seconds of every timed run of the kept setting
     spread: float = 0.0  # (slowest - fastest) / median run
-    model_gflops: float = 0.0  # the workload's model FLOPs / seconds (see model_flops)
+    model_gflops: float = 0.0  # the workload's model FLOPs / median seconds (see model_flops)
+    # latency workload: per round, the p50 and p99 over requests of ms per token
+    p50_ms: list[float] = field(default_factory=list)
+    p99_ms: list[float] = field(default_factory=list)
     ratio_vs_hf: float | None = None
+    ratio_vs_ct2: float | None = None  # speed over the CTranslate2 row of the same precision (median)
+    ratio_vs_ct2_best: float | None = None  # the same from the best figures
     same_as_hf: int | None = None
     # per-request generated ids, original request order; not written to JSON
     outputs: list[list[int]] = field(default_factory=list, repr=False)
@@ -303,17 +343,19 @@ class TandemRunner:
     name = "tandem"
     quantization = None
 
-    def __init__(self, model_dir: str, args):
+    def __init__(self, model_dir: str, args, max_num_seqs: int | None = None):
         from tandem import LLM, SamplingParams
 
         self._sampling_params = SamplingParams
         extra = {
             key: getattr(args, key)
-            for key in ("block_size", "num_kv_blocks", "max_num_seqs",
-                        "max_num_batched_tokens", "kv_cache_memory",
+            for key in ("block_size", "num_kv_blocks",
+                        "max_num_batched_tokens", "kv_cache_memory", "swap_space",
                         "attention_backend", "cpu_gemm", "cpu_malloc")
             if getattr(args, key) is not None
         }
+        if max_num_seqs is not None:
+            extra["max_num_seqs"] = max_num_seqs
         if self.quantization:
             extra["quantization"] = self.quantization
         self.llm = LLM(model=model_dir, dtype=args.dtype, device=args.device,
@@ -345,7 +387,6 @@ class HFRunner:
         self.device = torch.device(args.device)
         self.model = AutoModelForSeq2SeqLM.from_pretrained(
             model_dir, dtype=getattr(torch, args.dtype)).to(self.device).eval()
-        self.batch_size = args.hf_batch_size
         self.sort = not args.hf_no_sort
         self.pad_id = self.model.config.pad_token_id
 
@@ -365,7 +406,7 @@ class HFRunner:
             forced_bos_token_id=None, forced_eos_token_id=None,
         )
 
-    def run(self, requests: Requests) -> list[list[int]]:
+    def run(self, requests: Requests, batch_size: int = 16) -> list[list[int]]:
         gen_config = self._generation_config(requests.workload.new_tokens, requests.workload.num_beams)
         order = list(range(len(requests.encoder_ids)))
         if self.sort:
@@ -373,8 +414,8 @@ class HFRunner:
         prompt_len = len(requests.decoder_prompt)
         outputs: list[list[int] | None] = [None] * len(order)
         with torch.inference_mode():
-            for start in range(0, len(order), self.batch_size):
-                batch = order[start:start + self.batch_size]
+            for start in range(0, len(order), batch_size):
+                batch = order[start:start + batch_size]
                 seqs = [requests.encoder_ids[i] for i in batch]
                 width = max(map(len, seqs))
                 input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
@@ -423,12 +464,24 @@ class CT2Runner:
         self._tmp = tempfile.TemporaryDirectory(prefix="tandem-bench-ct2-")
         converter = _ct2_converter_cls()(model_dir, tokens=self.tokens, config=config)
         converter.convert(self._tmp.name, force=True)
-        self.translator = ctranslate2.Translator(
-            self._tmp.name, device=args.device, compute_type=compute_type,
-            inter_threads=1, intra_threads=torch.get_num_threads())
-        self.batch_size = args.ct2_batch_size if args.ct2_batch_size is not None else args.hf_batch_size
+        self.compute_type, self.device = compute_type, args.device
+        self._translators: dict[tuple[int, int], object] = {}
 
-    def run(self, requests: Requests) -> list[list[int]]:
+    def translator(self, layout: tuple[int, int]):
+        """The model loaded with ``layout`` = (intra_threads, inter_threads); one copy
+        of the weights per layout, loaded on first use."""
+        if layout not in self._translators:
+            import ctranslate2
+
+            self._translators[layout] = ctranslate2.Translator(
+                self._tmp.name, device=self.device, compute_type=self.compute_type,
+                intra_threads=layout[0], inter_threads=layout[1])
+        return self._translators[layout]
+
+    def run(self, requests: Requests, batch_size: int = 16,
+            layout: tuple[int, int] | None = None) -> list[list[int]]:
+        """``batch_size``: max_batch_size (0: all requests in one batch); with
+        inter_threads > 1 CTranslate2 runs that many batches at once."""
         n = requests.workload.new_tokens
         tok = self.tokens
         source = [[tok[i] for i in ids] for ids in requests.encoder_ids]
@@ -438,8 +491,9 @@ class CT2Runner:
         prefix = [[tok[i] for i in prefix_ids]] * len(source) if prefix_ids else None
         # max/min_decoding_length count the target prefix.
         length = n + len(prefix_ids)
-        results = self.translator.translate_batch(
-            source, target_prefix=prefix, max_batch_size=self.batch_size,
+        translator = self.translator(layout or (torch.get_num_threads(), 1))
+        results = translator.translate_batch(
+            source, target_prefix=prefix, max_batch_size=batch_size,
             beam_size=requests.workload.num_beams, max_decoding_length=length, min_decoding_length=length,
             max_input_length=0, return_end_token=True)
         outputs = []
@@ -565,44 +619,122 @@ def mm_peak_gflops(dtype: torch.dtype, device: str, size: int = 2048, tries: int
 
 
 def load_engines(engines: list[str], model_dir: str, args) -> dict:
-    """engine -> (runner, load seconds); an engine that fails to load is
-    skipped with a note when it is CTranslate2 (a missing compute type), else raised."""
+    """engine -> (runners, load seconds), runners a list of (label, runner): one per
+    tandem ``--max-num-seqs`` value, one for the others. An engine that fails to load
+    is skipped with a note when it is CTranslate2 (a missing compute type), else raised."""
     runners = {}
     for engine in engines:
         start = time.perf_counter()
         try:
-            runner = RUNNERS[engine](model_dir, args)
+            if engine.startswith("tandem"):
+                seqs = args.max_num_seqs or [None]
+                loaded = [("default" if n is None else f"max_num_seqs {n}",
+                           RUNNERS[engine](model_dir, args, max_num_seqs=n)) for n in seqs]
+            else:
+                loaded = [("", RUNNERS[engine](model_dir, args))]
         except Exception as exc:
             if not engine.startswith("ct2"):
                 raise
             print(f"note: skipping {engine}: {type(exc).__name__}: {exc}")
             continue
-        runners[engine] = (runner, time.perf_counter() - start)
+        runners[engine] = (loaded, time.perf_counter() - start)
     return runners
 
 
+def one_at_a_time(run, requests: Requests) -> tuple[list[list[int]], list[float]]:
+    """Serve the requests one by one with ``run``, each timed alone:
+    (outputs, seconds per request)."""
+    outputs, seconds = [], []
+    for ids in requests.encoder_ids:
+        single = Requests(requests.workload, [ids], requests.decoder_prompt)
+        start = time.perf_counter()
+        outputs += run(single)
+        seconds.append(time.perf_counter() - start)
+    return outputs, seconds
+
+
+def latency_figures(outputs: list[list[int]], seconds: list[float]) -> tuple[float, float]:
+    """(p50, p99) over requests of each request's milliseconds per generated token."""
+    per_token = [1000 * s / max(len(o), 1) for o, s in zip(outputs, seconds)]
+    return rounds.percentile(per_token, 50), rounds.percentile(per_token, 99)
+
+
+def engine_variants(runners: dict, requests: Requests, args) -> list[rounds.Variant]:
+    """Every setting each engine is tried at on this workload (see rounds.sweep_rounds):
+    tandem per ``--max-num-seqs`` value, HF per batch size, CTranslate2 per batch size
+    and thread layout. The latency workload batches nothing (batch 1)."""
+    n = len(requests.encoder_ids)
+    latency = requests.workload.one_at_a_time
+    variants = []
+    for engine, (loaded, _) in runners.items():
+        for label, runner in loaded:
+            if engine.startswith("tandem"):
+                variants.append(_variant(engine, label, runner.run, {}, requests))
+            elif engine == "hf":
+                sizes = [1] if latency else rounds.batch_candidates(args.hf_batch_sizes, n)
+                for b in sizes:
+                    variants.append(_variant(engine, f"batch {b}", runner.run, {"batch_size": b}, requests))
+            else:
+                sizes = [1] if latency else (
+                    [args.ct2_batch_size] if args.ct2_batch_size is not None
+                    else rounds.batch_candidates(args.batch_sizes, n))
+                for layout in args.ct2_layouts:
+                    for b in sizes:
+                        label = f"batch {b or 'all'}, {layout[0]}x{layout[1]} threads"
+                        variants.append(_variant(engine, label, runner.run,
+                                                 {"batch_size": b, "layout": layout}, requests))
+    return variants
+
+
+def _variant(engine, label, run, kwargs, requests: Requests) -> rounds.Variant:
+    if requests.workload.one_at_a_time:
+        return rounds.Variant(engine, label, lambda r=requests: one_at_a_time(lambda x: run(x, **kwargs), r))
+    return rounds.Variant(engine, label, lambda r=requests: run(r, **kwargs))
+
+
+def _warmup(variant: rounds.Variant, runners: dict, requests: Requests, args) -> None:
+    small = warmup_requests(requests)
+    for v in engine_variants({variant.engine: runners[variant.engine]}, small, args):
+        if v.label == variant.label:
+            v.run()
+
+
 def run_benchmarks(runners: dict, workloads: list[Requests], config, args) -> list[Result]:
-    """Per workload: warm every engine up, then ``args.repeat`` rounds in which
-    each engine serves all requests once; each engine's result is its median run."""
+    """Per workload: warm every setting up, then ``args.repeat`` interleaved rounds
+    (rounds.sweep_rounds: round 1 tries every setting, later rounds each engine's
+    fastest); each engine's figures are the best and the median of its kept setting."""
     results = []
     for requests in workloads:
         flops = model_flops(config, requests)
-        for runner, _ in runners.values():
-            runner.run(warmup_requests(requests))
-        runs: dict[str, list[float]] = {engine: [] for engine in runners}
-        outputs: dict[str, list[list[int]]] = {}
-        for round_ in range(args.repeat):
-            for engine, (runner, _) in runners.items():
-                gc.collect()
-                start = time.perf_counter()
-                out = runner.run(requests)
-                runs[engine].append(time.perf_counter() - start)
-                outputs.setdefault(engine, out)
-                tag = f" (round {round_ + 1}/{args.repeat})" if args.repeat > 1 else ""
-                print(f"  {engine:<11} {requests.workload.name:<14} "
-                      f"{sum(map(len, out)) / runs[engine][-1]:10.1f} tok/s{tag}", flush=True)
-        for engine, (runner, load_seconds) in runners.items():
-            out = outputs[engine]
+        latency = requests.workload.one_at_a_time
+        variants = engine_variants(runners, requests, args)
+        for v in variants:
+            _warmup(v, runners, requests, args)
+
+        last_p99 = [0.0]  # for the progress line
+
+        def measure(v: rounds.Variant):
+            gc.collect()
+            if latency:
+                out, seconds = v.run()
+                p50, p99 = latency_figures(out, seconds)
+                last_p99[0] = p99
+                return p50, (out, sum(seconds), p50, p99)
+            start = time.perf_counter()
+            out = v.run()
+            seconds = time.perf_counter() - start
+            return seconds, (out, seconds, None, None)
+
+        def progress(v: rounds.Variant, value: float, round_: int):
+            figure = f"p50 {value:8.2f} p99 {last_p99[0]:8.2f} ms/token" if latency else \
+                f"{requests.workload.new_tokens * len(requests.encoder_ids) / value:10.1f} tok/s"
+            print(f"  {v.engine:<11} {requests.workload.name:<19} {figure}  "
+                  f"[{v.label}] (round {round_}/{args.repeat})", flush=True)
+
+        chosen = rounds.sweep_rounds(variants, args.repeat, measure, progress)
+        for engine, c in chosen.items():
+            out = c.payloads[0][0]
+            runs = [p[1] for p in c.payloads]
             expected = requests.workload.new_tokens
             short = [i for i, o in enumerate(out) if len(o) != expected]
             if short:
@@ -610,15 +742,21 @@ def run_benchmarks(runners: dict, workloads: list[Requests], config, args) -> li
                       f"requests did not generate exactly {expected} tokens "
                       f"(first: request {short[0]}, {len(out[short[0]])} tokens)",
                       file=sys.stderr)
-            seconds = statistics.median(runs[engine])
+            seconds = statistics.median(runs)
             tokens = sum(len(o) for o in out)
             results.append(Result(
                 workload=requests.workload.name, engine=engine,
                 requests=len(out), output_tokens=tokens, seconds=seconds,
-                load_seconds=load_seconds, tokens_per_s=tokens / seconds,
-                runs=runs[engine], spread=(max(runs[engine]) - min(runs[engine])) / seconds,
-                model_gflops=flops / seconds / 1e9, outputs=out))
+                load_seconds=runners[engine][1], tokens_per_s=tokens / seconds,
+                best_tokens_per_s=tokens / min(runs), setting=c.label, sweep=c.sweep,
+                runs=runs, spread=(max(runs) - min(runs)) / seconds,
+                model_gflops=flops / seconds / 1e9,
+                p50_ms=[p[2] for p in c.payloads] if latency else [],
+                p99_ms=[p[3] for p in c.payloads] if latency else [],
+                outputs=out))
             if args.profile and engine in args.profile:
+                label_runner = dict(runners[engine][0])
+                runner = label_runner.get(c.label, runners[engine][0][0][1])
                 profile_run(runner, requests, engine, args.profile_rows)
     return results
 
@@ -644,31 +782,92 @@ def profile_run(runner, requests: Requests, engine: str, rows: int) -> None:
 
 
 def compare_with_hf(results: list[Result]) -> None:
-    hf = {r.workload: r for r in results if r.engine == "hf"}
+    """Ratios to HF and to CTranslate2 of the same precision (tandem-int8 and any
+    *-int8 row against ct2-int8, the rest against ct2), as speed: above 1 is faster.
+    The latency workload compares p50 ms per token."""
+    def speed(r: Result, best: bool) -> float:
+        if r.p50_ms:
+            return 1 / (min(r.p50_ms) if best else statistics.median(r.p50_ms))
+        return r.best_tokens_per_s if best else r.tokens_per_s
+
+    by_key = {(r.workload, r.engine): r for r in results}
     for r in results:
-        ref = hf.get(r.workload)
-        if ref is None:
-            continue
-        r.ratio_vs_hf = r.tokens_per_s / ref.tokens_per_s
-        r.same_as_hf = sum(a == b for a, b in zip(r.outputs, ref.outputs))
+        ref = by_key.get((r.workload, "hf"))
+        if ref is not None:
+            r.ratio_vs_hf = speed(r, False) / speed(ref, False)
+            r.same_as_hf = sum(a == b for a, b in zip(r.outputs, ref.outputs))
+        ct2 = by_key.get((r.workload, "ct2-int8" if r.engine.endswith("int8") else "ct2"))
+        if ct2 is not None and not r.engine.startswith("ct2"):
+            r.ratio_vs_ct2 = speed(r, False) / speed(ct2, False)
+            r.ratio_vs_ct2_best = speed(r, True) / speed(ct2, True)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def format_table(results: list[Result], mm_peak: float) -> str:
-    header = ("workload", "engine", "requests", "output tokens", "seconds", "spread",
-              "tokens/s", "model GFLOP/s", "of mm peak", "ratio vs HF", "same as HF")
+    """The throughput workloads: tokens/s best and median, the kept setting."""
+    header = ("workload", "engine", "setting", "requests", "output tokens", "rounds", "spread",
+              "tok/s best", "tok/s median", "model GFLOP/s", "of mm peak", "vs HF",
+              "vs ct2 best", "vs ct2 median", "same as HF")
     rows = [header]
     for r in results:
+        if r.p50_ms:
+            continue
         rows.append((
-            r.workload, r.engine, str(r.requests), str(r.output_tokens),
-            f"{r.seconds:.2f}", "-" if len(r.runs) < 2 else f"{100 * r.spread:.0f}%",
-            f"{r.tokens_per_s:.1f}", f"{r.model_gflops:.1f}", f"{100 * r.model_gflops / mm_peak:.0f}%",
-            "-" if r.ratio_vs_hf is None else f"{r.ratio_vs_hf:.2f}x",
+            r.workload, r.engine, r.setting, str(r.requests), str(r.output_tokens), str(len(r.runs)),
+            "-" if len(r.runs) < 2 else f"{100 * r.spread:.0f}%",
+            f"{r.best_tokens_per_s:.1f}", f"{r.tokens_per_s:.1f}", f"{r.model_gflops:.1f}",
+            f"{100 * r.model_gflops / mm_peak:.0f}%", _ratio(r.ratio_vs_hf),
+            _ratio(r.ratio_vs_ct2_best), _ratio(r.ratio_vs_ct2),
             "-" if r.same_as_hf is None else f"{r.same_as_hf}/{r.requests}",
         ))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return _layout(rows, left=3)
+
+
+def format_latency_table(results: list[Result]) -> str:
+    """The latency workload: ms per token, p50 and p99 over requests, each the best
+    and the median over rounds; ratios are speed (CTranslate2's ms / the engine's)."""
+    header = ("workload", "engine", "setting", "requests", "new tokens", "rounds",
+              "p50 ms/tok best", "p50 median", "p99 ms/tok best", "p99 median",
+              "vs HF", "vs ct2 best", "vs ct2 median", "same as HF")
+    rows = [header]
+    for r in results:
+        if not r.p50_ms:
+            continue
+        rows.append((
+            r.workload, r.engine, r.setting, str(r.requests), str(r.output_tokens // max(r.requests, 1)),
+            str(len(r.p50_ms)), f"{min(r.p50_ms):.2f}", f"{statistics.median(r.p50_ms):.2f}",
+            f"{min(r.p99_ms):.2f}", f"{statistics.median(r.p99_ms):.2f}", _ratio(r.ratio_vs_hf),
+            _ratio(r.ratio_vs_ct2_best), _ratio(r.ratio_vs_ct2),
+            "-" if r.same_as_hf is None else f"{r.same_as_hf}/{r.requests}",
+        ))
+    return _layout(rows, left=3)
+
+
+def format_sweeps(results: list[Result]) -> str:
+    """Each swept engine's first-round figure per setting, the kept one marked."""
+    lines = []
+    for r in results:
+        if len(r.sweep) < 2:
+            continue
+        unit = "p50 ms/tok" if r.p50_ms else "tok/s"
+        cells = []
+        for label, value in r.sweep.items():
+            figure = value if r.p50_ms else r.output_tokens / value
+            cells.append(f"{label}: {figure:.1f}{' *' if label == r.setting else ''}")
+        lines.append(f"  {r.workload} / {r.engine} ({unit}, round 1): " + "; ".join(cells))
+    return "\n".join(lines)
+
+
+def _layout(rows: list[tuple], left: int) -> str:
+    if len(rows) == 1:
+        return ""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for n, row in enumerate(rows):
-        cells = [c.ljust(w) if i < 2 else c.rjust(w)
+        cells = [c.ljust(w) if i < left else c.rjust(w)
                  for i, (c, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(cells).rstrip())
         if n == 0:
@@ -689,7 +888,11 @@ def environment(args, config, model_dir: str) -> dict:
         "dtype": args.dtype,
         "device": args.device,
         "torch_threads": torch.get_num_threads(),
-        "hf_batch_size": args.hf_batch_size,
+        "repeat": args.repeat,
+        "hf_batch_sizes": args.hf_batch_sizes,
+        "ct2_batch_sizes": "all" if args.ct2_batch_size == 0 else (
+            [args.ct2_batch_size] if args.ct2_batch_size else args.batch_sizes),
+        "ct2_threads": ",".join(f"{a}x{b}" for a, b in args.ct2_layouts),
         "hf_sorted": not args.hf_no_sort,
         "seed": args.seed,
         "python": platform.python_version(),
@@ -699,7 +902,9 @@ def environment(args, config, model_dir: str) -> dict:
         "cpu_flags": cpu_flags(),
         "cpu_count": os.cpu_count(),
         "load_avg_1min": round(os.getloadavg()[0], 2),
+        "load_avg": "/".join(f"{x:.2f}" for x in os.getloadavg()),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        **isa_overrides(),
         "mm_peak_gflops": round(mm_peak_gflops(getattr(torch, args.dtype), args.device), 1),
     }
     try:
@@ -708,6 +913,13 @@ def environment(args, config, model_dir: str) -> dict:
     except ImportError:
         pass
     return env
+
+
+def isa_overrides() -> dict:
+    """The environment variables that make torch, oneDNN or CTranslate2 use a
+    narrower instruction set than the CPU has (to emulate an AVX2-only machine)."""
+    names = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "CT2_FORCE_CPU_ISA")
+    return {name: os.environ[name] for name in names if os.environ.get(name)}
 
 
 def cpu_flags() -> str:
@@ -737,7 +949,8 @@ def parse_args(argv=None):
                      help="save the random checkpoint here instead of a temp dir")
 
     run = p.add_argument_group("run")
-    run.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
+    run.add_argument("--workload", default="all",
+                     help=f"comma list from {','.join(WORKLOADS)}, or all (default: all)")
     run.add_argument("--engines", default="tandem,hf",
                      help=f"comma list from {','.join(ENGINES)} (default: tandem,hf)")
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -750,32 +963,41 @@ def parse_args(argv=None):
                       help="requests per workload, overriding the default counts")
     size.add_argument("--num-requests-scale", type=float, default=1.0,
                       help="multiply each workload's request count (default: 1)")
-    run.add_argument("--repeat", type=int, default=1,
-                     help="timed rounds per workload, engines taking turns; the table reports "
-                          "each engine's median run (default: 1)")
+    run.add_argument("--repeat", type=int, default=3,
+                     help="timed rounds per workload, engines taking turns; round 1 also sweeps "
+                          "the settings; the tables report each engine's best and median (default: 3)")
     run.add_argument("--json", metavar="PATH", help="also write results as JSON")
     run.add_argument("--profile", type=lambda v: v.split(","), default=[], metavar="ENGINES",
                      help="after each timed run of these engines (e.g. tandem or tandem,hf), run the "
                           "workload again under torch.profiler and print the op breakdown")
     run.add_argument("--profile-rows", type=int, default=20, help="ops listed by --profile")
 
-    hf = p.add_argument_group("HF / CTranslate2")
-    hf.add_argument("--hf-batch-size", type=int, default=16,
-                    help="requests per HF generate call (and CTranslate2 "
-                         "max_batch_size) (default: 16)")
+    hf = p.add_argument_group("HF / CTranslate2 (each at its best setting: see the sweep)")
+    hf.add_argument("--batch-sizes", default="16,32,64,128",
+                    help="batch sizes HF and CTranslate2 (max_batch_size) are each tried at in the "
+                         "first round, each engine keeping its fastest (default: 16,32,64,128; "
+                         "sizes above a workload's request count are capped to it)")
+    hf.add_argument("--hf-batch-size", type=int,
+                    help="pin HF's batch size (requests per generate call) instead of sweeping")
     hf.add_argument("--hf-no-sort", action="store_true",
                     help="batch HF requests in request order instead of by length")
     hf.add_argument("--ct2-batch-size", type=int,
-                    help="CTranslate2's max_batch_size (default: the HF batch size; 0: all requests at once)")
+                    help="pin CTranslate2's max_batch_size instead of sweeping (0: all requests at once)")
+    hf.add_argument("--ct2-threads", metavar="INTRAxINTER,...",
+                    help="CTranslate2 thread layouts to sweep, intra_threads x inter_threads (default: "
+                         "N x 1, N/2 x 2 when N >= 4, and 1 x N for N torch threads; one item pins it)")
     hf.add_argument("--ct2-compute-type",
                     help="CTranslate2 compute type (default: --dtype)")
 
     td = p.add_argument_group("tandem (passed to LLM only when given)")
     td.add_argument("--block-size", type=int)
     td.add_argument("--num-kv-blocks", type=int)
-    td.add_argument("--max-num-seqs", type=int)
+    td.add_argument("--max-num-seqs",
+                    help="comma list: one tandem engine per value, swept like the batch sizes")
     td.add_argument("--max-num-batched-tokens", type=int)
     td.add_argument("--kv-cache-memory", type=float, help="GiB")
+    td.add_argument("--swap-space", type=float,
+                    help="GiB for swapped-out KV blocks (0 on a machine short of RAM)")
     td.add_argument("--attention-backend")
     td.add_argument("--cpu-gemm", choices=("auto", "packed", "dense"))
     td.add_argument("--cpu-malloc", choices=("auto", "system"),
@@ -786,10 +1008,29 @@ def parse_args(argv=None):
     unknown = [e for e in args.engines if e not in ENGINES]
     if unknown:
         p.error(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
+    args.workloads = list(WORKLOADS) if args.workload == "all" else list(dict.fromkeys(
+        w.strip() for w in args.workload.split(",") if w.strip()))
+    bad = [w for w in args.workloads if w not in WORKLOADS]
+    if bad or not args.workloads:
+        p.error(f"--workload: unknown {', '.join(bad) or repr(args.workload)}; "
+                f"choose from {', '.join(WORKLOADS)} or all")
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
     if args.num_prompts is not None and args.num_prompts < 1:
         p.error("--num-prompts must be >= 1")
+    if args.hf_batch_size is not None and args.hf_batch_size < 1:
+        p.error(f"--hf-batch-size must be >= 1, got {args.hf_batch_size}")
+    if args.ct2_batch_size is not None and args.ct2_batch_size < 0:
+        p.error(f"--ct2-batch-size must be >= 0, got {args.ct2_batch_size}")
+    try:
+        args.batch_sizes = rounds.parse_int_list(args.batch_sizes, "--batch-sizes")
+        args.max_num_seqs = (rounds.parse_int_list(args.max_num_seqs, "--max-num-seqs")
+                             if args.max_num_seqs else None)
+        args.ct2_layouts = (rounds.parse_thread_layouts(args.ct2_threads) if args.ct2_threads
+                            else rounds.thread_layouts(args.threads or torch.get_num_threads()))
+    except ValueError as exc:
+        p.error(str(exc))
+    args.hf_batch_sizes = [args.hf_batch_size] if args.hf_batch_size else args.batch_sizes
     return args
 
 
@@ -844,7 +1085,7 @@ def main(argv=None) -> int:
                                     lambda d: build_random(args.make_model, d, args.seed))
 
     config = load_config(model_dir)
-    names = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    names = args.workloads
     workloads = [make_requests(WORKLOADS[n], config, scaled_count(WORKLOADS[n], args), args.seed)
                  for n in names]
 
@@ -870,7 +1111,14 @@ def main(argv=None) -> int:
                                 round(mm_peak_gflops(getattr(torch, args.dtype), args.device), 1))
     compare_with_hf(results)
     print(f"\nmm peak (best torch.mm 2048^3, before and after the engines): {env['mm_peak_gflops']} GFLOP/s")
-    print(format_table(results, env["mm_peak_gflops"]))
+    print(f"cpu_flags={env['cpu_flags']}  cpu_capability={env['cpu_capability']}  "
+          + "".join(f"{k}={v}  " for k, v in isa_overrides().items())
+          + f"threads={env['torch_threads']}  dtype={args.dtype}  rounds={args.repeat}  "
+          f"load={env['load_avg']} -> {'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
+    for table in (format_table(results, env["mm_peak_gflops"]), format_latency_table(results),
+                  format_sweeps(results)):
+        if table:
+            print(table)
 
     if args.json:
         payload = {

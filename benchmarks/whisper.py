@@ -7,7 +7,8 @@ the ratio to HF.
 Workload: ``--num-clips`` clips (default 16) of 30 s of synthetic, seeded
 speech-like audio at 16 kHz (voiced "syllables": a few harmonics of a gliding
 pitch under a syllable-rate envelope, plus a hum and noise; nothing is
-downloaded). Every clip decodes exactly ``--new-tokens`` tokens (default 64)
+downloaded). Every clip decodes exactly ``--new-tokens`` tokens (default 64,128:
+a row per count; 128 is realistic speech, which runs 100-150 tokens per 30 s)
 after the prompt ``<|startoftranscript|> <|en|> <|transcribe|>
 <|notimestamps|>``, greedy:
 
@@ -36,14 +37,17 @@ All three apply the checkpoint's ``suppress_tokens`` and suppress
 ``begin_suppress_tokens`` at the first position (CTranslate2 through
 ``suppress_blank``, from the converted config). Throughput is audio seconds
 (30 per clip) / wall seconds around the call(s) that serve all clips, after
-loading and a warm-up on two other clips (``--repeats R``: R timed runs, the
-median reported, every run in the JSON). The "same as HF" column counts clips
-whose tokens equal HF's: a sanity check, not a parity test (int8 and bfloat16
-change argmaxes).
+loading every engine and a warm-up on two other clips (``--repeats R``: R
+interleaved rounds, each running every token count on every engine in turn;
+the best and the median reported, every run in the JSON). A tandem row's "best
+peer" is the fastest other engine at the same token count (for tandem: among
+the ``--dtype`` rows; for tandem int8: among all, HF having no int8). The
+"same as HF" column counts clips whose tokens equal HF's: a sanity check, not a
+parity test (int8 and bfloat16 change argmaxes).
 
 tandem's encoder share: the same clips are run again with ``max_tokens=1``
-(the encoder, the decoder prompt and one token per clip), alternating with
-the full runs, and ``encoder share = t(1 token) / t(full)`` is printed (with
+(the encoder, the decoder prompt and one token per clip), once in each round,
+and ``encoder share = t(1 token) / t(full)`` is printed per token count (with
 ``--repeats`` > 1 also from the fastest run of each): the part of tandem's time
 that is encoder work (plus log-mel and one decoder step), the rest being the
 ``T - 1`` further decoder steps.
@@ -137,8 +141,12 @@ class Result:
     load_seconds: float
     audio_seconds: float
     all_seconds: list[float] = field(default_factory=list)  # every timed run; seconds = median
-    audio_s_per_s: float = 0.0
+    audio_s_per_s: float = 0.0  # from the median run
+    best_audio_s_per_s: float = 0.0  # from the fastest run
     ratio_vs_hf: float | None = None
+    best_peer: str = ""  # tandem rows: the fastest other engine (see compare)
+    ratio_vs_peer_best: float | None = None
+    ratio_vs_peer: float | None = None
     same_as_hf: int | None = None
     note: str = ""
     outputs: list[list[int]] = field(default_factory=list, repr=False)
@@ -394,14 +402,93 @@ def load_config(model_dir: str):
 # --------------------------------------------------------------------------
 
 
-def timed(runner, clips, warmup, new_tokens: int, name: str, load_seconds: float, repeats: int) -> Result:
-    runner.run(warmup, min(4, new_tokens))
-    times, outputs = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        outputs = runner.run(clips, new_tokens)
-        times.append(time.perf_counter() - start)
-    return make_result(name, clips, new_tokens, times, outputs, load_seconds)
+def load_runners(model_dir, args, engines: list[str]) -> tuple[list[tuple[object, float]], list[str], object]:
+    """Every engine loaded at once, so the rounds can interleave them: (runner, load
+    seconds) per row, notes, and the CTranslate2 conversion's directory (cleanup() it)."""
+    runners, notes, converted = [], [], None
+    for engine in engines:
+        try:
+            if engine == "tandem":
+                for quantization in (None, "int8") if args.tandem_int8 else (None,):
+                    start = time.perf_counter()
+                    runner = TandemRunner(model_dir, args, quantization=quantization)
+                    runners.append((runner, time.perf_counter() - start))
+            elif engine == "hf":
+                start = time.perf_counter()
+                runners.append((HFRunner(model_dir, args), time.perf_counter() - start))
+            else:
+                import ctranslate2
+
+                supported = ctranslate2.get_supported_compute_types(args.device)
+                for t in args.ct2_compute_types:
+                    if t not in supported:
+                        print(f"note: skipping ct2 {t}: CTranslate2 {ctranslate2.__version__} has no {t} "
+                              f"on {args.device} (supported: {', '.join(sorted(supported))})")
+                wanted = [t for t in args.ct2_compute_types if t in supported]
+                if not wanted:
+                    continue
+                converted = tempfile.TemporaryDirectory(prefix="tandem-bench-ct2-whisper-")
+                start = time.perf_counter()
+                ct2_convert(model_dir, converted.name)
+                convert_seconds = time.perf_counter() - start
+                for compute_type in wanted:
+                    start = time.perf_counter()
+                    runner = CT2Runner(model_dir, args, compute_type, converted.name)
+                    runners.append((runner, time.perf_counter() - start + convert_seconds))
+        except Exception as exc:  # CTranslate2 failing should not hide the others
+            if engine != "ct2":
+                raise
+            note = f"skipping ct2: {type(exc).__name__}: {exc}"
+            notes.append(note)
+            print(f"note: {note}")
+    return runners, notes, converted
+
+
+def run_rounds(runners, clips, warmup, args) -> tuple[list[Result], dict]:
+    """``--repeats`` rounds; in each, every token count of ``--new-tokens`` and, for
+    each, every engine in turn (then tandem's 1-token run), so that a slow spell on a
+    shared machine lands on all of them. Each row reports the best and the median."""
+    for runner, _ in runners:
+        runner.run(warmup, min(4, max(args.new_tokens)))
+    times: dict[tuple[str, int], list[float]] = {}
+    outputs: dict[tuple[str, int], list[list[int]]] = {}
+    one_times, one_out = [], []
+    tandem = next((r for r, _ in runners if r.name == "tandem"), None)
+    for round_ in range(1, args.repeats + 1):
+        for n in args.new_tokens:
+            for runner, _ in runners:
+                gc.collect()
+                start = time.perf_counter()
+                out = runner.run(clips, n)
+                seconds = time.perf_counter() - start
+                times.setdefault((runner.name, n), []).append(seconds)
+                outputs.setdefault((runner.name, n), out)
+                print(f"  {runner.name:<12} {n:4d} tokens/clip {seconds:8.2f} s  "
+                      f"{CLIP_SECONDS * len(clips) / seconds:8.2f} audio s/s  "
+                      f"(round {round_}/{args.repeats})", flush=True)
+        if tandem is not None:
+            start = time.perf_counter()
+            one_out = tandem.run(clips, 1)
+            one_times.append(time.perf_counter() - start)
+    load = dict((r.name, s) for r, s in runners)
+    results = [make_result(name, clips, n, times[(name, n)], outputs[(name, n)], load[name])
+               for n in args.new_tokens for name in load]
+    features = {r.name: r.features_from for r, _ in runners if hasattr(r, "features_from")}
+    for r in results:
+        if r.engine in features:
+            r.note = f"features: {features[r.engine]}"
+    shares = {}
+    if tandem is not None:
+        make_result("tandem 1-tok", clips, 1, one_times, one_out, load["tandem"])
+        for n in args.new_tokens:
+            full = times[("tandem", n)]
+            shares[n] = {"seconds_full": statistics.median(full),
+                         "seconds_1_token": statistics.median(one_times),
+                         "encoder_share": statistics.median(one_times) / statistics.median(full),
+                         "seconds_full_all": full, "seconds_1_token_all": one_times,
+                         "encoder_share_fastest": min(one_times) / min(full)}
+        shares["stats"] = tandem.llm.get_stats()
+    return results, shares
 
 
 def make_result(name, clips, new_tokens, times, outputs, load_seconds) -> Result:
@@ -411,109 +498,48 @@ def make_result(name, clips, new_tokens, times, outputs, load_seconds) -> Result
         print(f"warning: {name}: {len(short)} clips did not decode exactly {new_tokens} tokens "
               f"(first: clip {short[0]}, {len(outputs[short[0]])} tokens)", file=sys.stderr)
     audio = CLIP_SECONDS * len(clips)
-    each = f"  (runs: {', '.join(f'{t:.2f}' for t in times)} s)" if len(times) > 1 else ""
-    print(f"  {name:<12} {seconds:8.2f} s  {audio / seconds:8.2f} audio s/s{each}", flush=True)
     return Result(engine=name, clips=len(clips), tokens_per_clip=new_tokens, seconds=seconds,
                   load_seconds=load_seconds, audio_seconds=audio, audio_s_per_s=audio / seconds,
-                  all_seconds=times, outputs=outputs)
+                  best_audio_s_per_s=audio / min(times), all_seconds=times, outputs=outputs)
 
 
-def run_tandem(model_dir, clips, warmup, args) -> tuple[list[Result], dict]:
-    """The full run and the 1-token run, alternating (full, 1 token, full, ...) so
-    that a slow spell on a shared machine hits both; the encoder share is taken
-    from the medians and, less sensitive to such spells, from the fastest runs."""
-    start = time.perf_counter()
-    runner = TandemRunner(model_dir, args)
-    load = time.perf_counter() - start
-    n = args.new_tokens
-    runner.run(warmup, min(4, n))
-    full_times, one_times, full_out, one_out = [], [], [], []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        full_out = runner.run(clips, n)
-        full_times.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        one_out = runner.run(clips, 1)
-        one_times.append(time.perf_counter() - start)
-    full = make_result("tandem", clips, n, full_times, full_out, load)
-    one = make_result("tandem 1-tok", clips, 1, one_times, one_out, load)
-    share = {"seconds_full": full.seconds, "seconds_1_token": one.seconds,
-             "encoder_share": one.seconds / full.seconds,
-             "seconds_full_all": full_times, "seconds_1_token_all": one_times,
-             "encoder_share_fastest": min(one_times) / min(full_times),
-             "stats": runner.llm.get_stats()}
-    del runner
-    gc.collect()
-    return [full], share
+def compare(results: list[Result]) -> None:
+    """Ratios per token count: to HF (median), and for tandem rows to the best peer
+    (the fastest non-tandem row: any peer for tandem int8, where HF has no int8;
+    only peers at ``--dtype`` for tandem), from the best and from the median figures."""
+    for n in {r.tokens_per_clip for r in results}:
+        rows = [r for r in results if r.tokens_per_clip == n]
+        hf = next((r for r in rows if r.engine == "hf"), None)
+        peers = [r for r in rows if not r.engine.startswith("tandem")]
+        for r in rows:
+            if hf is not None:
+                r.ratio_vs_hf = r.audio_s_per_s / hf.audio_s_per_s
+                r.same_as_hf = sum(a == b for a, b in zip(r.outputs, hf.outputs))
+            if not r.engine.startswith("tandem"):
+                continue
+            same = peers if r.engine.endswith("int8") else [p for p in peers if not p.engine.endswith("int8")]
+            if same:
+                best = max(same, key=lambda p: p.best_audio_s_per_s)
+                median = max(same, key=lambda p: p.audio_s_per_s)
+                r.best_peer = f"{best.engine}" if best is median else f"{best.engine} / {median.engine}"
+                r.ratio_vs_peer_best = r.best_audio_s_per_s / best.best_audio_s_per_s
+                r.ratio_vs_peer = r.audio_s_per_s / median.audio_s_per_s
 
 
-def run_tandem_int8(model_dir, clips, warmup, args) -> list[Result]:
-    """``--tandem-int8``: tandem with ``quantization="int8"`` (every linear layer of the
-    encoder and decoder and the LM head; float32 around them), the same clips."""
-    start = time.perf_counter()
-    runner = TandemRunner(model_dir, args, quantization="int8")
-    load = time.perf_counter() - start
-    result = timed(runner, clips, warmup, args.new_tokens, runner.name, load, args.repeats)
-    del runner
-    gc.collect()
-    return [result]
-
-
-def run_simple(cls, model_dir, clips, warmup, args) -> list[Result]:
-    start = time.perf_counter()
-    runner = cls(model_dir, args)
-    load = time.perf_counter() - start
-    result = timed(runner, clips, warmup, args.new_tokens, runner.name, load, args.repeats)
-    del runner
-    gc.collect()
-    return [result]
-
-
-def run_ct2(model_dir, clips, warmup, args) -> list[Result]:
-    import ctranslate2
-
-    supported = ctranslate2.get_supported_compute_types(args.device)
-    wanted = [t for t in args.ct2_compute_types if t in supported]
-    for t in args.ct2_compute_types:
-        if t not in supported:
-            print(f"note: skipping ct2 {t}: CTranslate2 {ctranslate2.__version__} has no {t} "
-                  f"on {args.device} (supported: {', '.join(sorted(supported))})")
-    if not wanted:
-        return []
-    results = []
-    with tempfile.TemporaryDirectory(prefix="tandem-bench-ct2-whisper-") as converted:
-        start = time.perf_counter()
-        ct2_convert(model_dir, converted)
-        convert_seconds = time.perf_counter() - start
-        for compute_type in wanted:
-            start = time.perf_counter()
-            runner = CT2Runner(model_dir, args, compute_type, converted)
-            load = time.perf_counter() - start + convert_seconds
-            r = timed(runner, clips, warmup, args.new_tokens, runner.name, load, args.repeats)
-            r.note = f"features: {runner.features_from}"
-            results.append(r)
-            del runner
-            gc.collect()
-    return results
-
-
-def compare_with_hf(results: list[Result]) -> None:
-    hf = next((r for r in results if r.engine == "hf"), None)
-    if hf is None:
-        return
-    for r in results:
-        r.ratio_vs_hf = r.audio_s_per_s / hf.audio_s_per_s
-        r.same_as_hf = sum(a == b for a, b in zip(r.outputs, hf.outputs))
+def _ratio(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def format_table(results: list[Result]) -> str:
-    header = ("engine", "clips", "tokens/clip", "seconds", "audio s/s", "ratio vs HF", "same as HF")
+    header = ("engine", "clips", "tokens/clip", "rounds", "s best", "s median", "audio s/s best",
+              "audio s/s median", "vs HF", "best peer", "vs peer best", "vs peer median", "same as HF")
     rows = [header]
-    for r in results:
+    for r in sorted(results, key=lambda r: r.tokens_per_clip):
         rows.append((
-            r.engine, str(r.clips), str(r.tokens_per_clip), f"{r.seconds:.2f}",
-            f"{r.audio_s_per_s:.2f}",
-            "-" if r.ratio_vs_hf is None else f"{r.ratio_vs_hf:.2f}x",
+            r.engine, str(r.clips), str(r.tokens_per_clip), str(len(r.all_seconds)),
+            f"{min(r.all_seconds):.2f}", f"{r.seconds:.2f}", f"{r.best_audio_s_per_s:.2f}",
+            f"{r.audio_s_per_s:.2f}", _ratio(r.ratio_vs_hf), r.best_peer or "-",
+            _ratio(r.ratio_vs_peer_best), _ratio(r.ratio_vs_peer),
             "-" if r.same_as_hf is None else f"{r.same_as_hf}/{r.clips}",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -539,6 +565,7 @@ def environment(args, config, model_dir: str) -> dict:
         "clips": args.num_clips,
         "clip_seconds": CLIP_SECONDS,
         "new_tokens": args.new_tokens,
+        "load_avg": "/".join(f"{x:.2f}" for x in os.getloadavg()),
         "dtype": args.dtype,
         "device": args.device,
         "torch_threads": torch.get_num_threads(),
@@ -575,8 +602,9 @@ def parse_args(argv=None):
 
     run = p.add_argument_group("run")
     run.add_argument("--num-clips", type=int, default=16, help="30 s clips (default: 16)")
-    run.add_argument("--new-tokens", type=int, default=64,
-                     help="tokens decoded per clip, exactly (default: 64)")
+    run.add_argument("--new-tokens", default="64,128",
+                     help="tokens decoded per clip, exactly; a comma list gives a row per count "
+                          "(default: 64,128: 128 is realistic speech, 100-150 tokens per 30 s)")
     run.add_argument("--engines", default="tandem,hf,ct2",
                      help=f"comma list from {','.join(ENGINES)} (default: all; ct2 is skipped "
                           "with a note when ctranslate2 is not installed)")
@@ -584,8 +612,8 @@ def parse_args(argv=None):
     run.add_argument("--device", default="cpu")
     run.add_argument("--threads", type=int, help="torch.set_num_threads (and CTranslate2 intra_threads)")
     run.add_argument("--repeats", type=int, default=1,
-                     help="timed runs per engine after the warm-up; the median is reported "
-                          "(default: 1)")
+                     help="interleaved rounds (engines taking turns); the best and the median "
+                          "are reported (default: 1)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--json", metavar="PATH", help="also write results as JSON")
 
@@ -616,9 +644,13 @@ def parse_args(argv=None):
     unknown = [e for e in args.engines if e not in ENGINES]
     if unknown:
         p.error(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
-    if args.num_clips < 1 or args.new_tokens < 1 or args.repeats < 1:
-        p.error("--num-clips, --new-tokens and --repeats must be >= 1")
-    if args.new_tokens > 224:
+    try:
+        args.new_tokens = throughput.rounds.parse_int_list(args.new_tokens, "--new-tokens")
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.num_clips < 1 or args.repeats < 1:
+        p.error("--num-clips and --repeats must be >= 1")
+    if max(args.new_tokens) > 224:
         p.error("--new-tokens: at most 224 (CTranslate2 decodes max_length // 2 <= 448 // 2 tokens)")
     types = args.ct2_compute_types or f"{args.dtype},int8"
     args.ct2_compute_types = list(dict.fromkeys(t.strip() for t in types.split(",") if t.strip()))
@@ -671,44 +703,35 @@ def main(argv=None) -> int:
         print(f"warning: 1-minute load average is {env['load_avg_1min']}: other processes are "
               "using the CPU, so figures will be noisy", file=sys.stderr)
 
-    results: list[Result] = []
-    share = None
-    notes: list[str] = []
-    for engine in available_engines(args.engines):
-        try:
-            if engine == "tandem":
-                r, share = run_tandem(model_dir, clips, warmup, args)
-                results += r
-                if args.tandem_int8:
-                    results += run_tandem_int8(model_dir, clips, warmup, args)
-            elif engine == "hf":
-                results += run_simple(HFRunner, model_dir, clips, warmup, args)
-            else:
-                results += run_ct2(model_dir, clips, warmup, args)
-        except Exception as exc:  # CTranslate2 failing should not hide the others
-            if engine != "ct2":
-                raise
-            note = f"skipping ct2: {type(exc).__name__}: {exc}"
-            notes.append(note)
-            print(f"note: {note}")
+    runners, notes, converted = load_runners(model_dir, args, available_engines(args.engines))
+    results, shares = run_rounds(runners, clips, warmup, args)
+    del runners
+    gc.collect()
+    if converted is not None:
+        converted.cleanup()
 
-    compare_with_hf(results)
+    compare(results)
     print()
     print(f"cpu_flags={env['cpu_flags']}  cpu_capability={env['cpu_capability']}  "
-          f"threads={env['torch_threads']}  dtype={args.dtype}  clips={args.num_clips} x 30 s  "
-          f"tokens/clip={args.new_tokens}")
+          + "".join(f"{k}={v}  " for k, v in throughput.isa_overrides().items())
+          + f"threads={env['torch_threads']}  dtype={args.dtype}  clips={args.num_clips} x 30 s  "
+          f"tokens/clip={','.join(map(str, args.new_tokens))}  rounds={args.repeats}  "
+          f"load={env['load_avg']} -> {'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(format_table(results))
-    for r in results:
-        if r.note:
-            print(f"{r.engine}: {r.note}")
-    if share is not None:
-        print(f"tandem encoder share: t(1 token) = {share['seconds_1_token']:.2f} s, "
-              f"t({args.new_tokens} tokens) = {share['seconds_full']:.2f} s, "
+    for note in dict.fromkeys(f"{r.engine}: {r.note}" for r in results if r.note):
+        print(note)
+    for n in args.new_tokens:
+        share = shares.get(n)
+        if share is None:
+            continue
+        print(f"tandem encoder share at {n} tokens: t(1 token) = {share['seconds_1_token']:.2f} s, "
+              f"t({n} tokens) = {share['seconds_full']:.2f} s, "
               f"share = {100 * share['encoder_share']:.1f}%"
               + (f" (fastest runs: {min(share['seconds_1_token_all']):.2f} / "
                  f"{min(share['seconds_full_all']):.2f} s = {100 * share['encoder_share_fastest']:.1f}%)"
                  if args.repeats > 1 else ""))
-        s = share["stats"]
+    if "stats" in shares:
+        s = shares["stats"]
         print(f"tandem stats: encoder_tokens_computed={s.get('encoder_tokens_computed')} "
               f"encoder_tokens_reused={s.get('encoder_tokens_reused')}")
 
@@ -726,7 +749,7 @@ def main(argv=None) -> int:
         payload = {
             "environment": env,
             "results": [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in results],
-            "tandem_encoder_share": share,
+            "tandem_encoder_share": {str(k): v for k, v in shares.items()},
             "notes": notes,
             "long_form": [asdict(r) for r in long_form],
         }
