@@ -154,9 +154,10 @@ class EngineConfig:
     kv_compress: dict | str | None = option(
         None, 'cross-attention KV compression: {"keep_fraction": f, "window": w, "min_keep": m}: after a '
         "request's first w decode steps, each decoder layer and KV head keeps the fraction f (at least m, rounded "
-        "up to whole blocks) of the encoder positions it attended to most in those steps, and the request's "
-        "cross-attention blocks are re-packed into fewer, the rest freed for other requests; true: the defaults "
-        '(f=0.25, w=4, m=32); outputs may differ from uncompressed ones (default: none, off)'
+        "up to whole blocks) of the encoder positions: those it attended to most in those steps where its "
+        "attention was concentrated and static, else evenly spaced ones; the request's cross-attention blocks "
+        "are re-packed into fewer, the rest freed for other requests; true: the defaults "
+        '(f=0.25, w=2, m=32); outputs may differ from uncompressed ones (default: none, off)'
     )
     # core/executor/: one worker in this process, or tensor-parallel ranks in worker processes / Ray actors.
     tensor_parallel_size: int = option(

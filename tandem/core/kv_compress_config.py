@@ -1,9 +1,10 @@
 """``kv_compress``: cross-attention KV compression settings, checked once at construction.
 
 After a request's first ``window`` decode steps (the observation window), each
-(decoder layer, KV head) keeps the encoder positions the decoder attended to most
-in those steps, and the request's cross K/V is re-packed into fewer blocks
-(``docs/kv_compress.md``). The settings are plain data: the scheduler reads the
+(decoder layer, KV head) keeps ``kept_positions`` encoder positions (those it attended
+to most where its attention was concentrated and static, else evenly spaced ones:
+``tandem/core/worker/cross_compress.py``), and the request's cross K/V is re-packed
+into fewer blocks (``docs/kv_compress.md``). The settings are plain data: the scheduler reads the
 kept count, the worker the window.
 """
 
@@ -32,7 +33,7 @@ class KVCompressConfig:
     this is never compressed), >= 1."""
 
     keep_fraction: float = 0.25
-    window: int = 4
+    window: int = 2
     min_keep: int = 32
 
     def __post_init__(self) -> None:
@@ -62,7 +63,7 @@ class KVCompressConfig:
             return cls.parse(parsed)
         if not isinstance(value, dict):
             raise ValueError(f"kv_compress={value!r}: must be None, True or a dict such as "
-                             '{"keep_fraction": 0.25, "window": 4, "min_keep": 32}')
+                             '{"keep_fraction": 0.25, "window": 2, "min_keep": 32}')
         unknown = [k for k in value if k not in _KEYS]
         if unknown:
             raise ValueError(f"kv_compress: key {unknown[0]!r} is not an option (options: {', '.join(_KEYS)})")

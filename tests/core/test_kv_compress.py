@@ -66,21 +66,28 @@ def _backends():
 
 @pytest.mark.parametrize("backend", _backends(), ids=lambda b: b.name)
 @pytest.mark.parametrize("q_len", [1, 3])  # a decode (cpu_paged's C++ op) and a prefill
-def test_attention_over_the_repacked_cache_equals_float64_over_each_heads_kept_positions(backend, q_len):
+@pytest.mark.parametrize("in_place", [False, True], ids=["new_blocks", "in_place"])
+def test_attention_over_the_repacked_cache_equals_float64_over_each_heads_kept_positions(backend, q_len, in_place):
     g = torch.Generator().manual_seed(0)
     layers, kv_heads, heads, d, bs, n_enc, kept_n = 2, 2, 4, 8, 4, 37, 13
     caches = [backend.allocate_kv_cache(48, bs, kv_heads, d, torch.float32, "cpu") for _ in range(layers)]
     for c in caches:
         c.copy_(torch.randn(c.shape, generator=g))
     src = [40, 3, 17, 8, 22, 31, 5, 12, 29, 44]  # 10 blocks hold 37 positions
-    dst = [11, 45, 2, 36]  # 4 blocks hold 13
+    dst = src[:4] if in_place else [11, 45, 2, 36]  # 4 blocks hold 13 (a sole holder keeps its first ones)
     original = [c.clone().double() for c in caches]
-    scores = torch.rand(layers, kv_heads, n_enc, generator=g)
+    # Layer 0: concentrated heads (13 positions hold > 95% of the attention); layer 1: diffuse.
+    scores = torch.rand(layers, kv_heads, n_enc, generator=g) * 1e-3
+    hot = torch.rand(kv_heads, n_enc, generator=g).argsort(-1)[:, :kept_n]
+    scores[0].scatter_(-1, hot, 1.0)
+    scores[1] += 1.0
     comp = CrossKVCompressor(layers, kv_heads, bs)
-    comp.scores["r"] = {(7, 0): scores}
+    comp.scores["r"] = {(7, 0): scores / 2, (7, 1): scores / 2}
     kept = comp.repack(CrossRepack("r", src, n_enc, dst, kept_n), caches)
-    # The independent choice: each head's 13 highest scores.
-    assert torch.equal(kept, scores.topk(kept_n, dim=-1).indices.sort(-1).values)
+    # The independent choice: concentrated heads keep their 13 most attended positions,
+    # diffuse ones 13 evenly spaced (0, 3, 6, ..., 36).
+    assert torch.equal(kept[0], hot.sort(-1).values)
+    assert kept[1].tolist() == [list(range(0, 37, 3))] * kv_heads
 
     seq = Seq(group=0, ctx=2, q_len=q_len, table=[0, 1], enc_len=kept_n, cross=dst, run_encoder=False)
     inputs = step_inputs([seq], bs)

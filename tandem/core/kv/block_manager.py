@@ -186,21 +186,27 @@ class BlockManager:
         return table is not None and table.positions is not None
 
     def compress_cross(self, group: SequenceGroup, positions: int) -> tuple[list[int], list[int]] | None:
-        """Give the group a cross table of its own holding ``positions`` encoder positions
-        (new device blocks) in place of its reference to its current one, which its other
-        holders keep (the last one's goes to the encoder cache, as when it is freed).
-        Returns the (old, new) blocks, whose K/V the worker re-packs before anything else
-        in the step reads or writes them; None when the new blocks do not fit now."""
+        """Give the group a cross table of its own holding ``positions`` encoder positions.
+        Its sole holder keeps the first blocks of its table and frees the rest (the worker
+        re-packs in place: it gathers every kept K/V before writing any); a shared table
+        stays with its other holders and the group gets new device blocks. Returns the
+        (old, new) blocks, whose K/V the worker re-packs before anything else in the step
+        reads or writes them; None when new blocks are needed and do not fit now."""
         rid = group.request_id
         old = self._cross[rid]
         if old.device is not Device.DEVICE or old.positions is not None:
             raise RuntimeError(f"request {rid!r}: only an uncompressed cross table on the device is compressed")
         n = blocks_for(positions, self.block_size)
+        src = list(old.blocks)
+        if old.holders == {rid}:  # in place: no room needed, so a full pool still compresses
+            self._unlist(old)
+            self.pools[Device.DEVICE].decref(old.blocks[n:])
+            old.key, old.blocks, old.positions, old.filled = ("kv_compress", rid), old.blocks[:n], positions, True
+            return src, list(old.blocks)
         if n > self.num_free_blocks():
             return None
         self._make_room(n)
         blocks = self.pools[Device.DEVICE].allocate(n)
-        src = list(old.blocks)
         self.free_cross(group)
         self._cross[rid] = _CrossTable(("kv_compress", rid), blocks, Device.DEVICE, {rid}, filled=True,
                                        positions=positions)

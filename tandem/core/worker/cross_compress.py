@@ -1,6 +1,7 @@
 """kv_compress, the worker's half: observe the decoder's attention to the encoder over
-the observation window, then choose the positions each (layer, KV head) keeps and
-re-pack the request's cross K/V into its new, smaller table.
+the observation window, then choose the positions each (layer, KV head) keeps
+(``CrossKVCompressor.kept_positions``) and re-pack the request's cross K/V into its
+new, smaller table.
 
 Importance of encoder position ``p`` for (layer ``l``, KV head ``h``): the softmax
 attention probability of every observed decoder query to ``p``, summed over the
@@ -29,6 +30,22 @@ import torch
 from tandem.core.scheduler_output import CrossRepack
 
 logger = logging.getLogger(__name__)
+
+
+# A head keeps its most attended positions when they hold at least this share of its
+# attention in the window (else evenly spaced ones).
+CONCENTRATED = 0.95
+
+
+def _static(seen: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
+    """``[num_layers, Hkv]``: heads whose most attended position stays within 2 positions
+    over every observed decoder position (of the request's first sequence). Not an
+    alignment head, which follows the input (Whisper's follow the audio) and reads next
+    what it has not read yet."""
+    seq = min(s for s, _ in seen)
+    steps = [seen[key] for key in sorted(key for key in seen if key[0] == seq)]  # by position
+    peaks = torch.stack([t.argmax(-1) for t in steps])  # [P, num_layers, Hkv]
+    return (peaks.amax(0) - peaks.amin(0)) <= 2
 
 
 def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -120,43 +137,26 @@ class CrossKVCompressor:
 
     def kept_positions(self, repack: CrossRepack, device: torch.device) -> torch.Tensor:
         """``[num_layers, Hkv, dst_positions]``: the encoder positions each (layer, KV head)
-        keeps, ascending: its most attended in the observation window."""
+        keeps, ascending. A head whose window attention is concentrated (its
+        ``dst_positions`` most attended positions hold at least ``CONCENTRATED`` of it) and
+        static (:func:`_static`) keeps its most attended positions;
+        any other head keeps evenly spaced positions: a diffuse head reads an average,
+        which an even sample keeps and a top-k set skews, and an alignment head reads next
+        what it has not read yet, which past attention cannot rank."""
         seen = self.scores.pop(repack.request_id, None)
-        if seen:
-            importance = torch.stack(list(seen.values())).sum(0)  # [num_layers, Hkv, L]
-            importance = importance + self._ahead_of_alignment(seen, repack.dst_positions)
-        else:  # nothing observed (cannot happen for a request the scheduler compressed)
-            logger.warning("request %r: kv_compress found no observed attention; keeping the first %d positions",
-                           repack.request_id, repack.dst_positions)
-            importance = -torch.arange(repack.src_positions, dtype=torch.float32).expand(
-                self.num_layers, self.num_kv_heads, -1)
-        kept = importance.to(device).topk(repack.dst_positions, dim=-1, sorted=False).indices
-        return kept.sort(dim=-1).values
-
-    @staticmethod
-    def _ahead_of_alignment(seen: dict[tuple[int, int], torch.Tensor], kept: int) -> torch.Tensor:
-        """A bonus ``[num_layers, Hkv, L]`` that makes alignment heads keep the span ahead of
-        where they attend. Such a head (its most attended position moves forward, never
-        back, over the window's decoder positions: Whisper's alignment heads follow the
-        audio) reads next what it has not read yet, which past attention cannot rank; it
-        keeps ``kept // 4`` positions by attention and the rest as the span from its
-        latest most attended position on."""
-        seq = min(s for s, _ in seen)
-        steps = [seen[k] for k in sorted(k for k in seen if k[0] == seq)]  # by position
-        peaks = torch.stack([t.argmax(-1) for t in steps])  # [P, num_layers, Hkv]
-        length = steps[0].shape[-1]
-        bonus = torch.zeros_like(steps[0])
-        if peaks.shape[0] < 2:
-            return bonus
-        moves = peaks.diff(dim=0)
-        aligned = (moves >= -2).all(0) & (peaks[-1] > peaks[0])  # [num_layers, Hkv]
-        span = kept - kept // 4
-        front = peaks[-1]
-        pos = torch.arange(length)
-        ahead = (pos >= front[..., None]) & (pos < front[..., None] + span)  # [num_layers, Hkv, L]
-        # Above any attention sum (each observed query adds at most 1 per position).
-        bonus[ahead & aligned[..., None]] = float(len(seen) + 1)
-        return bonus
+        k, length = repack.dst_positions, repack.src_positions
+        even = torch.linspace(0, length - 1, k).round().long()  # distinct: spacing >= 1 as k <= length
+        even = even.expand(self.num_layers, self.num_kv_heads, k)
+        if not seen:  # nothing observed (cannot happen for a request the scheduler compressed)
+            logger.warning("request %r: kv_compress found no observed attention; keeping evenly spaced positions",
+                           repack.request_id)
+            return even.to(device)
+        importance = torch.stack(list(seen.values())).sum(0)  # [num_layers, Hkv, L]
+        top = importance.topk(k, dim=-1)
+        share = top.values.sum(-1) / importance.sum(-1).clamp_min(1e-30)  # [num_layers, Hkv]
+        by_attention = (share >= CONCENTRATED) & _static(seen)
+        kept = torch.where(by_attention[..., None], top.indices, even)
+        return kept.sort(dim=-1).values.to(device)
 
     def repack(self, repack: CrossRepack, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Move each (layer, KV head)'s kept K/V into the new blocks; returns the kept positions."""
@@ -167,5 +167,6 @@ class CrossKVCompressor:
         heads = torch.arange(self.num_kv_heads, device=device)
         for layer, cache in enumerate(kv_caches):
             flat = _flat(cache)
+            # The gather copies every kept K/V before the write: dst may be src's own first blocks.
             flat[:, dst] = flat[:, src[layer].T, heads]  # [2, K, Hkv, D]: head h from its own positions
         return kept
