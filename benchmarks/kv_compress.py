@@ -74,6 +74,7 @@ class Recorder:
         engine = llm.llm_engine
         self.bm, self.sched = engine.block_manager, engine.scheduler
         self.blocks: dict[str, int] = {}
+        self.self_blocks: dict[str, int] = {}  # decoder self-attention blocks, all sequences
         self.peak = 0
         inner = self.sched.schedule
 
@@ -83,6 +84,7 @@ class Recorder:
             for rid, group in self.sched.groups.items():
                 if self.bm.cross_device(group) is not None:
                     self.blocks[rid] = len(self.bm.get_cross_block_table(group))
+                    self.self_blocks[rid] = self.bm.group_blocks(group) - self.blocks[rid]
             return out
 
         self.sched.schedule = schedule
@@ -96,7 +98,8 @@ def text_prompts() -> list[str]:
 def run_family(name: str, model: str, prompts, kv, args, expected=None, block_size=16) -> dict:
     """One configuration (``kv`` None: off): outputs, exactness, blocks, peak batch."""
     common = dict(model=model, dtype="float32", device="cpu", block_size=block_size, kv_compress=kv,
-                  encoder_cache_blocks=0, attention_backend=args.attention_backend)
+                  encoder_cache_blocks=0, attention_backend=args.attention_backend, num_kv_blocks=4096,
+                  swap_space=0.05)
     llm = LLM(**common)
     rec = Recorder(llm)
     t = time.perf_counter()
@@ -116,12 +119,12 @@ def run_family(name: str, model: str, prompts, kv, args, expected=None, block_si
     # The largest batch: a pool of pool_requests full requests' blocks, all submitted at once.
     full = max(rec.blocks.values()) if kv is None else None
     return dict(texts=texts, tokens=tokens, logprobs=logprobs, exact=exact, blocks=blocks, seconds=seconds,
-                full_blocks=full)
+                full_blocks=full, self_blocks=statistics.mean(rec.self_blocks.values()))
 
 
 def peak_batch(name: str, model: str, prompts, kv, pool_blocks: int, args, block_size=16) -> int:
     llm = LLM(model=model, dtype="float32", device="cpu", block_size=block_size, kv_compress=kv,
-              encoder_cache_blocks=0, num_kv_blocks=pool_blocks, max_num_seqs=256,
+              encoder_cache_blocks=0, num_kv_blocks=pool_blocks, max_num_seqs=256, swap_space=0.05,
               attention_backend=args.attention_backend)
     rec = Recorder(llm)
     n = args.batch_tokens
@@ -142,7 +145,7 @@ def family(name, model, prompts, kv, args, expected=None, block_size=16, batch=T
     row = dict(requests=len(prompts), exact_without=base["exact"], exact_with=comp["exact"],
                identical_to_uncompressed=same, logprob_divergence=div,
                cross_blocks_without=base["blocks"], cross_blocks_with=comp["blocks"],
-               cross_blocks_ratio=comp["blocks"] / base["blocks"],
+               cross_blocks_ratio=comp["blocks"] / base["blocks"], self_blocks=base["self_blocks"],
                seconds_without=round(base["seconds"], 2), seconds_with=round(comp["seconds"], 2))
     if base["exact"]:
         row["exact_ratio"] = comp["exact"] / base["exact"]

@@ -26,8 +26,10 @@ SENTENCES = [s["input"] for s in json.loads((DEMO_BART / "demo_sentences.json").
 # Long enough encoder inputs (20-40 tokens) that a small block size frees blocks.
 LONG = [" ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(3 + i % 3)) for i in range(8)]
 # Block size 4, everything compressible: 30% kept (at least 1) after 2 decode steps.
-SMALL = dict(block_size=4, dtype="float32", device="cpu", kv_compress={"keep_fraction": 0.3, "window": 2,
-                                                                        "min_keep": 1})
+# Small pools: the default sizing (up to 1 GiB + 1 GiB swap) is far more than these runs need.
+POOL = dict(num_kv_blocks=600, swap_space=0.01)
+SMALL = dict(block_size=4, dtype="float32", device="cpu", swap_space=0.01,
+             kv_compress={"keep_fraction": 0.3, "window": 2, "min_keep": 1})
 
 
 @pytest.mark.parametrize("value, named", [
@@ -41,7 +43,7 @@ SMALL = dict(block_size=4, dtype="float32", device="cpu", kv_compress={"keep_fra
 ])
 def test_a_bad_kv_compress_raises_at_construction_naming_it(value, named):
     with pytest.raises(ValueError, match="kv_compress") as e:
-        LLM(model=str(DEMO_BART), dtype="float32", device="cpu", kv_compress=value)
+        LLM(model=str(DEMO_BART), dtype="float32", device="cpu", kv_compress=value, **POOL)
     assert named in str(e.value)
 
 
@@ -113,8 +115,8 @@ def _texts(llm, prompts, params):
 
 def test_keep_one_equals_the_uncompressed_run_exactly():
     params = SamplingParams(temperature=0.0, max_tokens=24)
-    plain = LLM(model=str(DEMO_BART), dtype="float32", device="cpu", block_size=4)
-    full = LLM(model=str(DEMO_BART), dtype="float32", device="cpu", block_size=4,
+    plain = LLM(model=str(DEMO_BART), dtype="float32", device="cpu", block_size=4, **POOL)
+    full = LLM(model=str(DEMO_BART), dtype="float32", device="cpu", block_size=4, **POOL,
                kv_compress={"keep_fraction": 1.0, "window": 1, "min_keep": 1})
     assert _texts(full, LONG, params) == _texts(plain, LONG, params)
 
@@ -140,7 +142,7 @@ def _run_steps(llm, prompts, params):
 
 
 def test_compression_frees_blocks_and_keeps_the_pools_accounting():
-    llm = LLM(model=str(DEMO_BART), **SMALL, encoder_cache_blocks=0)
+    llm = LLM(model=str(DEMO_BART), **SMALL, num_kv_blocks=600, encoder_cache_blocks=0)
     outs, sizes = _run_steps(llm, LONG, SamplingParams(temperature=0.0, max_tokens=24))
     assert len(sizes) == len(LONG)  # every request was compressed
     for blocks, positions, enc in sizes.values():
@@ -153,9 +155,9 @@ def test_compression_frees_blocks_and_keeps_the_pools_accounting():
 
 def test_forks_share_the_compressed_table():
     # n = 2 greedy copies: both read the one compressed table, so both equal the n = 1 run.
-    one = LLM(model=str(DEMO_BART), **SMALL)
+    one = LLM(model=str(DEMO_BART), **SMALL, num_kv_blocks=600)
     single, _ = _run_steps(one, LONG[:4], SamplingParams(temperature=0.0, max_tokens=24))
-    two = LLM(model=str(DEMO_BART), **SMALL)
+    two = LLM(model=str(DEMO_BART), **SMALL, num_kv_blocks=600)
     pairs, sizes = _run_steps(two, LONG[:4], SamplingParams(n=2, temperature=0.0, max_tokens=24))
     assert len(sizes) == 4
     assert pairs == [[s[0], s[0]] for s in single]
@@ -164,7 +166,7 @@ def test_forks_share_the_compressed_table():
 def test_beam_search_runs_over_the_compressed_table():
     from tandem import BeamSearchParams
 
-    llm = LLM(model=str(DEMO_BART), **SMALL)
+    llm = LLM(model=str(DEMO_BART), **SMALL, num_kv_blocks=600)
     engine = llm.llm_engine
     outs = llm.beam_search(LONG[:3], BeamSearchParams(beam_width=3, max_tokens=16), use_tqdm=False)
     assert engine.scheduler.cross_compress.num_compressed == 3
@@ -176,7 +178,7 @@ def test_beam_search_runs_over_the_compressed_table():
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_keeps_compression_working(mode):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    roomy = LLM(model=str(DEMO_BART), **SMALL)
+    roomy = LLM(model=str(DEMO_BART), **SMALL, num_kv_blocks=600)
     want, _ = _run_steps(roomy, LONG, params)
     # A pool far too small for all eight at once: the scheduler preempts.
     tight = LLM(model=str(DEMO_BART), **SMALL, num_kv_blocks=40, preemption_mode=mode, encoder_cache_blocks=0)
