@@ -11,7 +11,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.core.attention import AttentionType, KVCacheSpec
 from tandem.core.kv.block_pool import blocks_for
-from tandem.core.kv_compress_config import KVCompressConfig
+from tandem.core.kv_compress_config import FEATURE, KVCompressConfig
 from tandem.core.layers import Attention
 from tandem.core.scheduler_output import CrossRepack
 from tandem.core.worker.cross_compress import CrossKVCompressor
@@ -53,6 +53,14 @@ def test_settings_parse_from_json_and_round_kept_positions_up_to_blocks():
     assert KVCompressConfig.parse("true") == KVCompressConfig() and KVCompressConfig.parse(None) is None
     assert c.kept_positions(1500, 16) == 384  # ceil(375 / 16) blocks of 16
     assert c.kept_positions(20, 16) == 20  # min_keep 32 > 20: all of them
+
+
+@pytest.mark.parametrize("name", ["triton", "xformers", "flash_attn"])
+def test_backends_without_the_feature_are_passed_over_naming_it(name):
+    from tandem.plugins import default_backend_registry
+
+    reasons = default_backend_registry().load(name).feature_reasons(frozenset({FEATURE}))
+    assert len(reasons) == 1 and f"attention feature {FEATURE} is not served" in reasons[0]
 
 
 def _backends():
