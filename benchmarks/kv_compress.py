@@ -202,7 +202,8 @@ def main(argv=None) -> int:
             t5 = make_t5("t5-small", Path(d) / "t5", calm=True)
             # No tokenizer: token-id inputs of the same lengths as bart's (20-40 tokens).
             rng = random.Random(args.seed)
-            ids = [{"prompt_token_ids": [rng.randrange(3, 100) for _ in range(rng.randint(20, 40))] + [1]}
+            vocab = json.loads((t5 / "config.json").read_text())["vocab_size"]
+            ids = [{"prompt_token_ids": [rng.randrange(3, min(100, vocab)) for _ in range(rng.randint(20, 40))] + [1]}
                    for _ in range(40)]
             done("t5", family("t5", str(t5), ids, small, args, block_size=4, batch=False))
     w = results["families"].get("whisper", {})
