@@ -183,6 +183,7 @@ def test_beam_search_runs_over_the_compressed_table():
     assert engine.block_manager.num_free_blocks() == engine.block_manager.num_total_blocks()
 
 
+@pytest.mark.slow  # two engines, 8 requests x 40 tokens each, a tight pool: > 10 s on a loaded 2-core machine
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_keeps_compression_working(mode):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
