@@ -222,7 +222,7 @@ _FLOOR_NAMES = {
 for _floor, _keys in {
     1: ("tandem.core", "tandem.core.param_errors", "tandem.core.text_checks", "tandem.core.sampling_params",
         "tandem.core.structured_params", "tandem.core.schema_check", "tandem.core.speculative_config",
-        "tandem.core.generation_config", "tandem.core.inputs", "tandem.core.outputs", "tandem.core.core_outputs",
+        "tandem.core.kv_compress_config", "tandem.core.generation_config", "tandem.core.inputs", "tandem.core.outputs", "tandem.core.core_outputs",
         "tandem.core.scheduler_output", "tandem.core.sequence", "tandem.core.config", "tandem.core.engine_args",
         "tandem.core.dtype", "tandem.core.checkpoint_source", "tandem.core.memory", "tandem.core.faults",
         "tandem.core.model_call", "tandem.core.vllm_prompts", "tandem.core.tokenizer_group"),

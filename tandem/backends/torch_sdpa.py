@@ -27,6 +27,7 @@ from tandem.core.attention import (
 )
 from tandem.core.kv.cache_ops import GatherWorkspace, gather_from_paged_cache
 from tandem.core.relative_position import FEATURE as RELATIVE_POSITION_BIAS
+from tandem.core.kv_compress_config import FEATURE as CROSS_KV_COMPRESS
 from tandem.core.relative_position import RelativePositionBias
 
 
@@ -330,7 +331,7 @@ class TorchSDPABackend(AttentionBackend):
     capabilities = BackendCapabilities(
         devices=("cpu", "cuda"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
-        attn_features=frozenset({RELATIVE_POSITION_BIAS}),
+        attn_features=frozenset({RELATIVE_POSITION_BIAS, CROSS_KV_COMPRESS}),
         notes="prefills one SDPA call per sequence; decodes batched over gathered, padded K/V",
     )
 

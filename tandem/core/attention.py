@@ -59,6 +59,9 @@ class AttentionMetadata:
     max_seq_len: int
     max_encoder_seq_len: int
     max_cross_seq_len: int
+    # kv_compress: the step's observer of decoder-to-encoder attention (the Attention
+    # layer hands it each cross-attention layer's queries); None: nothing observed.
+    cross_observer: Any = None
 
     @classmethod
     def from_inputs(cls, inputs: StepInputs, **fields: Any) -> Self:
@@ -80,6 +83,7 @@ class AttentionMetadata:
             max_seq_len=inputs.max_seq_len,
             max_encoder_seq_len=inputs.max_encoder_seq_len,
             max_cross_seq_len=inputs.max_cross_seq_len,
+            cross_observer=inputs.cross_observer,
             **fields,
         )
 
@@ -122,6 +126,7 @@ class StepInputs:
     max_seq_len: int | None = None
     max_encoder_seq_len: int | None = None
     max_cross_seq_len: int | None = None
+    cross_observer: Any = None  # kv_compress (tandem.core.worker.cross_compress.CrossObserver)
 
     def __post_init__(self) -> None:
         if self.max_query_len is None:

@@ -150,6 +150,15 @@ class EngineConfig:
         '"num_speculative_tokens": k}: a smaller draft checkpoint with the same vocabulary proposes k tokens '
         'greedily; greedy outputs are unchanged, sampled ones keep their distribution (default: none, no speculation)'
     )
+    # core/kv_compress_config.py: a JSON object on the command line.
+    kv_compress: dict | str | None = option(
+        None, 'cross-attention KV compression: {"keep_fraction": f, "window": w, "min_keep": m}: after a '
+        "request's first w decode steps, each decoder layer and KV head keeps the fraction f (at least m, rounded "
+        "up to whole blocks) of the encoder positions: those it attended to most in those steps where its "
+        "attention was concentrated and static, else evenly spaced ones; the request's cross-attention blocks "
+        "are re-packed into fewer, the rest freed for other requests; true: the defaults "
+        '(f=0.25, w=2, m=32); outputs may differ from uncompressed ones (default: none, off)'
+    )
     # core/executor/: one worker in this process, or tensor-parallel ranks in worker processes / Ray actors.
     tensor_parallel_size: int = option(
         1, "tensor-parallel ranks the model is split across (attention heads, FFN and vocabulary), one worker "
@@ -301,6 +310,9 @@ class EngineConfig:
         from tandem.core.speculative_config import SpeculativeConfig
 
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
+        from tandem.core.kv_compress_config import KVCompressConfig
+
+        self.kv_compress_config = KVCompressConfig.parse(self.kv_compress)
         _check_scheduler_limits(self)
         self._resolve_checkpoints()
         if self.dtype == "auto":

@@ -39,7 +39,9 @@ from tandem.core.output_processor import OutputProcessor
 from tandem.core.outputs import RequestOutput
 from tandem.core.request_processor import ProcessedRequest, RequestProcessor
 from tandem.core.sampling_params import SamplingParams
+from tandem.core.sched.cross_compress import CrossCompressor
 from tandem.core.sched.scheduler import Scheduler
+from tandem.core.kv_compress_config import FEATURE as KV_COMPRESS_FEATURE
 from tandem.core.sequence import Sequence, SequenceGroup
 from tandem.core.strategies.builtin import BuiltinModes
 from tandem.core.strategies.modes import EngineContext, Modes, RequestContext
@@ -74,7 +76,8 @@ class LLMEngine:
         selection = backend_registry.select(
             config.attention_backend, device=device, dtype=dtype, head_size=spec.head_size,
             attn_types=frozenset(AttentionType), block_size=config.block_size, kv_cache_dtype=dtype,
-            attn_features=self.model_cls.attn_features(self.hf_config),
+            attn_features=self.model_cls.attn_features(self.hf_config) | (
+                {KV_COMPRESS_FEATURE} if config.kv_compress_config is not None else set()),
         )
         self.attn_backend, self._backend_reason = selection.backend, selection.reason
         self.generation_defaults = load_generation_defaults(config.model_path, self.hf_config, config.generation_config)
@@ -116,8 +119,10 @@ class LLMEngine:
         self.modes = Modes.build(mode_registry if mode_registry is not None else BuiltinModes(), EngineContext(
             config, frozenset(self.eos_token_ids), self.vocab_size, config.block_size,
             {"structured": self.structured, "draft": self.draft}))
+        compress = config.kv_compress_config
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.eos_token_ids, self._seq_ids,
-                                   modes=self.modes)
+                                   modes=self.modes,
+                                   cross_compress=CrossCompressor(compress, self.block_manager) if compress else None)
         self.core = EngineCore(self.scheduler_config, self.block_manager, self.executor, self.scheduler,
                                config.max_consecutive_step_failures, self.modes)
         self.processor = RequestProcessor(self.hf_config, self.model_cls, self.tokenizer, self.generation_defaults,

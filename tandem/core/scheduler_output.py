@@ -64,10 +64,28 @@ class ScheduledGroup:
     mode: Any = None  # a tandem.core.strategies.base.StepMode
     # The request's LoRA adapter (tandem.lora.LoRARequest); None: the base weights.
     lora_request: Any = None
+    # kv_compress: decoder positions below this have their attention to the encoder
+    # observed (the observation window); 0: none are.
+    cross_observe_until: int = 0
 
     @property
     def run_encoder(self) -> bool:
         return self.encoder_inputs is not None
+
+
+@dataclass(frozen=True)
+class CrossRepack:
+    """kv_compress: re-pack a request's cross K/V from ``src_blocks`` (``src_positions``
+    encoder positions) into ``dst_blocks`` (``dst_positions`` slots), each (layer, KV head)
+    keeping the positions it attended to most. The worker does it first in the step,
+    before swaps, copies and the forward pass (the source blocks may be reused later in
+    the same step)."""
+
+    request_id: str
+    src_blocks: list[int]
+    src_positions: int
+    dst_blocks: list[int]
+    dst_positions: int
 
 
 @dataclass(frozen=True)
@@ -95,6 +113,8 @@ class SchedulerOutput:
     # forgets them (their blocks are already free in the block manager).
     finished_request_ids: list[str] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
+    # kv_compress: cross tables to re-pack, first of all (``CrossRepack``).
+    cross_repacks: list[CrossRepack] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

@@ -36,6 +36,7 @@ from tandem.core.attention import (
     BackendCapabilities,
 )
 from tandem.core.relative_position import FEATURE as RELATIVE_POSITION_BIAS
+from tandem.core.kv_compress_config import FEATURE as CROSS_KV_COMPRESS
 from tandem.core.relative_position import RelativePositionBias
 
 
@@ -89,7 +90,7 @@ class CPUPagedBackend(AttentionBackend):
     capabilities = BackendCapabilities(
         devices=("cpu",),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
-        attn_features=frozenset({RELATIVE_POSITION_BIAS}),
+        attn_features=frozenset({RELATIVE_POSITION_BIAS, CROSS_KV_COMPRESS}),
         requires=("a C++ compiler and ninja (the op builds on first use, then loads from torch's cache)",),
         notes="decodes: one C++ op per layer reading paged K/V in place (float32 arithmetic); "
         "encoder and prefills: SDPA as torch_sdpa; relative position bias in both",

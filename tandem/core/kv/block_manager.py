@@ -50,6 +50,9 @@ class _CrossTable:
     device: Device
     holders: set[str] = field(default_factory=set)  # request ids
     filled: bool = False  # a holder's step wrote the encoder's K/V (known when a holder leaves)
+    # Encoder positions it holds once compressed (``compress_cross``): then it is one
+    # request's own (never shared, listed or kept); None: all of the encoder's.
+    positions: int | None = None
 
 
 class BlockManager:
@@ -171,6 +174,44 @@ class BlockManager:
 
     def get_cross_block_table(self, group: SequenceGroup) -> list[int]:
         return self._cross[group.request_id].blocks
+
+    def cross_positions(self, group: SequenceGroup) -> int:
+        """Encoder positions the group's cross table holds: fewer than the encoder's once
+        compressed."""
+        positions = self._cross[group.request_id].positions
+        return group.encoder_len if positions is None else positions
+
+    def is_cross_compressed(self, group: SequenceGroup) -> bool:
+        table = self._cross.get(group.request_id)
+        return table is not None and table.positions is not None
+
+    def compress_cross(self, group: SequenceGroup, positions: int) -> tuple[list[int], list[int]] | None:
+        """Give the group a cross table of its own holding ``positions`` encoder positions.
+        Its sole holder keeps the first blocks of its table and frees the rest (the worker
+        re-packs in place: it gathers every kept K/V before writing any); a shared table
+        stays with its other holders and the group gets new device blocks. Returns the
+        (old, new) blocks, whose K/V the worker re-packs before anything else in the step
+        reads or writes them; None when new blocks are needed and do not fit now."""
+        rid = group.request_id
+        old = self._cross[rid]
+        if old.device is not Device.DEVICE or old.positions is not None:
+            raise RuntimeError(f"request {rid!r}: only an uncompressed cross table on the device is compressed")
+        n = blocks_for(positions, self.block_size)
+        src = list(old.blocks)
+        if old.holders == {rid}:  # in place: no room needed, so a full pool still compresses
+            self._unlist(old)
+            self.pools[Device.DEVICE].decref(old.blocks[n:])
+            old.key, old.blocks, old.positions, old.filled = ("kv_compress", rid), old.blocks[:n], positions, True
+            return src, list(old.blocks)
+        if n > self.num_free_blocks():
+            return None
+        self._make_room(n)
+        blocks = self.pools[Device.DEVICE].allocate(n)
+        self.free_cross(group)
+        self._cross[rid] = _CrossTable(("kv_compress", rid), blocks, Device.DEVICE, {rid}, filled=True,
+                                       positions=positions)
+        self._location.setdefault(rid, Device.DEVICE)
+        return src, blocks
 
     def group_blocks(self, group: SequenceGroup) -> int:
         """Distinct blocks the group holds now (its cross table included, wherever it is)."""
@@ -459,7 +500,7 @@ class BlockManager:
             mapping += zip(cross.blocks, new)
             self._unlist(cross)
             cross.blocks, cross.device = new, dst
-            if dst is Device.DEVICE:
+            if dst is Device.DEVICE and cross.positions is None:  # a compressed one is never shared
                 self._live_cross.setdefault(cross.key, cross)
         sids = [s.seq_id for s in group.seqs if s.seq_id in self._self]
         counts = Counter(b for sid in sids for b in self._self[sid])
@@ -501,7 +542,8 @@ class BlockManager:
                 self.pools[table.device].decref(table.blocks)
             else:
                 self._unlist(table)
-                if table.filled and table.device is Device.DEVICE and table.key not in self._live_cross:
+                if (table.filled and table.device is Device.DEVICE and table.positions is None
+                        and table.key not in self._live_cross):
                     self.encoder_cache.keep(table.key, table.blocks)  # frees it when over the bound
                 else:
                     self.pools[table.device].decref(table.blocks)

@@ -55,4 +55,7 @@ class Attention(nn.Module):
             out = self.impl.forward(q, k, v, kv_cache, attn_metadata, self.attn_type)
         else:  # a keyword only backends with the feature take (the registry chose one)
             out = self.impl.forward(q, k, v, kv_cache, attn_metadata, self.attn_type, position_bias=position_bias)
+        observer = getattr(attn_metadata, "cross_observer", None)  # metadata a backend built by hand may lack it
+        if observer is not None and self.attn_type is AttentionType.ENCODER_DECODER:
+            observer.observe(q, kv_cache, self.impl.scale)  # kv_compress's observation window
         return out.reshape(-1, self.num_heads * self.head_size)

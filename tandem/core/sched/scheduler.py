@@ -37,6 +37,7 @@ from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tandem.core.strategies.base import RequestFailed
 
 if TYPE_CHECKING:
+    from tandem.core.sched.cross_compress import CrossCompressor
     from tandem.core.strategies.modes import Modes
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,11 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         seq_ids: Iterator[int] | None = None,
         modes: "Modes | None" = None,
+        cross_compress: "CrossCompressor | None" = None,
     ) -> None:
         self.config = config
+        # kv_compress (``cross_compress.py``): None when off.
+        self.cross_compress = cross_compress
         # The engine's modes: their batch hooks run before each step over the running
         # groups, and are told when a group stops running.
         self.modes = modes
@@ -194,6 +198,7 @@ class Scheduler:
             for group, e in self.modes.before_schedule(queue):
                 queue.remove(group)
                 self._fail_group(group, e)
+        repacks = self._compress(queue) if self.cross_compress is not None else []
         while queue:
             group = queue.popleft()
             # Lookahead tokens only where they fit: never preempt for them.
@@ -301,7 +306,23 @@ class Scheduler:
             new_requests=new_requests,
             finished_request_ids=finished_requests,
             finished_seq_ids=finished_seqs,
+            cross_repacks=repacks,
         )
+
+    def _compress(self, queue: deque[SequenceGroup]) -> list:
+        """kv_compress: the running groups whose observation window is over get their
+        compressed cross tables, before anything else of the step allocates blocks."""
+        repacks = []
+        for group in list(queue):
+            try:
+                repack = self.cross_compress.plan(group)
+            except Exception as e:  # noqa: BLE001 - the block manager's work for this request
+                queue.remove(group)
+                self._fail_group(group, e, blocks=True)
+                continue
+            if repack is not None:
+                repacks.append(repack)
+        return repacks
 
     def _admit(self, group: SequenceGroup, num_seqs: int, budget: int) -> tuple[bool, int] | None:
         """Admit a waiting group if the step's sequences, tokens and the free blocks
@@ -401,9 +422,10 @@ class Scheduler:
             request_id=group.request_id,
             seqs=seqs,
             encoder_inputs=group.encoder_inputs if run_encoder else None,
-            num_encoder_positions=group.encoder_len,
+            num_encoder_positions=bm.cross_positions(group),
             cross_block_table=list(bm.get_cross_block_table(group)),
             mode=group.strategy.step_mode(group),
+            cross_observe_until=self.cross_compress.observe_until(group) if self.cross_compress is not None else 0,
         )
 
     # -- after the forward pass ----------------------------------------------

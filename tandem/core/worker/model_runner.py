@@ -14,6 +14,7 @@ import torch
 from tandem.core.attention import AttentionMetadataBuilder, StepInputs
 from tandem.core.model import EncoderDecoderModel
 from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.worker.cross_compress import CrossKVCompressor
 from tandem.core.worker.input_batch import BlockTableRows
 
 
@@ -38,8 +39,10 @@ class ModelRunner:
         device: torch.device,
         max_num_seqs: int = 8,
         max_blocks_per_seq: int = 8,
+        cross_compress: CrossKVCompressor | None = None,
     ) -> None:
         self.model = model
+        self.cross_compress = cross_compress  # kv_compress: observes cross attention in the window
         self.builder = builder
         self.block_size = block_size
         self.device = device
@@ -119,6 +122,13 @@ class ModelRunner:
             cross_slots = e_run
 
         dev = self.device
+        observer = None
+        if self.cross_compress is not None and any(g.cross_observe_until for g in out.scheduled):
+            starts, seq_rows, i = query_start_loc.tolist(), [], 0
+            for g in out.scheduled:
+                seq_rows.append([(starts[i + j], s.num_computed_tokens) for j, s in enumerate(g.seqs)])
+                i += len(g.seqs)
+            observer = self.cross_compress.observer(out.scheduled, seq_rows, dev)
         tokens = list(itertools.chain.from_iterable(s.token_ids for s in seqs))
         return StepInputs(
             input_ids=torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True),
@@ -143,6 +153,7 @@ class ModelRunner:
             max_seq_len=max_seq_len,
             max_encoder_seq_len=max_enc_len,
             max_cross_seq_len=max_cross_len,
+            cross_observer=observer,
         )
 
     @staticmethod
@@ -170,5 +181,7 @@ class ModelRunner:
             kv_caches,
             attn_metadata,
         )
+        if inputs.cross_observer is not None:
+            inputs.cross_observer.commit()
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         return logits.float()

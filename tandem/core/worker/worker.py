@@ -24,6 +24,7 @@ from tandem.core.loader import load_model
 from tandem.core.model import EncoderDecoderModel
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler_output import ModelRunnerOutput, SamplingInputs, SchedulerOutput
+from tandem.core.worker.cross_compress import CrossKVCompressor
 from tandem.core.worker.input_batch import BlockTableRows
 from tandem.core.worker.logits_processors import ProcessorRows, needs_history
 from tandem.core.worker.model_runner import ModelRunner
@@ -105,7 +106,11 @@ class Worker:
         self.num_cpu_blocks = num_cpu_blocks
         builder = self.backend.get_metadata_builder_cls()(self.block_size, self.device, s)
         max_blocks = -(-self.model_cls.max_decoder_len(self.hf_config) // self.block_size)
-        self.runner = ModelRunner(self.model, builder, self.block_size, self.device, self.config.max_num_seqs, max_blocks)
+        compress = self.config.kv_compress_config
+        self.cross_compress = (CrossKVCompressor(s.num_layers, s.num_kv_heads, self.block_size)
+                               if compress is not None else None)
+        self.runner = ModelRunner(self.model, builder, self.block_size, self.device, self.config.max_num_seqs, max_blocks,
+                                  cross_compress=self.cross_compress)
 
     # -- the step --------------------------------------------------------------
     def execute_model(self, out: SchedulerOutput, sampling: SamplingInputs | None = None) -> ModelRunnerOutput | None:
@@ -113,6 +118,9 @@ class Worker:
         ``sampling``: the modes' logits transforms, applied to the raw logits first.
         Returns None when nothing was scheduled."""
         self._update_states(out)
+        # First: a re-pack reads blocks the step's swaps, copies or forward may reuse.
+        for repack in out.cross_repacks:
+            self.cross_compress.repack(repack, self.kv_caches)
         try:
             if out.blocks_to_swap_out:
                 self._swap(out.blocks_to_swap_out, to_cpu=True)
@@ -215,6 +223,8 @@ class Worker:
         for rid in out.finished_request_ids:
             self.requests.pop(rid, None)
             self.runner.forget_request(rid)
+            if self.cross_compress is not None:
+                self.cross_compress.forget(rid)
         self.runner.forget_seqs(out.finished_seq_ids)
         for seq_id in out.finished_seq_ids:
             self.histories.remove(seq_id)

@@ -1,0 +1,172 @@
+"""kv_compress, the worker's half: observe the decoder's attention to the encoder over
+the observation window, then choose the positions each (layer, KV head) keeps
+(``CrossKVCompressor.kept_positions``) and re-pack the request's cross K/V into its
+new, smaller table.
+
+Importance of encoder position ``p`` for (layer ``l``, KV head ``h``): the softmax
+attention probability of every observed decoder query to ``p``, summed over the
+query heads that share KV head ``h`` (GQA), the observed positions and the request's
+sequences (beams, ``n > 1``). Each observed (sequence, position) is stored apart and
+overwritten when computed again, so a recompute after preemption, or verified draft
+tokens computed twice, count once.
+
+Cross attention has no positional term over keys (positions are in the encoder
+output; T5 uses no bias there), so the kept positions of one head may sit in any
+slot order, and heads of one slot need not keep the same position: slot ``j`` of
+head ``h`` holds that head's ``j``-th kept position (ascending). Every (layer, head)
+keeps the same count, the request's ``dst_positions``; see ``docs/kv_compress.md``.
+
+Reads the default cache layout ``[2, num_blocks, block_size, num_kv_heads, head_size]``,
+which every backend declaring the ``cross_kv_compress`` feature keeps.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core.scheduler_output import CrossRepack
+
+logger = logging.getLogger(__name__)
+
+
+# A head keeps its most attended positions when they hold at least this share of its
+# attention in the window (else evenly spaced ones).
+CONCENTRATED = 0.95
+
+
+def _static(seen: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
+    """``[num_layers, Hkv]``: heads whose most attended position stays within 2 positions
+    over every observed decoder position (of the request's first sequence). Not an
+    alignment head, which follows the input (Whisper's follow the audio) and reads next
+    what it has not read yet."""
+    seq = min(s for s, _ in seen)
+    steps = [seen[key] for key in sorted(key for key in seen if key[0] == seq)]  # by position
+    peaks = torch.stack([t.argmax(-1) for t in steps])  # [P, num_layers, Hkv]
+    return (peaks.amax(0) - peaks.amin(0)) <= 2
+
+
+def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
+    """``[2, num_blocks * block_size, H, D]``: the cache by flat slot."""
+    return kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+
+
+def _slots(blocks: list[int] | torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    table = torch.as_tensor(blocks, dtype=torch.long, device=positions.device)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+@dataclass
+class _Observed:
+    request_id: str
+    seq_id: int
+    rows: torch.Tensor  # [n] packed query rows
+    positions: list[int]  # [n] their decoder positions
+    slots: torch.Tensor  # [L] flat cache slot of each encoder position
+    scores: torch.Tensor  # [num_layers, n, Hkv, L] float32, filled layer by layer
+
+
+class CrossObserver:
+    """One step's observation: the model's cross-attention layers call :meth:`observe` in
+    layer order (each decoder layer has one); :meth:`commit` stores the step's scores."""
+
+    def __init__(self, entries: list[_Observed], store: "CrossKVCompressor") -> None:
+        self.entries = entries
+        self.store = store
+        self._layer = 0
+
+    def observe(self, query: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> None:
+        """``query`` ``[T, Hq, D]``: this layer's queries; the cross K/V are in ``kv_cache``
+        (written before this call when the encoder ran this step)."""
+        layer, self._layer = self._layer, self._layer + 1
+        keys = _flat(kv_cache)[0]  # [slots, Hkv, D]
+        hkv, d = keys.shape[1], keys.shape[2]
+        for e in self.entries:
+            q = query.index_select(0, e.rows).float()  # [n, Hq, D]
+            k = keys.index_select(0, e.slots).float()  # [L, Hkv, D]
+            q = q.view(q.shape[0], hkv, -1, d)  # [n, Hkv, group, D]
+            probs = torch.softmax(torch.einsum("nhgd,lhd->nhgl", q, k) * scale, dim=-1)
+            e.scores[layer] = probs.sum(2)
+
+    def commit(self) -> None:
+        if self._layer != self.store.num_layers:  # a model whose cross layers did not all run once
+            raise RuntimeError(f"kv_compress observed {self._layer} cross-attention layers, the cache has "
+                               f"{self.store.num_layers}")
+        for e in self.entries:
+            seen = self.store.scores.setdefault(e.request_id, {})
+            for i, pos in enumerate(e.positions):
+                seen[(e.seq_id, pos)] = e.scores[:, i]
+
+
+class CrossKVCompressor:
+    """The worker's kv_compress state: observed scores by request, and the re-pack."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, block_size: int) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.block_size = block_size
+        # request id -> (seq id, decoder position) -> [num_layers, Hkv, L] probabilities
+        self.scores: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.scores.pop(request_id, None)
+
+    def observer(self, groups, seqs_rows, device: torch.device) -> CrossObserver | None:
+        """The step's observer. ``groups``: the scheduled groups; ``seqs_rows``: per group,
+        per sequence, ``(first packed row, first position)``. None when nothing is observed."""
+        entries = []
+        for g, seq_rows in zip(groups, seqs_rows):
+            until = g.cross_observe_until
+            if not until:
+                continue
+            slots = None
+            for seq, (row, start) in zip(g.seqs, seq_rows):
+                n = min(len(seq.token_ids), until - start)
+                if n <= 0:
+                    continue
+                if slots is None:
+                    slots = _slots(g.cross_block_table, torch.arange(g.num_encoder_positions), self.block_size)
+                    slots = slots.to(device)
+                entries.append(_Observed(
+                    g.request_id, seq.seq_id, torch.arange(row, row + n, device=device), list(range(start, start + n)),
+                    slots, torch.zeros(self.num_layers, n, self.num_kv_heads, g.num_encoder_positions, device=device),
+                ))
+        return CrossObserver(entries, self) if entries else None
+
+    def kept_positions(self, repack: CrossRepack, device: torch.device) -> torch.Tensor:
+        """``[num_layers, Hkv, dst_positions]``: the encoder positions each (layer, KV head)
+        keeps, ascending. A head whose window attention is concentrated (its
+        ``dst_positions`` most attended positions hold at least ``CONCENTRATED`` of it) and
+        static (:func:`_static`) keeps its most attended positions;
+        any other head keeps evenly spaced positions: a diffuse head reads an average,
+        which an even sample keeps and a top-k set skews, and an alignment head reads next
+        what it has not read yet, which past attention cannot rank."""
+        seen = self.scores.pop(repack.request_id, None)
+        k, length = repack.dst_positions, repack.src_positions
+        even = torch.linspace(0, length - 1, k).round().long()  # distinct: spacing >= 1 as k <= length
+        even = even.expand(self.num_layers, self.num_kv_heads, k)
+        if not seen:  # nothing observed (cannot happen for a request the scheduler compressed)
+            logger.warning("request %r: kv_compress found no observed attention; keeping evenly spaced positions",
+                           repack.request_id)
+            return even.to(device)
+        importance = torch.stack(list(seen.values())).sum(0)  # [num_layers, Hkv, L]
+        top = importance.topk(k, dim=-1)
+        share = top.values.sum(-1) / importance.sum(-1).clamp_min(1e-30)  # [num_layers, Hkv]
+        by_attention = (share >= CONCENTRATED) & _static(seen)
+        kept = torch.where(by_attention[..., None], top.indices, even)
+        return kept.sort(dim=-1).values.to(device)
+
+    def repack(self, repack: CrossRepack, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Move each (layer, KV head)'s kept K/V into the new blocks; returns the kept positions."""
+        device = kv_caches[0].device
+        kept = self.kept_positions(repack, device)
+        src = _slots(repack.src_blocks, kept, self.block_size)  # [num_layers, Hkv, K]
+        dst = _slots(repack.dst_blocks, torch.arange(repack.dst_positions, device=device), self.block_size)  # [K]
+        heads = torch.arange(self.num_kv_heads, device=device)
+        for layer, cache in enumerate(kv_caches):
+            flat = _flat(cache)
+            # The gather copies every kept K/V before the write: dst may be src's own first blocks.
+            flat[:, dst] = flat[:, src[layer].T, heads]  # [2, K, Hkv, D]: head h from its own positions
+        return kept
