@@ -404,6 +404,7 @@ class Scheduler:
             num_encoder_positions=group.encoder_len,
             cross_block_table=list(bm.get_cross_block_table(group)),
             mode=group.strategy.step_mode(group),
+            lora_request=group.lora_request,
         )
 
     # -- after the forward pass ----------------------------------------------
