@@ -190,5 +190,6 @@ def _split(name: str) -> tuple[str, str]:
             return module.removeprefix(_PREFIX), kind
     if "lora_embedding_" in name:
         raise AdapterError(f"tensor {name!r}: LoRA on embeddings is not supported")
-    raise AdapterError(f"tensor {name!r} is not a LoRA matrix (lora_A.weight / lora_B.weight); only LoRA on linear "
-                       "layers is supported")
+    raise AdapterError(f"tensor {name!r} is not a LoRA matrix (lora_A.weight / lora_B.weight): a full weight, as "
+                       "PEFT saves for adapted embeddings, the LM head and modules_to_save, which are not supported "
+                       "(only LoRA on linear layers is)")
