@@ -110,3 +110,32 @@ def test_draft_model_speculation_refuses_adapters(bart_dir, adapters):
     outs = llm.generate(["x", "x"], PARAMS, lora_request=[adapters[0], None], use_tqdm=False)
     assert "draft model" in outs[0].error and "'a1'" in outs[0].error
     assert outs[1].error is None
+
+
+def test_equal_prompts_share_the_encoder_only_within_an_adapter(bart_dir, adapters):
+    llm = LLM(str(bart_dir), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2)
+    prompt = {"prompt_token_ids": [0, 11, 12, 13, 14, 15, 2]}
+    outs = llm.generate([prompt] * 4, PARAMS, lora_request=[adapters[0], adapters[0], adapters[1], None],
+                        use_tqdm=False)
+    assert [o.error for o in outs] == [None] * 4
+    stats = llm.get_stats()
+    # One share (the second a1 request); a2 and the base ran their own encoder.
+    assert (stats["encoder_tokens_computed"], stats["encoder_tokens_reused"]) == (3 * 7, 7)
+
+
+def test_n_and_structured_output_with_an_adapter(tmp_path, adapters):
+    pytest.importorskip("xgrammar")
+    from helpers import make_bart_bytes
+    from tandem.core.structured_params import StructuredOutputsParams
+
+    model = make_bart_bytes(tmp_path / "bytes", seed=0)
+    adapter = LoRARequest("bytes", 3, str(make_peft_adapter(model, tmp_path / "adapter", seed=3)))
+    llm = LLM(str(model), dtype="float32", num_kv_blocks=128, enable_lora=True)
+    seen = spy_on_steps(llm)
+    choice = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no"]))
+    many = SamplingParams(temperature=1.0, seed=1, max_tokens=4, n=3)
+    outs = llm.generate(["is it?", "go"], [choice, many], lora_request=adapter, use_tqdm=False)
+    assert outs[0].error is None and outs[0].outputs[0].text in ("yes", "no")
+    assert outs[1].error is None and len(outs[1].outputs) == 3
+    assert {sg.lora_request for sg in seen} == {adapter}
