@@ -97,6 +97,11 @@ class LinearLoRA:
         self.b[shard][slot * rank: slot * rank + r].copy_(b.t())
         self.users[shard].add(slot)
 
+    @property
+    def active(self) -> bool:
+        """Whether this step has tokens with an adapter on this layer's side."""
+        return self.step.masks[self.side] is not None
+
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """Add the step's low-rank updates to ``y`` (the base output of ``x``), in place."""
         mask = self.step.masks[self.side]

@@ -46,7 +46,7 @@ class LinearBase(WeightLoaderModule):
 
     def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> torch.Tensor:
         """The kernel's ``x W^T + bias``, plus the step's LoRA updates before the activation."""
-        if self.lora is None:
+        if self.lora is None or not self.lora.active:  # no adapter this step: the fused epilogue stays
             return self.kernel(self, x, bias, activation)
         y = self.kernel(self, x, bias, None)
         self.lora.apply(y, x)
