@@ -12,9 +12,10 @@ def make_peft_adapter(base_dir: Path, out_dir: Path, seed: int = 0, r: int = 4,
     """PEFT's ``save_pretrained`` of a LoRA over the checkpoint at ``base_dir``, its A and B
     random (seeded; PEFT's own init leaves B at zero, an adapter that changes nothing)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForSeq2SeqLM
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
 
-    model = AutoModelForSeq2SeqLM.from_pretrained(base_dir)
+    speech = AutoConfig.from_pretrained(base_dir).model_type == "whisper"
+    model = (AutoModelForSpeechSeq2Seq if speech else AutoModelForSeq2SeqLM).from_pretrained(base_dir)
     peft = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(target_modules)))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

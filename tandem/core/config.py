@@ -191,7 +191,7 @@ class EngineConfig:
     max_loras: int = option(1, "LoRA adapters resident on the device at once (one step serves at most this many)")
     max_lora_rank: int = option(16, "the largest LoRA rank an adapter may have; higher ranks are refused per request")
     max_cpu_loras: int | None = option(
-        None, "LoRA adapters kept loaded in CPU memory (least recently used evicted first; default: none, "
+        None, "LoRA adapters kept loaded in CPU memory, least recently used evicted first (default: none, "
         "`max_loras`)"
     )
 
