@@ -44,10 +44,10 @@ class DenseKernel:
 
     def __call__(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
         y = F.linear(x, layer.weight, bias)
-        return _activate(y, activation)
+        return activate(y, activation)
 
 
-def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+def activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     """The activation on a GEMM's fresh output, in place: no second ``[M, ffn]``
     tensor to allocate and write (the encoder's fc1 output is ~100 MiB at 9K
     tokens). Outside inference mode a tensor that needs grad gets the
@@ -71,7 +71,7 @@ class PackedCPUKernel:
     def __call__(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
         attr, scalars, algorithm = _FUSED.get(activation, ("none", [], ""))
         y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, attr, scalars, algorithm)
-        return y if activation is None or activation in _FUSED else _activate(y, activation)
+        return y if activation is None or activation in _FUSED else activate(y, activation)
 
 
 class Int8DynamicKernel:
@@ -97,7 +97,7 @@ class Int8DynamicKernel:
             raise RuntimeError("Int8DynamicKernel: a packed bias cannot be dropped on this rank")
         if bias is not None and not self.has_bias:  # a call-time bias (the LM head's final_logits_bias)
             y.add_(bias)
-        return _activate(y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype), activation)
+        return activate(y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype), activation)
 
 
 def onednn_bf16_gemm() -> bool:
