@@ -238,3 +238,4 @@ def test_real_server_serves_two_adapters_and_the_base_through_openai(bart_dir, a
     offline = {m: llm.generate("the rain in spain", SamplingParams(max_tokens=6, temperature=0), lora_request=lora,
                                use_tqdm=False)[0].outputs[0].text for m, lora in loras.items()}
     assert served == offline
+    assert len(set(served.values())) == 3  # each adapter's output is its own (tandem/lora's math)
