@@ -206,7 +206,7 @@ class EngineConfig:
     max_loras: int = option(1, "LoRA adapters resident on the device at once (one step serves at most this many)")
     max_lora_rank: int = option(16, "the largest LoRA rank an adapter may have; higher ranks are refused per request")
     max_cpu_loras: int | None = option(
-        None, "LoRA adapters kept loaded in CPU memory (least recently used evicted first; default: none, "
+        None, "LoRA adapters kept loaded in CPU memory, least recently used evicted first (default: none, "
         "`max_loras`)"
     )
 
@@ -415,13 +415,15 @@ def _check_scheduler_limits(c) -> None:
             f"max_num_seqs={c.max_num_seqs} so every running sequence can decode"
         )
     check_choice("preemption_mode", c.preemption_mode)
+    if not is_int(c.max_loras) or c.max_loras < 1:
+        raise ValueError(f"max_loras={c.max_loras!r}: must be an integer >= 1")
 
 
 _ENGINE_FIELDS = {f.name: f for f in fields(EngineConfig)}
 # The options the scheduler reads. ``SchedulerConfig`` is generated from their ``EngineConfig``
 # fields (names, order, defaults, help) and checked by the same function, so it declares nothing
 # of its own; ``EngineConfig.scheduler_config()`` is where an engine builds it.
-SCHEDULER_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "preemption_mode")
+SCHEDULER_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "preemption_mode", "max_loras")
 SchedulerConfig = make_dataclass(
     "SchedulerConfig",
     [(name, _ENGINE_FIELDS[name].type, field(default=_ENGINE_FIELDS[name].default, metadata=_ENGINE_FIELDS[name].metadata))

@@ -48,6 +48,7 @@ from tandem.core.strategies.modes import EngineContext, Modes, RequestContext
 from tandem.core.strategies.structured.manager import StructuredOutputManager
 from tandem.core.structured_params import StructuredOutputsParams
 from tandem.core.executor import WorkerSpec, executor_class
+from tandem.lora.request import LoRARequest
 
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,9 @@ class LLMEngine:
         self.core = EngineCore(self.scheduler_config, self.block_manager, self.executor, self.scheduler,
                                config.max_consecutive_step_failures, self.modes)
         self.processor = RequestProcessor(self.hf_config, self.model_cls, self.tokenizer, self.generation_defaults,
-                                          self.vocab_size, self.scheduler_config, self.executor.check_request)
+                                          self.vocab_size, self.scheduler_config, self.executor.check_request,
+                                          enable_lora=config.enable_lora,
+                                          draft_model=None if self.draft is None else config.speculative.model)
         self.input_processor = self.processor.input_processor
         self.output_processor = OutputProcessor(self.tokenizer)
         # One record (never interleaved with another thread's), one fact per line: a short
@@ -194,34 +197,39 @@ class LLMEngine:
         *,
         prompt_slot: PromptSlot | None = None,
         queue: Any = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestInfo:
         """Validate and queue a request, following its outputs in the output processor;
         raises ``ValueError`` naming what is wrong. Fields of ``params`` the caller did
         not set come from the checkpoint's generation config
         (:meth:`get_default_sampling_params`). ``prompt_slot``: the model completes the
         decoder prompt first (Whisper's language detection). ``prompt`` may be a request
-        :meth:`process_request` made already (on another thread), with no ``params`` or
-        ``prompt_slot`` then. ``queue``: where the request's outputs go instead of
-        :meth:`step`'s list (``AsyncLLM``: its consumer's ``asyncio.Queue``)."""
+        :meth:`process_request` made already (on another thread), with no ``params``,
+        ``prompt_slot`` or ``lora_request`` then. ``queue``: where the request's outputs go
+        instead of :meth:`step`'s list (``AsyncLLM``: its consumer's ``asyncio.Queue``).
+        ``lora_request``: the LoRA adapter the request runs with (``enable_lora=True``;
+        None: the base weights)."""
         self._check_new(request_id)
         if isinstance(prompt, ProcessedRequest):
-            if params is not None or prompt_slot is not None:
-                raise TypeError("a processed request carries its params and prompt slot: give neither again")
+            if params is not None or prompt_slot is not None or lora_request is not None:
+                raise TypeError("a processed request carries its params, prompt slot and LoRA request: "
+                                "give none of them again")
             req = prompt
         else:
-            req = self.process_request(prompt, params, prompt_slot=prompt_slot)
+            req = self.process_request(prompt, params, prompt_slot=prompt_slot, lora_request=lora_request)
         info = self._add_to_core(request_id, req)
         self.output_processor.add_request(info, queue)
         return info
 
     def process_request(
-        self, prompt: PromptType, params: SamplingParams | None = None, *, prompt_slot: PromptSlot | None = None
+        self, prompt: PromptType, params: SamplingParams | None = None, *, prompt_slot: PromptSlot | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """A request's own work (params resolved, prompt tokenized or audio decoded,
         lengths and values checked), touching no engine state: any thread may call it
         (``AsyncLLM`` calls it off its engine thread). Raises ``ValueError`` or
         ``TypeError`` naming what is wrong."""
-        return self.processor.process(prompt, params, prompt_slot)
+        return self.processor.process(prompt, params, prompt_slot, lora_request)
 
     def _add_to_core(self, request_id: str, req: ProcessedRequest) -> RequestInfo:
         """Queue a processed request in the core: its strategy and the pool check; on
@@ -233,7 +241,8 @@ class LLMEngine:
             request_id, params, prompt_len, inputs.encoder_inputs.token_ids, {"prompt_slot": prompt_slot}))
         seqs = [Sequence(next(self._seq_ids), inputs.prompt_token_ids, i)
                 for i in range(strategy.num_initial_seqs(params))]
-        group = SequenceGroup(request_id, inputs.encoder_inputs, seqs, params, time.monotonic())
+        group = SequenceGroup(request_id, inputs.encoder_inputs, seqs, params, time.monotonic(),
+                              lora_request=req.lora_request)
         group.strategy = strategy
         # Every sequence at full length must fit the pool, or it would preempt itself
         # forever (blocks its sequences share count once; the cross table always counts).

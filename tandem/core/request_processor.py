@@ -19,6 +19,7 @@ from tandem.core.generation_config import GenerationDefaults, merge_params, reso
 from tandem.core.inputs import EncoderDecoderInputs, InputProcessor, PromptSlot
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sched.scheduler import SchedulerConfig
+from tandem.lora.request import LoRARequest, check_lora_request
 
 
 @dataclass
@@ -29,13 +30,16 @@ class ProcessedRequest:
     params: SamplingParams  # resolved: the defaults merged, max_tokens concrete
     prompt_slot: PromptSlot | None
     prompt_len: int  # the decoder prompt as it will be once the slot is completed
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base weights)
 
 
 class RequestProcessor:
     def __init__(self, hf_config, model_cls: type, tokenizer, generation_defaults: GenerationDefaults,
                  vocab_size: int, scheduler_config: SchedulerConfig,
-                 check_request: Callable[[SamplingParams], None]) -> None:
+                 check_request: Callable[[SamplingParams], None], *, enable_lora: bool = False,
+                 draft_model: str | None = None) -> None:
         self.hf_config, self.model_cls = hf_config, model_cls
+        self.enable_lora, self.draft_model = enable_lora, draft_model
         self.generation_defaults = generation_defaults
         self.vocab_size, self.scheduler_config = vocab_size, scheduler_config
         self.check_request = check_request  # the executor's: params that cannot reach its workers
@@ -49,9 +53,10 @@ class RequestProcessor:
         return merge_params(self.generation_defaults.params, params, self.generation_defaults.source)
 
     def process(self, prompt: Any, params: SamplingParams | None = None,
-                prompt_slot: PromptSlot | None = None) -> ProcessedRequest:
+                prompt_slot: PromptSlot | None = None, lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Raises ``ValueError`` or ``TypeError`` naming what is wrong. Thread-safe."""
         cfg, m = self.hf_config, self.model_cls
+        check_lora_request(lora_request, enable_lora=self.enable_lora, draft_model=self.draft_model)
         params = self.resolve_params(params)
         inputs = self.input_processor.process(prompt)
         if inputs.decoder_prompt_is_default and prompt_slot is None:
@@ -72,7 +77,7 @@ class RequestProcessor:
         self.validate(inputs, params, prompt_len)
         self.check_request(params)
         _ = inputs.encoder_inputs.cache_key  # hashing audio features: here, not on the engine thread
-        return ProcessedRequest(inputs, params, prompt_slot, prompt_len)
+        return ProcessedRequest(inputs, params, prompt_slot, prompt_len, lora_request)
 
     def validate(self, inputs: EncoderDecoderInputs, params: SamplingParams, dec_len: int | None = None) -> None:
         cfg, m = self.hf_config, self.model_cls

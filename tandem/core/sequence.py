@@ -114,8 +114,11 @@ class SequenceGroup:
         seqs: list[Sequence],
         sampling_params: SamplingParams,
         arrival_time: float,
+        lora_request=None,
     ) -> None:
         self.request_id = request_id
+        # The LoRA adapter it runs with (a tandem.lora.LoRARequest; None: the base weights).
+        self.lora_request = lora_request
         self.encoder_inputs = encoder_inputs
         self.seqs = seqs
         self.sampling_params = sampling_params
@@ -134,8 +137,19 @@ class SequenceGroup:
 
     @property
     def encoder_key(self) -> Hashable:
-        """Groups with equal keys (equal encoder inputs) share one cross table."""
-        return self.encoder_inputs.cache_key
+        """Groups with equal keys (equal encoder inputs, run with the same adapter) share
+        one cross table. The key roots the encoder cache's entries and the prefix cache's
+        chains too: an adapter changes the encoder's output and the decoder's K/V, so a
+        request never reuses another adapter's (or the base model's) blocks."""
+        lora = self.lora_request
+        if lora is None:
+            return self.encoder_inputs.cache_key
+        return ("lora", lora.lora_int_id, lora.lora_path, self.encoder_inputs.cache_key)
+
+    @property
+    def lora_id(self) -> int:
+        """The adapter's id (0: the base weights)."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def encoder_len(self) -> int:

@@ -182,6 +182,19 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     return {name.partition("#")[0] for name in loaded}
 
 
+def resolve_checkpoint_name(model: nn.Module, hf_name: str, params: dict | None = None) -> tuple[str | None, int | None]:
+    """Where :func:`load_checkpoint` puts checkpoint tensor ``hf_name``: (the model's
+    parameter name, its shard of a packed module or None); (None, None) when the model
+    drops the name. LoRA adapters name their modules as checkpoints do and map this way.
+    ``params``: ``dict(model.named_parameters())``, when the caller has it."""
+    rename = getattr(model, "hf_to_tandem_name", None) or (lambda name: name)
+    name = rename(hf_name)
+    if name is None:
+        return None, None
+    packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    return _resolve(name, params if params is not None else dict(model.named_parameters()), packed)
+
+
 def _module_of(name: str) -> str:
     """``a.b.qkv_proj.weight`` -> ``qkv_proj``."""
     parts = name.rsplit(".", 2)

@@ -203,17 +203,21 @@ class AsyncLLM:
         *,
         prompt_slot=None,
         queue_group: str | None = None,
+        lora_request=None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as the engine produces them (per its
         ``output_kind``: cumulative, delta, or only the final one); the last has
         ``finished`` set. Leaving the loop early aborts the request. Requests with
         the same ``queue_group`` (the prompts of one client request) queue in order
-        and take turns with other groups; without one a request is its own group."""
+        and take turns with other groups; without one a request is its own group.
+        ``lora_request``: the :class:`tandem.LoRARequest` it runs with (``enable_lora=True``;
+        None: the base model); a refused one raises ``ValueError`` as a bad prompt does."""
         self._check_alive()
         rid = request_id if request_id is not None else f"async-{next(self._ids)}"
         group = ("request", rid) if queue_group is None else ("group", queue_group)
         # Tokenizing, audio decoding and validation: on an input thread, never the engine's.
-        job = functools.partial(self.engine.process_request, prompt, sampling_params, prompt_slot=prompt_slot)
+        job = functools.partial(self.engine.process_request, prompt, sampling_params, prompt_slot=prompt_slot,
+                                lora_request=lora_request)
         try:
             processed = await asyncio.wrap_future(self._inputs.submit(group, job))
         except (ValueError, TypeError, EngineDeadError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -140,6 +141,13 @@ def _build_parser(engine_flags: bool = True) -> tuple[argparse.ArgumentParser, d
     sv.add_argument("--allowed-local-media-path", type=_directory, default=None, metavar="DIR",
                     help="completion prompts may name audio files inside DIR (symlinks and '..' resolved first) "
                          "(default: none, a path in a prompt is refused: audio comes as inline bytes or uploads)")
+    sv.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                    help="with --enable-lora: LoRA adapters served by name (a request's 'model' picks one), each "
+                         "name=path or vLLM's JSON '{\"name\": ..., \"path\": ...}'; the path a PEFT adapter "
+                         "directory or a Hub repo id (docs/lora.md) (default: none)")
+    sv.add_argument("--lora-allowed-dir", type=_lora_dir, default=None, metavar="DIR",
+                    help="with --enable-lora: POST /v1/load_lora_adapter may load adapters from inside DIR "
+                         "(symlinks and '..' resolved first) (default: none, runtime loading is off)")
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="seconds running requests may take to finish after SIGTERM; then, or at once on a "
                          "second SIGTERM/SIGINT, they are answered with a JSON 503")
@@ -195,6 +203,22 @@ def _directory(text: str) -> str:
         return allowed_local_dir(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a directory, got {text!r}") from None
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    from tandem.entrypoints.openai.lora_modules import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _lora_dir(text: str) -> str:
+    real = os.path.realpath(text)
+    if not os.path.isdir(real):
+        raise argparse.ArgumentTypeError(f"must be a directory, got {text!r}")
+    return real
 
 
 def _positive_seconds(text: str) -> float:

@@ -19,6 +19,7 @@ from tandem.core.inputs import PromptType, preview
 from tandem.core.outputs import RequestOutput
 from tandem.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from tandem.entrypoints.vllm_compat import split_vllm_options
+from tandem.lora.request import LoRARequest, lora_list
 from tandem.plugins import default_backend_registry, default_mode_registry, default_model_registry
 
 if TYPE_CHECKING:
@@ -76,13 +77,14 @@ class LLM:
         return self.llm_engine.get_default_sampling_params()
 
     def beam_search(
-        self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, *, use_tqdm: bool = True
+        self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, *, use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Beam search over each prompt (vLLM's entry point): ``params.beam_width``
         beams in the engine, the best ``params.n`` returned per prompt, best first."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
-        return self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
+        return self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm, lora_request=lora_request)
 
     def transcribe(
         self,
@@ -101,6 +103,7 @@ class LLM:
         initial_prompt: str | None = None,
         vad_filter=False,
         vad_parameters: dict | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
         **sampling,
     ) -> list:
         """Transcribe (or, ``task="translate"``, translate to English) audio with a model
@@ -127,6 +130,8 @@ class LLM:
         the chunks are decoded all at once (faster-whisper's batched pipeline), times in
         the input's; ``vad_filter`` may also be a callable ``(waveform, sample_rate) ->
         [(start, end), ...]`` (samples) giving the speech regions itself.
+        ``lora_request``: the LoRA adapter every window of every input runs with, or a
+        list of one (or None) per input (``enable_lora=True``).
         ``**sampling``: other SamplingParams fields (the rest come
         from the checkpoint's generation config).
         Returns one :class:`tandem.core.transcription.Transcription` per input, in
@@ -139,7 +144,7 @@ class LLM:
             use_tqdm=use_tqdm, condition_on_previous_text=condition_on_previous_text,
             compression_ratio_threshold=compression_ratio_threshold, logprob_threshold=logprob_threshold,
             no_speech_threshold=no_speech_threshold, initial_prompt=initial_prompt, vad_filter=vad_filter,
-            vad_parameters=vad_parameters, **sampling,
+            vad_parameters=vad_parameters, lora_request=lora_request, **sampling,
         )
 
     @contextmanager
@@ -184,34 +189,36 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
-        lora_request=None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in prompt order. A prompt that fails validation gets an output
         whose ``error`` says why; the other prompts are generated as usual.
+        ``lora_request``: a :class:`tandem.LoRARequest` for every prompt, or a list with
+        one (or None: the base model) per prompt; the engine needs ``enable_lora=True``
+        (without it, a prompt with an adapter gets an output whose ``error`` says so).
 
         Calls from several threads are served one after another. If the call
         raises or is interrupted, its requests are aborted and their blocks
         freed, so the engine is as it was before the call."""
-        # vLLM's keyword; None (or a list of None) is what a script without adapters passes.
-        if lora_request is not None and not (isinstance(lora_request, list) and all(r is None for r in lora_request)):
-            raise ValueError(f"lora_request={preview(lora_request)}: LoRA adapters are not supported")
         prompts = _prompt_list(prompts)
         params = _params_list(sampling_params, len(prompts))
+        loras = lora_list(lora_request, len(prompts), "prompts")
         self._check_no_session("generate()")
         with self._lock:
-            return self._run(prompts, params, use_tqdm)
+            return self._run(prompts, params, use_tqdm, loras)
 
-    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool,
+             loras: list[LoRARequest | None]) -> list[RequestOutput]:
         engine = self.engine
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         bar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm, unit="req")
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 rid = str(next(self._ids))
                 order.append(rid)
                 try:
-                    engine.add_request(rid, prompt, p)
+                    engine.add_request(rid, prompt, p, lora_request=lora)
                 except EngineDeadError:
                     raise
                 except Exception as e:  # noqa: BLE001 - this prompt alone cannot be served
@@ -238,13 +245,14 @@ class LLMSession:
         self._open = True
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, *,
-                    prompt_slot: "PromptSlot | None" = None) -> str:
+                    prompt_slot: "PromptSlot | None" = None, lora_request: LoRARequest | None = None) -> str:
         """Queue a request; returns its id. ``ValueError`` / ``TypeError`` name what is
-        wrong with it (nothing is queued). ``params=None``: the generation config's defaults."""
+        wrong with it (nothing is queued). ``params=None``: the generation config's defaults.
+        ``lora_request``: the adapter it runs with (None: the base model)."""
         if not self._open:
             raise RuntimeError("this LLM session has ended: open a new one with LLM.session()")
         rid = str(next(self._ids))
-        self._engine.add_request(rid, prompt, params, prompt_slot=prompt_slot)
+        self._engine.add_request(rid, prompt, params, prompt_slot=prompt_slot, lora_request=lora_request)
         self._unfinished.add(rid)
         return rid
 

@@ -100,10 +100,13 @@ def transcribe(
     use_tqdm: bool = True,
     vad_filter: Any = False,
     vad_parameters: dict | None = None,
+    lora_request: Any = None,
     **options: Any,
 ) -> list[Transcription]:
     """See :meth:`tandem.LLM.transcribe` (``options``: :class:`TranscriptionOptions`'
     fields, other keywords are SamplingParams fields)."""
+    from tandem.lora.request import lora_list
+
     engine = llm.llm_engine
     model_cls = engine.model_cls
 
@@ -120,6 +123,7 @@ def transcribe(
         return by_language[language]
 
     items = audio if isinstance(audio, list) else [audio]
+    loras = lora_list(lora_request, len(items), "audio inputs")
     results: list[Transcription | None] = [None] * len(items)
     jobs: dict[int, _Job] = {}
     for i, item in enumerate(items):
@@ -183,7 +187,8 @@ def transcribe(
             s, state = states[(i, k)]
             try:
                 w = s.next_window(state)
-                in_flight[requests.add_request(w.prompt, w.params, prompt_slot=w.prompt_slot)] = (i, k)
+                rid = requests.add_request(w.prompt, w.params, prompt_slot=w.prompt_slot, lora_request=loras[i])
+                in_flight[rid] = (i, k)
             except (ValueError, TypeError) as e:
                 unit_done(i, k, Transcription(error=str(e)))
 
@@ -220,7 +225,7 @@ def transcribe(
 
 
 async def transcribe_async(engine, waveform, request_id: str, *, vad_filter: Any = False,
-                           vad_parameters: dict | None = None, **options: Any):
+                           vad_parameters: dict | None = None, lora_request: Any = None, **options: Any):
     """One input (a waveform from the model's ``load_transcription_audio``) through an
     ``AsyncLLM``, window by window (requests ``{request_id}-w0``, ``-w1``...): yields a
     :class:`WindowOutcome` as each window finishes (its new segments and, when the model
@@ -237,7 +242,7 @@ async def transcribe_async(engine, waveform, request_id: str, *, vad_filter: Any
     session = _session(engine.engine, dict(options), run_on_model=run_on_model)
     vad = _vad_plan(engine.engine, vad_filter, vad_parameters)
     if vad is None:
-        async for item in _windows(engine, session, session.start(waveform), request_id):
+        async for item in _windows(engine, session, session.start(waveform), request_id, lora_request):
             yield item
         return
     from tandem.entrypoints.vad_batched import chunk_segments, merge
@@ -246,7 +251,7 @@ async def transcribe_async(engine, waveform, request_id: str, *, vad_filter: Any
 
     async def run(k: int, s: TranscriptionSession) -> Transcription:
         last = None
-        async for item in _windows(engine, s, s.start(chunks[k].waveform), f"{request_id}-c{k}"):
+        async for item in _windows(engine, s, s.start(chunks[k].waveform), f"{request_id}-c{k}", lora_request):
             last = item
         return last
 
@@ -274,14 +279,15 @@ async def transcribe_async(engine, waveform, request_id: str, *, vad_filter: Any
                 word_timestamps=bool(options.get("word_timestamps")), language=options.get("language"))
 
 
-async def _windows(engine, session: TranscriptionSession, state: Any, request_id: str):
+async def _windows(engine, session: TranscriptionSession, state: Any, request_id: str, lora_request: Any = None):
     """One session input's windows in turn (requests ``{request_id}-w{n}``): yields each
     window's outcome that has new segments or text, then the :class:`Transcription`."""
     n = 0
     while True:
         w = session.next_window(state)
         last = None
-        async for out in engine.generate(w.prompt, w.params, f"{request_id}-w{n}", prompt_slot=w.prompt_slot):
+        async for out in engine.generate(w.prompt, w.params, f"{request_id}-w{n}", prompt_slot=w.prompt_slot,
+                                         lora_request=lora_request):
             last = out
         n += 1
         if last.error is not None:

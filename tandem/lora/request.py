@@ -40,3 +40,45 @@ class LoRARequest:
     @property
     def path(self) -> str:
         return self.lora_path
+
+
+def check_lora_request(lora_request: object, *, enable_lora: bool, draft_model: str | None = None) -> None:
+    """Raise ``ValueError`` / ``TypeError`` unless the engine can serve a request with
+    ``lora_request`` (None: the base model, always served). ``draft_model``: the engine's
+    speculative draft checkpoint, if any: a draft has no adapter, so its proposals would
+    be the base model's, and such requests are refused rather than served slowly."""
+    if lora_request is None:
+        return
+    if not isinstance(lora_request, LoRARequest):
+        raise TypeError(f"lora_request must be a tandem.LoRARequest or None, got {type(lora_request).__name__}: "
+                        f"{lora_request!r}")
+    if not enable_lora:
+        raise ValueError(f"lora_request {lora_request.lora_name!r}: LoRA is not enabled in this engine; "
+                         "build it with enable_lora=True (tandem serve --enable-lora)")
+    if draft_model is not None:
+        raise ValueError(f"lora_request {lora_request.lora_name!r}: the engine speculates with a draft model "
+                         f"({draft_model}), which has no adapter; LoRA requests are not served with "
+                         "speculative_config method 'draft_model' (the 'ngram' method works with adapters)")
+
+
+def lora_list(lora_request: object, n: int, what: str) -> list[LoRARequest | None]:
+    """A frontend's ``lora_request`` argument for ``n`` inputs: one adapter (or None) for
+    all, or a list of one (or None) per input. Another type is a ``TypeError`` naming it,
+    a list of another length a ``ValueError`` (for the whole call, as sampling params are)."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if not isinstance(lora_request, (list, tuple)):
+        raise TypeError(f"lora_request must be a LoRARequest, None, or a list of them (one per input), got "
+                        f"{type(lora_request).__name__}: {_short(lora_request)}")
+    bad = [(i, r) for i, r in enumerate(lora_request) if r is not None and not isinstance(r, LoRARequest)]
+    if bad:
+        i, r = bad[0]
+        raise TypeError(f"lora_request[{i}] must be a LoRARequest or None, got {type(r).__name__}: {_short(r)}")
+    if len(lora_request) != n:
+        raise ValueError(f"got {len(lora_request)} LoRA requests for {n} {what}; pass one, or one per input")
+    return list(lora_request)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

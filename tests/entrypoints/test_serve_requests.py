@@ -89,11 +89,11 @@ async def test_a_lone_surrogate_is_a_400_naming_the_field_and_position(bart_engi
 
 
 @pytest.mark.asyncio
-async def test_a_long_model_name_is_a_400_that_shows_it_cut(bart_engine):
+async def test_a_long_model_name_is_a_404_that_shows_it_cut(bart_engine):
     app = build_app(bart_engine, served_model_name="m")
     async with _client(app) as c:
         r = await c.post("/v1/completions", json={"prompt": PROMPT, "model": "x" * 5000})
-        message = _error(r, 400)
+        message = _error(r, 404)
     assert message.startswith("model='xxx") and message.endswith("...: this server serves 'm'")
     assert len(r.content) < 1000, len(r.content)
 

@@ -126,8 +126,8 @@ def test_vllm_keywords_refused_naming_the_value(kwargs, words):
 
 
 def test_vllm_only_keyword_refused_by_name():
-    with pytest.raises(TypeError, match="'enable_lora'"):
-        LLM(str(WHISPER), enable_lora=True)
+    with pytest.raises(TypeError, match="'enable_prompt_embeds'"):
+        LLM(str(WHISPER), enable_prompt_embeds=True)
 
 
 def test_engine_args_round_trip():

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.core.layers.linear_kernels import DenseKernel
+from tandem.core.layers.linear_kernels import DenseKernel, activate
 from tandem.core.layers.parallel_state import TensorParallelGroup, divide, resolve_tp_group
 from tandem.core.weight_loading import WeightLoaderModule, check_shape
 
@@ -40,6 +40,22 @@ class LinearBase(WeightLoaderModule):
             self.register_parameter("bias", None)
         self.bind_weight_loaders()
         self.kernel = DenseKernel()
+        # Per-request LoRA adapters (tandem.lora.layers.LinearLoRA), set by the worker's
+        # adapter manager when enable_lora: ``lora.apply(y, x)`` adds the step's updates.
+        self.lora = None
+
+    def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The kernel's ``x W^T + bias``, plus the step's LoRA updates before the activation,
+        plus ``residual`` (in the kernel's epilogue where it can)."""
+        if self.lora is None or not self.lora.active:  # no adapter this step: the fused epilogues stay
+            if residual is None:
+                return self.kernel(self, x, bias, activation)
+            return self.kernel(self, x, bias, activation, residual=residual)
+        y = self.kernel(self, x, bias, None)
+        self.lora.apply(y, x)
+        y = activate(y, activation)
+        return y if residual is None else residual + y
 
     def set_kernel(self, kernel) -> None:
         """Multiply with ``kernel`` from now on (``tandem.core.layers.linear_kernels``);
@@ -95,7 +111,7 @@ class ColumnParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
         """``activation`` ("gelu" exact, "relu"): applied to the output, fused into the
         GEMM where the layer's kernel can."""
-        y = self.kernel(self, x, self.bias, activation)  # [..., output_size / tp]
+        y = self._gemm(x, self.bias, activation)  # [..., output_size / tp]
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -249,8 +265,8 @@ class RowParallelLinear(LinearBase):
         equals ``residual + self(x)``."""
         bias = self.bias if self.tp_rank == 0 else None  # added once, not tp_size times
         if self.tp_size == 1 and residual is not None:
-            return self.kernel(self, x, bias, None, residual=residual)
-        y = self.kernel(self, x, bias, None)  # [..., output_size], this rank's partial sum
+            return self._gemm(x, bias, None, residual=residual)
+        y = self._gemm(x, bias, None)  # [..., output_size], this rank's partial sum
         y = self.tp.all_reduce(y) if self.reduce_results else y
         if residual is not None:
             if not self.reduce_results:

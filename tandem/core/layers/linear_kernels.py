@@ -60,7 +60,7 @@ class DenseKernel:
     def __call__(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
                  residual: torch.Tensor | None = None):
         y = F.linear(x, layer.weight, bias)
-        return _add_residual(_activate(y, activation), residual)
+        return _add_residual(activate(y, activation), residual)
 
 
 def _add_residual(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -73,7 +73,7 @@ def _add_residual(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tenso
     return y.add_(residual)
 
 
-def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+def activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     """The activation on a GEMM's fresh output, in place: no second ``[M, ffn]``
     tensor to allocate and write (the encoder's fc1 output is ~100 MiB at 9K
     tokens). Outside inference mode a tensor that needs grad gets the
@@ -103,7 +103,7 @@ class PackedCPUKernel:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, bias, "add")
         attr, scalars, algorithm = self.fused.get(activation, ("none", [], ""))
         y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, attr, scalars, algorithm)
-        y = y if activation is None or activation in self.fused else _activate(y, activation)
+        y = y if activation is None or activation in self.fused else activate(y, activation)
         return _add_residual(y, residual)
 
 
@@ -138,7 +138,7 @@ class Int8DynamicKernel:
             raise RuntimeError("Int8DynamicKernel: a packed bias cannot be dropped on this rank")
         if bias is not None and not self.has_bias:  # a call-time bias (the LM head's final_logits_bias)
             y.add_(bias)
-        return _add_residual(_activate(y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype), activation), residual)
+        return _add_residual(activate(y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype), activation), residual)
 
 
 def onednn_bf16_gemm() -> bool:

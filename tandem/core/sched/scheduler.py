@@ -7,7 +7,8 @@ sequences on EOS, stop token ids and length, and frees what finished.
 Each step: running groups first (each decoder sequence computes its new
 tokens), preempting the most recently admitted groups when blocks run out;
 then swapped groups come back; then waiting groups are admitted while the
-token budget, ``max_num_seqs`` and free blocks allow. A group admitted this
+token budget, ``max_num_seqs``, free blocks and the LoRA adapter slots
+(``max_loras`` distinct adapters per step: ``lora_slots.py``) allow. A group admitted this
 step prefills its decoder prompt and, unless it shares the live cross table
 of an identical encoder input or takes one the encoder cache kept, runs its
 encoder and fills its cross table in the same step. Sequences about to write into shared blocks get copies first
@@ -33,6 +34,7 @@ from tandem.core.scheduler_output import (
     SchedulerOutput,
     table_update,
 )
+from tandem.core.sched.lora_slots import LoRASlots
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tandem.core.strategies.base import RequestFailed
 
@@ -80,6 +82,8 @@ class Scheduler:
         # Set when the block manager raised while scheduling: the engine checks the
         # pool's accounting once the failed requests are freed (and clears it).
         self.block_fault = False
+        # At most max_loras distinct LoRA adapters per step (lora_slots.py).
+        self.lora_slots = LoRASlots(config.max_loras)
 
     # -- queue management --------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -244,11 +248,14 @@ class Scheduler:
             self._schedule_group(scheduled, group, run_encoder=False)
 
         # 2. Swapped groups come back only when nothing was evicted this step.
+        self.lora_slots.start_step(self.running)
         while self.swapped and not preempted:
             group = self.swapped[0]
             seqs = group.get_seqs(SequenceStatus.SWAPPED)
             tokens = sum(s.num_new_tokens for s in seqs)
             if num_seqs + len(seqs) > self.config.max_num_seqs or tokens > budget:
+                break
+            if not self.lora_slots.admits(group):
                 break
             try:
                 if not bm.can_swap_in(group):
@@ -266,6 +273,7 @@ class Scheduler:
             budget -= tokens
             num_seqs += len(seqs)
             self.running.append(group)
+            self.lora_slots.add(group)
             self._schedule_group(scheduled, group, run_encoder=False)
 
         # 3. Waiting groups: run the encoder (unless shared) and prefill the decoder prompt.
@@ -286,6 +294,7 @@ class Scheduler:
             budget -= tokens
             num_seqs += group.max_num_seqs
             self.running.append(group)
+            self.lora_slots.add(group)
             self._schedule_group(scheduled, group, run_encoder)
 
         self.num_preemptions += preempted
@@ -357,14 +366,15 @@ class Scheduler:
             seq.lookahead_token_ids = []
 
     def _first_ready(self) -> SequenceGroup | None:
-        """The oldest waiting group its strategy says may run (one whose strategy is
-        not ready waits, the others go past it). A group whose readiness check
+        """The oldest waiting group its strategy says may run and whose LoRA adapter
+        finds a slot in the step (one that is not ready, or has no slot, waits; the
+        others go past it as ``lora_slots.py`` allows). A group whose readiness check
         raises leaves the queue: its failure is kept for ``take_failures``."""
         waiting, i = self.waiting, 0
         while i < len(waiting):
             group = waiting[i]
             try:
-                if group.strategy.ready(group):
+                if group.strategy.ready(group) and self.lora_slots.admits(group):
                     return group
             except Exception as e:  # noqa: BLE001 - this request's own (its strategy could not get ready)
                 del waiting[i]
@@ -426,6 +436,7 @@ class Scheduler:
             cross_block_table=list(bm.get_cross_block_table(group)),
             mode=group.strategy.step_mode(group),
             cross_observe_until=self.cross_compress.observe_until(group) if self.cross_compress is not None else 0,
+            lora_request=group.lora_request,
         )
 
     # -- after the forward pass ----------------------------------------------

@@ -49,6 +49,7 @@ class ModelRunner:
         self.tables = BlockTableRows(max_num_seqs, max_blocks_per_seq)  # by seq id
         self.cross_tables = BlockTableRows(max_num_seqs, max_blocks_per_seq)  # by request id
         self._cross_lists: dict[str, list[int]] = {}
+        self.lora = None  # the worker's tandem.lora.manager.LoRAManager when enable_lora
 
     # -- persistent state ------------------------------------------------------
     def forget_seqs(self, seq_ids: list[int]) -> None:
@@ -167,13 +168,37 @@ class ModelRunner:
         run, offsets = _packed_positions(torch.zeros_like(n), n)
         return ends[run] - n[run] + offsets
 
-    def execute(self, out: SchedulerOutput, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    @staticmethod
+    def lora_token_slots(out: SchedulerOutput, slot_of: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each decoder token's and each encoder position's adapter slot (-1: none), in
+        the order ``prepare`` packs them: a group's slot repeated over its tokens."""
+        groups = out.scheduled
+        dec_slots = torch.tensor([slot_of.get(g.request_id, -1) for g in groups for _ in g.seqs], dtype=torch.long)
+        dec_lens = torch.tensor([len(s.token_ids) for g in groups for s in g.seqs], dtype=torch.long)
+        encoders = [g for g in groups if g.encoder_inputs is not None]
+        enc_slots = torch.tensor([slot_of.get(g.request_id, -1) for g in encoders], dtype=torch.long)
+        enc_lens = torch.tensor([g.encoder_inputs.num_positions for g in encoders], dtype=torch.long)
+        return dec_slots.repeat_interleave(dec_lens), enc_slots.repeat_interleave(enc_lens)
+
+    def execute(self, out: SchedulerOutput, kv_caches: list[torch.Tensor],
+                lora_slots: dict[str, int] | None = None) -> torch.Tensor:
         """Run the model; returns float32 logits ``[R, vocab]``: each scheduled sequence's
         last ``num_logits`` positions (usually its last token), in the order ``out``
-        lists them."""
+        lists them. ``lora_slots``: the adapter slot of each request that has one."""
         inputs = self.prepare(out)
         attn_metadata = self.builder.build(inputs)
-        hidden = self.model(
+        if self.lora is None:
+            hidden = self._forward(inputs, kv_caches, attn_metadata)
+        else:
+            with self.lora.step.active(*self.lora_token_slots(out, lora_slots or {})):
+                hidden = self._forward(inputs, kv_caches, attn_metadata)
+        if inputs.cross_observer is not None:
+            inputs.cross_observer.commit()
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        return logits.float()
+
+    def _forward(self, inputs: StepInputs, kv_caches, attn_metadata) -> torch.Tensor:
+        return self.model(
             inputs.input_ids,
             inputs.positions,
             inputs.encoder_input_ids,
@@ -181,7 +206,3 @@ class ModelRunner:
             kv_caches,
             attn_metadata,
         )
-        if inputs.cross_observer is not None:
-            inputs.cross_observer.commit()
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        return logits.float()

@@ -71,6 +71,7 @@ class Worker:
         self.num_cpu_blocks = 0
         self.model: EncoderDecoderModel | None = None
         self.runner: ModelRunner | None = None
+        self.lora = None  # tandem.lora.manager.LoRAManager when enable_lora (load_model makes it)
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
 
@@ -95,6 +96,14 @@ class Worker:
             self.model, device=self.device, dtype=self.dtype, gemm=self.config.cpu_gemm,
             quantization=self.config.quantization, batch_hint=min(self.config.max_num_seqs, 128),
         )
+        self.lora = None
+        if self.config.enable_lora:
+            from tandem.lora.manager import LoRAManager
+
+            c = self.config
+            # In the model's dtype; float32 over int8 GEMMs (int8 computes in float32).
+            self.lora = LoRAManager(self.model, max_loras=c.max_loras, max_rank=c.max_lora_rank,
+                                    max_cpu_loras=c.max_cpu_loras, dtype=self.dtype, device=self.device)
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         """Allocate the device pool (one tensor per decoder layer) and build the runner."""
@@ -111,6 +120,7 @@ class Worker:
                                if compress is not None else None)
         self.runner = ModelRunner(self.model, builder, self.block_size, self.device, self.config.max_num_seqs, max_blocks,
                                   cross_compress=self.cross_compress)
+        self.runner.lora = self.lora
 
     # -- the step --------------------------------------------------------------
     def execute_model(self, out: SchedulerOutput, sampling: SamplingInputs | None = None) -> ModelRunnerOutput | None:
@@ -135,9 +145,12 @@ class Worker:
             self.backend.copy_blocks(self.kv_caches, src, dst)
         if not out.scheduled:
             return None
+        # A request whose adapter cannot be served runs on the base weights this step and
+        # fails with the reason (every rank decides alike: same adapters, same order).
+        lora_slots, lora_failed = self.lora.assign(out.scheduled) if self.lora is not None else ({}, {})
         if self.tp.rank:  # every rank computes the forward pass (its collectives); rank 0 samples
             with torch.inference_mode():
-                self.runner.execute(out, self.kv_caches)
+                self.runner.execute(out, self.kv_caches, lora_slots)
             return None
         params, generators, num_out, seq_lens, seq_ids, row_request, joint = [], [], [], [], [], [], []
         modes = []  # (request id, its StepMode, its rows)
@@ -163,7 +176,7 @@ class Worker:
         rows = ProcessorRows(params, num_out, seq_lens,
                              lambda idx: self._histories([seq_ids[i] for i in idx], [seq_lens[i] for i in idx]), joint)
         with torch.inference_mode():
-            logits = self.runner.execute(out, self.kv_caches)
+            logits = self.runner.execute(out, self.kv_caches, lora_slots)
             if sampling is not None:  # before everything else reads the logits
                 self._transform(logits, sampling, seq_ids, num_out)
             prepared = [mode.prepare(logits, mode_rows) for _, mode, mode_rows in modes]
@@ -178,7 +191,7 @@ class Worker:
         if claimed:
             claimed_set = set(claimed)
             plain_ids = [s for i, s in enumerate(seq_ids) if i not in claimed_set]
-        failed = {row_request[i]: why for i, why in sampled.failed_rows.items()}
+        failed = {**lora_failed, **{row_request[i]: why for i, why in sampled.failed_rows.items()}}
         no_token = frozenset(seq_ids[i] for i in sampled.no_token_rows)
         return ModelRunnerOutput(
             plain_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, mode_outputs, failed, no_token

@@ -52,10 +52,11 @@ from tandem.entrypoints.openai.audio_fields import check_other_fields, refuse_un
 from tandem.entrypoints.openai.audio_stream import StreamEvents, audio_stream
 from tandem.entrypoints.openai.completions import complete, first_outputs, stream_completion
 from tandem.entrypoints.openai.guard import BodyTooLarge, Guard
+from tandem.entrypoints.openai.lora_modules import ServedModels
 from tandem.entrypoints.openai.media import PromptAudio, find_audio
 from tandem.entrypoints.openai.metrics import AudioMeter, ServerMetrics
 from tandem.entrypoints.openai.protocol import (
-    CompletionRequest, HTTPError, error_body, validation_message, wrong_model,
+    CompletionRequest, HTTPError, error_body, validation_message,
 )
 from tandem.entrypoints.openai.shutdown import CUT_GRACE_SECONDS, DrainCut, make_server, watch
 from tandem.entrypoints.openai.structured import check_compiles, read_structured
@@ -135,12 +136,17 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_audio_seconds: float | None = DEFAULT_MAX_AUDIO_SECONDS,
     allowed_local_media_path: str | None = None,
+    lora_modules: list[tuple[str, str]] = (),
+    lora_allowed_dir: str | None = None,
 ) -> FastAPI:
     """The server's app. ``app.state.drain_cut`` is the event that, once set, cuts
     the running requests off (JSON 503; streams end with an error event):
     ``serve`` sets it when ``--drain-timeout`` has passed after SIGTERM.
     ``allowed_local_media_path``: a directory whose files completion prompts may
-    name as audio (``media.py``); without it, a path in a prompt is refused."""
+    name as audio (``media.py``); without it, a path in a prompt is refused.
+    ``lora_modules``: ``(name, path)`` of each LoRA adapter served by name (the engine
+    built with ``enable_lora``); ``lora_allowed_dir``: where ``/v1/load_lora_adapter``
+    may load adapters from (``lora_modules.py``; without it, runtime loading is off)."""
     model_cls = engine.engine.model_cls
     is_audio = supports_transcription(model_cls)
     prompt_audio = PromptAudio(model_cls, engine.engine.hf_config, engine.engine.architecture,
@@ -151,6 +157,10 @@ def build_app(
         if importlib.util.find_spec("multipart") is None and importlib.util.find_spec("python_multipart") is None:
             raise RuntimeError("the audio endpoints parse multipart uploads with python-multipart, which is not "
                                "installed: pip install 'tandem-engine[serve]'")
+    config = engine.engine.config
+    served = ServedModels(served_model_name, config.model, enable_lora=config.enable_lora,
+                          max_lora_rank=config.max_lora_rank, lora_modules=list(lora_modules),
+                          allowed_dir=lora_allowed_dir)
     metrics = ServerMetrics(engine)
     admission = _Admission(engine, max_queued_requests)
     cut = DrainCut()
@@ -220,8 +230,17 @@ def build_app(
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0,
-                                           "owned_by": "tandem", "root": engine.engine.config.model}]}
+        return {"object": "list", "data": served.cards()}
+
+    if served.enable_lora:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            # Reading adapter_config.json is file work: off the event loop.
+            return PlainTextResponse(await asyncio.to_thread(served.load, await _json_body(request)))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            return PlainTextResponse(served.unload(await _json_body(request)))
 
     @app.post("/v1/audio/transcriptions")
     async def transcriptions(request: Request):
@@ -257,9 +276,8 @@ def build_app(
                                   "that supports transcription, such as Whisper")
         form, data = await _read_form(request)
         refuse_unknown(form)
-        model_name = form.get("model")
-        if model_name not in (None, "", served_model_name):
-            raise HTTPError(400, wrong_model(model_name, served_model_name))
+        model_name = form.get("model") or None
+        lora = served.resolve(model_name)
         fmt = form.get("response_format") or "json"
         if fmt not in ("json", "text", "verbose_json", "srt", "vtt"):
             raise HTTPError(400, f"response_format={fmt!r}: must be json, text, verbose_json, srt or vtt")
@@ -308,10 +326,10 @@ def build_app(
         rid = f"audio-{uuid.uuid4().hex}"
         duration = waveform.numel() / model_cls.transcription_sample_rate
         meter = AudioMeter(engine, metrics)  # the engine, as transcribe_async sees it: each window counted
-        gen = _transcribe(meter, waveform, rid, options)
+        gen = _transcribe(meter, waveform, rid, {**options, "lora_request": lora})
         if stream:
             admission.admit([f"{rid}-w0"], 1, track=False)  # its first window is submitted once the stream runs
-            events = StreamEvents(rid, task, served_model_name, meter, include_usage=include_usage,
+            events = StreamEvents(rid, task, model_name or served_model_name, meter, include_usage=include_usage,
                                   continuous_usage=continuous_usage)
             return StreamingResponse(audio_stream(gen, rid, cut, meter, duration, events),
                                      media_type="text/event-stream")
@@ -365,7 +383,9 @@ def build_app(
         except ValidationError as e:
             raise RequestValidationError(e.errors(), body=body) from None
         del body
-        why = wrong_model(req.model, served_model_name) or req.unsupported()
+        lora = served.resolve(req.model)
+        model_name = req.model or served_model_name
+        why = req.unsupported()
         if why:
             raise HTTPError(400, why)
         if engine.errored:
@@ -392,20 +412,28 @@ def build_app(
         created = int(time.time())
         if req.stream:
             try:
-                first = await first_outputs(engine, prompts, params, ids, cut)  # errors: a status, not a stream
+                first = await first_outputs(engine, prompts, params, ids, cut, lora)  # errors: a status, not a stream
             finally:  # each has had a first output: the engine has them (no longer pending)
                 admission.done(ids)
             return StreamingResponse(
-                stream_completion(engine, metrics, req, params, first, ids, base, created, served_model_name, cut),
+                stream_completion(engine, metrics, req, params, first, ids, base, created, model_name, cut),
                 media_type="text/event-stream",
             )
         try:
-            return await complete(engine, metrics, request, params, prompts, ids, base, created, served_model_name,
-                                   cut)
+            return await complete(engine, metrics, request, params, prompts, ids, base, created, model_name,
+                                   cut, lora)
         finally:
             admission.done(ids)
 
     return app
+
+
+async def _json_body(request: Request) -> Any:
+    body = await request.body()  # the guard stops it at max_body_bytes
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HTTPError(400, f"invalid JSON body: {e}") from None
 
 
 async def _last(gen):
@@ -426,13 +454,21 @@ def serve(args) -> int:
     from tandem.core.engine_args import from_cli_args
     from tandem.entrypoints.openai.connections import uvicorn_options
 
-    engine = AsyncLLM(model=args.model, **from_cli_args(args))
+    engine_args = from_cli_args(args)
+    lora_modules = getattr(args, "lora_modules", None) or []
+    lora_allowed_dir = getattr(args, "lora_allowed_dir", None)
+    # The LoRA flags checked before the engine is built (a mistake costs no model load).
+    ServedModels(args.served_model_name or args.model, args.model, enable_lora=engine_args.get("enable_lora", False),
+                 max_lora_rank=engine_args.get("max_lora_rank", 16), lora_modules=lora_modules,
+                 allowed_dir=lora_allowed_dir)
+    engine = AsyncLLM(model=args.model, **engine_args)
     max_audio_seconds = getattr(args, "max_audio_seconds", DEFAULT_MAX_AUDIO_SECONDS)
     app = build_app(
         engine, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
         max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes,
         max_audio_seconds=max_audio_seconds if max_audio_seconds and max_audio_seconds > 0 else None,
         allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
+        lora_modules=lora_modules, lora_allowed_dir=lora_allowed_dir,
     )
     # uvicorn's own stop (it cancels what still runs) is the backstop: the server's
     # cut comes at the drain timeout, its cancelling CUT_GRACE_SECONDS later.

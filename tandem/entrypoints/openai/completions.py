@@ -24,11 +24,13 @@ logger = logging.getLogger("tandem.serve")
 NO_TOKEN = "no_allowed_token"
 
 
-async def first_outputs(engine, prompts, params, ids, cut):
+async def first_outputs(engine, prompts, params, ids, cut, lora_request=None):
     """Start the streams and wait for each first output, so a rejected request is
-    a 400 rather than a broken stream."""
+    a 400 rather than a broken stream. ``lora_request``: the adapter the request's
+    ``model`` named (None: the base model)."""
     # One queue group per HTTP request: its prompts take turns with other clients' requests.
-    gens = [engine.generate(p, params, rid, queue_group=ids[0]) for p, rid in zip(prompts, ids)]
+    gens = [engine.generate(p, params, rid, queue_group=ids[0], lora_request=lora_request)
+            for p, rid in zip(prompts, ids)]
 
     async def firsts():
         return [await g.__anext__() for g in gens]
@@ -200,12 +202,12 @@ def _record_aborted(metrics: ServerMetrics, params, count: int) -> None:
         metrics.request_success.labels(finished_reason="abort").inc(count * max(1, int(params.n or 1)))
 
 
-async def complete(engine, metrics, request, params, prompts, ids, base, created, model, cut):
+async def complete(engine, metrics, request, params, prompts, ids, base, created, model, cut, lora_request=None):
     start = time.monotonic()
 
     async def run(prompt, rid):
         last = None
-        async for out in engine.generate(prompt, params, rid, queue_group=ids[0]):
+        async for out in engine.generate(prompt, params, rid, queue_group=ids[0], lora_request=lora_request):
             last = out
         return last
 

@@ -131,8 +131,8 @@ class AudioMeter:
     def call_model(self, method, *args):
         return self._async.call_model(method, *args)
 
-    async def generate(self, prompt, params=None, request_id=None, *, prompt_slot=None):
-        gen = self._async.generate(prompt, params, request_id, prompt_slot=prompt_slot)
+    async def generate(self, prompt, params=None, request_id=None, *, prompt_slot=None, lora_request=None):
+        gen = self._async.generate(prompt, params, request_id, prompt_slot=prompt_slot, lora_request=lora_request)
         try:
             async for out in gen:
                 if out.finished and out.error is None:

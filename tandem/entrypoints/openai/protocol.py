@@ -158,13 +158,6 @@ CompletionRequest = create_model(
 )
 
 
-def wrong_model(given: str | None, served: str) -> str | None:
-    """Why a request's ``model`` is not the one this server serves, if it is not (shown cut)."""
-    if given is None or given == served:
-        return None
-    return f"model={shown(given, MAX_SHOWN_CHARS)}: this server serves {served!r}"
-
-
 # A request-validation error names at most this many problems, then counts the rest: 200,000
 # unknown fields made a 9.7 MB answer, and the first few are what a client fixes first.
 MAX_SHOWN_PROBLEMS = 20

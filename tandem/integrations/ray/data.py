@@ -19,6 +19,10 @@ audio models, ``{"audio": samples, "sampling_rate": hz}``. The output keeps the
 input columns and adds the first (best) completion's text and token ids, its
 finish reason, and ``error``: a row that cannot be served has its reason there
 (and ``None`` in the others) while the rest of the batch and the job go on.
+
+LoRA adapters per row: ``lora_column`` names a column whose value is the row's
+adapter (``lora_column.py``; with ``enable_lora=True``), a name of
+``lora_modules={name: path}`` or a path; empty: the base model.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 
 from tandem.core.sampling_params import SamplingParams
 from tandem.integrations.ray.batches import column, columns, plain, with_columns
+from tandem.integrations.ray.lora_column import LoRAColumn
 
 
 class TandemPredictor:
@@ -37,7 +42,8 @@ class TandemPredictor:
     row (default: the checkpoint's generation config). ``sampling_params_column``: a
     column of such dicts, one per row, over the shared ones (a bad one is that row's
     error). The ``*_column`` names say where the prompt is read and where the outputs
-    are written."""
+    are written. ``lora_column``: each row's LoRA adapter (a name of ``lora_modules``,
+    or a path; empty: the base model), ``enable_lora=True`` among the engine options."""
 
     def __init__(
         self,
@@ -50,10 +56,13 @@ class TandemPredictor:
         token_ids_column: str = "generated_token_ids",
         finish_reason_column: str = "finish_reason",
         error_column: str = "error",
+        lora_column: str | None = None,
+        lora_modules: dict[str, str] | None = None,
         **engine_args: Any,
     ) -> None:
         from tandem.entrypoints.llm import LLM
 
+        self.lora = LoRAColumn(lora_column, lora_modules, engine_args)
         self.params = _params(sampling_params)
         self.prompt_column, self.sampling_params_column = prompt_column, sampling_params_column
         self.out_names = (text_column, token_ids_column, finish_reason_column, error_column)
@@ -64,24 +73,27 @@ class TandemPredictor:
         prompts = column(cols, self.prompt_column, "prompt_column")
         per_row = (column(cols, self.sampling_params_column, "sampling_params_column")
                    if self.sampling_params_column is not None else None)
+        loras = self.lora.values(cols)
         n = len(prompts)
         results: list[tuple] = [(None, None, None, None)] * n
-        todo, todo_prompts, todo_params = [], [], []
+        todo, todo_prompts, todo_params, todo_loras = [], [], [], []
         for i in range(n):
             try:
                 prompt = _prompt(plain(prompts[i]))
                 params = self.params if per_row is None else _row_params(self.params, plain(per_row[i]))
+                lora = self.lora.request(loras, i)
             except (TypeError, ValueError) as e:
                 results[i] = (None, None, None, f"row {i}: {e}")
                 continue
             todo.append(i)
             todo_prompts.append(prompt)
             todo_params.append(params)
+            todo_loras.append(lora)
         if todo:
             # One generate call for the batch: the engine batches the rows itself. A row
             # the engine rejects comes back with its error; EngineDeadError raises (the
             # actor is done for) and Ray's task retries decide what happens next.
-            outs = self.llm.generate(todo_prompts, todo_params, use_tqdm=False)
+            outs = self.llm.generate(todo_prompts, todo_params, use_tqdm=False, lora_request=todo_loras)
             for i, out in zip(todo, outs):
                 results[i] = _row(out)
         new = {name: [r[k] for r in results] for k, name in enumerate(self.out_names)}

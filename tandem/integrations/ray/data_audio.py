@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from tandem.integrations.ray.batches import column, columns, plain, with_columns
+from tandem.integrations.ray.lora_column import LoRAColumn
 
 
 class TandemTranscriber:
@@ -31,7 +32,8 @@ class TandemTranscriber:
 
     ``model`` and ``**engine_args``: as :class:`tandem.LLM`. ``transcribe_options``: the
     keywords of :meth:`tandem.LLM.transcribe` (``language``, ``task``, ``timestamps``,
-    ``temperature``, ...), the same for every row."""
+    ``temperature``, ...), the same for every row. ``lora_column`` / ``lora_modules``:
+    each row's LoRA adapter, as :class:`~tandem.integrations.ray.data.TandemPredictor`'s."""
 
     def __init__(
         self,
@@ -45,12 +47,15 @@ class TandemTranscriber:
         language_column: str = "language",
         segments_column: str = "segments",
         error_column: str = "error",
+        lora_column: str | None = None,
+        lora_modules: dict[str, str] | None = None,
         **engine_args: Any,
     ) -> None:
         from tandem.entrypoints.llm import LLM
 
+        self.lora = LoRAColumn(lora_column, lora_modules, engine_args)
         options = dict(transcribe_options or {})
-        for reserved in ("audio", "sampling_rate", "use_tqdm"):
+        for reserved in ("audio", "sampling_rate", "use_tqdm", "lora_request"):
             if reserved in options:
                 raise ValueError(f"transcribe_options[{reserved!r}]: set by the transcriber (audio_column, "
                                  "sampling_rate / sampling_rate_column), not an option")
@@ -67,18 +72,22 @@ class TandemTranscriber:
         audio = column(cols, self.audio_column, "audio_column")
         rates = (column(cols, self.sampling_rate_column, "sampling_rate_column")
                  if self.sampling_rate_column is not None else None)
-        inputs, rows = [], []
+        loras = self.lora.values(cols)
+        inputs, rows, row_loras = [], [], []
         results: list[dict[str, Any]] = [{} for _ in range(len(audio))]
         for i in range(len(audio)):
             try:
-                inputs.append(_audio(audio[i], self.sampling_rate if rates is None else plain(rates[i])))
+                item = _audio(audio[i], self.sampling_rate if rates is None else plain(rates[i]))
+                row_loras.append(self.lora.request(loras, i))
+                inputs.append(item)
                 rows.append(i)
             except (TypeError, ValueError) as e:
                 results[i] = {"error": f"row {i}: {e}"}
         if inputs:
             # One call for the batch: its windows are decoded together. A row whose audio
             # cannot be read or served comes back with its error.
-            for i, t in zip(rows, self.llm.transcribe(inputs, use_tqdm=False, **self.options)):
+            outs = self.llm.transcribe(inputs, use_tqdm=False, lora_request=row_loras, **self.options)
+            for i, t in zip(rows, outs):
                 results[i] = ({"error": t.error} if t.error is not None else
                               {"text": t.text, "language": t.language, "segments": t.segments})
         new = {name: [r.get(key) for r in results] for key, name in self.names.items()}

@@ -1,0 +1,133 @@
+"""The worker's adapters: ``max_loras`` resident slots and a CPU cache of loaded ones.
+
+Each step :meth:`LoRAManager.assign` gives every scheduled request with a
+``lora_request`` the slot its adapter sits in, loading it first when it is not
+resident: from the CPU cache (``max_cpu_loras`` adapters already read, mapped and
+cut to this rank, least recently used evicted), else from its directory. A new
+adapter takes the lowest free slot (so a step's adapters stay in the low slots,
+which bounds the width of the layers' low-rank GEMMs: ``tandem.lora.layers``),
+else the least recently used slot that this step does not use. An adapter that
+cannot be served fails only the requests naming it
+("LoRA adapter 'NAME' (PATH): reason"); the others run.
+
+Adapters are keyed by ``lora_int_id`` (as vLLM does): two requests with the same
+id share the loaded adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tandem.core.layers.linear import LinearBase
+from tandem.lora.adapter import AdapterError, read_adapter
+from tandem.lora.layers import LinearLoRA, LoRAStep
+from tandem.lora.mapping import LayerLoRA, map_adapter, shards_of, side_of
+from tandem.lora.source import resolve_adapter
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, *, max_loras: int, max_rank: int, max_cpu_loras: int | None,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.max_cpu_loras = max(max_cpu_loras or max_loras, 1)
+        self.dtype = dtype
+        self.step = LoRAStep(max_rank, dtype, device)
+        self.layers: dict[str, LinearLoRA] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, LinearBase):
+                module.lora = self.layers[name] = LinearLoRA(
+                    self.step, side_of(model, name), shards_of(module), module.input_size, max_loras, dtype, device
+                )
+        self.slots: list[int | None] = [None] * max_loras  # lora_int_id per slot
+        self._slot_parts: list[list[tuple[str, int]]] = [[] for _ in range(max_loras)]
+        self._last_used = [0] * max_loras
+        self._clock = 0
+        self.cpu: OrderedDict[int, list[LayerLoRA]] = OrderedDict()
+        self.loads = 0  # adapters read from disk (tests and metrics read it)
+
+    def assign(self, groups: Iterable) -> tuple[dict[str, int], dict[str, str]]:
+        """For the step's groups (``ScheduledGroup``s): the slot of each request that
+        has an adapter, and why for each request whose adapter cannot be served."""
+        self._clock += 1
+        wanted: dict[int, object] = {}
+        for g in groups:
+            if g.lora_request is not None:
+                wanted.setdefault(g.lora_request.lora_int_id, g.lora_request)
+        busy = {i for i in wanted if i in self.slots}  # resident already: never evicted this step
+        slot_of_id, why_of_id = {}, {}
+        for lora_id, req in wanted.items():
+            try:
+                slot_of_id[lora_id] = self._resident(req, busy)
+                busy.add(lora_id)
+            except Exception as e:  # one adapter's fault is its requests', never the step's
+                reason = str(e) if isinstance(e, AdapterError) else f"{type(e).__name__}: {e}"
+                why_of_id[lora_id] = f"LoRA adapter {req.lora_name!r} ({req.lora_path}): {reason}"
+                logger.warning("%s", why_of_id[lora_id])
+        slots, failed = {}, {}
+        for g in groups:
+            if g.lora_request is None:
+                continue
+            lora_id = g.lora_request.lora_int_id
+            if lora_id in slot_of_id:
+                slots[g.request_id] = slot_of_id[lora_id]
+            else:
+                failed[g.request_id] = why_of_id[lora_id]
+        return slots, failed
+
+    def _resident(self, req, busy: set[int]) -> int:
+        lora_id = req.lora_int_id
+        if lora_id in self.slots:
+            slot = self.slots.index(lora_id)
+            self._last_used[slot] = self._clock
+            return slot
+        parts = self._loaded(req)
+        free = [i for i, held in enumerate(self.slots) if held is None]
+        if free:
+            slot = free[0]
+        else:
+            candidates = [i for i, held in enumerate(self.slots) if held not in busy]
+            if not candidates:
+                raise AdapterError(f"this step already uses max_loras={self.max_loras} other adapters")
+            slot = min(candidates, key=lambda i: self._last_used[i])
+        self._fill(slot, lora_id, parts)
+        self._last_used[slot] = self._clock
+        return slot
+
+    def _loaded(self, req) -> list[LayerLoRA]:
+        lora_id = req.lora_int_id
+        if lora_id in self.cpu:
+            self.cpu.move_to_end(lora_id)
+            return self.cpu[lora_id]
+        folder = resolve_adapter(req.lora_path)
+        parts = map_adapter(self.model, read_adapter(folder, self.max_rank), self.dtype)
+        self.loads += 1
+        self.cpu[lora_id] = parts
+        while len(self.cpu) > self.max_cpu_loras:
+            self.cpu.popitem(last=False)
+        return parts
+
+    def _fill(self, slot: int, lora_id: int, parts: list[LayerLoRA]) -> None:
+        for layer, shard in self._slot_parts[slot]:
+            self.layers[layer].set_slot(slot, shard, None, None)
+        for p in parts:
+            self.layers[p.layer].set_slot(slot, p.shard, p.a, p.b)
+        self._slot_parts[slot] = [(p.layer, p.shard) for p in parts]
+        self.slots[slot] = lora_id
+
+    def remove(self, lora_id: int) -> bool:
+        """Forget adapter ``lora_id`` (its slot and its CPU copy); whether it was loaded."""
+        found = self.cpu.pop(lora_id, None) is not None
+        if lora_id in self.slots:
+            slot = self.slots.index(lora_id)
+            self._fill(slot, lora_id, [])
+            self.slots[slot] = None
+            found = True
+        return found
