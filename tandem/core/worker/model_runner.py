@@ -14,6 +14,7 @@ import torch
 from tandem.core.attention import AttentionMetadataBuilder, StepInputs
 from tandem.core.model import EncoderDecoderModel
 from tandem.core.scheduler_output import SchedulerOutput
+from tandem.core.worker.compiled_step import CompiledDecodeStep
 from tandem.core.worker.input_batch import BlockTableRows
 
 
@@ -38,8 +39,10 @@ class ModelRunner:
         device: torch.device,
         max_num_seqs: int = 8,
         max_blocks_per_seq: int = 8,
+        compiled: CompiledDecodeStep | None = None,
     ) -> None:
         self.model = model
+        self.compiled = compiled  # decode steps through compiled graphs; None: every step eager
         self.builder = builder
         self.block_size = block_size
         self.device = device
@@ -156,12 +159,26 @@ class ModelRunner:
         run, offsets = _packed_positions(torch.zeros_like(n), n)
         return ends[run] - n[run] + offsets
 
+    @staticmethod
+    def _is_decode_step(inputs: StepInputs) -> bool:
+        """One new token and one row of logits per sequence, and no encoder."""
+        return (
+            inputs.max_query_len == 1
+            and inputs.logits_indices.shape[0] == inputs.input_ids.shape[0]
+            and inputs.encoder_positions.shape[0] == 0
+            and not isinstance(inputs.encoder_input_ids, list)
+        )
+
     def execute(self, out: SchedulerOutput, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Run the model; returns float32 logits ``[R, vocab]``: each scheduled sequence's
         last ``num_logits`` positions (usually its last token), in the order ``out``
         lists them."""
         inputs = self.prepare(out)
         attn_metadata = self.builder.build(inputs)
+        if self.compiled is not None and self._is_decode_step(inputs):
+            logits = self.compiled(inputs.input_ids, inputs.positions, kv_caches, attn_metadata)
+            if logits is not None:
+                return logits
         hidden = self.model(
             inputs.input_ids,
             inputs.positions,

@@ -1,0 +1,178 @@
+"""The compiled decode step (``enforce_eager=False``, tandem/core/worker/compiled_step.py)
+against the eager step: the logits of every compiled step against the eager model call
+on the same inputs and KV cache, and the greedy tokens against an eager engine's.
+
+Batches: five requests of different lengths with buckets [1, 2, 4]
+(``compile_max_batch_size=4``) run at 5 rows (beyond the largest bucket: eager),
+4, 3 (padded to 4: the padded row must write no K/V and its logits are dropped),
+2 and 1. Compiling takes tens of seconds per bucket on 2 cores, so the default suite
+has the BART case with its buckets and the failure and cache cases; T5 and the demo
+Whisper are ``slow``.
+
+Tolerance: float32 throughout; the compiled graph runs the same oneDNN GEMMs and the
+same attention op, and differs only in how inductor fuses and orders the elementwise
+ops and layer norms (a reduction over d_model summed in another order), ~1e-6
+relative per layer. 1e-4 of the logits' scale leaves room for that over the layers
+while a wrong row, a stale or overwritten KV slot or a dropped bias moves logits by
+O(1) of their scale.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.core.worker import compiled_step
+from tandem.core.worker.compiled_step import CompiledDecodeStep, buckets_up_to
+from tests.helpers import make_bart, make_t5
+
+REL_TOL = 1e-4
+LENGTHS = (2, 4, 6, 8, 10)  # max_tokens of the five requests: batches 5, 4, 3, 2, 1
+
+
+def _prompts(n: int = len(LENGTHS)) -> list[dict]:
+    return [{"prompt_token_ids": [5 + i, 9, 11 + 2 * i, 7, 13, 6 + i][: 3 + i % 3]} for i in range(n)]
+
+
+def _params() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in LENGTHS]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture
+def record_steps(monkeypatch):
+    """Every compiled step's logits beside the eager model's on the same inputs (the eager
+    call runs after the compiled one and rewrites the same K/V slots)."""
+    seen = []
+    compiled_call = CompiledDecodeStep.__call__
+
+    def spy(self, input_ids, positions, kv_caches, metadata):
+        logits = compiled_call(self, input_ids, positions, kv_caches, metadata)
+        if logits is not None:
+            hidden = self.model(input_ids, positions, self._no_encoder, self._no_encoder, kv_caches, metadata)
+            seen.append((input_ids.shape[0], logits.clone(), self.model.compute_logits(hidden).float()))
+        else:
+            seen.append((input_ids.shape[0], None, None))
+        return logits
+
+    monkeypatch.setattr(CompiledDecodeStep, "__call__", spy)
+    return seen
+
+
+def _check_against_eager(model_dir, prompts, params, tmp_path, record_steps, **kw):
+    eager = _tokens(LLM(str(model_dir), dtype="float32", **kw).generate(prompts, params, use_tqdm=False))
+    llm = LLM(str(model_dir), dtype="float32", enforce_eager=False, compile_max_batch_size=4,
+              compile_cache_dir=str(tmp_path / "cache"), **kw)
+    step = llm.llm_engine.worker.runner.compiled
+    assert step.buckets == [1, 2, 4]
+    compiled = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert step.failed is None
+    assert compiled == eager
+    rows = [r for r, *_ in record_steps]
+    assert {5, 4, 3, 2, 1} <= set(rows), rows
+    for r, got, want in record_steps:
+        if r > 4:
+            assert got is None  # beyond the largest bucket: the runner ran it eager
+            continue
+        assert got.shape == want.shape == (r, want.shape[1])
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=REL_TOL, atol=REL_TOL * scale)
+    assert step.compiled_buckets == {1, 2, 4}
+
+
+def test_bart_compiled_matches_eager(tmp_path, record_steps):
+    model_dir = make_bart(tmp_path / "bart")
+    _check_against_eager(model_dir, _prompts(), _params(), tmp_path, record_steps)
+
+
+@pytest.mark.slow
+def test_t5_compiled_matches_eager(tmp_path, record_steps):
+    model_dir = make_t5("t5-small", tmp_path / "t5")
+    _check_against_eager(model_dir, _prompts(), _params(), tmp_path, record_steps)
+
+
+@pytest.mark.slow
+def test_whisper_compiled_matches_eager(tmp_path, record_steps):
+    from tandem.demo_whisper import PATH, SAMPLE_RATE, synthesize
+
+    prompts = [{"encoder_prompt": {"audio": synthesize(w, seed=i), "sampling_rate": SAMPLE_RATE}}
+               for i, w in enumerate(["hello world", "three one four", "one two", "world", "four three"])]
+    _check_against_eager(PATH, prompts, _params(), tmp_path, record_steps)
+
+
+def test_compile_failure_falls_back_to_eager(tmp_path, monkeypatch, caplog):
+    """A compiler that raises: the step runs eager (the same tokens), the reason is logged
+    once, and no later step tries again."""
+    calls = []
+
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            calls.append(1)
+            raise RuntimeError("no C++ compiler here")
+        return run
+
+    monkeypatch.setattr(compiled_step.torch, "compile", broken_compile)
+    model_dir = make_bart(tmp_path / "bart")
+    prompts, params = _prompts(3), _params()[2:]
+    eager = _tokens(LLM(str(model_dir), dtype="float32").generate(prompts, params, use_tqdm=False))
+    llm = LLM(str(model_dir), dtype="float32", enforce_eager=False, compile_cache_dir=str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger=compiled_step.__name__):
+        got = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert got == eager
+    step = llm.llm_engine.worker.runner.compiled
+    assert step.failed == "RuntimeError: no C++ compiler here"
+    assert len(calls) == 1
+    assert len([r for r in caplog.records if "compiled decode step failed" in r.getMessage()]) == 1
+
+
+@pytest.mark.slow
+def test_cache_dir_written_and_reused(tmp_path):
+    """The first engine writes its compiled kernels under compile_cache_dir; a second
+    engine with the same directory builds none (no new file appears there)."""
+    model_dir = make_bart(tmp_path / "bart")
+    cache = tmp_path / "cache"
+    prompts, params = _prompts(1), _params()[:1]
+
+    def run() -> list[list[int]]:
+        llm = LLM(str(model_dir), dtype="float32", enforce_eager=False, compile_cache_dir=str(cache))
+        out = _tokens(llm.generate(prompts, params, use_tqdm=False))
+        assert llm.llm_engine.worker.runner.compiled.compiled_buckets == {1}
+        llm.llm_engine.shutdown()
+        return out
+
+    first = run()
+    files = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file() and "lock" not in p.name}
+    assert any(p.suffix == ".so" for p in files), sorted(files)[:20]
+    torch._dynamo.reset()  # a fresh process's Dynamo: only the disk cache is shared
+    assert run() == first
+    after = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file() and "lock" not in p.name}
+    assert {p for p in after if p.suffix == ".so"} == {p for p in files if p.suffix == ".so"}
+
+
+def test_buckets():
+    assert buckets_up_to(1) == [1]
+    assert buckets_up_to(4) == [1, 2, 4]
+    assert buckets_up_to(24) == [1, 2, 4, 8, 16, 24]
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"enforce_eager": "no"}, "enforce_eager"),
+    ({"compile_max_batch_size": 0}, "compile_max_batch_size"),
+    ({"compile_cache_dir": 3}, "compile_cache_dir"),
+])
+def test_bad_compile_options_are_refused(tmp_path, kw, field):
+    from tandem.core.config import EngineConfig
+
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(model=str(make_bart(tmp_path / "bart")), **kw)
+
+
+def test_enforce_eager_builds_no_compiled_step(tmp_path):
+    llm = LLM(str(make_bart(tmp_path / "bart")), dtype="float32")
+    assert llm.llm_engine.worker.runner.compiled is None
