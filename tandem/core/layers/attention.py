@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tandem.core.attention import AttentionBackend, AttentionMetadata, AttentionType
-from tandem.core.layers import attention_op
+from tandem.core.layers import opaque_ops
 from tandem.core.relative_position import RelativePositionBias
 
 
@@ -40,7 +40,7 @@ class Attention(nn.Module):
         self.attn_type = attn_type
         self.impl = backend.get_impl_cls()(num_heads, head_size, scale, self.num_kv_heads)
         # Set by a compiled step (tandem/core/worker/compiled_step.py): this layer's index in
-        # its attention_context, through which the opaque op finds it while Dynamo traces.
+        # its opaque_context, through which the opaque op finds it while Dynamo traces.
         self.opaque_index: int | None = None
 
     def forward(
@@ -65,9 +65,9 @@ class Attention(nn.Module):
 
 
 def _opaque(q, k, v, kv_cache, index: int, pb: RelativePositionBias | None) -> torch.Tensor:
-    """The backend call as ``torch.ops.tandem.paged_attention`` (layers/attention_op.py),
+    """The backend call as ``torch.ops.tandem.paged_attention`` (layers/opaque_ops.py),
     so a compiled graph holds it as one node."""
     if pb is None:
-        return attention_op.paged_attention(q, k, v, kv_cache, index, None, 0, 0, False)
-    return attention_op.paged_attention(q, k, v, kv_cache, index, pb.table, pb.num_buckets, pb.max_distance,
+        return opaque_ops.paged_attention(q, k, v, kv_cache, index, None, 0, 0, False)
+    return opaque_ops.paged_attention(q, k, v, kv_cache, index, pb.table, pb.num_buckets, pb.max_distance,
                                         pb.bidirectional)

@@ -30,6 +30,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from tandem.core.layers.opaque_ops import packed_linear
+
 logger = logging.getLogger(__name__)
 
 # Epilogues the packed kernel fuses; any other activation runs after the GEMM.
@@ -61,7 +63,17 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     raise ValueError(f"activation={activation!r}: a linear layer fuses only 'gelu' or 'relu'")
 
 
-class PackedCPUKernel:
+class _Opaque:
+    """A kernel a compiled step calls as ``torch.ops.tandem.packed_linear`` (layers/opaque_ops.py):
+    ``opaque_index`` is its place in the step's context, set by the compiled step."""
+
+    opaque_index: int | None = None
+
+    def _traced(self, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
+        return packed_linear(x, bias, self.opaque_index, activation or "")
+
+
+class PackedCPUKernel(_Opaque):
     name = "packed"
 
     def __init__(self, weight: torch.Tensor, batch_hint: int) -> None:
@@ -69,12 +81,14 @@ class PackedCPUKernel:
         self.out_features = weight.shape[0]
 
     def __call__(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
+        if self.opaque_index is not None and torch.compiler.is_compiling():
+            return self._traced(x, bias, activation)
         attr, scalars, algorithm = _FUSED.get(activation, ("none", [], ""))
         y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, attr, scalars, algorithm)
         return y if activation is None or activation in _FUSED else _activate(y, activation)
 
 
-class Int8DynamicKernel:
+class Int8DynamicKernel(_Opaque):
     name = "int8"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -88,8 +102,11 @@ class Int8DynamicKernel:
             qweight = torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.detach().float())
         self.has_bias = bias is not None
+        self.out_features = weight.shape[0]
 
     def __call__(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
+        if self.opaque_index is not None and torch.compiler.is_compiling():
+            return self._traced(x, bias, activation)
         shape = x.shape
         # reduce_range: 7-bit activations, so AVX2's int16 pair sums (vpmaddubsw) never saturate.
         y = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).float(), self.packed, True)

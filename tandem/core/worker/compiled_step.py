@@ -7,8 +7,9 @@ call is compiled (inductor) once per shape bucket: the rows are padded up to
 the smallest bucket that holds them (powers of two up to ``max_rows``), padded
 rows carry token 0 at position 0, the attention op hands only the real rows to
 the backend (so padded rows write no K/V), and their logits are dropped. The
-backend's attention runs as one opaque op per layer (``layers/attention_op.py``)
-that reads the step's metadata from :func:`attention_context`.
+backend's attention runs as one opaque op per layer, and each pre-packed linear
+kernel as another (``layers/opaque_ops.py``); they read the step's metadata and
+the kernels from :func:`opaque_context`.
 
 Eager is the fallback, never an error: a step with more rows than the largest
 bucket runs eager, and the first failure to compile or run a compiled graph is
@@ -31,7 +32,10 @@ import torch
 
 from tandem.core.attention import AttentionMetadata
 from tandem.core.layers.attention import Attention
-from tandem.core.layers.attention_op import attention_context
+from tandem.core.layers.embedding import VocabParallelEmbedding
+from tandem.core.layers.linear import LinearBase
+from tandem.core.layers.linear_kernels import _Opaque
+from tandem.core.layers.opaque_ops import opaque_context
 from tandem.core.model import EncoderDecoderModel
 
 logger = logging.getLogger(__name__)
@@ -59,7 +63,7 @@ def buckets_up_to(max_rows: int) -> list[int]:
 
 def _decode_logits(model: EncoderDecoderModel, input_ids, positions, kv_caches, no_encoder):
     # attn_metadata is None: inside the graph every attention layer is the opaque op,
-    # which reads the step's metadata from attention_context.
+    # which reads the step's metadata from opaque_context.
     hidden = model(input_ids, positions, no_encoder, no_encoder, kv_caches, None)
     return model.compute_logits(hidden).float()
 
@@ -79,6 +83,13 @@ class CompiledDecodeStep:
         self.layers = [m for m in model.modules() if isinstance(m, Attention)]
         for i, layer in enumerate(self.layers):
             layer.opaque_index = i
+        self.kernels = []
+        for m in model.modules():
+            kernel = m.kernel if isinstance(m, LinearBase) else getattr(m, "logits_kernel", None) \
+                if isinstance(m, VocabParallelEmbedding) else None
+            if isinstance(kernel, _Opaque):
+                kernel.opaque_index = len(self.kernels)
+                self.kernels.append(kernel)
         self.failed: str | None = None  # why compiling was turned off
         self.compiled_buckets: set[int] = set()
         self._fn = torch.compile(_decode_logits, backend="inductor", dynamic=False)
@@ -110,7 +121,7 @@ class CompiledDecodeStep:
         try:
             # One graph per bucket: every bucket may compile without hitting Dynamo's limit.
             with torch._dynamo.config.patch(recompile_limit=len(self.buckets) + 1), \
-                    torch._inductor.config.patch(freezing=True), attention_context(metadata, self.layers):
+                    opaque_context(metadata, self.layers, self.kernels):
                 logits = self._fn(self.model, ids, pos, kv_caches, self._no_encoder)
         except Exception as e:  # noqa: BLE001 - any failure: this step and every later one run eager
             self.failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]

@@ -1,4 +1,5 @@
-"""The paged attention call as one opaque op, for compiled steps.
+"""The paged attention call and the pre-packed linear kernels as opaque ops, for
+compiled steps.
 
 ``torch.compile`` must not trace into a backend: its metadata is Python lists
 and dataclasses that change every step (Dynamo would guard on them and
@@ -6,10 +7,16 @@ recompile), and its kernels (the cpu_paged C++ op, SDPA loops) gain nothing
 from tracing. So, while Dynamo traces, :class:`~tandem.core.layers.Attention`
 calls ``torch.ops.tandem.paged_attention`` instead of the backend: a custom op
 that takes only tensors and ints, and finds the step's metadata and the layer's
-impl in the :func:`attention_context` the caller of the compiled graph holds
+impl in the :func:`opaque_context` the caller of the compiled graph holds
 (vLLM's ``unified_attention`` does the same with its forward context).
 
-The op may get more query rows than the step has (a compiled graph runs on a
+The linear layers' pre-packed kernels (oneDNN blocked weights, int8 packed
+params) go through ``torch.ops.tandem.packed_linear`` the same way: inductor
+lowers ``mkldnn._linear_pointwise`` only on weights it froze itself, and a graph
+holding oneDNN (mkldnn) tensors cannot enter inductor's FX graph cache; behind the
+op the graph holds no packed weight at all, so it caches, and int8 compiles too.
+
+The attention op may get more query rows than the step has (a compiled graph runs on a
 batch padded to a shape bucket): only the first ``num_decoder_tokens`` rows
 reach the backend, so padded rows write no K/V, and their output rows are zero.
 
@@ -35,36 +42,39 @@ from tandem.core.relative_position import RelativePositionBias
 
 
 @dataclass
-class AttentionContext:
-    """What the opaque op reads during one compiled call: the step's metadata and the
-    compiled model's attention layers (indexed by their ``opaque_index``)."""
+class OpaqueContext:
+    """What the opaque ops read during one compiled call: the step's metadata, the
+    compiled model's attention layers and its packed linear kernels (each indexed by
+    its ``opaque_index``)."""
 
     metadata: AttentionMetadata
     layers: Sequence[torch.nn.Module]
+    kernels: Sequence
     # One RelativePositionBias per (table, direction) per step, so its memo is shared
     # by every layer of a stack as in eager steps.
     biases: dict = field(default_factory=dict)
 
 
-_current: AttentionContext | None = None
+_current: OpaqueContext | None = None
 
 
 @contextlib.contextmanager
-def attention_context(metadata: AttentionMetadata, layers: Sequence[torch.nn.Module]) -> Iterator[AttentionContext]:
-    """Make ``metadata`` and ``layers`` what the op reads, for the ``with`` body; no nesting."""
+def opaque_context(metadata: AttentionMetadata, layers: Sequence[torch.nn.Module],
+                   kernels: Sequence) -> Iterator[OpaqueContext]:
+    """Make these what the ops read, for the ``with`` body; no nesting."""
     global _current
     if _current is not None:
-        raise RuntimeError("attention_context is already active: compiled steps do not nest")
-    _current = AttentionContext(metadata, layers)
+        raise RuntimeError("opaque_context is already active: compiled steps do not nest")
+    _current = OpaqueContext(metadata, layers, kernels)
     try:
         yield _current
     finally:
         _current = None
 
 
-def _context() -> AttentionContext:
+def _context() -> OpaqueContext:
     if _current is None:
-        raise RuntimeError("torch.ops.tandem.paged_attention ran outside attention_context()")
+        raise RuntimeError("an opaque tandem op ran outside opaque_context()")
     return _current
 
 
@@ -106,3 +116,15 @@ def paged_attention(
 @paged_attention.register_fake
 def _(query, key, value, kv_cache, layer_index, bias_table, bias_num_buckets, bias_max_distance, bias_bidirectional):
     return torch.empty_like(query)
+
+
+@torch.library.custom_op("tandem::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, bias: torch.Tensor | None, kernel_index: int, activation: str) -> torch.Tensor:
+    kernel = _context().kernels[kernel_index]
+    return kernel(None, x, bias, activation or None)
+
+
+@packed_linear.register_fake
+def _(x, bias, kernel_index, activation):
+    # The context is active while Dynamo traces (the compiled call runs inside it).
+    return x.new_empty((*x.shape[:-1], _context().kernels[kernel_index].out_features))
