@@ -41,6 +41,7 @@ from tandem.core.model import EncoderDecoderModel
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_ROWS = 32
+_RECOMPILE_LIMIT = 64
 
 
 def default_cache_dir() -> str:
@@ -119,8 +120,9 @@ class CompiledDecodeStep:
             ids[:rows] = input_ids
             pos[:rows] = positions
         try:
-            # One graph per bucket: every bucket may compile without hitting Dynamo's limit.
-            with torch._dynamo.config.patch(recompile_limit=len(self.buckets) + 1), \
+            # One graph per bucket and per engine in the process (Dynamo counts them per code
+            # object); past the limit Dynamo would run eager unannounced: raise instead.
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True), \
                     opaque_context(metadata, self.layers, self.kernels):
                 logits = self._fn(self.model, ids, pos, kv_caches, self._no_encoder)
         except Exception as e:  # noqa: BLE001 - any failure: this step and every later one run eager

@@ -111,15 +111,15 @@ class ModelRunner:
         else:
             enc_tokens = list(itertools.chain.from_iterable(g.encoder_inputs.token_ids for g in encoders))
             encoder_input = torch.tensor(enc_tokens, dtype=torch.long)
-        e_lens = torch.tensor(enc_lens, dtype=torch.long)
-        e_run, enc_positions = _packed_positions(torch.zeros_like(e_lens), e_lens)
         max_enc_len = max(enc_lens, default=0)
         if encoders:
+            e_lens = torch.tensor(enc_lens, dtype=torch.long)
+            e_run, enc_positions = _packed_positions(torch.zeros_like(e_lens), e_lens)
             enc_rows = torch.tensor([self.cross_tables.row(g.request_id) for g in encoders], dtype=torch.long)
             enc_tables = self.cross_tables.gather(enc_rows, -(-max_enc_len // bs))
             cross_slots = _slots(enc_tables, e_run, enc_positions, bs)
-        else:
-            cross_slots = e_run
+        else:  # a decode step: no encoder positions, no cross slots (five tensor ops saved)
+            enc_positions = cross_slots = torch.empty(0, dtype=torch.long)
 
         dev = self.device
         tokens = list(itertools.chain.from_iterable(s.token_ids for s in seqs))
