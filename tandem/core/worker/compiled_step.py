@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_ROWS = 32
 _RECOMPILE_LIMIT = 64
+# torch.compile's backend. Tests swap in "aot_eager" (Dynamo and AOTAutograd, the opaque
+# ops' fake impls, no code generation: seconds instead of minutes on 2 cores).
+COMPILER_BACKEND = "inductor"
 
 
 def default_cache_dir() -> str:
@@ -93,7 +96,7 @@ class CompiledDecodeStep:
                 self.kernels.append(kernel)
         self.failed: str | None = None  # why compiling was turned off
         self.compiled_buckets: set[int] = set()
-        self._fn = torch.compile(_decode_logits, backend="inductor", dynamic=False)
+        self._fn = torch.compile(_decode_logits, backend=COMPILER_BACKEND, dynamic=False)
         self._no_encoder = torch.empty(0, dtype=torch.long, device=device)
         self._padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
