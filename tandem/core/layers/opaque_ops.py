@@ -120,8 +120,17 @@ def _(query, key, value, kv_cache, layer_index, bias_table, bias_num_buckets, bi
 
 @torch.library.custom_op("tandem::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, bias: torch.Tensor | None, kernel_index: int, activation: str) -> torch.Tensor:
-    kernel = _context().kernels[kernel_index]
-    return kernel(None, x, bias, activation or None)
+    ctx = _context()
+    kernel = ctx.kernels[kernel_index]
+    n = ctx.metadata.num_decoder_tokens
+    if x.shape[0] == n:
+        return kernel(None, x, bias, activation or None)
+    # Only the real rows: int8 quantizes activations per tensor, so padded rows would
+    # move the real rows' scale (and their results) away from an eager step's.
+    y = kernel(None, x[:n], bias, activation or None)
+    out = y.new_zeros((x.shape[0], y.shape[1]))
+    out[:n] = y
+    return out
 
 
 @packed_linear.register_fake
