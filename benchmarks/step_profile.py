@@ -427,6 +427,9 @@ def parse_args(argv=None):
     run.add_argument("--count-steps", type=int, default=2,
                      help="decode steps under sys.setprofile per case, for the call counts (default 2)")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--compile", action="store_true",
+                     help="enforce_eager=False: decode steps through the compiled graph (issue 40)")
+    run.add_argument("--compile-cache-dir", help="compile_cache_dir (default: tandem's)")
     args = p.parse_args(argv)
     unknown = [c for c in args.cases if c not in CASES]
     if unknown or not args.cases:
@@ -454,7 +457,8 @@ def main(argv=None) -> int:
                                     lambda d: build_random(args.make_model, d, args.seed))
     config = load_config(model_dir)
 
-    llm = LLM(model=model_dir, dtype="float32", device="cpu", seed=args.seed)
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", seed=args.seed, enforce_eager=not args.compile,
+              compile_cache_dir=args.compile_cache_dir)
     # Warm kernels and allocator once per case shape (short requests, a few steps).
     for name in args.cases:
         w = CASES[name]

@@ -137,6 +137,22 @@ class EngineConfig:
         "tensors) unless LD_PRELOAD or MALLOC_* chose otherwise; system leaves it alone",
         choices=("auto", "system"),
     )
+    # core/worker/compiled_step.py: decode steps as torch.compile'd graphs (CPU).
+    enforce_eager: bool = option(
+        True, "run every step eager; False compiles the decode step (every row one new token, no encoder) with "
+        "torch.compile (inductor, CPU only), one graph per batch-size bucket (powers of two up to "
+        "`compile_max_batch_size`), compiled the first time a bucket is needed; larger batches, other steps and "
+        "any compile failure run eager (docs/performance.md has the measurements behind the default)"
+    )
+    compile_max_batch_size: int = option(
+        32, "the largest decode batch (rows) a compiled graph serves when `enforce_eager` is False; larger ones "
+        "run eager"
+    )
+    compile_cache_dir: str | None = option(
+        None, "where compiled decode graphs are cached across starts (inductor's FX graph and AOTAutograd caches) "
+        "(default: none: $TORCHINDUCTOR_CACHE_DIR if set, else $XDG_CACHE_HOME/tandem/inductor, "
+        "$XDG_CACHE_HOME defaulting to ~/.cache)"
+    )
     quantization: str | None = option(
         None, "int8: int8 weights with dynamically quantized activations (CPU; computes in float32, so `dtype` "
         "auto or float32) (default: none, the checkpoint's weights in `dtype`)",
@@ -284,6 +300,14 @@ class EngineConfig:
         if not isinstance(self.trust_remote_code, bool):
             raise ValueError(f"trust_remote_code={self.trust_remote_code!r}: must be True or False")
         self._check_lora()
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager={self.enforce_eager!r}: must be True or False")
+        if not is_int(self.compile_max_batch_size) or not 1 <= self.compile_max_batch_size <= 1024:
+            raise ValueError(f"compile_max_batch_size={self.compile_max_batch_size!r}: must be an integer in [1, 1024]")
+        cd = self.compile_cache_dir
+        if cd is not None and (not isinstance(cd, (str, Path)) or not str(cd) or Path(cd).is_file()):
+            raise ValueError(f"compile_cache_dir={cd!r}: must be None or a directory (created if missing)")
+        self.compile_cache_dir = None if cd is None else str(cd)
         if not is_int(self.max_consecutive_step_failures) or self.max_consecutive_step_failures < 1:
             raise ValueError(
                 f"max_consecutive_step_failures={self.max_consecutive_step_failures!r}: must be an integer >= 1"

@@ -86,9 +86,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for f in engine_options():
         kind = _cli_type(f.name)
         if kind is bool:
-            if f.default is not False:
-                raise TypeError(f"EngineConfig.{f.name}: a bool option defaults to False, so its flag turns it on")
-            group.add_argument(*_flags(f), dest=f.name, action="store_true", help=_help(f, cli=True))
+            if f.default is False:  # the flag turns it on
+                group.add_argument(*_flags(f), dest=f.name, action="store_true", help=_help(f, cli=True))
+            elif f.default is True:  # --flag / --no-flag (enforce_eager: on by default, vLLM's spelling)
+                group.add_argument(*_flags(f), dest=f.name, action=argparse.BooleanOptionalAction, default=True,
+                                   help=_help(f, cli=True))
+            else:
+                raise TypeError(f"EngineConfig.{f.name}: a bool option defaults to False or True, not {f.default!r}")
             continue
         metavar = None if f.metadata["choices"] else {int: "N", float: "X"}.get(kind, f.name.split("_")[-1].upper())
         group.add_argument(*_flags(f), dest=f.name, type=kind, default=f.default, choices=f.metadata["choices"],

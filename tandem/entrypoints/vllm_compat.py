@@ -25,7 +25,6 @@ VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
     "limit_mm_per_prompt": (None, "{'audio': 0 or 1} (image and video 0): one encoder input per prompt"),
     "gpu_memory_utilization": (None, "accepted, no effect on results: the KV pool is sized by kv_cache_memory "
                                      "(GiB) or num_kv_blocks"),
-    "enforce_eager": (False, "accepted, no effect: tandem captures no CUDA graphs, every step runs eagerly"),
 }
 
 
@@ -70,8 +69,6 @@ def split_vllm_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], VllmOpti
     g = given.get("gpu_memory_utilization")
     if g is not None and (not isinstance(g, (int, float)) or isinstance(g, bool) or not 0 < g <= 1):
         raise ValueError(f"gpu_memory_utilization={g!r}: must be None or a fraction in (0, 1]")
-    if not isinstance(given.get("enforce_eager", False), bool):
-        raise ValueError(f"enforce_eager={given['enforce_eager']!r}: must be True or False")
     return kwargs, VllmOptions(max_model_len=n)
 
 

@@ -75,8 +75,8 @@ def _non_default(f):
     if f.metadata["choices"]:
         value = next(c for c in reversed(f.metadata["choices"]) if c != f.default)
         return value, [value]
-    if f.default is False:
-        return True, []
+    if isinstance(f.default, bool):  # --flag turns a False one on, --no-flag a True one off
+        return not f.default, []
     kind = type(f.default) if f.default is not None else {"num_kv_blocks": int, "encoder_cache_blocks": int,
                                                                "prefix_cache_blocks": int, "max_cpu_loras": int,
                                                                "kv_cache_memory": float}.get(f.name, str)
@@ -92,7 +92,7 @@ def test_every_flag_round_trips_to_its_keyword():
     argv, want = [], {}
     for name, f in OPTIONS.items():
         value, words = _non_default(f)
-        argv += ["--" + name.replace("_", "-"), *words]
+        argv += [("--no-" if f.default is True else "--") + name.replace("_", "-"), *words]
         want[name] = value
     for command, p in _subparsers().items():
         if command in ENGINE_COMMANDS:

@@ -32,6 +32,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from tandem.core.layers.opaque_ops import packed_linear
+
 logger = logging.getLogger(__name__)
 
 # Epilogues the packed kernel fuses; any other activation runs after the GEMM.
@@ -87,7 +89,17 @@ def activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     raise ValueError(f"activation={activation!r}: a linear layer fuses only 'gelu' or 'relu'")
 
 
-class PackedCPUKernel:
+class _Opaque:
+    """A kernel a compiled step calls as ``torch.ops.tandem.packed_linear`` (layers/opaque_ops.py):
+    ``opaque_index`` is its place in the step's context, set by the compiled step."""
+
+    opaque_index: int | None = None
+
+    def _traced(self, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
+        return packed_linear(x, bias, self.opaque_index, activation or "")
+
+
+class PackedCPUKernel(_Opaque):
     name = "packed"
 
     def __init__(self, weight: torch.Tensor, batch_hint: int) -> None:
@@ -97,6 +109,8 @@ class PackedCPUKernel:
 
     def __call__(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
                  residual: torch.Tensor | None = None):
+        if self.opaque_index is not None and torch.compiler.is_compiling():
+            return _add_residual(self._traced(x, bias, activation), residual)
         if residual is not None and activation is None and _fusable_residual(x, residual, self.out_features):
             # oneDNN's binary post-op: (x W^T + bias) + residual in the GEMM's epilogue, one
             # pass fewer over the output (bit-equal in float32; bfloat16 rounds once, not twice).
@@ -114,7 +128,7 @@ def _fusable_residual(x: torch.Tensor, residual: torch.Tensor, out_features: int
             and residual.is_contiguous() and not (x.requires_grad or residual.requires_grad))
 
 
-class Int8DynamicKernel:
+class Int8DynamicKernel(_Opaque):
     name = "int8"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -128,9 +142,12 @@ class Int8DynamicKernel:
             qweight = torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.detach().float())
         self.has_bias = bias is not None
+        self.out_features = weight.shape[0]
 
     def __call__(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
                  residual: torch.Tensor | None = None):
+        if self.opaque_index is not None and torch.compiler.is_compiling():
+            return _add_residual(self._traced(x, bias, activation), residual)
         shape = x.shape
         # reduce_range: 7-bit activations, so AVX2's int16 pair sums (vpmaddubsw) never saturate.
         y = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]).float(), self.packed, True)

@@ -15,6 +15,7 @@ from tandem.core.attention import AttentionMetadataBuilder, StepInputs
 from tandem.core.model import EncoderDecoderModel
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.cross_compress import CrossKVCompressor
+from tandem.core.worker.compiled_step import CompiledDecodeStep
 from tandem.core.worker.input_batch import BlockTableRows
 
 
@@ -40,9 +41,11 @@ class ModelRunner:
         max_num_seqs: int = 8,
         max_blocks_per_seq: int = 8,
         cross_compress: CrossKVCompressor | None = None,
+        compiled: CompiledDecodeStep | None = None,
     ) -> None:
         self.model = model
         self.cross_compress = cross_compress  # kv_compress: observes cross attention in the window
+        self.compiled = compiled  # decode steps through compiled graphs; None: every step eager
         self.builder = builder
         self.block_size = block_size
         self.device = device
@@ -112,15 +115,15 @@ class ModelRunner:
         else:
             enc_tokens = list(itertools.chain.from_iterable(g.encoder_inputs.token_ids for g in encoders))
             encoder_input = torch.tensor(enc_tokens, dtype=torch.long)
-        e_lens = torch.tensor(enc_lens, dtype=torch.long)
-        e_run, enc_positions = _packed_positions(torch.zeros_like(e_lens), e_lens)
         max_enc_len = max(enc_lens, default=0)
         if encoders:
+            e_lens = torch.tensor(enc_lens, dtype=torch.long)
+            e_run, enc_positions = _packed_positions(torch.zeros_like(e_lens), e_lens)
             enc_rows = torch.tensor([self.cross_tables.row(g.request_id) for g in encoders], dtype=torch.long)
             enc_tables = self.cross_tables.gather(enc_rows, -(-max_enc_len // bs))
             cross_slots = _slots(enc_tables, e_run, enc_positions, bs)
-        else:
-            cross_slots = e_run
+        else:  # a decode step: no encoder positions, no cross slots (five tensor ops saved)
+            enc_positions = cross_slots = torch.empty(0, dtype=torch.long)
 
         dev = self.device
         observer = None
@@ -180,6 +183,16 @@ class ModelRunner:
         enc_lens = torch.tensor([g.encoder_inputs.num_positions for g in encoders], dtype=torch.long)
         return dec_slots.repeat_interleave(dec_lens), enc_slots.repeat_interleave(enc_lens)
 
+    @staticmethod
+    def _is_decode_step(inputs: StepInputs) -> bool:
+        """One new token and one row of logits per sequence, and no encoder."""
+        return (
+            inputs.max_query_len == 1
+            and inputs.logits_indices.shape[0] == inputs.input_ids.shape[0]
+            and inputs.encoder_positions.shape[0] == 0
+            and not isinstance(inputs.encoder_input_ids, list)
+        )
+
     def execute(self, out: SchedulerOutput, kv_caches: list[torch.Tensor],
                 lora_slots: dict[str, int] | None = None) -> torch.Tensor:
         """Run the model; returns float32 logits ``[R, vocab]``: each scheduled sequence's
@@ -187,6 +200,12 @@ class ModelRunner:
         lists them. ``lora_slots``: the adapter slot of each request that has one."""
         inputs = self.prepare(out)
         attn_metadata = self.builder.build(inputs)
+        # A compiled graph runs a plain decode step: no adapters (the compiled step is not
+        # built with enable_lora) and no kv_compress observation (it reads the attention weights).
+        if self.compiled is not None and inputs.cross_observer is None and self._is_decode_step(inputs):
+            logits = self.compiled(inputs.input_ids, inputs.positions, kv_caches, attn_metadata)
+            if logits is not None:
+                return logits
         if self.lora is None:
             hidden = self._forward(inputs, kv_caches, attn_metadata)
         else:

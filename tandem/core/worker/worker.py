@@ -10,6 +10,7 @@ and the persistent block tables in the runner.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -27,8 +28,11 @@ from tandem.core.scheduler_output import ModelRunnerOutput, SamplingInputs, Sche
 from tandem.core.worker.cross_compress import CrossKVCompressor
 from tandem.core.worker.input_batch import BlockTableRows
 from tandem.core.worker.logits_processors import ProcessorRows, needs_history
+from tandem.core.worker.compiled_step import CompiledDecodeStep
 from tandem.core.worker.model_runner import ModelRunner
 from tandem.core.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -119,8 +123,29 @@ class Worker:
         self.cross_compress = (CrossKVCompressor(s.num_layers, s.num_kv_heads, self.block_size)
                                if compress is not None else None)
         self.runner = ModelRunner(self.model, builder, self.block_size, self.device, self.config.max_num_seqs, max_blocks,
-                                  cross_compress=self.cross_compress)
+                                  cross_compress=self.cross_compress, compiled=self._compiled_step())
         self.runner.lora = self.lora
+
+    def _compiled_step(self) -> CompiledDecodeStep | None:
+        """The compiled decode step where ``enforce_eager`` is off and it can serve, else None
+        (the reason logged once, in the start line's terms)."""
+        c = self.config
+        if c.enforce_eager:
+            return None
+        why = []
+        if self.device.type != "cpu":
+            why.append(f"device {self.device.type}: compiled steps are built for CPU only")
+        if self.tp.size > 1:
+            why.append("tensor parallelism: the ranks' collectives run eager")
+        if c.enable_lora:
+            why.append("enable_lora: adapters switch per step")
+        if why:
+            logger.info("enforce_eager=False, but decode steps run eager: %s", "; ".join(why))
+            return None
+        step = CompiledDecodeStep(self.model, self.device, max_rows=min(c.compile_max_batch_size, c.max_num_seqs),
+                                  cache_dir=c.compile_cache_dir)
+        logger.info("decode steps compile (batch buckets %s, cache %s)", step.buckets, step.cache_dir)
+        return step
 
     # -- the step --------------------------------------------------------------
     def execute_model(self, out: SchedulerOutput, sampling: SamplingInputs | None = None) -> ModelRunnerOutput | None:
