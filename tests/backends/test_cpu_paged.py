@@ -325,3 +325,41 @@ def test_available_says_whether_load_succeeds(monkeypatch):
     monkeypatch.setattr(ops, "_op", None)
     monkeypatch.setattr(ops, "_error", "building the C++ op failed: no")
     assert ops.available() is False
+
+
+@needs_op
+def test_beam_and_n_sampled_rows_attend_to_their_cross_table_as_groups(bart_dir, monkeypatch):
+    """In an engine run, a request's beams and its n > 1 samples (adjacent decodes over one
+    cross table) reach the op as groups, and the results are those of torch_sdpa (one
+    gathered attention per row: an independent path) and, for beams, of HF's beam search."""
+    from helpers import hf_search
+
+    from tandem import LLM, SamplingParams
+    from tandem.backends.cpu_paged.backend import CPUPagedMetadataBuilder
+
+    sizes = []
+    build = CPUPagedMetadataBuilder.build
+
+    def recording(self, inputs):
+        md = build(self, inputs)
+        if md.cross_groups is not None:
+            sizes.extend(md.cross_groups.diff().tolist())
+        return md
+
+    monkeypatch.setattr(CPUPagedMetadataBuilder, "build", recording)
+    prompts = [[0, 5, 9, 33, 17, 2], [0, 41, 8, 2], [0] + list(range(10, 50)) + [2]]
+    beam = SamplingParams(num_beams=4, n=2, max_tokens=10, length_penalty=1.0)
+    sampled = SamplingParams(n=3, temperature=0.8, max_tokens=10, seed=5, ignore_eos=True)
+    params = [beam, sampled, beam]
+    outs = {}
+    for backend in ("cpu_paged", "torch_sdpa"):
+        llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", attention_backend=backend)
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs[backend] = [[c.token_ids for c in r.outputs] for r in res]
+        del llm
+    assert 4 in sizes and 3 in sizes  # beams and samples were grouped
+    assert outs["cpu_paged"] == outs["torch_sdpa"]
+    for i in (0, 2):
+        ref = hf_search(bart_dir, prompts[i], [2, 0], do_sample=False, num_beams=4, num_return_sequences=2,
+                        max_new_tokens=10, length_penalty=1.0)
+        assert outs["cpu_paged"][i] == [tokens for tokens, _ in ref[:2]]
