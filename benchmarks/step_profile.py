@@ -31,7 +31,11 @@ attention's q.k and p.v, 4 x attn_dim per attended self or cross key and layer)
 over the median step time, against ``torch.mm``'s GFLOP/s at those same GEMM
 shapes (``[rows, in] @ [in, out]``, weighted by how often the step runs each),
 measured in the same run right after the case (best and median of 5 rounds).
-"% of matmul rate" is the step's rate over the median torch.mm rate.
+"% of matmul rate" is the step's rate over the median torch.mm rate. The
+same is given in process CPU time (the step's and torch.mm's FLOPs per CPU
+second): on a machine other jobs share, wall time counts the time this process
+waits for a core, CPU time does not (with ``--threads 1`` it is the work done;
+with more threads, spinning threads count too).
 
 Cases (``--cases``, default all three):
 
@@ -334,6 +338,8 @@ class CaseResult:
     counted_steps: int
     step_flops: float = 0.0  # the model's FLOPs in a timed step (median)
     mm_gflops: tuple[float, float] = (0.0, 0.0)  # torch.mm at the step's GEMM shapes: best, median
+    step_cpu_ms: float = 0.0  # the step's process CPU time (median)
+    mm_cpu_gflops: float = 0.0  # torch.mm per process CPU second (median)
     notes: list[str] = field(default_factory=list)
 
 
@@ -353,6 +359,7 @@ def run_case(llm, timers: Timers, workload: Workload, config, args) -> CaseResul
     done = dict.fromkeys(want, 0)
     timed: list[dict[str, float]] = []
     totals: list[float] = []
+    cpu_totals: list[float] = []
     shapes: list[tuple[int, int, int]] = []
     rows_seen: list[int] = []
     ops_us = dict.fromkeys(FORWARD_ROWS, 0.0)
@@ -369,9 +376,9 @@ def run_case(llm, timers: Timers, workload: Workload, config, args) -> CaseResul
             timers.reset()
             if phase == "count":
                 sys.setprofile(counter)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             engine.step()
-            total = time.perf_counter() - start
+            total, cpu_total = time.perf_counter() - start, time.process_time() - cpu_start
             if phase == "count":
                 sys.setprofile(None)
             if not timers.decode_only:
@@ -380,6 +387,7 @@ def run_case(llm, timers: Timers, workload: Workload, config, args) -> CaseResul
             if phase == "time":
                 timed.append(split(timers.now, total))
                 totals.append(total)
+                cpu_totals.append(cpu_total)
                 rows_seen.append(_rows(engine))
                 shapes.append(timers.shape)
             if done[phase] == want[phase]:
@@ -409,9 +417,10 @@ def run_case(llm, timers: Timers, workload: Workload, config, args) -> CaseResul
     ops_ms = {k: parts_ms["forward"] * v / profiled_us if profiled_us else 0.0 for k, v in ops_us.items()}
     shape = model_shape(config)
     flops = statistics.median(step_flops(shape, *sh) for sh in shapes) if shapes else 0.0
-    mm = mm_rate(shape, statistics.median(sh[0] for sh in shapes)) if shapes else (0.0, 0.0)
+    mm = mm_rate(shape, statistics.median(sh[0] for sh in shapes)) if shapes else (0.0, 0.0, 0.0)
     return CaseResult(
-        step_flops=flops, mm_gflops=mm,
+        step_flops=flops, mm_gflops=mm[:2], mm_cpu_gflops=mm[2],
+        step_cpu_ms=1e3 * statistics.median(cpu_totals) if cpu_totals else 0.0,
         name=workload.name, rows=max(rows_seen, default=0), steps=steps,
         step_ms=1e3 * statistics.median(totals) if totals else 0.0, parts_ms=parts_ms, ops_ms=ops_ms,
         profiled_steps=profiled, py_calls=counter.py / max(done["count"], 1),
@@ -438,27 +447,30 @@ def step_flops(shape, rows: int, self_lens: int, cross_lens: int) -> float:
     return gemm + 4 * shape.attn_dim * shape.decoder_layers * (self_lens + cross_lens)
 
 
-def mm_rate(shape, rows: int, rounds: int = 5) -> tuple[float, float]:
+def mm_rate(shape, rows: int, rounds: int = 5) -> tuple[float, float, float]:
     """GFLOP/s of ``torch.mm`` over one step's GEMM shapes (each weighted by its count),
-    best and median of ``rounds`` rounds, in float32 on this process's threads. The
-    weight is laid out as a linear layer's (``[out, in]``, used transposed)."""
+    best and median of ``rounds`` rounds, in float32 on this process's threads, and
+    the median GFLOP per process CPU second. The weight is laid out as a linear
+    layer's (``[out, in]``, used transposed)."""
     rows = max(1, int(rows))
     g = torch.Generator().manual_seed(0)
     mats = [(c, torch.randn(rows, k, generator=g), torch.randn(o, k, generator=g).t()) for c, k, o in gemm_shapes(shape)]
     flops = sum(2 * c * x.shape[0] * x.shape[1] * w.shape[1] for c, x, w in mats)
     for _, x, w in mats:  # warm: first calls pick kernels and grow the allocator
         torch.mm(x, w)
-    rates = []
+    rates, cpu_rates = [], []
     for _ in range(rounds):
-        seconds = 0.0
+        seconds = cpu_seconds = 0.0
         for c, x, w in mats:
             reps = max(1, min(c, 8))
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             for _ in range(reps):
                 torch.mm(x, w)
             seconds += c * (time.perf_counter() - start) / reps
+            cpu_seconds += c * (time.process_time() - cpu_start) / reps
         rates.append(flops / seconds / 1e9)
-    return max(rates), statistics.median(rates)
+        cpu_rates.append(flops / cpu_seconds / 1e9)
+    return max(rates), statistics.median(rates), statistics.median(cpu_rates)
 
 
 def _rows(engine) -> int:
@@ -509,6 +521,11 @@ def format_rate_table(results: list[CaseResult]) -> str:
         ("torch.mm GFLOP/s median", lambda r: f"{r.mm_gflops[1]:.1f}"),
         ("% of matmul rate (median)", lambda r: f"{100 * r.step_flops / r.step_ms / 1e6 / r.mm_gflops[1]:.1f}"
          if r.step_ms and r.mm_gflops[1] else "-"),
+        ("step CPU ms (median)", lambda r: f"{r.step_cpu_ms:.2f}"),
+        ("step GFLOP / CPU s", lambda r: f"{r.step_flops / r.step_cpu_ms / 1e6:.1f}" if r.step_cpu_ms else "-"),
+        ("torch.mm GFLOP / CPU s", lambda r: f"{r.mm_cpu_gflops:.1f}"),
+        ("% of matmul rate (CPU time)", lambda r: f"{100 * r.step_flops / r.step_cpu_ms / 1e6 / r.mm_cpu_gflops:.1f}"
+         if r.step_cpu_ms and r.mm_cpu_gflops else "-"),
     ):
         lines.append([label] + [fmt(r) for r in results])
     header = ["matmul rate"] + [r.name for r in results]
