@@ -12,7 +12,7 @@ the step exactly) split into:
   prepare      ``ModelRunner.prepare`` + the attention metadata builder's ``build``
   forward      the rest of ``ModelRunner.execute``: the model call and the LM head,
                split per op class from a torch.profiler pass (below)
-  sampling     ``Sampler.__call__``, the modes' ``prepare``/``select`` (beam search's
+  sampling     ``Sampler.__call__``, beam search's ``prepare_all``/``select_all`` (its
                log-softmax and top-k) and the logits transforms
   output       ``Scheduler.update_from_output`` + ``OutputProcessor.process``
   worker glue  ``Worker.execute_model`` outside the runner and the sampler (per-row
