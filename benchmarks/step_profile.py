@@ -12,7 +12,7 @@ the step exactly) split into:
   prepare      ``ModelRunner.prepare`` + the attention metadata builder's ``build``
   forward      the rest of ``ModelRunner.execute``: the model call and the LM head,
                split per op class from a torch.profiler pass (below)
-  sampling     ``Sampler.__call__``, the modes' ``prepare``/``select`` (beam search's
+  sampling     ``Sampler.__call__``, beam search's ``prepare_all``/``select_all`` (its
                log-softmax and top-k) and the logits transforms
   output       ``Scheduler.update_from_output`` + ``OutputProcessor.process``
   worker glue  ``Worker.execute_model`` outside the runner and the sampler (per-row
@@ -23,6 +23,19 @@ the step exactly) split into:
 and the Python function calls per step (``sys.setprofile``: Python-level calls,
 and calls into C functions and builtins, counted separately; the script's own
 timer wrappers add about 10 of each).
+
+A second table puts the step against the machine's matmul rate: the model's
+FLOPs per timed step (2 per multiply-add of the decoder's GEMMs: self-attention
+q/k/v/out, cross-attention q/out, the FFN and the LM head, at the step's rows; plus
+attention's q.k and p.v, 4 x attn_dim per attended self or cross key and layer)
+over the median step time, against ``torch.mm``'s GFLOP/s at those same GEMM
+shapes (``[rows, in] @ [in, out]``, weighted by how often the step runs each),
+measured in the same run right after the case (best and median of 5 rounds).
+"% of matmul rate" is the step's rate over the median torch.mm rate. The
+same is given in process CPU time (the step's and torch.mm's FLOPs per CPU
+second): on a machine other jobs share, wall time counts the time this process
+waits for a core, CPU time does not (with ``--threads 1`` it is the work done;
+with more threads, spinning threads count too).
 
 Cases (``--cases``, default all three):
 
@@ -78,6 +91,7 @@ from throughput import (  # noqa: E402 - the sibling benchmark's helpers
     cpu_flags,
     load_config,
     make_requests,
+    model_shape,
 )
 
 CASES = {
@@ -109,6 +123,7 @@ class Timers:
         self.now: dict[str, float] = defaultdict(float)
         self.decode_only = True  # the current step runs decodes only (set by schedule)
         self.profiling = False  # mark regions for torch.profiler
+        self.shape: tuple[int, int, int] = (0, 0, 0)  # last step's (rows, sum of self lengths, sum of cross lengths)
 
     def reset(self) -> None:
         self.now = defaultdict(float)
@@ -118,8 +133,21 @@ class Timers:
 def _wrap(owner, name: str, timers: Timers, key: str, mark: str | None = None):
     """Replace ``owner.name`` (a class or an instance) with a timed version; returns an undo."""
     original = getattr(owner, name)
-    is_static = isinstance(owner, type) and isinstance(owner.__dict__.get(name), staticmethod)
+    raw = owner.__dict__.get(name) if isinstance(owner, type) else None
+    is_static = isinstance(raw, staticmethod)
     perf = time.perf_counter
+    if isinstance(raw, classmethod):
+        func = raw.__func__
+
+        def timed_cm(cls, *args, **kwargs):
+            start = perf()
+            try:
+                return func(cls, *args, **kwargs)
+            finally:
+                timers.now[key] += perf() - start
+
+        setattr(owner, name, classmethod(timed_cm))
+        return lambda: setattr(owner, name, raw)
 
     def timed(*args, **kwargs):
         start = perf()
@@ -154,6 +182,19 @@ def _mark(owner, name: str, timers: Timers, mark: str):
 
     setattr(owner, name, marked)
     return lambda: setattr(owner, name, original)
+
+
+def _record_shape(runner_cls, timers: Timers):
+    """Keep each step's decoder rows and attended lengths (for its FLOPs)."""
+    original = runner_cls.prepare
+
+    def prepare(self, out):
+        inputs = original(self, out)
+        timers.shape = (len(inputs.query_lens), sum(inputs.seq_lens), sum(inputs.cross_seq_lens))
+        return inputs
+
+    runner_cls.prepare = prepare
+    return lambda: setattr(runner_cls, "prepare", original)
 
 
 def instrument(llm, timers: Timers) -> list:
@@ -194,8 +235,10 @@ def instrument(llm, timers: Timers) -> list:
         _wrap(Worker, "execute_model", timers, "execute_model"),
         _wrap(Worker, "_transform", timers, "sampling"),
         _wrap(Sampler, "__call__", timers, "sampling"),
-        _wrap(BeamStep, "prepare", timers, "sampling"),
-        _wrap(BeamStep, "select", timers, "sampling"),
+        # The worker calls a mode's batched hooks where it has them (issue 40), else one per request.
+        *(_wrap(BeamStep, name, timers, "sampling") for name in (
+            ("prepare_all", "select_all") if "select_all" in BeamStep.__dict__ else ("prepare", "select"))),
+        _record_shape(ModelRunner, timers),
         _wrap(Scheduler, "update_from_output", timers, "output"),
         _wrap(OutputProcessor, "process", timers, "output"),
         _mark(Attention, "forward", timers, _ATTENTION_MARK),
@@ -293,6 +336,10 @@ class CaseResult:
     py_calls: float
     c_calls: float
     counted_steps: int
+    step_flops: float = 0.0  # the model's FLOPs in a timed step (median)
+    mm_gflops: tuple[float, float] = (0.0, 0.0)  # torch.mm at the step's GEMM shapes: best, median
+    step_cpu_ms: float = 0.0  # the step's process CPU time (median)
+    mm_cpu_gflops: float = 0.0  # torch.mm per process CPU second (median)
     notes: list[str] = field(default_factory=list)
 
 
@@ -312,6 +359,8 @@ def run_case(llm, timers: Timers, workload: Workload, config, args) -> CaseResul
     done = dict.fromkeys(want, 0)
     timed: list[dict[str, float]] = []
     totals: list[float] = []
+    cpu_totals: list[float] = []
+    shapes: list[tuple[int, int, int]] = []
     rows_seen: list[int] = []
     ops_us = dict.fromkeys(FORWARD_ROWS, 0.0)
     counter = CallCounter()
@@ -327,9 +376,9 @@ def run_case(llm, timers: Timers, workload: Workload, config, args) -> CaseResul
             timers.reset()
             if phase == "count":
                 sys.setprofile(counter)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             engine.step()
-            total = time.perf_counter() - start
+            total, cpu_total = time.perf_counter() - start, time.process_time() - cpu_start
             if phase == "count":
                 sys.setprofile(None)
             if not timers.decode_only:
@@ -338,7 +387,9 @@ def run_case(llm, timers: Timers, workload: Workload, config, args) -> CaseResul
             if phase == "time":
                 timed.append(split(timers.now, total))
                 totals.append(total)
+                cpu_totals.append(cpu_total)
                 rows_seen.append(_rows(engine))
+                shapes.append(timers.shape)
             if done[phase] == want[phase]:
                 phase_order.pop(0)
                 if phase == "profile":
@@ -364,11 +415,62 @@ def run_case(llm, timers: Timers, workload: Workload, config, args) -> CaseResul
     # profiler's own cost per op would otherwise count as forward time.
     profiled_us = sum(ops_us.values())
     ops_ms = {k: parts_ms["forward"] * v / profiled_us if profiled_us else 0.0 for k, v in ops_us.items()}
+    shape = model_shape(config)
+    flops = statistics.median(step_flops(shape, *sh) for sh in shapes) if shapes else 0.0
+    mm = mm_rate(shape, statistics.median(sh[0] for sh in shapes)) if shapes else (0.0, 0.0, 0.0)
     return CaseResult(
+        step_flops=flops, mm_gflops=mm[:2], mm_cpu_gflops=mm[2],
+        step_cpu_ms=1e3 * statistics.median(cpu_totals) if cpu_totals else 0.0,
         name=workload.name, rows=max(rows_seen, default=0), steps=steps,
         step_ms=1e3 * statistics.median(totals) if totals else 0.0, parts_ms=parts_ms, ops_ms=ops_ms,
         profiled_steps=profiled, py_calls=counter.py / max(done["count"], 1),
         c_calls=counter.c / max(done["count"], 1), counted_steps=done["count"], notes=notes)
+
+
+# --------------------------------------------------------------------------
+# Matmul rate: the model's FLOPs per step against torch.mm at the step's GEMMs
+# --------------------------------------------------------------------------
+
+
+def gemm_shapes(shape) -> list[tuple[int, int, int]]:
+    """(count, in, out) of the decoder's matrix products per decode step, each ``[rows, in]
+    @ [in, out]``: self-attention q/k/v and out, cross-attention q and out (the cross
+    K/V projections run with the encoder, not in a decode step), the FFN, the LM head."""
+    d, a, f, n = shape.d_model, shape.attn_dim, shape.decoder_ffn_dim, shape.decoder_layers
+    return [(4 * n, d, a), (2 * n, a, d), ((shape.ffn_matrices - 1) * n, d, f), (n, f, d), (1, d, shape.vocab_size)]
+
+
+def step_flops(shape, rows: int, self_lens: int, cross_lens: int) -> float:
+    """The model's FLOPs in one decode step: 2 per multiply-add of the GEMMs above, and
+    attention's q.k and p.v products (2 x 2 x attn_dim per attended key, per layer)."""
+    gemm = 2 * rows * sum(c * k * o for c, k, o in gemm_shapes(shape))
+    return gemm + 4 * shape.attn_dim * shape.decoder_layers * (self_lens + cross_lens)
+
+
+def mm_rate(shape, rows: int, rounds: int = 5) -> tuple[float, float, float]:
+    """GFLOP/s of ``torch.mm`` over one step's GEMM shapes (each weighted by its count),
+    best and median of ``rounds`` rounds, in float32 on this process's threads, and
+    the median GFLOP per process CPU second. The weight is laid out as a linear
+    layer's (``[out, in]``, used transposed)."""
+    rows = max(1, int(rows))
+    g = torch.Generator().manual_seed(0)
+    mats = [(c, torch.randn(rows, k, generator=g), torch.randn(o, k, generator=g).t()) for c, k, o in gemm_shapes(shape)]
+    flops = sum(2 * c * x.shape[0] * x.shape[1] * w.shape[1] for c, x, w in mats)
+    for _, x, w in mats:  # warm: first calls pick kernels and grow the allocator
+        torch.mm(x, w)
+    rates, cpu_rates = [], []
+    for _ in range(rounds):
+        seconds = cpu_seconds = 0.0
+        for c, x, w in mats:
+            reps = max(1, min(c, 8))
+            start, cpu_start = time.perf_counter(), time.process_time()
+            for _ in range(reps):
+                torch.mm(x, w)
+            seconds += c * (time.perf_counter() - start) / reps
+            cpu_seconds += c * (time.process_time() - cpu_start) / reps
+        rates.append(flops / seconds / 1e9)
+        cpu_rates.append(flops / cpu_seconds / 1e9)
+    return max(rates), statistics.median(rates), statistics.median(cpu_rates)
 
 
 def _rows(engine) -> int:
@@ -399,6 +501,35 @@ def format_table(results: list[CaseResult]) -> str:
     lines_data.append(["python calls / step"] + [f"{r.py_calls:,.0f}" for r in results] + [""] * len(results))
     lines_data.append(["C calls / step"] + [f"{r.c_calls:,.0f}" for r in results] + [""] * len(results))
     rows = [header] + lines_data
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    out = []
+    for k, r in enumerate(rows):
+        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def format_rate_table(results: list[CaseResult]) -> str:
+    """The matmul-rate rows: the step's model FLOPs over its (median) time, against
+    torch.mm at the step's GEMM shapes measured after the case in the same run."""
+    lines = []
+    for label, fmt in (
+        ("model GFLOP / step", lambda r: f"{r.step_flops / 1e9:.2f}"),
+        ("step GFLOP/s", lambda r: f"{r.step_flops / r.step_ms / 1e6:.1f}" if r.step_ms else "-"),
+        ("torch.mm GFLOP/s best", lambda r: f"{r.mm_gflops[0]:.1f}"),
+        ("torch.mm GFLOP/s median", lambda r: f"{r.mm_gflops[1]:.1f}"),
+        ("% of matmul rate (median)", lambda r: f"{100 * r.step_flops / r.step_ms / 1e6 / r.mm_gflops[1]:.1f}"
+         if r.step_ms and r.mm_gflops[1] else "-"),
+        ("step CPU ms (median)", lambda r: f"{r.step_cpu_ms:.2f}"),
+        ("step GFLOP / CPU s", lambda r: f"{r.step_flops / r.step_cpu_ms / 1e6:.1f}" if r.step_cpu_ms else "-"),
+        ("torch.mm GFLOP / CPU s", lambda r: f"{r.mm_cpu_gflops:.1f}"),
+        ("% of matmul rate (CPU time)", lambda r: f"{100 * r.step_flops / r.step_cpu_ms / 1e6 / r.mm_cpu_gflops:.1f}"
+         if r.step_cpu_ms and r.mm_cpu_gflops else "-"),
+    ):
+        lines.append([label] + [fmt(r) for r in results])
+    header = ["matmul rate"] + [r.name for r in results]
+    rows = [header] + lines
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     out = []
     for k, r in enumerate(rows):
@@ -493,6 +624,8 @@ def main(argv=None) -> int:
         for r in results))
     print()
     print(format_table(results))
+    print()
+    print(format_rate_table(results))
     for r in results:
         for note in r.notes:
             print(f"note: {r.name}: {note}")

@@ -164,6 +164,58 @@ def test_a_one_key_step_takes_a_width_one_row_of_any_stride():
 
 
 @needs_op
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(12, 12), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_sharing_a_table_attend_as_one_group(num_heads, num_kv_heads, dtype):
+    """A request's beams (and n > 1 samples) read one cross table: passed as groups
+    (``kv_groups``), each group's rows are served by one task that reads the K/V once.
+    Every row must still get its own attention: the float64 reference per row, and
+    bit for bit what the op gives the same rows ungrouped. Groups of 4, 1 and 3 rows
+    in a scattered row order, sizes that leave the threads a head split or not."""
+    lens = [300, 7, 130]  # one table per request
+    D, scale = 64, 64 ** -0.5
+    cache, tables = _layout(lens, num_kv_heads, D, 16, dtype, seed=11)
+    seqs = torch.tensor([0, 0, 0, 0, 1, 2, 2, 2])  # request of each decode row
+    rows = torch.tensor([9, 2, 5, 0, 7, 1, 3, 8])  # where each sits in the packed batch
+    q = (torch.randn(10, num_heads, D, generator=torch.Generator().manual_seed(12))).to(dtype)
+    grouped, alone = torch.full_like(q, 7.0), torch.full_like(q, 7.0)
+    OP(q, cache, alone, rows, seqs, torch.tensor(lens), tables, scale)
+    OP(q, cache, grouped, rows, seqs, torch.tensor(lens), tables, scale, None, torch.tensor([0, 4, 5, 8]))
+    assert torch.equal(grouped, alone)
+    ref = _reference(q[rows], cache, tables[seqs], [lens[i] for i in seqs], scale, num_heads // num_kv_heads)
+    if dtype is torch.float32:
+        torch.testing.assert_close(grouped[rows].double(), ref, atol=5e-5, rtol=1e-4)  # as the ungrouped test
+    else:
+        torch.testing.assert_close(grouped[rows].double(), ref, atol=1e-2, rtol=2 ** -8)
+    assert torch.equal(grouped[[4, 6]], torch.full((2, num_heads, D), 7.0, dtype=dtype))  # no other row written
+
+
+@needs_op
+@pytest.mark.parametrize("groups,message", [
+    (torch.tensor([0, 2, 3], dtype=torch.int32), "kv_groups must be a contiguous 1-D int64"),
+    (torch.tensor([0, 2]), "kv_groups must run from 0 to the 3 rows, got 0 to 2"),
+    (torch.tensor([1, 3]), "kv_groups must run from 0 to the 3 rows, got 1 to 3"),
+    (torch.tensor([0, 2, 2, 3]), "kv_groups must increase strictly, got 2 then 2"),
+], ids=["dtype", "short", "start", "empty-group"])
+def test_bad_kv_groups_raise_naming_the_problem(groups, message):
+    cache, tables = _layout([4, 9], 2, 16, 4, torch.float32, seed=0)
+    with pytest.raises(RuntimeError, match=message):
+        OP(torch.randn(3, 4, 16), cache, torch.empty(3, 4, 16), torch.arange(3), torch.tensor([0, 0, 1]),
+           torch.tensor([4, 9]), tables, 0.25, None, groups)
+
+
+def test_shared_runs_finds_adjacent_rows_with_one_table():
+    from tandem.backends.cpu_paged.backend import shared_runs
+
+    t = torch.tensor([[5, 6], [5, 6], [5, 6], [1, 2], [5, 6], [5, 6], [5, 7]])
+    lens = torch.tensor([20, 20, 20, 20, 20, 19, 20])
+    # Rows 4 and 5 share blocks but not a length (never the case for one request; not grouped).
+    assert shared_runs(t, lens).tolist() == [0, 3, 4, 5, 6, 7]
+    assert shared_runs(t[3:5], lens[3:5]) is None  # nothing shared: the op's plain path
+    assert shared_runs(t[:1], lens[:1]) is None
+
+
+@needs_op
 @pytest.mark.parametrize("bias,message", [
     (torch.zeros(4, 9, dtype=torch.float64), "position_bias must be a float32"),
     (torch.zeros(4, 9).t(), "position_bias must be a float32"),
@@ -273,3 +325,41 @@ def test_available_says_whether_load_succeeds(monkeypatch):
     monkeypatch.setattr(ops, "_op", None)
     monkeypatch.setattr(ops, "_error", "building the C++ op failed: no")
     assert ops.available() is False
+
+
+@needs_op
+def test_beam_and_n_sampled_rows_attend_to_their_cross_table_as_groups(bart_dir, monkeypatch):
+    """In an engine run, a request's beams and its n > 1 samples (adjacent decodes over one
+    cross table) reach the op as groups, and the results are those of torch_sdpa (one
+    gathered attention per row: an independent path) and, for beams, of HF's beam search."""
+    from helpers import hf_search
+
+    from tandem import LLM, SamplingParams
+    from tandem.backends.cpu_paged.backend import CPUPagedMetadataBuilder
+
+    sizes = []
+    build = CPUPagedMetadataBuilder.build
+
+    def recording(self, inputs):
+        md = build(self, inputs)
+        if md.cross_groups is not None:
+            sizes.extend(md.cross_groups.diff().tolist())
+        return md
+
+    monkeypatch.setattr(CPUPagedMetadataBuilder, "build", recording)
+    prompts = [[0, 5, 9, 33, 17, 2], [0, 41, 8, 2], [0] + list(range(10, 50)) + [2]]
+    beam = SamplingParams(num_beams=4, n=2, max_tokens=10, length_penalty=1.0)
+    sampled = SamplingParams(n=3, temperature=0.8, max_tokens=10, seed=5, ignore_eos=True)
+    params = [beam, sampled, beam]
+    outs = {}
+    for backend in ("cpu_paged", "torch_sdpa"):
+        llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", attention_backend=backend)
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs[backend] = [[c.token_ids for c in r.outputs] for r in res]
+        del llm
+    assert 4 in sizes and 3 in sizes  # beams and samples were grouped
+    assert outs["cpu_paged"] == outs["torch_sdpa"]
+    for i in (0, 2):
+        ref = hf_search(bart_dir, prompts[i], [2, 0], do_sample=False, num_beams=4, num_return_sequences=2,
+                        max_new_tokens=10, length_penalty=1.0)
+        assert outs["cpu_paged"][i] == [tokens for tokens, _ in ref[:2]]

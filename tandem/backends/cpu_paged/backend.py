@@ -7,7 +7,9 @@ layer of every step, then runs masked SDPA over the padding; on CPU those
 gathers and the padded work were ~20% of a translation run's time. The op
 instead walks each sequence's blocks where they lie, one task per sequence
 (split into runs of KV heads only for small batches) over torch's intra-op
-threads, in float32 arithmetic.
+threads, in float32 arithmetic. Decodes that share a cross table (a request's
+beams, its n > 1 samples, requests with one encoder input) attend to it as one
+multi-query task: its cross K/V is read once per step, not once per row.
 
 Serves the ``"relative_position_bias"`` feature (T5): encoder runs and prefills take
 it as torch_sdpa does (SDPA's additive mask); decodes hand the op one float32 row
@@ -44,16 +46,40 @@ from tandem.core.relative_position import RelativePositionBias
 class CPUPagedMetadata(SDPAMetadata):
     seq_lens_t: torch.Tensor  # [S] int64: cached + new tokens
     cross_seq_lens_t: torch.Tensor  # [S] int64: encoder positions each sequence reads
+    # Offsets into the decodes [G + 1] of runs that share one cross table (a request's
+    # beams or n > 1 samples); None when no two adjacent decodes share one.
+    cross_groups: torch.Tensor | None
+
+
+def shared_runs(tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:
+    """``[G + 1]`` int64 offsets of the runs of adjacent rows with equal tables and
+    lengths (``tables`` ``[D, W]``, ``lens`` ``[D]``), or None if every run is one row."""
+    if tables.shape[0] < 2:
+        return None
+    same = (tables[1:] == tables[:-1]).all(dim=1) & (lens[1:] == lens[:-1])  # [D - 1]
+    if not bool(same.any()):
+        return None
+    breaks = (~same).nonzero().flatten() + 1
+    n = torch.tensor([tables.shape[0]], dtype=torch.long)
+    return torch.cat([torch.zeros(1, dtype=torch.long), breaks, n])
 
 
 class CPUPagedMetadataBuilder(SDPAMetadataBuilderBase):
     def build(self, inputs) -> CPUPagedMetadata:
         common, _, _ = self.common_fields(inputs, view_starts=False)
+        cross_lens = torch.tensor(inputs.cross_seq_lens, dtype=torch.long)
+        seqs = common["decode_seqs"]
+        groups = None
+        if seqs.numel() > 1 and inputs.max_cross_seq_len > 0:
+            # Beams and forks sit next to each other in the step (a group's sequences are
+            # listed together), so adjacent decodes with one cross table find each other.
+            groups = shared_runs(inputs.cross_block_tables.index_select(0, seqs), cross_lens.index_select(0, seqs))
         return CPUPagedMetadata.from_inputs(
             inputs,
             **common,
             seq_lens_t=torch.tensor(inputs.seq_lens, dtype=torch.long),
-            cross_seq_lens_t=torch.tensor(inputs.cross_seq_lens, dtype=torch.long),
+            cross_seq_lens_t=cross_lens,
+            cross_groups=groups,
         )
 
 
@@ -67,7 +93,7 @@ class CPUPagedImpl(SDPAImplBase):
             query = query.contiguous()
         if is_cross:
             self._op(query, kv_cache, out, md.decode_rows, md.decode_seqs, md.cross_seq_lens_t,
-                     md.cross_block_tables, self.scale)
+                     md.cross_block_tables, self.scale, None, md.cross_groups)
         elif position_bias is None:
             self._op(query, kv_cache, out, md.decode_rows, md.decode_seqs, md.seq_lens_t, md.block_tables, self.scale)
         else:

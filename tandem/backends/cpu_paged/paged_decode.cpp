@@ -5,7 +5,11 @@
 // One task per sequence (or per sequence and run of KV heads when the batch is
 // small): scores for every key in one pass over the keys (the query heads that
 // share a KV head, GQA, read it once), a softmax in float32, then one pass over
-// the values. Storage may be float32, float16 or bfloat16;
+// the values. Rows that read the same K/V (a request's beams or n > 1 samples over
+// its one cross table) may be passed as a group (kv_groups: offsets into the rows):
+// one task then serves all of them, a multi-query attention that reads each key
+// and value once for the group instead of once per row; each row's arithmetic is
+// the same as alone, so its result is bit for bit the ungrouped one. Storage may be float32, float16 or bfloat16;
 // all arithmetic is float32. Tasks are spread over torch's intra-op threads.
 //
 // An optional additive bias (T5's relative position bias) depends only on the
@@ -68,8 +72,8 @@ inline float exp_nonpositive(float x) {
 template <typename T>
 void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out,
             const at::Tensor& q_rows, const at::Tensor& seqs, const at::Tensor& kv_lens,
-            const at::Tensor& block_tables, double scale, const float* bias, int64_t bias_sh, int64_t bias_w) {
-  const int64_t batch = q_rows.size(0);
+            const at::Tensor& block_tables, double scale, const float* bias, int64_t bias_sh, int64_t bias_w,
+            const int64_t* groups, int64_t num_groups) {
   const int64_t num_heads = query.size(1);
   const int64_t head_size = query.size(2);
   const int64_t block_size = kv_cache.size(2);
@@ -89,44 +93,62 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t tab_st = block_tables.stride(0);
   const float fscale = static_cast<float>(scale);
+  // Rows [first(g), first(g + 1)) share the K/V of sequence seq_of[first(g)] (the beams
+  // or n > 1 samples of one request over its one cross table): each key slot is read
+  // once for all of them. Without groups every row is its own group.
+  auto first = [&](int64_t g) { return groups == nullptr ? g : groups[g]; };
+  int64_t max_rows = 1;
+  for (int64_t g = 0; groups != nullptr && g < num_groups; ++g) max_rows = std::max(max_rows, groups[g + 1] - groups[g]);
 
-  // A task is one sequence and a run of its KV heads: all heads while the batch
-  // alone gives every thread several tasks (each key slot's heads then stream
-  // as one contiguous read), fewer when it does not (a small batch of long
+  // A task is one group and a run of its KV heads: all heads while the groups
+  // alone give every thread several tasks (each key slot's heads then stream
+  // as one contiguous read), fewer when they do not (a small batch of long
   // sequences still spreads over the threads).
   const int64_t want_tasks = 4 * static_cast<int64_t>(at::get_num_threads());
-  const int64_t want_chunks = std::min<int64_t>(num_kv_heads, std::max<int64_t>(1, (want_tasks + batch - 1) / batch));
+  const int64_t want_chunks =
+      std::min<int64_t>(num_kv_heads, std::max<int64_t>(1, (want_tasks + num_groups - 1) / std::max<int64_t>(num_groups, 1)));
   const int64_t heads_per_task = (num_kv_heads + want_chunks - 1) / want_chunks;
   // Recounted from the rounded-up run length, so no chunk starts past the last head
   // (12 heads in 8 wanted chunks: runs of 2, 6 chunks).
   const int64_t chunks = (num_kv_heads + heads_per_task - 1) / heads_per_task;
 
-  at::parallel_for(0, batch * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(heads_per_task * group * head_size), acc(heads_per_task * group * head_size), scores;
-    std::vector<float> inv(heads_per_task * group);
+  at::parallel_for(0, num_groups * chunks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t width = max_rows * heads_per_task * group;  // query vectors of a task at most
+    std::vector<float> qf(width * head_size), acc(width * head_size), scores;
+    std::vector<float> inv(width);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / chunks;
+      const int64_t g = task / chunks;
+      const int64_t b0 = first(g), nr = first(g + 1) - b0;
       const int64_t h0 = (task % chunks) * heads_per_task;
       const int64_t nh = std::min(heads_per_task, num_kv_heads - h0);
       const int64_t nq = nh * group;  // query heads of this task, [h0 * group, h0 * group + nq)
-      const int64_t seq = seq_of[b], row = rows[b], len = lens[seq];
+      const int64_t nv = nr * nq;     // query vectors: row r's head h is r * nq + h
+      const int64_t seq = seq_of[b0], len = lens[seq];
       const int64_t* table = tables + seq * tab_st;
-      for (int64_t h = 0; h < nq; ++h) {
-        const T* qh = q_ptr + row * q_st + (h0 * group + h) * q_sh;
-        for (int64_t i = 0; i < head_size; ++i) qf[h * head_size + i] = static_cast<float>(qh[i]) * fscale;
-      }
-      scores.resize(nq * std::max<int64_t>(len, 1));
-      // Scores: one pass over the keys, slot by slot.
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t h = 0; h < nq; ++h) {
+          const T* qh = q_ptr + rows[b0 + r] * q_st + (h0 * group + h) * q_sh;
+          float* qv = &qf[(r * nq + h) * head_size];
+          for (int64_t i = 0; i < head_size; ++i) qv[i] = static_cast<float>(qh[i]) * fscale;
+        }
+      scores.resize(nv * std::max<int64_t>(len, 1));
+      // Scores: one pass over the keys, slot by slot, each slot's heads for every row.
       for (int64_t n0 = 0, blk = 0; n0 < len; n0 += block_size, ++blk) {
         const T* kb = k_ptr + table[blk] * c_sb + h0 * c_sh;
         const int64_t m = std::min(block_size, len - n0);
         for (int64_t j = 0; j < m; ++j)
-          for (int64_t h = 0; h < nq; ++h)
-            scores[h * len + n0 + j] = dot(&qf[h * head_size], kb + j * c_ss + (h / group) * c_sh, head_size);
+          for (int64_t h = 0; h < nq; ++h) {
+            const T* kh = kb + j * c_ss + (h / group) * c_sh;
+            for (int64_t r = 0; r < nr; ++r) {
+              const int64_t v = r * nq + h;
+              scores[v * len + n0 + j] = dot(&qf[v * head_size], kh, head_size);
+            }
+          }
       }
-      // Softmax per query head (the bias, if any, added as the max is found).
-      for (int64_t h = 0; h < nq; ++h) {
-        float* s = scores.data() + h * len;
+      // Softmax per query vector (the bias, if any, added as the max is found).
+      for (int64_t v = 0; v < nv; ++v) {
+        const int64_t h = v % nq;
+        float* s = scores.data() + v * len;
         float mx = -std::numeric_limits<float>::infinity();
         if (bias == nullptr) {
           for (int64_t n = 0; n < len; ++n) mx = std::max(mx, s[n]);
@@ -144,21 +166,28 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
           s[n] = exp_nonpositive(s[n] - mx);
           sum += s[n];
         }
-        inv[h] = sum > 0.f ? 1.f / sum : 0.f;
+        inv[v] = sum > 0.f ? 1.f / sum : 0.f;
       }
-      // Weighted values: one pass, slot by slot.
-      std::fill(acc.begin(), acc.begin() + nq * head_size, 0.f);
+      // Weighted values: one pass, slot by slot, each slot's heads for every row.
+      std::fill(acc.begin(), acc.begin() + nv * head_size, 0.f);
       for (int64_t n0 = 0, blk = 0; n0 < len; n0 += block_size, ++blk) {
         const T* vb = v_ptr + table[blk] * c_sb + h0 * c_sh;
         const int64_t m = std::min(block_size, len - n0);
         for (int64_t j = 0; j < m; ++j)
-          for (int64_t h = 0; h < nq; ++h)
-            axpy(scores[h * len + n0 + j], vb + j * c_ss + (h / group) * c_sh, &acc[h * head_size], head_size);
+          for (int64_t h = 0; h < nq; ++h) {
+            const T* vh = vb + j * c_ss + (h / group) * c_sh;
+            for (int64_t r = 0; r < nr; ++r) {
+              const int64_t v = r * nq + h;
+              axpy(scores[v * len + n0 + j], vh, &acc[v * head_size], head_size);
+            }
+          }
       }
-      for (int64_t h = 0; h < nq; ++h) {
-        T* oh = o_ptr + row * o_st + (h0 * group + h) * o_sh;
-        for (int64_t i = 0; i < head_size; ++i) oh[i] = static_cast<T>(acc[h * head_size + i] * inv[h]);
-      }
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t h = 0; h < nq; ++h) {
+          const int64_t v = r * nq + h;
+          T* oh = o_ptr + rows[b0 + r] * o_st + (h0 * group + h) * o_sh;
+          for (int64_t i = 0; i < head_size; ++i) oh[i] = static_cast<T>(acc[v * head_size + i] * inv[v]);
+        }
     }
   });
 }
@@ -166,7 +195,8 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out,
                             const at::Tensor& q_rows, const at::Tensor& seqs, const at::Tensor& kv_lens,
                             const at::Tensor& block_tables, double scale,
-                            const c10::optional<at::Tensor>& position_bias) {
+                            const c10::optional<at::Tensor>& position_bias,
+                            const c10::optional<at::Tensor>& kv_groups) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(),
               "paged_decode_attention: tensors must be on cpu");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "paged_decode_attention: query and out must be [T, H, D]");
@@ -209,15 +239,32 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
       TORCH_CHECK(lens[seq_of[b]] <= bias_w, "paged_decode_attention: sequence ", seq_of[b], " has ",
                   lens[seq_of[b]], " keys, more than position_bias's width ", bias_w);
   }
+  const int64_t* groups = nullptr;
+  int64_t num_groups = q_rows.size(0);
+  if (kv_groups.has_value()) {
+    const at::Tensor& kg = *kv_groups;
+    TORCH_CHECK(kg.device().is_cpu() && kg.scalar_type() == at::kLong && kg.dim() == 1 && kg.is_contiguous() &&
+                    kg.size(0) >= 1,
+                "paged_decode_attention: kv_groups must be a contiguous 1-D int64 cpu tensor of group offsets; got ",
+                kg.scalar_type(), " ", kg.sizes());
+    groups = kg.data_ptr<int64_t>();
+    num_groups = kg.size(0) - 1;
+    TORCH_CHECK(groups[0] == 0 && groups[num_groups] == q_rows.size(0),
+                "paged_decode_attention: kv_groups must run from 0 to the ", q_rows.size(0), " rows, got ",
+                groups[0], " to ", groups[num_groups]);
+    for (int64_t g = 0; g < num_groups; ++g)
+      TORCH_CHECK(groups[g] < groups[g + 1], "paged_decode_attention: kv_groups must increase strictly, got ",
+                  groups[g], " then ", groups[g + 1]);
+  }
   switch (query.scalar_type()) {
     case at::kFloat:
-      decode<float>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias, bias_sh, bias_w);
+      decode<float>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias, bias_sh, bias_w, groups, num_groups);
       break;
     case at::kBFloat16:
-      decode<c10::BFloat16>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias, bias_sh, bias_w);
+      decode<c10::BFloat16>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias, bias_sh, bias_w, groups, num_groups);
       break;
     case at::kHalf:
-      decode<c10::Half>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias, bias_sh, bias_w);
+      decode<c10::Half>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias, bias_sh, bias_w, groups, num_groups);
       break;
     default: TORCH_CHECK(false, "paged_decode_attention: dtype ", query.scalar_type(), " is not float32, float16 or bfloat16");
   }
@@ -227,7 +274,8 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 
 TORCH_LIBRARY(tandem_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor kv_cache, Tensor(a!) out, Tensor q_rows, Tensor seqs, "
-        "Tensor kv_lens, Tensor block_tables, float scale, Tensor? position_bias=None) -> ()");
+        "Tensor kv_lens, Tensor block_tables, float scale, Tensor? position_bias=None, "
+        "Tensor? kv_groups=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

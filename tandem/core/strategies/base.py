@@ -95,6 +95,21 @@ class StepMode(ABC):
         ``generator``: the request's seeded stream (None: none), ``default_generator``
         the engine's, for modes that draw."""
 
+    # The worker hands a step's groups of one StepMode class to these together, so a
+    # mode may batch its tensor work over requests; by default they loop.
+    @classmethod
+    def prepare_all(cls, logits: "torch.Tensor", items: "list[tuple[StepMode, list[int]]]") -> list[Any]:
+        """:meth:`prepare` of each ``(mode, rows)`` in ``items``, in order."""
+        return [mode.prepare(logits, rows) for mode, rows in items]
+
+    @classmethod
+    def select_all(cls, scores: "torch.Tensor", items: "list[tuple[StepMode, list[int], SamplingParams, Any, Any]]",
+                   default_generator: "torch.Generator | None" = None) -> list[Any]:
+        """:meth:`select` of each ``(mode, rows, params, prepared, generator)`` in ``items``,
+        in order."""
+        return [mode.select(scores, rows, params, prep, gen, default_generator)
+                for mode, rows, params, prep, gen in items]
+
 
 class RequestStrategy(ABC):
     """Scheduler side of a mode, one object per request."""

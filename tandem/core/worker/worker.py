@@ -204,14 +204,16 @@ class Worker:
             logits = self.runner.execute(out, self.kv_caches, lora_slots)
             if sampling is not None:  # before everything else reads the logits
                 self._transform(logits, sampling, seq_ids, num_out)
-            prepared = [mode.prepare(logits, mode_rows) for _, mode, mode_rows in modes]
+            prepared = _by_class(modes, lambda cls, idx: cls.prepare_all(
+                logits, [(modes[j][1], modes[j][2]) for j in idx]))
             claimed = sorted(i for *_, mode_rows in modes for i in mode_rows)
             sampled = self.sampler(logits, rows, generators, claimed)
-            mode_outputs = {
-                rid: mode.select(sampled.scores, mode_rows, params[mode_rows[0]], prep, generators[mode_rows[0]],
-                                 self.sampler.generator)
-                for (rid, mode, mode_rows), prep in zip(modes, prepared)
-            }
+            selected = _by_class(modes, lambda cls, idx: cls.select_all(
+                sampled.scores,
+                [(modes[j][1], modes[j][2], params[modes[j][2][0]], prepared[j], generators[modes[j][2][0]])
+                 for j in idx],
+                self.sampler.generator))
+            mode_outputs = {rid: result for (rid, _, _), result in zip(modes, selected)}
         plain_ids = seq_ids
         if claimed:
             claimed_set = set(claimed)
@@ -296,3 +298,20 @@ class Worker:
             self.swapped_out_blocks += len(mapping)
         else:
             self.swapped_in_blocks += len(mapping)
+
+
+def _by_class(modes: list, call) -> list:
+    """``call(cls, indices)`` once per run of consecutive ``modes`` (``(request id, mode,
+    rows)``) of one StepMode class, with the run's indices; the results, in ``modes``'
+    order. Runs, not classes: modes that draw from the engine's generator draw in the
+    order they always did."""
+    results: list = []
+    start = 0
+    while start < len(modes):
+        cls = type(modes[start][1])
+        end = start + 1
+        while end < len(modes) and type(modes[end][1]) is cls:
+            end += 1
+        results.extend(call(cls, list(range(start, end))))
+        start = end
+    return results

@@ -42,38 +42,74 @@ class BeamStep(StepMode):
     joint_rows = True  # the rows are one request's beams
 
     def prepare(self, logits: torch.Tensor, rows: list[int]) -> None:
-        r = torch.tensor(rows, device=logits.device)
-        logits.index_copy_(0, r, torch.log_softmax(logits.index_select(0, r), dim=-1))
+        self.prepare_all(logits, [(self, rows)])
+
+    @classmethod
+    def prepare_all(cls, logits: torch.Tensor, items: list[tuple["BeamStep", list[int]]]) -> list[None]:
+        """Every beam row becomes log-probabilities (HF's log-softmax, row by row, so
+        the values are those of one call per request), in one call for the step."""
+        rows = [r for _, group_rows in items for r in group_rows]
+        if rows == list(range(logits.shape[0])):  # a step of beams only: no gather
+            logits.copy_(torch.log_softmax(logits, dim=-1))
+        elif rows:
+            r = torch.tensor(rows, device=logits.device)
+            logits.index_copy_(0, r, torch.log_softmax(logits.index_select(0, r), dim=-1))
+        return [None] * len(items)
 
     def select(self, scores: torch.Tensor, rows: list[int], params: "SamplingParams", prepared, generator=None,
                default_generator=None) -> BeamCandidates:
         """HF's top-k continuations: processed log-probs plus each beam's running
         score, flattened over (beam, token), the best ``beams_to_keep``."""
-        logp = scores.index_select(0, torch.tensor(rows, device=scores.device))
-        vocab = logp.shape[1]
-        if len(rows) == 1 and self.num_beams > 1:
+        return self.select_all(scores, [(self, rows, params, prepared, generator)], default_generator)[0]
+
+    @classmethod
+    def select_all(cls, scores: torch.Tensor, items: list, default_generator=None) -> list[BeamCandidates]:
+        """:meth:`select` for many requests, batched over those with the same beam
+        count, ``beams_to_keep`` and step kind: one add and one top-k over ``[G,
+        beams * vocab]`` (row by row the same arithmetic as HF's ``[1, beams * vocab]``)."""
+        buckets: dict[tuple[int, int, bool], list[int]] = {}
+        for j, (mode, rows, *_) in enumerate(items):
             # First step: HF runs num_beams copies of the prompt, all but the first
             # scored -1e9; one row stands for all of them.
-            logp = logp.expand(self.num_beams, vocab)
-        running = torch.tensor(self.scores, dtype=torch.float32, device=scores.device)
-        accumulated = (logp + running[:, None]).reshape(1, -1)
-        values, idx = torch.topk(accumulated, k=self.beams_to_keep)
-        values, idx = values[0], idx[0]
-        beam = idx // vocab
-        token = idx % vocab
-        token_logprob = logp.reshape(-1).index_select(0, idx)
-        parent = beam if len(rows) > 1 else torch.zeros_like(beam)
-        top = None
-        if params.logprobs is not None:
-            k = params.logprobs
-            top = [{} for _ in rows]
-            if k:
-                vals, ids = logp[: len(rows)].topk(k, dim=-1)
-                top = [dict(zip(ids[r].tolist(), vals[r].tolist())) for r in range(len(rows))]
-        return BeamCandidates(
-            scores=values.tolist(), parents=parent.tolist(), token_ids=token.tolist(),
-            token_logprobs=token_logprob.tolist(), top_logprobs=top,
-        )
+            first = len(rows) == 1 and mode.num_beams > 1
+            if not first and len(rows) != mode.num_beams:
+                raise ValueError(f"beam step with {len(rows)} rows for {mode.num_beams} beams")
+            buckets.setdefault((mode.num_beams, mode.beams_to_keep, first), []).append(j)
+        results: list = [None] * len(items)
+        for (num_beams, keep, first), idx in buckets.items():
+            row_ids = [r for j in idx for r in items[j][1]]
+            if row_ids == list(range(scores.shape[0])):
+                logp = scores
+            else:
+                logp = scores.index_select(0, torch.tensor(row_ids, device=scores.device))
+            g, vocab = len(idx), logp.shape[1]  # logp: [g * rows, vocab]
+            running = torch.tensor([items[j][0].scores for j in idx], dtype=torch.float32, device=scores.device)
+            per_beam = logp[:, None, :] if first else logp.view(g, num_beams, vocab)
+            accumulated = (per_beam + running[:, :, None]).view(g, num_beams * vocab)
+            values, flat = torch.topk(accumulated, k=keep)  # [g, keep]
+            token = flat % vocab
+            if first:
+                token_logprob = logp.gather(1, token)
+                parent = torch.zeros_like(token)
+            else:
+                token_logprob = logp.view(g, num_beams * vocab).gather(1, flat)
+                parent = flat // vocab
+            values, parent, token, token_logprob = (t.tolist() for t in (values, parent, token, token_logprob))
+            for n, j in enumerate(idx):
+                params = items[j][2]
+                top = None
+                if params.logprobs is not None:
+                    k = params.logprobs
+                    nrows = 1 if first else num_beams
+                    top = [{} for _ in range(nrows)]
+                    if k:
+                        vals, ids = logp[n * nrows: (n + 1) * nrows].topk(k, dim=-1)
+                        top = [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+                results[j] = BeamCandidates(
+                    scores=values[n], parents=parent[n], token_ids=token[n],
+                    token_logprobs=token_logprob[n], top_logprobs=top,
+                )
+        return results
 
 
 class BeamSearchStrategy(RequestStrategy):
