@@ -127,6 +127,7 @@ def main(argv=None) -> int:
             seconds = time.perf_counter() - start
             assert all(o.error is None for o in outs), [o.error for o in outs if o.error][:1]
             rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / seconds)
+            print(f"  {name}: {rates[name][-1]:.1f} tok/s", flush=True)
 
     size = f"--model {args.model}" if args.model else f"random bart ({args.make_model})"
     print(f"\nLoRA throughput: {size}, {args.dtype}{', int8' if args.quantization else ''}; batch {args.batch}, "

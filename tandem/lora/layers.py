@@ -121,10 +121,3 @@ class LinearLoRA:
             else:  # a strided view: addmm_ would copy it in and out anyway
                 out += torch.mm(t, self.b[k][:width])
 
-
-@contextmanager
-def no_lora(step: LoRAStep):
-    """A forward pass with the base weights only (model calls outside a scheduled step)."""
-    empty = torch.empty(0, dtype=torch.long)
-    with step.active(empty, empty):
-        yield

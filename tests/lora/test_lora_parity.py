@@ -74,9 +74,14 @@ def test_a_batch_mixing_three_adapters_and_the_base_equals_each_run_alone(bart):
     llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=8)
     together = llm.generate(prompts, GREEDY, lora_request=mix, use_tqdm=False)
     alone_llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8)
+    changed = 0
     for p, lora, o in zip(prompts, mix, together):
         alone = alone_llm.generate([p], GREEDY, lora_request=lora, use_tqdm=False)[0]
         assert o.error is None and o.outputs[0].token_ids == alone.outputs[0].token_ids
+        if lora is not None:
+            plain = alone_llm.generate([p], GREEDY, use_tqdm=False)[0]
+            changed += plain.outputs[0].token_ids != o.outputs[0].token_ids
+    assert changed >= 5  # of the 9 adapter requests: the adapters are applied, not ignored
 
 
 @pytest.mark.parametrize("shape, targets", [
