@@ -85,7 +85,7 @@ def test_int8_base_with_float32_adapters_adds_no_error_of_its_own(model):
     d_base, d_lora = _max_diff(int8_base, fp32_base), _max_diff(int8_lora, fp32_merged)
     d_merged = _max_diff(int8_merged, fp32_merged)
     effect = _max_diff(fp32_merged, fp32_base)
-    assert d_lora <= 1.5 * d_merged + 1e-3, (d_lora, d_merged)
+    assert d_lora <= 1.5 * d_merged + 1e-3, (d_lora, d_merged, d_base)
     # Measured: d_base 0.16, d_merged 0.29, d_lora 0.28, effect 1.03 (max over the top-8 log-probabilities).
     assert effect > 2 * d_lora, (effect, d_lora)
 
