@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from helpers import make_bart
-from peft_adapters import make_adapter, merged_checkpoint
+from lora_adapters import make_adapter, merged_checkpoint
 from tandem import LLM, LoRARequest, SamplingParams
 
 PROMPTS = [{"prompt_token_ids": [0, 5, 17, 33, 9, 41, 2]}, {"prompt_token_ids": [0, 60, 7, 7, 12, 2]},

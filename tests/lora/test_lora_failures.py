@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import make_bart
-from peft_adapters import edit_config, hf_model, make_adapter
+from lora_adapters import edit_config, hf_model, make_adapter
 from tandem import LLM, LoRARequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)

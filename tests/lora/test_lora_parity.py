@@ -11,7 +11,7 @@ import random
 import pytest
 
 from helpers import hf_search, make_bart, make_t5, make_whisper, synth_audio
-from peft_adapters import make_adapter, merged_checkpoint
+from lora_adapters import make_adapter, merged_checkpoint
 from tandem import LLM, LoRARequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
