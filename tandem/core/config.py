@@ -173,7 +173,7 @@ class EngineConfig:
         "up to whole blocks) of the encoder positions: those it attended to most in those steps where its "
         "attention was concentrated and static, else evenly spaced ones; the request's cross-attention blocks "
         "are re-packed into fewer, the rest freed for other requests; true: the defaults "
-        '(f=0.25, w=2, m=32); outputs may differ from uncompressed ones (default: none, off)'
+        '(f=0.25, w=1, m=32); outputs may differ from uncompressed ones (default: none, off)'
     )
     # core/executor/: one worker in this process, or tensor-parallel ranks in worker processes / Ray actors.
     tensor_parallel_size: int = option(

@@ -33,7 +33,7 @@ class KVCompressConfig:
     this is never compressed), >= 1."""
 
     keep_fraction: float = 0.25
-    window: int = 2
+    window: int = 1
     min_keep: int = 32
 
     def __post_init__(self) -> None:
@@ -63,7 +63,7 @@ class KVCompressConfig:
             return cls.parse(parsed)
         if not isinstance(value, dict):
             raise ValueError(f"kv_compress={value!r}: must be None, True or a dict such as "
-                             '{"keep_fraction": 0.25, "window": 2, "min_keep": 32}')
+                             '{"keep_fraction": 0.25, "window": 1, "min_keep": 32}')
         unknown = [k for k in value if k not in _KEYS]
         if unknown:
             raise ValueError(f"kv_compress: key {unknown[0]!r} is not an option (options: {', '.join(_KEYS)})")
