@@ -41,7 +41,7 @@ def test_the_column_picks_each_rows_adapter(bart_dir, adapters, batch_format):
     names = ["x", None, "y", "x", "nope"]
     batch = {"prompt": np.array(prompts, dtype=object), "adapter": np.array(names, dtype=object)}
     if batch_format == "pandas":
-        import pandas as pd
+        pd = pytest.importorskip("pandas")  # Ray Data's pandas batches: pandas comes with the ray extra
 
         batch = pd.DataFrame(batch)
     predictor = TandemPredictor(str(bart_dir), sampling_params=PARAMS, lora_column="adapter",

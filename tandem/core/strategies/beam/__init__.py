@@ -92,7 +92,7 @@ class BeamStep(StepMode):
                 token_logprob = logp.gather(1, token)
                 parent = torch.zeros_like(token)
             else:
-                token_logprob = logp.view(g, num_beams * vocab).gather(1, flat)
+                token_logprob = logp.reshape(g, num_beams * vocab).gather(1, flat)  # reshape: TP logits are a slice of a padded vocab
                 parent = flat // vocab
             values, parent, token, token_logprob = (t.tolist() for t in (values, parent, token, token_logprob))
             for n, j in enumerate(idx):
