@@ -501,7 +501,12 @@ def format_table(results: list[CaseResult]) -> str:
     lines_data.append(["python calls / step"] + [f"{r.py_calls:,.0f}" for r in results] + [""] * len(results))
     lines_data.append(["C calls / step"] + [f"{r.c_calls:,.0f}" for r in results] + [""] * len(results))
     rows = [header] + lines_data
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return _render(rows)
+
+
+def _render(rows: list[list[str]]) -> str:
+    """Rows of cells as aligned text: the first column left-aligned, the rest right, a rule under the header."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
     for k, r in enumerate(rows):
         out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
@@ -530,13 +535,7 @@ def format_rate_table(results: list[CaseResult]) -> str:
         lines.append([label] + [fmt(r) for r in results])
     header = ["matmul rate"] + [r.name for r in results]
     rows = [header] + lines
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    out = []
-    for k, r in enumerate(rows):
-        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip())
-        if k == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    return _render(rows)
 
 
 def parse_args(argv=None):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -145,7 +144,7 @@ def _build_parser(engine_flags: bool = True) -> tuple[argparse.ArgumentParser, d
                     help="with --enable-lora: LoRA adapters served by name (a request's 'model' picks one), each "
                          "name=path or vLLM's JSON '{\"name\": ..., \"path\": ...}'; the path a PEFT adapter "
                          "directory or a Hub repo id (docs/lora.md) (default: none)")
-    sv.add_argument("--lora-allowed-dir", type=_lora_dir, default=None, metavar="DIR",
+    sv.add_argument("--lora-allowed-dir", type=_directory, default=None, metavar="DIR",
                     help="with --enable-lora: POST /v1/load_lora_adapter may load adapters from inside DIR "
                          "(symlinks and '..' resolved first) (default: none, runtime loading is off)")
     sv.add_argument("--drain-timeout", type=float, default=30.0,
@@ -212,13 +211,6 @@ def _lora_module(text: str) -> tuple[str, str]:
         return parse_lora_module(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _lora_dir(text: str) -> str:
-    real = os.path.realpath(text)
-    if not os.path.isdir(real):
-        raise argparse.ArgumentTypeError(f"must be a directory, got {text!r}")
-    return real
 
 
 def _positive_seconds(text: str) -> float:
