@@ -55,7 +55,7 @@ def test_settings_parse_from_json_and_round_kept_positions_up_to_blocks():
     assert c.kept_positions(20, 16) == 20  # min_keep 32 > 20: all of them
 
 
-@pytest.mark.parametrize("name", ["triton", "xformers", "flash_attn"])
+@pytest.mark.parametrize("name", ["xformers", "flash_attn"])
 def test_backends_without_the_feature_are_passed_over_naming_it(name):
     from tandem.plugins import default_backend_registry
 

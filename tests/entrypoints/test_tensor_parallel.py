@@ -123,6 +123,42 @@ def test_the_model_is_not_in_the_driver(bart_pair):
         tp.llm_engine.model
 
 
+def test_kv_compress_equals_one_process(monkeypatch):
+    # Each rank observes its own KV heads (the demo BART's 4 split 2 + 2, each with its
+    # whole query group, so each head's importance is the one-process sum) and re-packs
+    # them into the blocks the driver's scheduler gave the request.
+    import json
+    from pathlib import Path
+
+    import tandem
+    from tandem.core.worker import cross_compress
+
+    demo = Path(tandem.__file__).parent / "demo_model"
+    sentences = [s["input"] for s in json.loads((demo / "demo_sentences.json").read_text())]
+    prompts = [" ".join(sentences[(i + j) % len(sentences)] for j in range(3 + i % 3)) for i in range(8)]
+    # Window 1: half of each request's (layer, head)s keep their most attended positions
+    # (the others evenly spaced), so a rank that observed nothing would decode otherwise.
+    kw = dict(model=str(demo), dtype="float32", device="cpu", block_size=4, num_kv_blocks=300, swap_space=0.01,
+              kv_compress={"keep_fraction": 0.3, "window": 1, "min_keep": 1})
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+    one = LLM(**kw)
+    ref = one.generate(prompts, params, use_tqdm=False)
+    tp = LLM(**kw, tensor_parallel_size=2)
+    try:
+        outs = tp.generate(prompts, params, use_tqdm=False)
+        stats = tp.get_stats()
+    finally:
+        _shut(tp)
+    _assert_same(ref, outs)
+    assert tp.llm_engine.scheduler.cross_compress.num_compressed == len(prompts)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    # Not vacuous: every head kept evenly spaced (what a rank without observations
+    # keeps) decodes other tokens.
+    monkeypatch.setattr(cross_compress, "CONCENTRATED", 2.0)
+    even = one.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in even] != [o.outputs[0].token_ids for o in ref]
+
+
 def test_whisper_detects_languages_and_searches_beams_as_one_process(tmp_path_factory):
     from transformers import GenerationConfig
 

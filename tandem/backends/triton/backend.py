@@ -32,6 +32,7 @@ from tandem.core.attention import (
     SizeRule,
 )
 from tandem.backends.triton import configs
+from tandem.core.kv_compress_config import FEATURE as CROSS_KV_COMPRESS
 from tandem.core.relative_position import FEATURE as RELATIVE_POSITION_BIAS
 from tandem.core.relative_position import RelativePositionBias
 
@@ -224,7 +225,7 @@ class TritonBackend(AttentionBackend):
         block_sizes=SizeRule(note="keys are addressed per token through the block table"),
         head_sizes=SizeRule(max=MAX_HEAD_SIZE),
         requires=("triton",),
-        attn_features=frozenset({RELATIVE_POSITION_BIAS}),
+        attn_features=frozenset({RELATIVE_POSITION_BIAS, CROSS_KV_COMPRESS}),
         notes="cpu only in Triton's interpreter (TRITON_INTERPRET=1 before first use): "
         "exact but slow, for tests; chosen automatically on cuda only",
     )
