@@ -202,19 +202,24 @@ def _compressed_run(backend, monkeypatch, kv_compress):
     prompts = [" ".join(sentences[(i + j) % len(sentences)] for j in range(3 + i)) for i in range(3)]
     kept = {}
     real = CrossKVCompressor.kept_positions
-    monkeypatch.setattr(CrossKVCompressor, "kept_positions",
-                        lambda self, r, d: kept.setdefault(r.request_id, real(self, r, d)))
-    llm = LLM(model=str(demo), attention_backend=backend, dtype="float32", device="cpu", block_size=4,
-              num_kv_blocks=200, swap_space=0.01, kv_compress=kv_compress)
-    assert llm.llm_engine.attn_backend.name == backend
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, logprobs=0), use_tqdm=False)
+
+    def spy(self, repack, device):
+        chosen = kept[repack.request_id] = real(self, repack, device)
+        return chosen
+
+    with monkeypatch.context() as m:  # undone after the run: the next run wraps the real method, not this spy
+        m.setattr(CrossKVCompressor, "kept_positions", spy)
+        llm = LLM(model=str(demo), attention_backend=backend, dtype="float32", device="cpu", block_size=4,
+                  num_kv_blocks=200, swap_space=0.01, kv_compress=kv_compress)
+        assert llm.llm_engine.attn_backend.name == backend
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, logprobs=0), use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
     logprobs = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
     return tokens, logprobs, [kept[o.request_id].tolist() for o in outs] if kept else None
 
 
 @needs_interpreter
-@pytest.mark.slow  # four engines, two of them interpreted: ~20 s on a loaded 2-core machine
+@pytest.mark.slow  # three engines, one of them interpreted: 20-40 s on a loaded 2-core machine
 def test_kv_compress_through_triton_equals_cpu_paged(monkeypatch):
     # The compressed cross table is an ordinary table of K slots with cross length K:
     # the Triton kernels (split-K decode too: 8 keys a split) must read it as cpu_paged's
