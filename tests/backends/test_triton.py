@@ -166,6 +166,15 @@ def test_each_bad_value_is_named(monkeypatch):
     assert len(reasons) == 6
 
 
+def test_serves_kv_compress_by_declaration():
+    # The default run's check (the engine run against cpu_paged is slow): the registry
+    # asks for this feature when kv_compress is on.
+    from tandem.core.kv_compress_config import FEATURE
+
+    assert FEATURE in TritonBackend.capabilities.attn_features
+    assert default_backend_registry().load("triton").feature_reasons(frozenset({FEATURE})) == []
+
+
 def test_never_chosen_automatically_on_cpu():
     selection = default_backend_registry().select(None, device=CPU, dtype=torch.float32, head_size=8,
                                                   attn_types=ALL_KINDS, block_size=16)
