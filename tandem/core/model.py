@@ -63,6 +63,15 @@ class EncoderDecoderModel(nn.Module, ABC):
         """Consume checkpoint ``(name, tensor)`` pairs; return the parameter names filled."""
         ...
 
+    def encoder_modules(self) -> list[nn.Module]:
+        """The submodules that run only over whole encoder inputs (many rows per call:
+        the source's tokens, Whisper's 1500 frames), never in a decode step. Their
+        linear layers are packed for large GEMMs whatever ``max_num_seqs`` is
+        (``tandem.core.layers.kernel_setup``). By default every submodule whose
+        attribute name is ``encoder`` (BART's ``model.encoder``, T5's ``encoder``);
+        a model that names its encoder otherwise overrides this."""
+        return [m for name, m in self.named_modules() if name.rsplit(".", 1)[-1] == "encoder"]
+
     @classmethod
     @abstractmethod
     def kv_cache_spec(cls, config: "PretrainedConfig") -> KVCacheSpec: ...

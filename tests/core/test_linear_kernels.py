@@ -263,3 +263,31 @@ def test_int8_engine_tracks_float32_teacher_forced(calm_dir):
 
 def _lp(x):
     return getattr(x, "logprob", x)
+
+
+@needs_packed
+def test_decoder_is_packed_for_max_num_seqs_and_the_encoder_for_whole_inputs(bart_dir):
+    """With max_num_seqs=1 a decode step has one row: the decoder's layers and the LM
+    head are packed for 1 row, the encoder's (whole sources) for ENCODER_BATCH_HINT;
+    outputs stay those of the dense F.linear path."""
+    from tandem.core.layers.kernel_setup import ENCODER_BATCH_HINT
+
+    prompts = ["the rain in spain", "old king cole was a merry old soul"]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", max_num_seqs=1)
+    model = llm.llm_engine.worker.model
+    hints = {}
+    for name, module in model.named_modules():
+        kernel = getattr(module, "kernel", None) or getattr(module, "logits_kernel", None)
+        if isinstance(kernel, PackedCPUKernel):
+            hints[name] = kernel.batch_hint
+    encoder = {n: h for n, h in hints.items() if ".encoder." in f".{n}."}
+    decoder = {n: h for n, h in hints.items() if n not in encoder}
+    assert encoder and decoder
+    assert set(encoder.values()) == {ENCODER_BATCH_HINT}, encoder
+    assert set(decoder.values()) == {1}, decoder
+    assert any("decoder" in n for n in decoder) and any("fc1" in n for n in decoder)
+    ref = LLM(model=str(bart_dir), dtype="float32", device="cpu", cpu_gemm="dense").generate(
+        prompts, params, use_tqdm=False)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]

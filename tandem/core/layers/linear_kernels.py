@@ -104,6 +104,7 @@ class PackedCPUKernel(_Opaque):
 
     def __init__(self, weight: torch.Tensor, batch_hint: int) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        self.batch_hint = batch_hint  # the rows oneDNN chose the blocked layout for
         self.out_features = weight.shape[0]
         self.fused = fused_epilogues()
 
