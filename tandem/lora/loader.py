@@ -8,9 +8,13 @@ it admits a group with an adapter; a group whose adapter is still being read sta
 in the waiting queue holding nothing (no blocks, no adapter slot) and the groups
 behind it go past (``lora_slots.py`` has the rule).
 
-Between steps, on the engine's thread, :meth:`AdapterLoads.poll` hands each finished
-read to every worker (the executor's ``add_lora``): each rank maps it onto its
-model's layers and cuts its own shard (in memory, no disk), into its CPU cache. A
+Mapping the adapter onto the model's layers (and cutting a tensor-parallel rank's
+shard) needs the model: with the model in this process (one rank) the same thread
+maps it too; otherwise each rank maps its own shard (in memory, no disk) when the
+adapter is handed to it. Between steps, on the engine's thread,
+:meth:`AdapterLoads.poll` hands each finished read to every worker (the executor's
+``add_lora``), into its CPU cache; only moving it into a resident slot is left to the
+step that first runs it. A
 read or a mapping that fails fails the requests naming that adapter, with
 "LoRA adapter 'NAME' (PATH): reason"; a later request with the same id tries again.
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import Any
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from tandem.lora.adapter import AdapterError, PeftLoRA, read_adapter
@@ -40,9 +45,11 @@ logger = logging.getLogger(__name__)
 READ_THREADS = 2
 
 
-def read_lora(req: LoRARequest, max_rank: int) -> PeftLoRA:
-    """Everything about loading ``req``'s adapter that needs no model: find it, read it, check it."""
-    return read_adapter(resolve_adapter(req.lora_path), max_rank)
+def read_lora(req: LoRARequest, max_rank: int, prepare: Callable[[PeftLoRA], Any] | None = None):
+    """Everything about loading ``req``'s adapter that needs no model: find it, read it,
+    check it; then ``prepare`` (the in-process worker's mapping), when given."""
+    adapter = read_adapter(resolve_adapter(req.lora_path), max_rank)
+    return adapter if prepare is None else prepare(adapter)
 
 
 def why_failed(req: LoRARequest, e: BaseException | str) -> str:
@@ -54,11 +61,13 @@ class AdapterLoads:
     """The engine's view of the workers' CPU caches of adapters, and the reads in flight.
 
     ``workers``: the executor (``collective_rpc("add_lora" | "drop_lora", ...)`` on
-    every rank); ``live_ids``: the adapter ids that live requests name (the pins)."""
+    every rank); ``live_ids``: the adapter ids that live requests name (the pins);
+    ``prepare``: the in-process worker's mapping of an adapter (None: each rank maps)."""
 
     def __init__(self, workers, *, max_cpu_loras: int, max_rank: int,
-                 live_ids: Callable[[], Iterable[int]]) -> None:
+                 live_ids: Callable[[], Iterable[int]], prepare: Callable[[PeftLoRA], Any] | None = None) -> None:
         self.workers = workers
+        self.prepare = prepare
         self.capacity = max(1, max_cpu_loras)
         self.max_rank = max_rank
         self.live_ids = live_ids
@@ -82,7 +91,7 @@ class AdapterLoads:
         if lora_id not in self.reading and self._make_room():
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tandem-lora-read")
-            self.reading[lora_id] = (req, self._pool.submit(read_lora, req, self.max_rank))
+            self.reading[lora_id] = (req, self._pool.submit(read_lora, req, self.max_rank, self.prepare))
         return False
 
     def _make_room(self) -> bool:

@@ -117,11 +117,16 @@ class LoRAManager:
             self.cpu.popitem(last=False)
         return parts
 
-    def add(self, req, adapter: PeftLoRA) -> None:
-        """Put ``req``'s adapter, as read, into the CPU cache: mapped onto this model's
-        layers and cut to this rank (``AdapterError`` when it does not fit the model).
-        The engine evicts (:meth:`drop`); nothing is evicted here."""
-        self.cpu[req.lora_int_id] = map_adapter(self.model, adapter, self.dtype)
+    def prepare(self, adapter: PeftLoRA) -> list[LayerLoRA]:
+        """The adapter, as read, mapped onto this model's layers and cut to this rank
+        (``AdapterError`` when it does not fit the model). Touches no slot and no cache,
+        so the engine's loader thread may call it while a step runs."""
+        return map_adapter(self.model, adapter, self.dtype)
+
+    def add(self, req, adapter: PeftLoRA | list[LayerLoRA]) -> None:
+        """Put ``req``'s adapter into the CPU cache: as read (mapped here), or as
+        :meth:`prepare` gave it. The engine evicts (:meth:`drop`); nothing is evicted here."""
+        self.cpu[req.lora_int_id] = adapter if isinstance(adapter, list) else self.prepare(adapter)
         self.cpu.move_to_end(req.lora_int_id)
 
     def drop(self, lora_id: int) -> None:
