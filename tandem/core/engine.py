@@ -121,11 +121,22 @@ class LLMEngine:
             config, frozenset(self.eos_token_ids), self.vocab_size, config.block_size,
             {"structured": self.structured, "draft": self.draft}))
         compress = config.kv_compress_config
+        self.lora_loads = None
+        if config.enable_lora:  # adapters are read off the step, then handed to every rank
+            from tandem.lora.loader import AdapterLoads
+
+            worker = self.executor.worker  # in process: the loader thread maps adapters too
+            self.lora_loads = AdapterLoads(self.executor, max_cpu_loras=config.max_cpu_loras,
+                                           max_rank=config.max_lora_rank,
+                                           live_ids=lambda: {g.lora_id for g in self.scheduler.groups.values()},
+                                           prepare=None if worker is None else worker.lora.prepare)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.eos_token_ids, self._seq_ids,
                                    modes=self.modes,
-                                   cross_compress=CrossCompressor(compress, self.block_manager) if compress else None)
+                                   cross_compress=CrossCompressor(compress, self.block_manager) if compress else None,
+                                   adapter_ready=(None if self.lora_loads is None
+                                                  else lambda g: self.lora_loads.ready(g.lora_request)))
         self.core = EngineCore(self.scheduler_config, self.block_manager, self.executor, self.scheduler,
-                               config.max_consecutive_step_failures, self.modes)
+                               config.max_consecutive_step_failures, self.modes, lora_loads=self.lora_loads)
         self.processor = RequestProcessor(self.hf_config, self.model_cls, self.tokenizer, self.generation_defaults,
                                           self.vocab_size, self.scheduler_config, self.executor.check_request,
                                           enable_lora=config.enable_lora,
@@ -165,6 +176,8 @@ class LLMEngine:
         """Stop the executor's workers (no-op in-process); idempotent."""
         self.modes.shutdown()
         self.structured.shutdown()
+        if self.lora_loads is not None:
+            self.lora_loads.shutdown()
         self.executor.shutdown()
 
     def get_tokenizer(self):

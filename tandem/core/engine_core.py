@@ -80,7 +80,7 @@ class EngineStats:
 class EngineCore:
     def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager, executor: Executor,
                  scheduler: Scheduler, max_consecutive_step_failures: int,
-                 modes: Modes | None = None) -> None:
+                 modes: Modes | None = None, lora_loads=None) -> None:
         self.scheduler_config = scheduler_config
         self.block_manager = block_manager
         self.executor = executor  # runs the step: the in-process worker, or the ranks' workers
@@ -88,6 +88,8 @@ class EngineCore:
         # The modes' batch hooks: pending work, the logits transforms passed beside
         # the scheduler output, their counters.
         self.modes = modes if modes is not None else Modes(())
+        # LoRA adapters read off the step (tandem.lora.loader.AdapterLoads); None without enable_lora.
+        self.lora_loads = lora_loads
         self.faults = StepFaults(max_consecutive_step_failures)
         self.num_requests_finished = 0
         self.stats = EngineStats()
@@ -97,6 +99,8 @@ class EngineCore:
     def add(self, group: SequenceGroup) -> None:
         self.faults.check_alive()
         self.scheduler.add(group)
+        if self.lora_loads is not None:
+            self.lora_loads.ready(group.lora_request)  # its adapter's read starts now if it must
         self._publish()
 
     def abort(self, request_ids: set[str]) -> list[RequestResult]:
@@ -133,17 +137,18 @@ class EngineCore:
         of the step fails the step's requests, and ``max_consecutive_step_failures``
         failed steps in a row make the engine dead)."""
         self.faults.check_alive()
+        lora_failed = self._take_adapters()
         # Before scheduling: pending work that finishes after schedule() passed its
         # request over explains an idle step as well as work still pending (the step
         # takes a round trip to the workers under the mp executor, which widens the window).
-        pending = self.modes.has_pending()
+        pending = self.modes.has_pending() or self._adapters_pending()
         sched = self.scheduler.schedule()
         # Requests that cannot run (their strategy could not get ready) fail alone.
         cannot_run = self.scheduler.take_failures()
         sampling, no_transform = self.modes.sampling_inputs(sched, self.scheduler.groups)
         cannot_run.update(no_transform)  # their rows run untransformed; their results are dropped
         block_fault = self.scheduler.block_fault
-        failed = self.fail(cannot_run, check_blocks=not block_fault)
+        failed = lora_failed + self.fail(cannot_run, check_blocks=not block_fault)
         if block_fault:
             self._check_pool_after_fault()
         try:
@@ -152,7 +157,9 @@ class EngineCore:
             return failed + self._step_failed(sched, e)
         if result is None:
             if not (sched.blocks_to_swap_out or sched.blocks_to_swap_in):
-                if pending or self.modes.has_pending():
+                if self._adapters_pending():
+                    self.lora_loads.wait(_PENDING_WAIT_S)  # only requests waiting for adapters are left
+                elif pending or self.modes.has_pending():
                     self.modes.wait(_PENDING_WAIT_S)  # only requests waiting for it are left to admit
                 else:
                     self._no_progress()
@@ -165,6 +172,19 @@ class EngineCore:
         results += self.fail(result.failed_requests)
         self._after_change()
         return results
+
+    def _take_adapters(self) -> list[RequestResult]:
+        """Hand the adapters read since the last step to the workers; the requests
+        naming one whose read or mapping failed end with why."""
+        if self.lora_loads is None:
+            return []
+        bad = self.lora_loads.poll()
+        if not bad:
+            return []
+        return self.fail({rid: bad[g.lora_id] for rid, g in self.scheduler.groups.items() if g.lora_id in bad})
+
+    def _adapters_pending(self) -> bool:
+        return self.lora_loads is not None and self.lora_loads.has_pending()
 
     def fail(self, why_by_id: dict[str, str], check_blocks: bool = True) -> list[RequestResult]:
         """End each request with its reason as ``error``, freeing its blocks

@@ -1,9 +1,12 @@
 """The worker's adapters: ``max_loras`` resident slots and a CPU cache of loaded ones.
 
 Each step :meth:`LoRAManager.assign` gives every scheduled request with a
-``lora_request`` the slot its adapter sits in, loading it first when it is not
-resident: from the CPU cache (``max_cpu_loras`` adapters already read, mapped and
-cut to this rank, least recently used evicted), else from its directory. A new
+``lora_request`` the slot its adapter sits in, copying it from the CPU cache first
+when it is not resident. The engine fills the CPU cache off the step
+(``tandem.lora.loader``: it reads the adapter in the background, then
+:meth:`LoRAManager.add` maps it and cuts this rank's part) and evicts from it
+(:meth:`LoRAManager.drop`); only an adapter the cache lacks, when a worker is
+driven without the engine, is read from its directory inside the step. A new
 adapter takes the lowest free slot (so a step's adapters stay in the low slots,
 which bounds the width of the layers' low-rank GEMMs: ``tandem.lora.layers``),
 else the least recently used slot that this step does not use. An adapter that
@@ -24,7 +27,7 @@ import torch
 from torch import nn
 
 from tandem.core.layers.linear import LinearBase
-from tandem.lora.adapter import AdapterError, read_adapter
+from tandem.lora.adapter import AdapterError, PeftLoRA, read_adapter
 from tandem.lora.layers import LinearLoRA, LoRAStep
 from tandem.lora.mapping import LayerLoRA, map_adapter, shards_of, side_of
 from tandem.lora.source import resolve_adapter
@@ -51,7 +54,7 @@ class LoRAManager:
         self._last_used = [0] * max_loras
         self._clock = 0
         self.cpu: OrderedDict[int, list[LayerLoRA]] = OrderedDict()
-        self.loads = 0  # adapters read from disk (tests and metrics read it)
+        self.loads = 0  # adapters read from disk inside the step (without the engine's loader)
 
     def assign(self, groups: Iterable) -> tuple[dict[str, int], dict[str, str]]:
         """For the step's groups (``ScheduledGroup``s): the slot of each request that
@@ -113,6 +116,22 @@ class LoRAManager:
         while len(self.cpu) > self.max_cpu_loras:
             self.cpu.popitem(last=False)
         return parts
+
+    def prepare(self, adapter: PeftLoRA) -> list[LayerLoRA]:
+        """The adapter, as read, mapped onto this model's layers and cut to this rank
+        (``AdapterError`` when it does not fit the model). Touches no slot and no cache,
+        so the engine's loader thread may call it while a step runs."""
+        return map_adapter(self.model, adapter, self.dtype)
+
+    def add(self, req, adapter: PeftLoRA | list[LayerLoRA]) -> None:
+        """Put ``req``'s adapter into the CPU cache: as read (mapped here), or as
+        :meth:`prepare` gave it. The engine evicts (:meth:`drop`); nothing is evicted here."""
+        self.cpu[req.lora_int_id] = adapter if isinstance(adapter, list) else self.prepare(adapter)
+        self.cpu.move_to_end(req.lora_int_id)
+
+    def drop(self, lora_id: int) -> None:
+        """Evict adapter ``lora_id`` from the CPU cache (a slot holding it keeps its copy)."""
+        self.cpu.pop(lora_id, None)
 
     def _fill(self, slot: int, lora_id: int, parts: list[LayerLoRA]) -> None:
         for layer, shard in self._slot_parts[slot]:

@@ -114,6 +114,24 @@ def test_build_app_reads_each_key_as_its_flag(bart_dir):
     assert deployment.num_replicas == 2 and deployment.ray_actor_options["num_gpus"] == 0.5
 
 
+def test_build_app_passes_the_lora_modules_to_each_replica(bart_dir, tmp_path):
+    """``lora_modules`` reaches the replica's server as ``tandem serve --lora-modules`` gives
+    it (so the adapters are served by name there), checked before any replica starts."""
+    from lora_adapters import make_adapter
+    from tandem.integrations.ray.serve import build_app
+
+    a, b = (make_adapter(bart_dir, tmp_path / name, ["q_proj"], seed=i) for i, name in enumerate("ab"))
+    app = build_app({"model": str(bart_dir), "enable_lora": "true", "lora_modules": f"a={a} b={b}",
+                     "lora_allowed_dir": str(tmp_path)})
+    _, engine, server = app._bound_deployment.init_args
+    assert engine["enable_lora"] is True
+    assert server == {"lora_modules": [("a", str(a)), ("b", str(b))], "lora_allowed_dir": str(tmp_path)}
+    with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+        build_app({"model": str(bart_dir), "lora_modules": f"a={a}"})
+    with pytest.raises(ValueError, match="is given twice"):
+        build_app({"model": str(bart_dir), "enable_lora": "true", "lora_modules": f"a={a} a={b}"})
+
+
 def test_tensor_parallel_replica_reserves_its_ranks(ray_local, bart_dir):
     """A replica whose engine runs TP=2 on the Ray executor: the deployment reserves one
     CPU bundle per rank (the replica itself in bundle 0, reserving nothing), the ranks

@@ -2,8 +2,8 @@
 
 Whatever hosts a rank (a process of the ``mp`` executor, a Ray actor) builds a
 :class:`RankWorker` and calls its methods by name: ``memory_report``,
-``load_model``, ``initialize_cache``, ``execute_model``, ``call_model``, ``describe``,
-``shutdown``.
+``load_model``, ``initialize_cache``, ``execute_model``, ``call_model``, ``add_lora``,
+``drop_lora``, ``describe``, ``shutdown``.
 """
 
 from __future__ import annotations
@@ -92,6 +92,23 @@ class RankWorker:
         if self.rank:
             return None
         return result.cpu() if isinstance(result, torch.Tensor) else result
+
+    def add_lora(self, req, adapter) -> str | None:
+        """Take a LoRA adapter the engine read (``tandem.lora.loader``) into this rank's CPU
+        cache, cut to this rank; None, or why this model cannot take it (it fails only the
+        requests naming it, so it is an answer, not an exception)."""
+        from tandem.lora.adapter import AdapterError
+
+        try:
+            self.worker.lora.add(req, adapter)
+        except AdapterError as e:
+            return str(e)
+        except Exception as e:  # noqa: BLE001 - the adapter's tensors against this model: its requests fail
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def drop_lora(self, lora_id: int) -> None:
+        self.worker.lora.drop(lora_id)
 
     def describe(self) -> dict[str, str]:
         w = self.worker

@@ -10,6 +10,13 @@ that run on the base weights: they take no adapter slot, so they never keep an
 adapter resident longer. A later group with an adapter (even one already in the
 step) waits behind it; otherwise a stream of requests for the running adapters
 could keep the refused group's adapter out forever.
+
+A group whose adapter is still being read from disk (``tandem/lora/loader.py``) is
+not refused a slot: it is not ready, as a group whose grammar still compiles, so
+it is passed over without blocking anyone (it holds no blocks and no slot, and
+the groups behind it, with adapters or not, go past it). Once its adapter is in
+the CPU cache it is considered again at its place in the queue, ahead of the
+groups that arrived after it.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from tandem.core.kv.block_manager import AllocStatus, BlockManager
@@ -53,8 +53,12 @@ class Scheduler:
         seq_ids: Iterator[int] | None = None,
         modes: "Modes | None" = None,
         cross_compress: "CrossCompressor | None" = None,
+        adapter_ready: "Callable[[SequenceGroup], bool] | None" = None,
     ) -> None:
         self.config = config
+        # Whether a group's LoRA adapter is in the workers' CPU caches (the engine reads
+        # adapters off the step: tandem/lora/loader.py); None: every group's is.
+        self.adapter_ready = adapter_ready
         # kv_compress (``cross_compress.py``): None when off.
         self.cross_compress = cross_compress
         # The engine's modes: their batch hooks run before each step over the running
@@ -366,15 +370,17 @@ class Scheduler:
             seq.lookahead_token_ids = []
 
     def _first_ready(self) -> SequenceGroup | None:
-        """The oldest waiting group its strategy says may run and whose LoRA adapter
-        finds a slot in the step (one that is not ready, or has no slot, waits; the
-        others go past it as ``lora_slots.py`` allows). A group whose readiness check
-        raises leaves the queue: its failure is kept for ``take_failures``."""
+        """The oldest waiting group its strategy says may run, whose LoRA adapter is
+        loaded and finds a slot in the step (one that is not ready, or has no slot,
+        waits; the others go past it as ``lora_slots.py`` allows). A group whose
+        readiness check raises leaves the queue: its failure is kept for ``take_failures``."""
         waiting, i = self.waiting, 0
+        adapter_ready = self.adapter_ready
         while i < len(waiting):
             group = waiting[i]
             try:
-                if group.strategy.ready(group) and self.lora_slots.admits(group):
+                if (group.strategy.ready(group) and (adapter_ready is None or adapter_ready(group))
+                        and self.lora_slots.admits(group)):
                     return group
             except Exception as e:  # noqa: BLE001 - this request's own (its strategy could not get ready)
                 del waiting[i]

@@ -17,7 +17,9 @@ what ``tandem serve`` does with SIGTERM (drain, then cut) is Serve's here: a rep
 being stopped gets ``graceful_shutdown_timeout_s`` for its requests, then its engine
 shuts down (the app's lifespan). Keys: ``model``; the server's ``served_model_name``,
 ``api_key``, ``max_queued_requests``, ``max_body_bytes``, ``max_audio_seconds``,
-``allowed_local_media_path`` (a directory on each replica's machine); the
+``allowed_local_media_path`` (a directory on each replica's machine), ``lora_modules``
+(with ``enable_lora``: ``lora_modules="a=/adapters/a b=/adapters/b"``, each as
+``--lora-modules`` takes it) and ``lora_allowed_dir``; the
 deployment's ``num_replicas``, ``num_cpus``, ``num_gpus`` (per replica); and every
 engine option (``help(tandem.LLM)``), by its name or its flag's (``max-num-seqs``).
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import shlex
 from typing import Any
 
 from ray import serve
@@ -33,7 +36,7 @@ from ray import serve
 from tandem.core.engine_args import add_cli_args, from_cli_args, option_names
 
 SERVER_KEYS = ("served_model_name", "api_key", "max_queued_requests", "max_body_bytes", "max_audio_seconds",
-               "allowed_local_media_path")
+               "allowed_local_media_path", "lora_modules", "lora_allowed_dir")
 DEPLOYMENT_KEYS = ("num_replicas", "num_cpus", "num_gpus")
 
 
@@ -64,19 +67,31 @@ def deployment(
     max_body_bytes: int | None = None,
     max_audio_seconds: float | None = None,
     allowed_local_media_path: str | None = None,
+    lora_modules: list[str] | list[tuple[str, str]] | None = None,
+    lora_allowed_dir: str | None = None,
     **engine_args: Any,
 ) -> serve.Application:
     """The deployment, bound and ready for ``serve.run``: ``num_replicas`` replicas,
     each with ``num_cpus`` / ``num_gpus`` and its own engine built from ``model`` and
-    ``engine_args`` (``help(tandem.LLM)``); the server options as ``tandem serve``'s flags."""
+    ``engine_args`` (``help(tandem.LLM)``); the server options as ``tandem serve``'s flags
+    (``lora_modules``: ``"name=path"`` strings or ``(name, path)`` pairs, as ``--lora-modules``)."""
     from tandem.core.engine_args import check_kwargs
+    from tandem.entrypoints.openai.lora_modules import ServedModels, parse_lora_module
 
     check_kwargs("deployment", engine_args)
+    if lora_modules is not None:
+        lora_modules = [parse_lora_module(m) if isinstance(m, str) else tuple(m) for m in lora_modules]
+    if lora_modules or lora_allowed_dir is not None:
+        # Checked here, as ``tandem serve`` checks its flags, so a mistake costs no replica.
+        ServedModels(served_model_name or model, model, enable_lora=engine_args.get("enable_lora", False),
+                     max_lora_rank=engine_args.get("max_lora_rank", 16), lora_modules=lora_modules or [],
+                     allowed_dir=lora_allowed_dir)
     if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
         raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
     server = {"served_model_name": served_model_name, "api_key": api_key, "max_queued_requests": max_queued_requests,
               "max_body_bytes": max_body_bytes, "max_audio_seconds": max_audio_seconds,
-              "allowed_local_media_path": allowed_local_media_path}
+              "allowed_local_media_path": allowed_local_media_path, "lora_modules": lora_modules,
+              "lora_allowed_dir": lora_allowed_dir}
     server = {k: v for k, v in server.items() if v is not None}
     if server.get("max_audio_seconds") == 0:  # as the flag: 0 is no limit
         server["max_audio_seconds"] = None
@@ -135,6 +150,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=None)
     p.add_argument("--max-audio-seconds", type=float, default=None)
     p.add_argument("--allowed-local-media-path", default=None)
+    p.add_argument("--lora-modules", nargs="+", default=None)  # deployment() parses and checks them
+    p.add_argument("--lora-allowed-dir", default=None)
     return add_cli_args(p)
 
 
@@ -155,6 +172,9 @@ def _argv(args: dict[str, Any]) -> list[str]:
                 raise ValueError(f"build_app: {key} is true or false, got {value!r}")
             if text in ("true", "1", "yes"):
                 argv.append(f"--{name}")
+            continue
+        if name == "lora-modules":  # several: "a=/p b=/q" (shell quoting keeps a JSON module whole)
+            argv += [f"--{name}", *shlex.split(str(value))]
             continue
         argv += [f"--{name}", str(value)]
     return argv
