@@ -1,7 +1,6 @@
 """Outputs with an adapter equal PEFT's merged model token for token, float32: HF
-``generate`` on ``PeftModel.from_pretrained(...).merge_and_unload()`` (BART, T5), and
-tandem on that merged model saved as a checkpoint (every model, Whisper included, whose
-tandem-vs-HF parity tests/entrypoints/test_whisper*.py check). A batch that mixes
+``generate`` on ``PeftModel.from_pretrained(...).merge_and_unload()`` (BART, T5, Whisper; greedy and
+beam search), and tandem on that merged model saved as a checkpoint (Whisper). A batch that mixes
 adapters and the base equals each prompt run alone."""
 
 from __future__ import annotations
@@ -88,7 +87,7 @@ def test_a_batch_mixing_three_adapters_and_the_base_equals_each_run_alone(bart):
     pytest.param("t5-small", ["q", "k", "v", "o", "wi", "wo"], marks=pytest.mark.slow),  # ReLU FFN: wi unfused
     ("flan-t5-base", T5_ALL),  # gated FFN: wi_0 / wi_1 fused into one layer's two shards
 ])
-def test_t5_greedy_equals_hf_peft_merged(shape, targets, tmp_path):
+def test_t5_greedy_and_beams_equal_hf_peft_merged(shape, targets, tmp_path):
     base = make_t5(shape, tmp_path / "base", seed=2)
     adapter = make_adapter(base, tmp_path / "a", targets, seed=4, std=0.2)
     merged = merged_checkpoint(base, adapter, tmp_path / "merged")
@@ -100,10 +99,32 @@ def test_t5_greedy_equals_hf_peft_merged(shape, targets, tmp_path):
     for o in outs:
         assert o.error is None, o.error
         assert o.outputs[0].token_ids == _hf_tokens(merged, o, num_beams=1)
+    beam = SamplingParams(num_beams=3, max_tokens=8)
+    for o in llm.generate(prompts[:2], beam, lora_request=LoRARequest("t5", 1, str(adapter)), use_tqdm=False):
+        assert o.error is None, o.error
+        (ref, _), = hf_search(merged, o.encoder_prompt_token_ids, o.prompt_token_ids, do_sample=False, num_beams=3,
+                              max_new_tokens=8)
+        assert o.outputs[0].token_ids == ref
+
+
+def _hf_whisper(merged, clip, decoder, **kwargs):
+    """HF's generate on the PEFT-merged Whisper from explicit decoder ids, with the
+    checkpoint's suppress settings (tests/entrypoints/test_whisper.py's oracle)."""
+    import torch
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+    from transformers.generation.utils import GenerationMixin
+
+    model = WhisperForConditionalGeneration.from_pretrained(merged).eval()
+    features = WhisperFeatureExtractor(feature_size=model.config.num_mel_bins)(
+        clip, sampling_rate=16000, return_tensors="pt").input_features
+    with torch.no_grad():
+        out = GenerationMixin.generate(model, input_features=features, decoder_input_ids=torch.tensor([decoder]),
+                                       do_sample=False, **kwargs)
+    return out[0, len(decoder):].tolist()
 
 
 @pytest.mark.slow  # three engines over 1500-position audio encoders: ~25 s on 2 loaded cores
-def test_whisper_with_an_adapter_equals_the_peft_merged_checkpoint(tmp_path):
+def test_whisper_with_an_adapter_equals_hf_peft_merged_greedy_and_beams(tmp_path):
     base = make_whisper(tmp_path / "base", seed=5)
     adapter = make_adapter(base, tmp_path / "a", BART_ALL, seed=6, std=0.2)
     merged = merged_checkpoint(base, adapter, tmp_path / "merged")
@@ -116,3 +137,15 @@ def test_whisper_with_an_adapter_equals_the_peft_merged_checkpoint(tmp_path):
     plain = LLM(str(base), dtype="float32").generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert [o.outputs[0].token_ids for o in got] != [o.outputs[0].token_ids for o in plain]
+    # And against HF + PEFT's merged model itself, greedy and beam search.
+    decoder = [120, 121, 125, 127]
+    clips = [p["encoder_prompt"]["audio"] for p in prompts]
+    for clip, o in zip(clips, got):
+        ref = _hf_whisper(merged, clip, decoder, num_beams=1, max_new_tokens=12)
+        assert o.outputs[0].token_ids == ref[: len(o.outputs[0].token_ids)] and len(o.outputs[0].token_ids) == len(ref)
+    beam = SamplingParams(num_beams=3, max_tokens=8)
+    beams = LLM(str(base), dtype="float32", enable_lora=True).generate(prompts[:2], beam, lora_request=lora,
+                                                                       use_tqdm=False)
+    for clip, o in zip(clips, beams):
+        assert o.error is None, o.error
+        assert o.outputs[0].token_ids == _hf_whisper(merged, clip, decoder, num_beams=3, max_new_tokens=8)
