@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 FEATURE = "cross_kv_compress"  # the attention feature a backend declares to serve it
+# The attention feature of a backend that also reads a cross table compressed per head
+# (``tandem/core/kv/cross_per_head.py``); without it the engine keeps one count per request.
+PER_HEAD_FEATURE = "cross_kv_compress_per_head"
 _KEYS = ("keep_fraction", "window", "min_keep")
 
 
