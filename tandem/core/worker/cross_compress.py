@@ -12,9 +12,13 @@ tokens computed twice, count once.
 
 Cross attention has no positional term over keys (positions are in the encoder
 output; T5 uses no bias there), so the kept positions of one head may sit in any
-slot order, and heads of one slot need not keep the same position: slot ``j`` of
-head ``h`` holds that head's ``j``-th kept position (ascending). Every (layer, head)
-keeps the same count, the request's ``dst_positions``; see ``docs/kv_compress.md``.
+slot order, and heads of one slot need not keep the same position. Per head (the
+backend declares ``cross_kv_compress_per_head``): each (layer, head) keeps its own
+count, in its range of the table's flat single-head slots
+(``tandem/core/kv/cross_per_head.py``, :meth:`CrossKVCompressor.kept_per_head`).
+Otherwise every (layer, head) keeps the request's ``dst_positions``, slot ``j`` of
+head ``h`` holding that head's ``j``-th kept position (ascending); see
+``docs/kv_compress.md``.
 
 Reads the default cache layout ``[2, num_blocks, block_size, num_kv_heads, head_size]``,
 which every backend declaring the ``cross_kv_compress`` feature keeps.
