@@ -44,6 +44,21 @@ def test_a_concentrated_head_keeps_what_covers_95_percent_and_its_neighbours_the
     assert [kept[1][h].tolist() for h in range(KV_HEADS)] == [_even(K)] * KV_HEADS  # as the uniform layout
 
 
+def test_a_layer_below_the_largest_fills_the_tables_spare_slots():
+    # Layer 1 (one concentrated head, one diffuse) uses its whole budget, 2 x 12 slots;
+    # layer 0's two concentrated heads need 3 each, and fill the 18 slots left in the
+    # table with their next most attended positions: 12 each.
+    scores = _scores(torch.Generator().manual_seed(0))
+    scores[1], scores[0, 1] = scores[0], scores[0, 0].roll(7)
+    scores[0, :, 20:32] += torch.linspace(1e-5, 2e-5, 12)  # the next most attended after the three
+    comp = CrossKVCompressor(LAYERS, KV_HEADS, BS, per_head=True, min_keep=2)
+    comp.scores["r"] = {(0, 0): scores}
+    kept = comp.kept_per_head(CrossRepack("r", list(range(10)), N_ENC, [0, 1, 2], K))
+    assert [len(p) for p in kept[1]] == [3, 2 * K - 3]
+    for h in range(KV_HEADS):
+        assert kept[0][h].tolist() == scores[0, h].topk(K).indices.sort().values.tolist()
+
+
 def _layout(backend, g, in_place):
     caches = [backend.allocate_kv_cache(48, BS, KV_HEADS, D, torch.float32, "cpu") for _ in range(LAYERS)]
     for c in caches:
@@ -127,6 +142,8 @@ def test_blocks_freed_equal_the_largest_layers_kept_slots(monkeypatch):
         assert (offsets == lens.cumsum(-1) - lens).all() and (lens >= 1).all()
         want = -(-int(lens.sum(-1).max()) // (4 * spec.num_kv_heads))  # ceil(max_l total_l / (bs x Hkv))
         assert blocks == want < blocks_for(config.kept_positions(enc, 4), 4)  # fewer than one count per request
+        # every layer fills the table's slots (or keeps all its positions)
+        assert ((lens.sum(-1) == blocks * 4 * spec.num_kv_heads) | (lens == enc).all(-1)).all()
         freed += blocks_for(enc, 4) - blocks
     assert llm.llm_engine.scheduler.cross_compress.blocks_freed == freed
     assert all(o[0] for o in outs)

@@ -193,8 +193,10 @@ class CrossKVCompressor:
         and-static head (as :meth:`kept_positions` judges it over its ``dst_positions``
         most attended positions) keeps the fewest most attended positions that hold
         ``CONCENTRATED`` of its window attention (at least ``min_keep``); the layer's other
-        heads share what is left, evenly spaced, each at most the encoder's length. A
-        layer whose heads are all concentrated keeps less than its budget."""
+        heads share what is left, evenly spaced, each at most the encoder's length. The
+        table then needs the largest layer's slots, rounded up to whole blocks; the other
+        layers' heads fill their spare slots there (more positions at no cost: a
+        concentrated head more of its most attended ones)."""
         seen = self.scores.pop(repack.request_id, None)
         k, length, hkv = repack.dst_positions, repack.src_positions, self.num_kv_heads
         if not seen:
@@ -210,21 +212,32 @@ class CrossKVCompressor:
         # the fewest top positions holding CONCENTRATED of the mass
         covering = (order.values.cumsum(-1) < CONCENTRATED * total[..., None]).sum(-1) + 1
         small = covering.clamp(min=min(self.min_keep, k), max=k)
-        kept = []
+        counts = torch.zeros(self.num_layers, hkv, dtype=torch.long)
         for layer in range(self.num_layers):
             conc = by_attention[layer].tolist()
             others = [h for h in range(hkv) if not conc[h]]
             left = hkv * k - sum(int(small[layer, h]) for h in range(hkv) if conc[h])
             per, extra = divmod(left, len(others)) if others else (0, 0)
-            heads = []
             for h in range(hkv):
-                if conc[h]:
-                    heads.append(order.indices[layer, h, : int(small[layer, h])].sort().values)
-                else:
-                    n = min(length, per + (1 if others.index(h) < extra else 0))
-                    heads.append(torch.linspace(0, length - 1, n).round().long())
-            kept.append(heads)
-        return kept
+                counts[layer, h] = small[layer, h] if conc[h] else min(length, per + (others.index(h) < extra))
+        # Every layer shares the table's blocks, which the largest layer sizes: a smaller
+        # layer's heads fill its spare slots (more positions at no cost).
+        per_block = self.block_size * hkv
+        capacity = -(-int(counts.sum(-1).max()) // per_block) * per_block
+        for layer in range(self.num_layers):
+            spare = capacity - int(counts[layer].sum())
+            while spare > 0:
+                room = [h for h in range(hkv) if int(counts[layer, h]) < length]
+                if not room:
+                    break
+                step = max(1, spare // len(room))
+                for h in room[:spare]:
+                    grow = min(step, length - int(counts[layer, h]), spare)
+                    counts[layer, h] += grow
+                    spare -= grow
+        even = lambda n: torch.linspace(0, length - 1, n).round().long()  # noqa: E731
+        return [[order.indices[layer, h, : int(counts[layer, h])].sort().values if by_attention[layer, h]
+                 else even(int(counts[layer, h])) for h in range(hkv)] for layer in range(self.num_layers)]
 
     def _repack_per_head(self, repack: CrossRepack, kv_caches: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Write head ``h`` of layer ``l``'s kept K/V at flat single-head slots
