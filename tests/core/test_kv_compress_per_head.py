@@ -116,11 +116,7 @@ def test_per_head_read_equals_float64_over_each_heads_kept_set_beside_an_uncompr
             torch.testing.assert_close(out[q_len:, heads].double(), want, atol=2e-5, rtol=1e-4)
 
 
-def test_blocks_freed_equal_the_largest_layers_kept_slots(monkeypatch):
-    # Every head counts as concentrated and static (covering half its window attention):
-    # each keeps few positions, so tables shrink below the uniform count and are trimmed.
-    monkeypatch.setattr(cross_compress, "CONCENTRATED", 0.5)
-    monkeypatch.setattr(cross_compress, "_static", lambda seen: torch.ones((), dtype=torch.bool))
+def test_blocks_freed_equal_the_largest_layers_kept_slots(every_head_concentrated, monkeypatch):
     llm = LLM(model=str(DEMO_BART), **SMALL, num_kv_blocks=600, encoder_cache_blocks=0)
     worker = llm.llm_engine.executor.rank_worker.worker
     assert worker.cross_compress.per_head
@@ -170,3 +166,32 @@ def test_a_backend_without_the_feature_keeps_one_count_per_request(monkeypatch):
     config = llm.llm_engine.scheduler.cross_compress.config
     for blocks, positions, enc in sizes.values():
         assert positions == config.kept_positions(enc, 4) and blocks == blocks_for(positions, 4)
+
+
+@pytest.fixture
+def every_head_concentrated(monkeypatch):
+    """Every head judged concentrated and static (covering half its window attention), so
+    tables are trimmed below the uniform count."""
+    monkeypatch.setattr(cross_compress, "CONCENTRATED", 0.5)
+    monkeypatch.setattr(cross_compress, "_static", lambda seen: torch.ones((), dtype=torch.bool))
+
+
+def test_speculation_verifies_drafts_over_trimmed_per_head_tables(every_head_concentrated):
+    # Verified draft tokens read the cross table as a prefill does: greedy speculation
+    # gives the tokens of plain decoding over the same compressed tables.
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    want, _ = _run_steps(LLM(model=str(DEMO_BART), **SMALL, num_kv_blocks=600), LONG, params)
+    spec = LLM(model=str(DEMO_BART), **SMALL, num_kv_blocks=600,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    got, sizes = _run_steps(spec, LONG, params)
+    assert len(sizes) == len(LONG) and got == want
+
+
+@pytest.mark.slow  # two engines, 8 requests x 40 tokens each, a tight pool: > 10 s on a loaded 2-core machine
+def test_swap_preemption_brings_trimmed_per_head_tables_back(every_head_concentrated):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want, _ = _run_steps(LLM(model=str(DEMO_BART), **SMALL, num_kv_blocks=600), LONG, params)
+    tight = LLM(model=str(DEMO_BART), **SMALL, num_kv_blocks=40, preemption_mode="swap", encoder_cache_blocks=0)
+    got, sizes = _run_steps(tight, LONG, params)
+    assert tight.llm_engine.scheduler.num_preemptions > 0 and len(sizes) == len(LONG)
+    assert got == want
