@@ -18,7 +18,9 @@ identical (the divergence), cross-attention blocks per request (each request's c
 its last step: compressed once its window ended, full if it finished first), and the largest
 batch that fits a fixed pool: ``--batch-requests`` requests submitted at once to a pool of
 ``--pool-requests`` full-length requests' blocks, decoding ``--batch-tokens`` tokens each
-(``min_tokens`` = ``max_tokens``), the peak number running together.
+(``min_tokens`` = ``max_tokens``), the peak number running together; where the backend reads
+per-head budgets, how many (layer, KV head)s kept fewer positions than the uniform count
+(``heads_below_uniform_count``).
 
 JSON keys (Whisper, default settings): ``exact_ratio`` (exact with / exact without),
 ``cross_blocks_ratio`` (blocks per request with / without), ``max_batch_ratio`` (peak batch
@@ -88,6 +90,21 @@ class Recorder:
             return out
 
         self.sched.schedule = schedule
+        # Per head: how many (layer, KV head)s kept fewer positions than the uniform count.
+        self.heads_below, self.heads = 0, 0
+        worker = getattr(getattr(engine.executor, "rank_worker", None), "worker", None)
+        compressor = getattr(worker, "cross_compress", None)
+        if compressor is not None and compressor.per_head:
+            choose = compressor.kept_per_head
+
+            def kept_per_head(repack):
+                kept = choose(repack)
+                lens = [len(p) for heads in kept for p in heads]
+                self.heads_below += sum(n < repack.dst_positions for n in lens)
+                self.heads += len(lens)
+                return kept
+
+            compressor.kept_per_head = kept_per_head
 
 
 def text_prompts() -> list[str]:
@@ -119,7 +136,8 @@ def run_family(name: str, model: str, prompts, kv, args, expected=None, block_si
     # The largest batch: a pool of pool_requests full requests' blocks, all submitted at once.
     full = max(rec.blocks.values()) if kv is None else None
     return dict(texts=texts, tokens=tokens, logprobs=logprobs, exact=exact, blocks=blocks, seconds=seconds,
-                full_blocks=full, self_blocks=statistics.mean(rec.self_blocks.values()))
+                full_blocks=full, self_blocks=statistics.mean(rec.self_blocks.values()),
+                heads_below=f"{rec.heads_below} of {rec.heads}" if rec.heads else None)
 
 
 def peak_batch(name: str, model: str, prompts, kv, pool_blocks: int, args, block_size=16) -> int:
@@ -146,7 +164,8 @@ def family(name, model, prompts, kv, args, expected=None, block_size=16, batch=T
                identical_to_uncompressed=same, logprob_divergence=div,
                cross_blocks_without=base["blocks"], cross_blocks_with=comp["blocks"],
                cross_blocks_ratio=comp["blocks"] / base["blocks"], self_blocks=base["self_blocks"],
-               seconds_without=round(base["seconds"], 2), seconds_with=round(comp["seconds"], 2))
+               seconds_without=round(base["seconds"], 2), seconds_with=round(comp["seconds"], 2),
+               heads_below_uniform_count=comp["heads_below"])
     if base["exact"]:
         row["exact_ratio"] = comp["exact"] / base["exact"]
     if batch:

@@ -25,9 +25,11 @@ from tandem.core.attention import (
     AttentionType,
     BackendCapabilities,
 )
+from tandem.core.kv import cross_per_head
 from tandem.core.kv.cache_ops import GatherWorkspace, gather_from_paged_cache
 from tandem.core.relative_position import FEATURE as RELATIVE_POSITION_BIAS
 from tandem.core.kv_compress_config import FEATURE as CROSS_KV_COMPRESS
+from tandem.core.kv_compress_config import PER_HEAD_FEATURE as CROSS_KV_COMPRESS_PER_HEAD
 from tandem.core.relative_position import RelativePositionBias
 
 
@@ -49,6 +51,11 @@ class SDPAMetadata(AttentionMetadata):
     decode_seqs: torch.Tensor  # [D] sequence index
     num_decodes: int
     workspace: GatherWorkspace  # the builder's, reused by every layer and step
+    # kv_compress per head: sequence index -> its row in ``cross_head_offsets``/``lens``, and
+    # the (query row, that row) of decodes whose cross table is read per head (the
+    # backend's own cross decode path passes them over).
+    cross_head_index: dict[int, int]
+    cross_head_decodes: list[tuple[int, int]]
 
 
 @dataclass
@@ -113,6 +120,7 @@ class SDPAMetadataBuilderBase(AttentionMetadataBuilder):
             cross_lens = torch.tensor(inputs.cross_seq_lens, dtype=torch.long)
             view_start = contiguous_starts(inputs.cross_block_tables.cpu(), cross_lens, self.block_size).tolist()
         decode_seqs = torch.tensor(decodes, dtype=torch.long, device=self.device)
+        head_index = {i: j for j, i in enumerate(inputs.cross_per_head_seqs)}
         fields = dict(
             prefills=prefills,
             cross_view_start=view_start,
@@ -121,6 +129,8 @@ class SDPAMetadataBuilderBase(AttentionMetadataBuilder):
             decode_seqs=decode_seqs,
             num_decodes=len(decodes),
             workspace=self.workspace,
+            cross_head_index=head_index,
+            cross_head_decodes=[(starts[i], head_index[i]) for i in decodes if i in head_index],
         )
         return fields, decodes, starts
 
@@ -134,8 +144,11 @@ class TorchSDPAMetadataBuilder(SDPAMetadataBuilderBase):
         cross_lens = torch.tensor(inputs.cross_seq_lens, dtype=torch.long, device=dev)
         views, gather = [], []
         min_tokens = VIEW_MIN_CROSS_ELEMENTS / (self.kv_spec.num_kv_heads * self.kv_spec.head_size)
+        per_head = common["cross_head_index"]
         for j, i in enumerate(decodes):
             n = inputs.cross_seq_lens[i]
+            if i in per_head:  # read per head (SDPAImplBase.forward)
+                continue
             if view_start[i] >= 0 and n >= min_tokens:
                 views.append((starts[i], view_start[i], n))
             else:
@@ -214,6 +227,10 @@ class SDPAImplBase(AttentionImpl):
         block_size = kv_cache.shape[2]
         for start, q_len, seq_len, i in md.prefills:
             q = _heads_first(query[start : start + q_len])
+            if is_cross and i in md.cross_head_index:
+                out[start : start + q_len] = self._per_head(query[start : start + q_len], kv_cache, md,
+                                                            md.cross_head_index[i], tables[i])
+                continue
             if is_cross:
                 first = md.cross_view_start[i]
                 if first >= 0:
@@ -248,7 +265,21 @@ class SDPAImplBase(AttentionImpl):
                 self.forward_decodes(query, kv_cache, md, is_cross, out, position_bias=pb)
             else:
                 self.forward_decodes(query, kv_cache, md, is_cross, out)
+        if is_cross:
+            for row, j in md.cross_head_decodes:
+                out[row : row + 1] = self._per_head(query[row : row + 1], kv_cache, md, j, None)
         return out
+
+    def _per_head(self, query, kv_cache, md: SDPAMetadata, j: int, table) -> torch.Tensor:
+        """kv_compress per head: ``query`` ``[q, H, D]`` of per-head sequence ``j`` over
+        its kept K/V in this layer (``tandem/core/kv/cross_per_head.py``)."""
+        if self.layer_index is None:
+            raise RuntimeError("a cross table compressed per head reached a layer without its layer_index")
+        if table is None:
+            table = md.cross_block_tables[md.cross_per_head_seqs[j]]
+        slots, valid = cross_per_head.head_slots(table, md.cross_head_offsets[j, self.layer_index],
+                                                 md.cross_head_lens[j, self.layer_index], kv_cache.shape[2])
+        return cross_per_head.attend(query, kv_cache, slots, valid, self.scale)
 
     def _encoder_batched(self, query, key, value, runs: int, gqa: bool) -> torch.Tensor:
         """Encoder runs of one length (Whisper's 1500 positions, a batch of equal
@@ -331,7 +362,7 @@ class TorchSDPABackend(AttentionBackend):
     capabilities = BackendCapabilities(
         devices=("cpu", "cuda"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
-        attn_features=frozenset({RELATIVE_POSITION_BIAS, CROSS_KV_COMPRESS}),
+        attn_features=frozenset({RELATIVE_POSITION_BIAS, CROSS_KV_COMPRESS, CROSS_KV_COMPRESS_PER_HEAD}),
         notes="prefills one SDPA call per sequence; decodes batched over gathered, padded K/V",
     )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -62,6 +62,16 @@ class AttentionMetadata:
     # kv_compress: the step's observer of decoder-to-encoder attention (the Attention
     # layer hands it each cross-attention layer's queries); None: nothing observed.
     cross_observer: Any = None
+    # kv_compress per head (the ``cross_kv_compress_per_head`` feature): the sequences
+    # whose cross table is compressed per head (``tandem/core/kv/cross_per_head.py``), and
+    # for each of them the flat single-head slot range of every (decoder layer, KV head)
+    # in its cross table: ``cross_head_offsets[j, l, h]`` the first, ``cross_head_lens[j,
+    # l, h]`` (>= 1) how many. Such a sequence's ``cross_seq_lens`` entry is not a length to
+    # read: a backend reads it per head (``cross_per_head.head_slots`` and ``attend``) in
+    # the layer ``AttentionImpl.layer_index`` names. Empty and None when none is.
+    cross_per_head_seqs: list[int] = field(default_factory=list)  # [P] sequence indices
+    cross_head_offsets: torch.Tensor | None = None  # [P, num_layers, Hkv] int64
+    cross_head_lens: torch.Tensor | None = None  # [P, num_layers, Hkv] int64
 
     @classmethod
     def from_inputs(cls, inputs: StepInputs, **fields: Any) -> Self:
@@ -84,6 +94,9 @@ class AttentionMetadata:
             max_encoder_seq_len=inputs.max_encoder_seq_len,
             max_cross_seq_len=inputs.max_cross_seq_len,
             cross_observer=inputs.cross_observer,
+            cross_per_head_seqs=inputs.cross_per_head_seqs,
+            cross_head_offsets=inputs.cross_head_offsets,
+            cross_head_lens=inputs.cross_head_lens,
             **fields,
         )
 
@@ -127,6 +140,10 @@ class StepInputs:
     max_encoder_seq_len: int | None = None
     max_cross_seq_len: int | None = None
     cross_observer: Any = None  # kv_compress (tandem.core.worker.cross_compress.CrossObserver)
+    # kv_compress per head: as ``AttentionMetadata``'s fields of these names.
+    cross_per_head_seqs: list[int] = field(default_factory=list)
+    cross_head_offsets: torch.Tensor | None = None
+    cross_head_lens: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.max_query_len is None:
@@ -174,6 +191,10 @@ class AttentionImpl(ABC):
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        # An ENCODER_DECODER layer's decoder layer index (its cache's index), which the
+        # worker sets where kv_compress reads cross tables per head
+        # (``AttentionMetadata.cross_head_offsets``); None elsewhere.
+        self.layer_index: int | None = None
 
     def write_kv_cache(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor

@@ -1,7 +1,9 @@
 """``kv_compress``: cross-attention KV compression settings, checked once at construction.
 
 After a request's first ``window`` decode steps (the observation window), each
-(decoder layer, KV head) keeps ``kept_positions`` encoder positions (those it attended
+(decoder layer, KV head) keeps ``kept_positions`` encoder positions, or its own count
+within its layer's budget of ``num_kv_heads x kept_positions`` where the backend reads
+per-head budgets (those it attended
 to most where its attention was concentrated and static, else evenly spaced ones:
 ``tandem/core/worker/cross_compress.py``), and the request's cross K/V is re-packed
 into fewer blocks (``docs/kv_compress.md``). The settings are plain data: the scheduler reads the
@@ -16,6 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 FEATURE = "cross_kv_compress"  # the attention feature a backend declares to serve it
+# The attention feature of a backend that also reads a cross table compressed per head
+# (``tandem/core/kv/cross_per_head.py``); without it the engine keeps one count per request.
+PER_HEAD_FEATURE = "cross_kv_compress_per_head"
 _KEYS = ("keep_fraction", "window", "min_keep")
 
 

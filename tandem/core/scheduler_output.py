@@ -67,6 +67,9 @@ class ScheduledGroup:
     # kv_compress: decoder positions below this have their attention to the encoder
     # observed (the observation window); 0: none are.
     cross_observe_until: int = 0
+    # kv_compress: whether its cross table is compressed (the worker reads one re-packed
+    # per head through its layout, ``CrossKVCompressor.layouts``).
+    cross_compressed: bool = False
 
     @property
     def run_encoder(self) -> bool:
@@ -136,6 +139,9 @@ class ModelRunnerOutput:
     failed_requests: dict[str, str] = field(default_factory=dict)
     # Sequences for which every token was banned: they end with no token appended.
     no_token_seq_ids: frozenset[int] = frozenset()
+    # kv_compress per head: blocks each table re-packed this step still needs (its
+    # largest layer's kept K/V); the scheduler frees the rest.
+    cross_blocks_needed: dict[str, int] = field(default_factory=dict)
 
 
 def table_update(table: list[int], sent: list[int] | None) -> tuple[list[int], bool]:

@@ -96,7 +96,8 @@ def test_attention_features_are_checked_against_the_declared_ones():
     caps = Narrow.capabilities
     assert caps.unsupported_reasons(CUDA, F16, 64, ALL - {AttentionType.ENCODER_DECODER}, 16, F16,
                                     frozenset({"relative_position_bias"})) == []
-    assert TorchSDPABackend.capabilities.attn_features == frozenset({"relative_position_bias", "cross_kv_compress"})
+    assert TorchSDPABackend.capabilities.attn_features == frozenset(
+        {"relative_position_bias", "cross_kv_compress", "cross_kv_compress_per_head"})
     # cpu_paged declares it too (the conformance bias cases skip a backend that does not)
     assert default_backend_registry().load("cpu_paged").feature_reasons(frozenset({"relative_position_bias"})) == []
     plain = dataclasses.replace(TorchSDPABackend.capabilities, attn_features=frozenset())

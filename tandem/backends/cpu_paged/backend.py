@@ -39,6 +39,7 @@ from tandem.core.attention import (
 )
 from tandem.core.relative_position import FEATURE as RELATIVE_POSITION_BIAS
 from tandem.core.kv_compress_config import FEATURE as CROSS_KV_COMPRESS
+from tandem.core.kv_compress_config import PER_HEAD_FEATURE as CROSS_KV_COMPRESS_PER_HEAD
 from tandem.core.relative_position import RelativePositionBias
 
 
@@ -49,6 +50,10 @@ class CPUPagedMetadata(SDPAMetadata):
     # Offsets into the decodes [G + 1] of runs that share one cross table (a request's
     # beams or n > 1 samples); None when no two adjacent decodes share one.
     cross_groups: torch.Tensor | None
+    # The decodes whose cross table the op reads ([Dc] packed rows and sequence indices):
+    # all of them but those kv_compress reads per head (SDPAImplBase.forward reads those).
+    cross_decode_rows: torch.Tensor
+    cross_decode_seqs: torch.Tensor
 
 
 def shared_runs(tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:
@@ -68,7 +73,11 @@ class CPUPagedMetadataBuilder(SDPAMetadataBuilderBase):
     def build(self, inputs) -> CPUPagedMetadata:
         common, _, _ = self.common_fields(inputs, view_starts=False)
         cross_lens = torch.tensor(inputs.cross_seq_lens, dtype=torch.long)
-        seqs = common["decode_seqs"]
+        seqs, rows = common["decode_seqs"], common["decode_rows"]
+        if common["cross_head_decodes"]:
+            per_head = common["cross_head_index"]
+            keep = torch.tensor([i not in per_head for i in seqs.tolist()], dtype=torch.bool)
+            seqs, rows = seqs[keep], rows[keep]
         groups = None
         if seqs.numel() > 1 and inputs.max_cross_seq_len > 0:
             # Beams and forks sit next to each other in the step (a group's sequences are
@@ -80,6 +89,8 @@ class CPUPagedMetadataBuilder(SDPAMetadataBuilderBase):
             seq_lens_t=torch.tensor(inputs.seq_lens, dtype=torch.long),
             cross_seq_lens_t=cross_lens,
             cross_groups=groups,
+            cross_decode_rows=rows,
+            cross_decode_seqs=seqs,
         )
 
 
@@ -92,8 +103,9 @@ class CPUPagedImpl(SDPAImplBase):
         if query.stride(-1) != 1:
             query = query.contiguous()
         if is_cross:
-            self._op(query, kv_cache, out, md.decode_rows, md.decode_seqs, md.cross_seq_lens_t,
-                     md.cross_block_tables, self.scale, None, md.cross_groups)
+            if md.cross_decode_seqs.numel():
+                self._op(query, kv_cache, out, md.cross_decode_rows, md.cross_decode_seqs, md.cross_seq_lens_t,
+                         md.cross_block_tables, self.scale, None, md.cross_groups)
         elif position_bias is None:
             self._op(query, kv_cache, out, md.decode_rows, md.decode_seqs, md.seq_lens_t, md.block_tables, self.scale)
         else:
@@ -116,7 +128,7 @@ class CPUPagedBackend(AttentionBackend):
     capabilities = BackendCapabilities(
         devices=("cpu",),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
-        attn_features=frozenset({RELATIVE_POSITION_BIAS, CROSS_KV_COMPRESS}),
+        attn_features=frozenset({RELATIVE_POSITION_BIAS, CROSS_KV_COMPRESS, CROSS_KV_COMPRESS_PER_HEAD}),
         requires=("a C++ compiler and ninja (the op builds on first use, then loads from torch's cache)",),
         notes="decodes: one C++ op per layer reading paged K/V in place (float32 arithmetic); "
         "encoder and prefills: SDPA as torch_sdpa; relative position bias in both",

@@ -213,6 +213,20 @@ class BlockManager:
         self._location.setdefault(rid, Device.DEVICE)
         return src, blocks
 
+    def trim_cross(self, group: SequenceGroup, num_blocks: int) -> int:
+        """kv_compress per head: keep the first ``num_blocks`` (>= 1) of the group's
+        compressed cross table on the device, free the rest; returns how many were freed."""
+        table = self._cross[group.request_id]
+        if table.positions is None or table.device is not Device.DEVICE:
+            raise RuntimeError(f"request {group.request_id!r}: only a compressed cross table on the device is trimmed")
+        n = max(1, num_blocks)
+        freed = table.blocks[n:]
+        if freed:
+            self.pools[Device.DEVICE].decref(freed)
+            table.blocks = table.blocks[:n]
+            table.positions = min(table.positions, n * self.block_size)
+        return len(freed)
+
     def group_blocks(self, group: SequenceGroup) -> int:
         """Distinct blocks the group holds now (its cross table included, wherever it is)."""
         cross = self._cross.get(group.request_id)

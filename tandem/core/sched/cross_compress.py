@@ -59,3 +59,13 @@ class CrossCompressor:
         self.num_compressed += 1
         self.blocks_freed += len(src) - len(dst)
         return CrossRepack(group.request_id, src, group.encoder_len, dst, kept)
+
+    def trim(self, groups: dict[str, SequenceGroup], needed: dict[str, int]) -> None:
+        """Per head: free the blocks past what each re-packed table still needs (the
+        worker's count, ``ModelRunnerOutput.cross_blocks_needed``)."""
+        for rid, n in needed.items():
+            group = groups.get(rid)
+            # (a table preempted since the re-pack keeps its blocks: swapped out, or dropped)
+            bm = self.block_manager
+            if group is not None and bm.is_cross_compressed(group) and bm.cross_device(group) is Device.DEVICE:
+                self.blocks_freed += bm.trim_cross(group, n)

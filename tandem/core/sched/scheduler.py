@@ -442,6 +442,7 @@ class Scheduler:
             cross_block_table=list(bm.get_cross_block_table(group)),
             mode=group.strategy.step_mode(group),
             cross_observe_until=self.cross_compress.observe_until(group) if self.cross_compress is not None else 0,
+            cross_compressed=self.cross_compress is not None and bm.is_cross_compressed(group),
             lora_request=group.lora_request,
         )
 
@@ -454,6 +455,8 @@ class Scheduler:
         raises is added to ``result.failed_requests`` (the engine fails it alone)
         and the others go on."""
         row = {seq_id: i for i, seq_id in enumerate(result.seq_ids)}
+        if result.cross_blocks_needed and self.cross_compress is not None:
+            self.cross_compress.trim(self.groups, result.cross_blocks_needed)
         results = []
         for sg in output.scheduled:
             group = self.groups.get(sg.request_id)

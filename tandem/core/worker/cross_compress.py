@@ -12,9 +12,13 @@ tokens computed twice, count once.
 
 Cross attention has no positional term over keys (positions are in the encoder
 output; T5 uses no bias there), so the kept positions of one head may sit in any
-slot order, and heads of one slot need not keep the same position: slot ``j`` of
-head ``h`` holds that head's ``j``-th kept position (ascending). Every (layer, head)
-keeps the same count, the request's ``dst_positions``; see ``docs/kv_compress.md``.
+slot order, and heads of one slot need not keep the same position. Per head (the
+backend declares ``cross_kv_compress_per_head``): each (layer, head) keeps its own
+count, in its range of the table's flat single-head slots
+(``tandem/core/kv/cross_per_head.py``, :meth:`CrossKVCompressor.kept_per_head`).
+Otherwise every (layer, head) keeps the request's ``dst_positions``, slot ``j`` of
+head ``h`` holding that head's ``j``-th kept position (ascending); see
+``docs/kv_compress.md``.
 
 Reads the default cache layout ``[2, num_blocks, block_size, num_kv_heads, head_size]``,
 which every backend declaring the ``cross_kv_compress`` feature keeps.
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.core.kv import cross_per_head
 from tandem.core.scheduler_output import CrossRepack
 
 logger = logging.getLogger(__name__)
@@ -101,17 +106,25 @@ class CrossObserver:
 
 
 class CrossKVCompressor:
-    """The worker's kv_compress state: observed scores by request, and the re-pack."""
+    """The worker's kv_compress state: observed scores by request, and the re-pack.
+    ``per_head``: re-pack into the per-head layout (``tandem/core/kv/cross_per_head.py``:
+    the backend declares ``cross_kv_compress_per_head``), else one count per request."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, block_size: int) -> None:
+    def __init__(self, num_layers: int, num_kv_heads: int, block_size: int, per_head: bool = False,
+                 min_keep: int = 1) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.block_size = block_size
+        self.per_head = per_head
+        self.min_keep = min_keep
         # request id -> (seq id, decoder position) -> [num_layers, Hkv, L] probabilities
         self.scores: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
+        # per_head: request id -> (offsets, lens) [num_layers, Hkv] int64 (CPU) of its re-packed table
+        self.layouts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forget(self, request_id: str) -> None:
         self.scores.pop(request_id, None)
+        self.layouts.pop(request_id, None)
 
     def observer(self, groups, seqs_rows, device: torch.device) -> CrossObserver | None:
         """The step's observer. ``groups``: the scheduled groups; ``seqs_rows``: per group,
@@ -158,8 +171,11 @@ class CrossKVCompressor:
         kept = torch.where(by_attention[..., None], top.indices, even)
         return kept.sort(dim=-1).values.to(device)
 
-    def repack(self, repack: CrossRepack, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Move each (layer, KV head)'s kept K/V into the new blocks; returns the kept positions."""
+    def repack(self, repack: CrossRepack, kv_caches: list[torch.Tensor]):
+        """Move each (layer, KV head)'s kept K/V into the new blocks; returns the kept
+        positions (per head: a list per layer of a list per head)."""
+        if self.per_head:
+            return self._repack_per_head(repack, kv_caches)
         device = kv_caches[0].device
         kept = self.kept_positions(repack, device)
         src = _slots(repack.src_blocks, kept, self.block_size)  # [num_layers, Hkv, K]
@@ -170,3 +186,86 @@ class CrossKVCompressor:
             # The gather copies every kept K/V before the write: dst may be src's own first blocks.
             flat[:, dst] = flat[:, src[layer].T, heads]  # [2, K, Hkv, D]: head h from its own positions
         return kept
+
+    def kept_per_head(self, repack: CrossRepack) -> list[list[torch.Tensor]]:
+        """Per layer, per KV head, the encoder positions it keeps (ascending, CPU int64):
+        each layer's budget is ``Hkv x dst_positions`` single-head slots. A concentrated-
+        and-static head (as :meth:`kept_positions` judges it over its ``dst_positions``
+        most attended positions) keeps the fewest most attended positions that hold
+        ``CONCENTRATED`` of its window attention (at least ``min_keep``); the layer's other
+        heads share what is left, evenly spaced, each at most the encoder's length. The
+        table then needs the largest layer's slots, rounded up to whole blocks; the other
+        layers' heads fill their spare slots there (more positions at no cost: a
+        concentrated head more of its most attended ones)."""
+        seen = self.scores.pop(repack.request_id, None)
+        k, length, hkv = repack.dst_positions, repack.src_positions, self.num_kv_heads
+        if not seen:
+            logger.warning("request %r: kv_compress found no observed attention; keeping evenly spaced positions",
+                           repack.request_id)
+            even = torch.linspace(0, length - 1, k).round().long()
+            return [[even] * hkv for _ in range(self.num_layers)]
+        importance = torch.stack(list(seen.values())).sum(0).cpu()  # [num_layers, Hkv, L]
+        order = importance.sort(dim=-1, descending=True)
+        total = importance.sum(-1).clamp_min(1e-30)
+        share = order.values[..., :k].sum(-1) / total
+        by_attention = (share >= CONCENTRATED) & _static(seen).cpu()
+        # the fewest top positions holding CONCENTRATED of the mass
+        covering = (order.values.cumsum(-1) < CONCENTRATED * total[..., None]).sum(-1) + 1
+        small = covering.clamp(min=min(self.min_keep, k), max=k)
+        counts = torch.zeros(self.num_layers, hkv, dtype=torch.long)
+        for layer in range(self.num_layers):
+            conc = by_attention[layer].tolist()
+            others = [h for h in range(hkv) if not conc[h]]
+            left = hkv * k - sum(int(small[layer, h]) for h in range(hkv) if conc[h])
+            per, extra = divmod(left, len(others)) if others else (0, 0)
+            for h in range(hkv):
+                counts[layer, h] = small[layer, h] if conc[h] else min(length, per + (others.index(h) < extra))
+        # Every layer shares the table's blocks, which the largest layer sizes: a smaller
+        # layer's heads fill its spare slots (more positions at no cost).
+        per_block = self.block_size * hkv
+        capacity = -(-int(counts.sum(-1).max()) // per_block) * per_block
+        for layer in range(self.num_layers):
+            spare = capacity - int(counts[layer].sum())
+            while spare > 0:
+                room = [h for h in range(hkv) if int(counts[layer, h]) < length]
+                if not room:
+                    break
+                step = max(1, spare // len(room))
+                for h in room[:spare]:
+                    grow = min(step, length - int(counts[layer, h]), spare)
+                    counts[layer, h] += grow
+                    spare -= grow
+        even = lambda n: torch.linspace(0, length - 1, n).round().long()  # noqa: E731
+        return [[order.indices[layer, h, : int(counts[layer, h])].sort().values if by_attention[layer, h]
+                 else even(int(counts[layer, h])) for h in range(hkv)] for layer in range(self.num_layers)]
+
+    def _repack_per_head(self, repack: CrossRepack, kv_caches: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Write head ``h`` of layer ``l``'s kept K/V at flat single-head slots
+        ``[offset[l, h], offset[l, h] + len[l, h])`` of the new table, heads in order."""
+        device = kv_caches[0].device
+        kept = self.kept_per_head(repack)
+        hkv, bs = self.num_kv_heads, self.block_size
+        lens = torch.tensor([[len(p) for p in heads] for heads in kept], dtype=torch.long)  # [num_layers, Hkv]
+        offsets = lens.cumsum(-1) - lens
+        src_table = torch.as_tensor(repack.src_blocks, dtype=torch.long)
+        dst_table = torch.as_tensor(repack.dst_blocks, dtype=torch.long)
+        if int(lens.sum(-1).max()) > len(repack.dst_blocks) * bs * hkv:
+            raise RuntimeError(f"request {repack.request_id!r}: kept K/V exceed the compressed table")
+        for layer, cache in enumerate(kv_caches):
+            positions = torch.cat(kept[layer])
+            heads = torch.cat([torch.full((len(p),), h, dtype=torch.long) for h, p in enumerate(kept[layer])])
+            src = (src_table[positions // bs] * bs + positions % bs) * hkv + heads
+            dst = cross_per_head.table_slots(dst_table, torch.arange(len(positions)), bs, hkv)
+            flat = cross_per_head.flat_heads(cache)
+            # The gather copies every kept K/V before the write: dst may be src's own first blocks.
+            flat[:, dst.to(device)] = flat[:, src.to(device)]
+        self.layouts[repack.request_id] = (offsets, lens)
+        return kept
+
+    def blocks_needed(self, request_id: str) -> int | None:
+        """Blocks the request's per-head table needs: its largest layer's kept K/V."""
+        layout = self.layouts.get(request_id)
+        if layout is None:
+            return None
+        per_block = self.block_size * self.num_kv_heads
+        return -(-int(layout[1].sum(-1).max()) // per_block)

@@ -133,6 +133,7 @@ class ModelRunner:
                 seq_rows.append([(starts[i + j], s.num_computed_tokens) for j, s in enumerate(g.seqs)])
                 i += len(g.seqs)
             observer = self.cross_compress.observer(out.scheduled, seq_rows, dev)
+        per_head, offsets, lens = self._per_head_layouts(out, dev)
         tokens = list(itertools.chain.from_iterable(s.token_ids for s in seqs))
         return StepInputs(
             input_ids=torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True),
@@ -158,7 +159,29 @@ class ModelRunner:
             max_encoder_seq_len=max_enc_len,
             max_cross_seq_len=max_cross_len,
             cross_observer=observer,
+            cross_per_head_seqs=per_head,
+            cross_head_offsets=offsets,
+            cross_head_lens=lens,
         )
+
+    def _per_head_layouts(self, out: SchedulerOutput, dev: torch.device):
+        """kv_compress per head: the sequences whose cross table is re-packed per head, and
+        their (layer, head) offsets and lengths (``AttentionMetadata.cross_head_offsets``)."""
+        cc = self.cross_compress
+        if cc is None or not cc.layouts:
+            return [], None, None
+        seqs, offsets, lens, i = [], [], [], 0
+        for g in out.scheduled:
+            layout = cc.layouts.get(g.request_id) if g.cross_compressed else None
+            for _ in g.seqs:
+                if layout is not None:
+                    seqs.append(i)
+                    offsets.append(layout[0])
+                    lens.append(layout[1])
+                i += 1
+        if not seqs:
+            return [], None, None
+        return seqs, torch.stack(offsets).to(dev), torch.stack(lens).to(dev)
 
     @staticmethod
     def _logits_indices(seqs, query_start_loc: torch.Tensor) -> torch.Tensor:
@@ -202,7 +225,8 @@ class ModelRunner:
         attn_metadata = self.builder.build(inputs)
         # A compiled graph runs a plain decode step: no adapters (the compiled step is not
         # built with enable_lora) and no kv_compress observation (it reads the attention weights).
-        if self.compiled is not None and inputs.cross_observer is None and self._is_decode_step(inputs):
+        if self.compiled is not None and inputs.cross_observer is None and not inputs.cross_per_head_seqs \
+                and self._is_decode_step(inputs):
             logits = self.compiled(inputs.input_ids, inputs.positions, kv_caches, attn_metadata)
             if logits is not None:
                 return logits

@@ -25,6 +25,7 @@ from tandem.core.loader import load_model
 from tandem.core.model import EncoderDecoderModel
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler_output import ModelRunnerOutput, SamplingInputs, SchedulerOutput
+from tandem.core.kv_compress_config import PER_HEAD_FEATURE
 from tandem.core.worker.cross_compress import CrossKVCompressor
 from tandem.core.worker.input_batch import BlockTableRows
 from tandem.core.worker.logits_processors import ProcessorRows, needs_history
@@ -40,6 +41,26 @@ class _RequestState:
     params: SamplingParams
     generator: torch.Generator | None
     keeps_history: bool  # its processors read past tokens
+
+
+def _features(backend: type[AttentionBackend]) -> frozenset[str]:
+    caps = backend.capabilities
+    return caps.attn_features if caps is not None else frozenset()
+
+
+def _number_cross_layers(model: torch.nn.Module, num_layers: int) -> None:
+    """kv_compress per head: each cross-attention layer's impl learns its decoder layer
+    index (``AttentionImpl.layer_index``), in module order, which is the order the model
+    passes the per-layer caches in (the observation relies on it too)."""
+    from tandem.core.attention import AttentionType
+    from tandem.core.layers.attention import Attention
+
+    cross = [m for m in model.modules() if isinstance(m, Attention) and m.attn_type is AttentionType.ENCODER_DECODER]
+    if len(cross) != num_layers:
+        raise RuntimeError(f"kv_compress per head: the model has {len(cross)} cross-attention layers, its cache "
+                           f"{num_layers}")
+    for i, layer in enumerate(cross):
+        layer.impl.layer_index = i
 
 
 class Worker:
@@ -120,8 +141,13 @@ class Worker:
         builder = self.backend.get_metadata_builder_cls()(self.block_size, self.device, s)
         max_blocks = -(-self.model_cls.max_decoder_len(self.hf_config) // self.block_size)
         compress = self.config.kv_compress_config
-        self.cross_compress = (CrossKVCompressor(s.num_layers, s.num_kv_heads, self.block_size)
+        # Per head where the backend reads that layout, else one count per request.
+        per_head = compress is not None and PER_HEAD_FEATURE in _features(self.backend)
+        self.cross_compress = (CrossKVCompressor(s.num_layers, s.num_kv_heads, self.block_size, per_head=per_head,
+                                                 min_keep=compress.min_keep)
                                if compress is not None else None)
+        if per_head:
+            _number_cross_layers(self.model, s.num_layers)
         self.runner = ModelRunner(self.model, builder, self.block_size, self.device, self.config.max_num_seqs, max_blocks,
                                   cross_compress=self.cross_compress, compiled=self._compiled_step())
         self.runner.lora = self.lora
@@ -156,6 +182,11 @@ class Worker:
         # First: a re-pack reads blocks the step's swaps, copies or forward may reuse.
         for repack in out.cross_repacks:
             self.cross_compress.repack(repack, self.kv_caches)
+        # Per head: the blocks each re-packed table still needs, for the scheduler to free
+        # the rest (one rank only: under tensor parallelism each rank chooses for its heads).
+        needed = {}
+        if out.cross_repacks and self.cross_compress.per_head and self.tp.size == 1:
+            needed = {r.request_id: self.cross_compress.blocks_needed(r.request_id) for r in out.cross_repacks}
         try:
             if out.blocks_to_swap_out:
                 self._swap(out.blocks_to_swap_out, to_cpu=True)
@@ -221,7 +252,8 @@ class Worker:
         failed = {**lora_failed, **{row_request[i]: why for i, why in sampled.failed_rows.items()}}
         no_token = frozenset(seq_ids[i] for i in sampled.no_token_rows)
         return ModelRunnerOutput(
-            plain_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, mode_outputs, failed, no_token
+            plain_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, mode_outputs, failed, no_token,
+            cross_blocks_needed=needed,
         )
 
     @staticmethod
