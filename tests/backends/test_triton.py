@@ -235,6 +235,17 @@ def test_kv_compress_through_triton_equals_cpu_paged(monkeypatch):
     # C++ op does, and the observation reads the same default layout, so both keep the
     # same positions and decode the same tokens.
     monkeypatch.setattr(triton_backend.TritonMetadataBuilder, "split_kv_tokens", 8)
+    # triton declares one count per request (not cross_kv_compress_per_head): compare with
+    # cpu_paged in that layout.
+    from dataclasses import replace
+
+    from tandem.backends.cpu_paged.backend import CPUPagedBackend
+    from tandem.core.kv_compress_config import PER_HEAD_FEATURE
+
+    assert PER_HEAD_FEATURE not in TritonBackend.capabilities.attn_features
+    caps = CPUPagedBackend.capabilities
+    monkeypatch.setattr(CPUPagedBackend, "capabilities",
+                        replace(caps, attn_features=caps.attn_features - {PER_HEAD_FEATURE}))
     # Window 1: half of each request's (layer, head)s keep their most attended positions,
     # half evenly spaced ones.
     compress = {"keep_fraction": 0.3, "window": 1, "min_keep": 1}
