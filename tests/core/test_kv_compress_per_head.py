@@ -123,8 +123,8 @@ def test_blocks_freed_equal_the_largest_layers_kept_slots(every_head_concentrate
     layouts = {}
     real_repack = worker.cross_compress._repack_per_head
 
-    def keep_layout(repack, caches):  # the layouts outlive the requests here
-        kept = real_repack(repack, caches)
+    def keep_layout(repack, caches, per_head):  # the layouts outlive the requests here
+        kept = real_repack(repack, caches, per_head)
         layouts[repack.request_id] = worker.cross_compress.layouts[repack.request_id]
         return kept
 
@@ -195,3 +195,36 @@ def test_swap_preemption_brings_trimmed_per_head_tables_back(every_head_concentr
     got, sizes = _run_steps(tight, LONG, params)
     assert tight.llm_engine.scheduler.num_preemptions > 0 and len(sizes) == len(LONG)
     assert got == want
+
+
+def test_heads_all_at_the_one_count_take_the_ordinary_layout(monkeypatch):
+    """Where no head keeps fewer than the one count (the Whisper demo's moving heads), the
+    per-head re-pack writes the ordinary layout: no per-head read, no trimming, and the
+    same kept positions and tokens as a backend without the per-head feature."""
+    from dataclasses import replace
+
+    from tandem.backends.cpu_paged.backend import CPUPagedBackend
+
+    def run(per_head: bool):
+        caps = CPUPagedBackend.capabilities
+        with monkeypatch.context() as m:
+            if not per_head:
+                m.setattr(CPUPagedBackend, "capabilities",
+                          replace(caps, attn_features=caps.attn_features - {PER_HEAD_FEATURE}))
+            llm = LLM(model=str(DEMO_BART), **SMALL, num_kv_blocks=600, encoder_cache_blocks=0,
+                      attention_backend="cpu_paged")
+            worker = llm.llm_engine.executor.rank_worker.worker
+            assert worker.cross_compress.per_head == per_head
+            # No head concentrated: every head keeps the one count, evenly spaced.
+            m.setattr("tandem.core.worker.cross_compress.CONCENTRATED", 2.0)
+            per_head_layouts = []
+            real = worker.cross_compress._repack_per_head
+            m.setattr(worker.cross_compress, "_repack_per_head",
+                      lambda *a: per_head_layouts.append(a[0].request_id) or real(*a))
+            outs, sizes = _run_steps(llm, LONG[:4], SamplingParams(temperature=0.0, max_tokens=16))
+            return outs, sizes, per_head_layouts
+
+    outs, sizes, per_head_layouts = run(True)
+    want_outs, want_sizes, _ = run(False)
+    assert per_head_layouts == [] and len(sizes) == 4
+    assert sizes == want_sizes and outs == want_outs

@@ -174,10 +174,17 @@ class CrossKVCompressor:
     def repack(self, repack: CrossRepack, kv_caches: list[torch.Tensor]):
         """Move each (layer, KV head)'s kept K/V into the new blocks; returns the kept
         positions (per head: a list per layer of a list per head)."""
-        if self.per_head:
-            return self._repack_per_head(repack, kv_caches)
         device = kv_caches[0].device
-        kept = self.kept_positions(repack, device)
+        if self.per_head:
+            per_head = self.kept_per_head(repack)
+            if any(len(p) != repack.dst_positions for heads in per_head for p in heads):
+                return self._repack_per_head(repack, kv_caches, per_head)
+            # Every head keeps the one count (no head was concentrated below it, as on the
+            # Whisper demo): the ordinary layout, which every read serves (cpu_paged's C++
+            # op, not the per-head gather); the positions are the same either way.
+            kept = torch.stack([torch.stack(heads) for heads in per_head]).to(device)
+        else:
+            kept = self.kept_positions(repack, device)
         src = _slots(repack.src_blocks, kept, self.block_size)  # [num_layers, Hkv, K]
         dst = _slots(repack.dst_blocks, torch.arange(repack.dst_positions, device=device), self.block_size)  # [K]
         heads = torch.arange(self.num_kv_heads, device=device)
@@ -239,11 +246,11 @@ class CrossKVCompressor:
         return [[order.indices[layer, h, : int(counts[layer, h])].sort().values if by_attention[layer, h]
                  else even(int(counts[layer, h])) for h in range(hkv)] for layer in range(self.num_layers)]
 
-    def _repack_per_head(self, repack: CrossRepack, kv_caches: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """Write head ``h`` of layer ``l``'s kept K/V at flat single-head slots
-        ``[offset[l, h], offset[l, h] + len[l, h])`` of the new table, heads in order."""
+    def _repack_per_head(self, repack: CrossRepack, kv_caches: list[torch.Tensor],
+                         kept: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Write head ``h`` of layer ``l``'s kept K/V (``kept[l][h]``) at flat single-head
+        slots ``[offset[l, h], offset[l, h] + len[l, h])`` of the new table, heads in order."""
         device = kv_caches[0].device
-        kept = self.kept_per_head(repack)
         hkv, bs = self.num_kv_heads, self.block_size
         lens = torch.tensor([[len(p) for p in heads] for heads in kept], dtype=torch.long)  # [num_layers, Hkv]
         offsets = lens.cumsum(-1) - lens

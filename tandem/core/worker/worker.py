@@ -186,7 +186,8 @@ class Worker:
         # the rest (one rank only: under tensor parallelism each rank chooses for its heads).
         needed = {}
         if out.cross_repacks and self.cross_compress.per_head and self.tp.size == 1:
-            needed = {r.request_id: self.cross_compress.blocks_needed(r.request_id) for r in out.cross_repacks}
+            needed = {r.request_id: n for r in out.cross_repacks
+                      if (n := self.cross_compress.blocks_needed(r.request_id)) is not None}  # None: one count
         try:
             if out.blocks_to_swap_out:
                 self._swap(out.blocks_to_swap_out, to_cpu=True)
