@@ -25,6 +25,18 @@ decoding. Decoding is greedy. The decoder prompt is the model's default,
 (the pad token) for T5 (tandem's defaults; given explicitly to the other
 engines). Only new tokens are counted.
 
+Processes: each engine runs in a long-lived process of its own
+(benchmarks/engine_procs.py), started with OMP_NUM_THREADS / MKL_NUM_THREADS at
+``--threads`` and holding every setting it is swept over, loaded once and kept
+across rounds; this process only orchestrates, asking one engine at a time to
+run the workload and waiting after each until that engine's process has gone
+idle (CTranslate2's OpenMP threads spin for 200 ms after a call), so no engine
+is timed while another's threads run and no two engines' thread pools share a
+process. The time is taken inside the engine's process, around the engine's
+call alone. ``--in-process`` runs every engine in this process instead (the old
+way: an engine timed after CTranslate2 there ran up to 1.6x slower). An engine
+that fails to load or dies gets a FAILED row with its error; the others go on.
+
 Timing: every engine is loaded first, each setting runs one small warm-up
 request batch, then ``time.perf_counter`` is taken around the single call (or,
 for HF, the loop of batched ``generate`` calls) that serves all requests of a
@@ -629,6 +641,9 @@ class EngineHost:
     on the clock."""
 
     def __init__(self, engine: str, model_dir: str, args):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # as main() does, in this process too
         if args.threads:
             torch.set_num_threads(args.threads)
         if engine.startswith("tandem"):
