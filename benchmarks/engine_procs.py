@@ -215,9 +215,13 @@ def _child(read_fd: int, write_fd: int) -> None:
             return
         _, method, args, kwargs = message
         try:
-            outbox.send(("ok", getattr(obj, method)(*args, **kwargs)))
+            reply = ("ok", getattr(obj, method)(*args, **kwargs))
         except Exception as exc:
-            outbox.send(("error", _error(exc)))
+            reply = ("error", _error(exc))
+        try:
+            outbox.send(reply)
+        except OSError:  # the parent went away mid-call
+            return
 
 
 if __name__ == "__main__":
