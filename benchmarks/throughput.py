@@ -25,6 +25,18 @@ decoding. Decoding is greedy. The decoder prompt is the model's default,
 (the pad token) for T5 (tandem's defaults; given explicitly to the other
 engines). Only new tokens are counted.
 
+Processes: each engine runs in a long-lived process of its own
+(benchmarks/engine_procs.py), started with OMP_NUM_THREADS / MKL_NUM_THREADS at
+``--threads`` and holding every setting it is swept over, loaded once and kept
+across rounds; this process only orchestrates, asking one engine at a time to
+run the workload and waiting after each until that engine's process has gone
+idle (CTranslate2's OpenMP threads spin for 200 ms after a call), so no engine
+is timed while another's threads run and no two engines' thread pools share a
+process. The time is taken inside the engine's process, around the engine's
+call alone. ``--in-process`` runs every engine in this process instead (the old
+way: an engine timed after CTranslate2 there ran up to 1.6x slower). An engine
+that fails to load or dies gets a FAILED row with its error; the others go on.
+
 Timing: every engine is loaded first, each setting runs one small warm-up
 request batch, then ``time.perf_counter`` is taken around the single call (or,
 for HF, the loop of batched ``generate`` calls) that serves all requests of a
@@ -105,6 +117,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import random
@@ -212,6 +225,8 @@ class Result:
     ratio_vs_ct2: float | None = None  # speed over the CTranslate2 row of the same precision (median)
     ratio_vs_ct2_best: float | None = None  # the same from the best figures
     same_as_hf: int | None = None
+    pid: int = 0  # the process the engine ran in
+    error: str = ""  # the engine failed (to load, or in a run): why; no figures then
     # per-request generated ids, original request order; not written to JSON
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -618,27 +633,67 @@ def mm_peak_gflops(dtype: torch.dtype, device: str, size: int = 2048, tries: int
     return 2 * size**3 / best / 1e9
 
 
-def load_engines(engines: list[str], model_dir: str, args) -> dict:
-    """engine -> (runners, load seconds), runners a list of (label, runner): one per
-    tandem ``--max-num-seqs`` value, one for the others. An engine that fails to load
-    is skipped with a note when it is CTranslate2 (a missing compute type), else raised."""
-    runners = {}
-    for engine in engines:
+class EngineHost:
+    """One engine with every setting it is swept over (tandem: an LLM per
+    ``--max-num-seqs`` value; CTranslate2 loads a copy per thread layout on first
+    use), loaded once: what each engine's own process holds (benchmarks/engine_procs.py).
+    ``timed`` runs a workload and times it here, so that only the engine's own work is
+    on the clock."""
+
+    def __init__(self, engine: str, model_dir: str, args):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # as main() does, in this process too
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        if engine.startswith("tandem"):
+            self.loaded = {("default" if n is None else f"max_num_seqs {n}"):
+                           RUNNERS[engine](model_dir, args, max_num_seqs=n)
+                           for n in args.max_num_seqs or [None]}
+        else:
+            self.loaded = {"": RUNNERS[engine](model_dir, args)}
+
+    def info(self) -> dict:
+        first = next(iter(self.loaded.values()))
+        return {"labels": list(self.loaded), "pid": os.getpid(), "torch_threads": torch.get_num_threads(),
+                "attention_backend": getattr(first, "attention_backend", None)}
+
+    def timed(self, runner: str, kwargs: dict, requests: Requests):
+        """(outputs, seconds): the whole workload's seconds, or for the latency
+        workload each request's seconds (served one at a time)."""
+        run = self.loaded[runner].run
+        gc.collect()
+        if requests.workload.one_at_a_time:
+            return one_at_a_time(lambda single: run(single, **kwargs), requests)
         start = time.perf_counter()
+        out = run(requests, **kwargs)
+        return out, time.perf_counter() - start
+
+    def profile(self, runner: str, requests: Requests, engine: str, rows: int) -> None:
+        profile_run(self.loaded[runner], requests, engine, rows)
+
+
+def load_engines(engines: list[str], model_dir: str, args) -> tuple[dict, dict[str, str]]:
+    """engine -> (handle, load seconds, info) for the engines that loaded, each an
+    EngineHost in a process of its own (here with ``--in-process``), loaded one after
+    the other; and engine -> error for those that failed to load."""
+    import engine_procs
+
+    loaded, failed = {}, {}
+    for engine in engines:
+        threads = args.threads or torch.get_num_threads()
         try:
-            if engine.startswith("tandem"):
-                seqs = args.max_num_seqs or [None]
-                loaded = [("default" if n is None else f"max_num_seqs {n}",
-                           RUNNERS[engine](model_dir, args, max_num_seqs=n)) for n in seqs]
-            else:
-                loaded = [("", RUNNERS[engine](model_dir, args))]
-        except Exception as exc:
-            if not engine.startswith("ct2"):
-                raise
-            print(f"note: skipping {engine}: {type(exc).__name__}: {exc}")
+            handle = engine_procs.start(engine, "throughput:EngineHost", engine, model_dir, args,
+                                        in_process=args.in_process, env=engine_procs.thread_env(threads))
+            info = handle.call("info")
+        except engine_procs.EngineFailed as exc:
+            print(f"note: {engine} failed to load: {exc}", flush=True)
+            failed[engine] = str(exc)
             continue
-        runners[engine] = (loaded, time.perf_counter() - start)
-    return runners
+        loaded[engine] = (handle, handle.load_seconds, info)
+        print(f"{engine}: loaded in {handle.load_seconds:.1f} s, pid {info['pid']}, "
+              f"torch threads {info['torch_threads']}", flush=True)
+    return loaded, failed
 
 
 def one_at_a_time(run, requests: Requests) -> tuple[list[list[int]], list[float]]:
@@ -659,21 +714,25 @@ def latency_figures(outputs: list[list[int]], seconds: list[float]) -> tuple[flo
     return rounds.percentile(per_token, 50), rounds.percentile(per_token, 99)
 
 
-def engine_variants(runners: dict, requests: Requests, args) -> list[rounds.Variant]:
+def engine_variants(engines: dict, requests: Requests, args) -> list[rounds.Variant]:
     """Every setting each engine is tried at on this workload (see rounds.sweep_rounds):
     tandem per ``--max-num-seqs`` value, HF per batch size, CTranslate2 per batch size
-    and thread layout. The latency workload batches nothing (batch 1)."""
+    and thread layout. The latency workload batches nothing (batch 1). A variant's
+    ``run()`` asks the engine's process for ``EngineHost.timed``."""
     n = len(requests.encoder_ids)
     latency = requests.workload.one_at_a_time
     variants = []
-    for engine, (loaded, _) in runners.items():
-        for label, runner in loaded:
+    for engine, (handle, _, info) in engines.items():
+        def variant(label, runner, kwargs, handle=handle, engine=engine):
+            return rounds.Variant(engine, label, lambda: handle.call("timed", runner, kwargs, requests))
+
+        for runner in info["labels"]:
             if engine.startswith("tandem"):
-                variants.append(_variant(engine, label, runner.run, {}, requests))
+                variants.append(variant(runner, runner, {}))
             elif engine == "hf":
                 sizes = [1] if latency else rounds.batch_candidates(args.hf_batch_sizes, n)
                 for b in sizes:
-                    variants.append(_variant(engine, f"batch {b}", runner.run, {"batch_size": b}, requests))
+                    variants.append(variant(f"batch {b}", runner, {"batch_size": b}))
             else:
                 sizes = [1] if latency else (
                     [args.ct2_batch_size] if args.ct2_batch_size is not None
@@ -681,58 +740,67 @@ def engine_variants(runners: dict, requests: Requests, args) -> list[rounds.Vari
                 for layout in args.ct2_layouts:
                     for b in sizes:
                         label = f"batch {b or 'all'}, {layout[0]}x{layout[1]} threads"
-                        variants.append(_variant(engine, label, runner.run,
-                                                 {"batch_size": b, "layout": layout}, requests))
+                        variants.append(variant(label, runner, {"batch_size": b, "layout": layout}))
     return variants
 
 
-def _variant(engine, label, run, kwargs, requests: Requests) -> rounds.Variant:
-    if requests.workload.one_at_a_time:
-        return rounds.Variant(engine, label, lambda r=requests: one_at_a_time(lambda x: run(x, **kwargs), r))
-    return rounds.Variant(engine, label, lambda r=requests: run(r, **kwargs))
-
-
-def _warmup(variant: rounds.Variant, runners: dict, requests: Requests, args) -> None:
-    small = warmup_requests(requests)
-    for v in engine_variants({variant.engine: runners[variant.engine]}, small, args):
-        if v.label == variant.label:
-            v.run()
-
-
-def run_benchmarks(runners: dict, workloads: list[Requests], config, args) -> list[Result]:
+def run_benchmarks(engines: dict, workloads: list[Requests], config, args,
+                   failed: dict[str, str] | None = None) -> list[Result]:
     """Per workload: warm every setting up, then ``args.repeat`` interleaved rounds
     (rounds.sweep_rounds: round 1 tries every setting, later rounds each engine's
-    fastest); each engine's figures are the best and the median of its kept setting."""
+    fastest); each engine's figures are the best and the median of its kept setting.
+    An engine whose process fails (``failed``: engine -> error, filled here too) gets
+    a failed row in every workload from then on; the others carry on."""
+    import engine_procs
+
+    failed = {} if failed is None else failed
     results = []
     for requests in workloads:
         flops = model_flops(config, requests)
         latency = requests.workload.one_at_a_time
-        variants = engine_variants(runners, requests, args)
-        for v in variants:
-            _warmup(v, runners, requests, args)
+        variants = engine_variants(engines, requests, args)
+        for v in engine_variants(engines, warmup_requests(requests), args):  # each setting warmed up
+            if v.engine not in failed:
+                try:
+                    v.run()
+                except engine_procs.EngineFailed as exc:
+                    print(f"note: {v.engine} failed: {exc}", flush=True)
+                    failed[v.engine] = str(exc)
 
         last_p99 = [0.0]  # for the progress line
 
         def measure(v: rounds.Variant):
-            gc.collect()
-            if latency:
+            if v.engine in failed:
+                return math.inf, None
+            try:
                 out, seconds = v.run()
+            except engine_procs.EngineFailed as exc:
+                print(f"note: {v.engine} failed: {exc}", flush=True)
+                failed[v.engine] = str(exc)
+                return math.inf, None
+            if latency:
                 p50, p99 = latency_figures(out, seconds)
                 last_p99[0] = p99
                 return p50, (out, sum(seconds), p50, p99)
-            start = time.perf_counter()
-            out = v.run()
-            seconds = time.perf_counter() - start
             return seconds, (out, seconds, None, None)
 
         def progress(v: rounds.Variant, value: float, round_: int):
+            if v.engine in failed:
+                return
             figure = f"p50 {value:8.2f} p99 {last_p99[0]:8.2f} ms/token" if latency else \
                 f"{requests.workload.new_tokens * len(requests.encoder_ids) / value:10.1f} tok/s"
             print(f"  {v.engine:<11} {requests.workload.name:<19} {figure}  "
                   f"[{v.label}] (round {round_}/{args.repeat})", flush=True)
 
-        chosen = rounds.sweep_rounds(variants, args.repeat, measure, progress)
+        chosen = rounds.sweep_rounds(variants, args.repeat, measure, progress) if variants else {}
+        for engine in [e for e in dict.fromkeys([*engines, *failed]) if e in failed]:
+            results.append(Result(workload=requests.workload.name, engine=engine,
+                                  requests=len(requests.encoder_ids), output_tokens=0, seconds=math.nan,
+                                  load_seconds=engines[engine][1] if engine in engines else math.nan,
+                                  error=failed[engine]))
         for engine, c in chosen.items():
+            if engine in failed:
+                continue
             out = c.payloads[0][0]
             runs = [p[1] for p in c.payloads]
             expected = requests.workload.new_tokens
@@ -744,20 +812,23 @@ def run_benchmarks(runners: dict, workloads: list[Requests], config, args) -> li
                       file=sys.stderr)
             seconds = statistics.median(runs)
             tokens = sum(len(o) for o in out)
+            handle, load_seconds, info = engines[engine]
             results.append(Result(
                 workload=requests.workload.name, engine=engine,
                 requests=len(out), output_tokens=tokens, seconds=seconds,
-                load_seconds=runners[engine][1], tokens_per_s=tokens / seconds,
+                load_seconds=load_seconds, tokens_per_s=tokens / seconds,
                 best_tokens_per_s=tokens / min(runs), setting=c.label, sweep=c.sweep,
                 runs=runs, spread=(max(runs) - min(runs)) / seconds,
                 model_gflops=flops / seconds / 1e9,
                 p50_ms=[p[2] for p in c.payloads] if latency else [],
                 p99_ms=[p[3] for p in c.payloads] if latency else [],
-                outputs=out))
+                pid=info["pid"], outputs=out))
             if args.profile and engine in args.profile:
-                label_runner = dict(runners[engine][0])
-                runner = label_runner.get(c.label, runners[engine][0][0][1])
-                profile_run(runner, requests, engine, args.profile_rows)
+                runner = c.label if c.label in info["labels"] else info["labels"][0]
+                try:
+                    handle.call("profile", runner, requests, engine, args.profile_rows)
+                except engine_procs.EngineFailed as exc:
+                    print(f"note: profiling {engine} failed: {exc}", flush=True)
     return results
 
 
@@ -790,6 +861,7 @@ def compare_with_hf(results: list[Result]) -> None:
             return 1 / (min(r.p50_ms) if best else statistics.median(r.p50_ms))
         return r.best_tokens_per_s if best else r.tokens_per_s
 
+    results = [r for r in results if not r.error]
     by_key = {(r.workload, r.engine): r for r in results}
     for r in results:
         ref = by_key.get((r.workload, "hf"))
@@ -813,6 +885,10 @@ def format_table(results: list[Result], mm_peak: float) -> str:
               "vs ct2 best", "vs ct2 median", "same as HF")
     rows = [header]
     for r in results:
+        if r.error:
+            if not WORKLOADS[r.workload].one_at_a_time:
+                rows.append(_failed_row(r, len(header)))
+            continue
         if r.p50_ms:
             continue
         rows.append((
@@ -834,6 +910,10 @@ def format_latency_table(results: list[Result]) -> str:
               "vs HF", "vs ct2 best", "vs ct2 median", "same as HF")
     rows = [header]
     for r in results:
+        if r.error:
+            if WORKLOADS[r.workload].one_at_a_time:
+                rows.append(_failed_row(r, len(header)))
+            continue
         if not r.p50_ms:
             continue
         rows.append((
@@ -846,11 +926,18 @@ def format_latency_table(results: list[Result]) -> str:
     return _layout(rows, left=3)
 
 
+def _failed_row(r: Result, width: int) -> tuple:
+    """An engine that failed: its error in the setting column (first line, cut), no figures."""
+    error = r.error.splitlines()[0] if r.error else "failed"
+    return (r.workload, r.engine, "FAILED: " + (error if len(error) <= 90 else error[:87] + "..."),
+            str(r.requests)) + ("-",) * (width - 4)
+
+
 def format_sweeps(results: list[Result]) -> str:
     """Each swept engine's first-round figure per setting, the kept one marked."""
     lines = []
     for r in results:
-        if len(r.sweep) < 2:
+        if r.error or len(r.sweep) < 2:
             continue
         unit = "p50 ms/tok" if r.p50_ms else "tok/s"
         cells = []
@@ -907,11 +994,12 @@ def environment(args, config, model_dir: str) -> dict:
         **isa_overrides(),
         "mm_peak_gflops": round(mm_peak_gflops(getattr(torch, args.dtype), args.device), 1),
     }
-    try:
-        import ctranslate2
-        env["ctranslate2"] = ctranslate2.__version__
+    try:  # its version without importing it here (its OpenMP pool belongs in its own process)
+        from importlib.metadata import version
+        env["ctranslate2"] = version("ctranslate2")
     except ImportError:
         pass
+    env["engine_processes"] = not args.in_process
     return env
 
 
@@ -966,6 +1054,10 @@ def parse_args(argv=None):
     run.add_argument("--repeat", type=int, default=3,
                      help="timed rounds per workload, engines taking turns; round 1 also sweeps "
                           "the settings; the tables report each engine's best and median (default: 3)")
+    run.add_argument("--in-process", action="store_true",
+                     help="load and run every engine in this one process (the old way: an engine "
+                          "timed after CTranslate2 runs slower, see docs/performance.md) instead of "
+                          "each in a process of its own")
     run.add_argument("--json", metavar="PATH", help="also write results as JSON")
     run.add_argument("--profile", type=lambda v: v.split(","), default=[], metavar="ENGINES",
                      help="after each timed run of these engines (e.g. tandem or tandem,hf), run the "
@@ -1052,22 +1144,20 @@ def checkpoint_dir(model: str | None, save_model: str | None, prefix: str, build
     return model_dir, tmp
 
 def available_engines(engines: list[str]) -> list[str]:
-    """Drop engines whose package cannot be imported, with a note."""
-    needs = {"tandem": ("tandem", "LLM"), "hf": ("transformers", "AutoModelForSeq2SeqLM"),
-             "ct2": ("ctranslate2", "Translator")}
-    if any(e.startswith("tandem") for e in engines) and str(REPO_ROOT) not in sys.path:
+    """Drop engines whose package is not installed, with a note. The package is only
+    found, not imported: the engines' libraries (and their thread pools) load in the
+    engines' own processes (a broken install shows there, as a failed row)."""
+    import importlib.util
+
+    needs = {"tandem": "tandem", "hf": "transformers", "ct2": "ctranslate2"}
+    if any(e.startswith("tandem") for e in engines) and importlib.util.find_spec("tandem") is None:
         # Run from a checkout without `pip install -e .`: import the tree's tandem.
-        try:
-            import tandem  # noqa: F401
-        except ImportError:
-            sys.path.insert(0, str(REPO_ROOT))
+        sys.path.insert(0, str(REPO_ROOT))
     kept = []
     for engine in engines:
-        module, name = needs[engine.split("-")[0]]
-        try:
-            getattr(__import__(module), name)
-        except (ImportError, AttributeError) as exc:
-            print(f"note: skipping {engine}: cannot import {name} from {module} ({exc})")
+        module = needs[engine.split("-")[0]]
+        if importlib.util.find_spec(module) is None:
+            print(f"note: skipping {engine}: {module} is not installed")
             continue
         kept.append(engine)
     return kept
@@ -1097,13 +1187,17 @@ def main(argv=None) -> int:
               "many torch threads as busy cores, OpenMP waits can slow small "
               "models by 10x or more (try --threads 1 to check)", file=sys.stderr)
 
-    runners = load_engines(available_engines(args.engines), model_dir, args)
-    for engine, (runner, _) in runners.items():
-        if hasattr(runner, "attention_backend"):
-            env[f"{engine}_attention_backend"] = runner.attention_backend
-            print(f"{engine}: attention backend {runner.attention_backend}", flush=True)
-    results = run_benchmarks(runners, workloads, config, args)
-    del runners
+    engines, failed = load_engines(available_engines(args.engines), model_dir, args)
+    for engine, (_, _, info) in engines.items():
+        if info.get("attention_backend"):
+            env[f"{engine}_attention_backend"] = info["attention_backend"]
+            print(f"{engine}: attention backend {info['attention_backend']}", flush=True)
+    try:
+        results = run_benchmarks(engines, workloads, config, args, failed)
+    finally:
+        for handle, _, _ in engines.values():
+            handle.close()
+    del engines
     gc.collect()
 
     # Again after the engines: a peak taken during a noisy minute would flatter them.
@@ -1115,6 +1209,9 @@ def main(argv=None) -> int:
           + "".join(f"{k}={v}  " for k, v in isa_overrides().items())
           + f"threads={env['torch_threads']}  dtype={args.dtype}  rounds={args.repeat}  "
           f"load={env['load_avg']} -> {'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print("engines ran in this process, one after another (--in-process)" if args.in_process else
+          "engines ran in separate processes, one engine at a time: "
+          + ", ".join(f"{e} pid {p}" for e, p in dict.fromkeys((r.engine, r.pid) for r in results if r.pid)))
     for table in (format_table(results, env["mm_peak_gflops"]), format_latency_table(results),
                   format_sweeps(results)):
         if table:
@@ -1137,4 +1234,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as the module `throughput`, not `__main__`: the classes pickled to and from
+    # the engines' processes (engine_procs) must be importable there by that name.
+    import throughput
+
+    sys.exit(throughput.main())

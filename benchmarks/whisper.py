@@ -33,6 +33,13 @@ after the prompt ``<|startoftranscript|> <|en|> <|transcribe|>
            ``--ct2-compute-types`` (default: ``--dtype`` and int8); a type the
            CPU build lacks (bfloat16 on CPU) is skipped with a note.
 
+Each row's engine runs in a long-lived process of its own
+(benchmarks/engine_procs.py: loaded once, thread settings in its environment
+before any library loads, timed inside that process, one engine at a time, the
+next started only once the last one's threads have gone idle), as
+benchmarks/throughput.py does; ``--in-process`` runs them all in this process.
+A row whose engine fails to load or dies is a FAILED row with its error.
+
 All three apply the checkpoint's ``suppress_tokens`` and suppress
 ``begin_suppress_tokens`` at the first position (CTranslate2 through
 ``suppress_blank``, from the converted config). Throughput is audio seconds
@@ -149,6 +156,8 @@ class Result:
     ratio_vs_peer: float | None = None
     same_as_hf: int | None = None
     note: str = ""
+    pid: int = 0  # the process the engine ran in
+    error: str = ""  # the engine failed (to load, or in a run): why; no figures then
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
 
@@ -402,21 +411,62 @@ def load_config(model_dir: str):
 # --------------------------------------------------------------------------
 
 
-def load_runners(model_dir, args, engines: list[str]) -> tuple[list[tuple[object, float]], list[str], object]:
-    """Every engine loaded at once, so the rounds can interleave them: (runner, load
-    seconds) per row, notes, and the CTranslate2 conversion's directory (cleanup() it)."""
-    runners, notes, converted = [], [], None
+class WhisperHost:
+    """One row's engine (tandem, tandem int8, hf, ct2 <type>), loaded once: what each
+    row's own process holds (benchmarks/engine_procs.py). The clips are sent once
+    (``keep``) and ``timed`` times the engine's call here, off the pipe."""
+
+    def __init__(self, engine: str, model_dir: str, args, option: str | None = None,
+                 converted_dir: str | None = None):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # as main() does, in this process too
+        hf_logging.set_verbosity_error()
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        if engine == "tandem":
+            self.runner = TandemRunner(model_dir, args, quantization=option)
+        elif engine == "hf":
+            self.runner = HFRunner(model_dir, args)
+        else:
+            self.runner = CT2Runner(model_dir, args, option, converted_dir)
+        self.clips: dict[str, list] = {}
+
+    def info(self) -> dict:
+        return {"name": self.runner.name, "pid": os.getpid(),
+                "features_from": getattr(self.runner, "features_from", None)}
+
+    def keep(self, key: str, clips) -> None:
+        self.clips[key] = clips
+
+    def timed(self, key: str, new_tokens: int):
+        gc.collect()
+        start = time.perf_counter()
+        out = self.runner.run(self.clips[key], new_tokens)
+        return out, time.perf_counter() - start
+
+    def stats(self) -> dict:
+        return self.runner.llm.get_stats()
+
+
+def load_runners(model_dir, args, engines: list[str]) -> tuple[list[tuple[object, float, dict]], dict, object]:
+    """Every row's engine loaded at once, each in a process of its own (here with
+    ``--in-process``), so the rounds can interleave them: (handle, load seconds, info)
+    per row, row name -> error for rows that failed to load, and the CTranslate2
+    conversion's directory (cleanup() it). A CTranslate2 compute type the build lacks
+    is skipped with a note."""
+    import engine_procs
+
+    rows: list[tuple[str, str, str | None, str | None]] = []  # (name, engine, option, converted dir)
+    converted, failed, convert_seconds = None, {}, 0.0
     for engine in engines:
-        try:
-            if engine == "tandem":
-                for quantization in (None, "int8") if args.tandem_int8 else (None,):
-                    start = time.perf_counter()
-                    runner = TandemRunner(model_dir, args, quantization=quantization)
-                    runners.append((runner, time.perf_counter() - start))
-            elif engine == "hf":
-                start = time.perf_counter()
-                runners.append((HFRunner(model_dir, args), time.perf_counter() - start))
-            else:
+        if engine == "tandem":
+            rows += [("tandem" if q is None else f"tandem {q}", engine, q, None)
+                     for q in ((None, "int8") if args.tandem_int8 else (None,))]
+        elif engine == "hf":
+            rows.append(("hf", engine, None, None))
+        else:
+            try:  # the conversion and the compute-type check only; the model loads in its process
                 import ctranslate2
 
                 supported = ctranslate2.get_supported_compute_types(args.device)
@@ -431,54 +481,87 @@ def load_runners(model_dir, args, engines: list[str]) -> tuple[list[tuple[object
                 start = time.perf_counter()
                 ct2_convert(model_dir, converted.name)
                 convert_seconds = time.perf_counter() - start
-                for compute_type in wanted:
-                    start = time.perf_counter()
-                    runner = CT2Runner(model_dir, args, compute_type, converted.name)
-                    runners.append((runner, time.perf_counter() - start + convert_seconds))
-        except Exception as exc:  # CTranslate2 failing should not hide the others
-            if engine != "ct2":
-                raise
-            note = f"skipping ct2: {type(exc).__name__}: {exc}"
-            notes.append(note)
-            print(f"note: {note}")
-    return runners, notes, converted
+                rows += [(f"ct2 {t}", engine, t, converted.name) for t in wanted]
+            except Exception as exc:  # CTranslate2 failing should not hide the others
+                failed["ct2"] = f"{type(exc).__name__}: {exc}"
+                print(f"note: ct2 failed: {failed['ct2']}")
+    runners = []
+    for name, engine, option, converted_dir in rows:
+        try:
+            handle = engine_procs.start(name, "whisper:WhisperHost", engine, model_dir, args, option,
+                                        converted_dir, in_process=args.in_process,
+                                        env=engine_procs.thread_env(args.threads or torch.get_num_threads()))
+            info = handle.call("info")
+        except engine_procs.EngineFailed as exc:
+            print(f"note: {name} failed to load: {exc}", flush=True)
+            failed[name] = str(exc)
+            continue
+        extra = convert_seconds if engine == "ct2" else 0.0
+        runners.append((handle, handle.load_seconds + extra, info))
+        print(f"{name}: loaded in {handle.load_seconds + extra:.1f} s, pid {info['pid']}", flush=True)
+    return runners, failed, converted
 
 
-def run_rounds(runners, clips, warmup, args) -> tuple[list[Result], dict]:
+def run_rounds(runners, clips, warmup, args, failed: dict[str, str] | None = None) -> tuple[list[Result], dict]:
     """``--repeats`` rounds; in each, every token count of ``--new-tokens`` and, for
     each, every engine in turn (then tandem's 1-token run), so that a slow spell on a
-    shared machine lands on all of them. Each row reports the best and the median."""
-    for runner, _ in runners:
-        runner.run(warmup, min(4, max(args.new_tokens)))
+    shared machine lands on all of them. Each row reports the best and the median.
+    A row whose engine fails (``failed``: name -> error, filled here too) is a FAILED row."""
+    import engine_procs
+
+    failed = {} if failed is None else failed
+
+    def call(handle, name, method, *a):
+        if name in failed:
+            return None
+        try:
+            return handle.call(method, *a)
+        except engine_procs.EngineFailed as exc:
+            print(f"note: {name} failed: {exc}", flush=True)
+            failed[name] = str(exc)
+            return None
+
+    for handle, _, info in runners:
+        call(handle, info["name"], "keep", "clips", clips)
+        call(handle, info["name"], "keep", "warmup", warmup)
+        call(handle, info["name"], "timed", "warmup", min(4, max(args.new_tokens)))
     times: dict[tuple[str, int], list[float]] = {}
     outputs: dict[tuple[str, int], list[list[int]]] = {}
     one_times, one_out = [], []
-    tandem = next((r for r, _ in runners if r.name == "tandem"), None)
+    tandem = next((h for h, _, info in runners if info["name"] == "tandem"), None)
     for round_ in range(1, args.repeats + 1):
         for n in args.new_tokens:
-            for runner, _ in runners:
-                gc.collect()
-                start = time.perf_counter()
-                out = runner.run(clips, n)
-                seconds = time.perf_counter() - start
-                times.setdefault((runner.name, n), []).append(seconds)
-                outputs.setdefault((runner.name, n), out)
-                print(f"  {runner.name:<12} {n:4d} tokens/clip {seconds:8.2f} s  "
+            for handle, _, info in runners:
+                name = info["name"]
+                got = call(handle, name, "timed", "clips", n)
+                if got is None:
+                    continue
+                out, seconds = got
+                times.setdefault((name, n), []).append(seconds)
+                outputs.setdefault((name, n), out)
+                print(f"  {name:<12} {n:4d} tokens/clip {seconds:8.2f} s  "
                       f"{CLIP_SECONDS * len(clips) / seconds:8.2f} audio s/s  "
-                      f"(round {round_}/{args.repeats})", flush=True)
+                      f"(round {round_}/{args.repeats}, pid {info['pid']})", flush=True)
         if tandem is not None:
-            start = time.perf_counter()
-            one_out = tandem.run(clips, 1)
-            one_times.append(time.perf_counter() - start)
-    load = dict((r.name, s) for r, s in runners)
+            got = call(tandem, "tandem", "timed", "clips", 1)
+            if got is not None:
+                one_out, seconds = got
+                one_times.append(seconds)
+    load = {info["name"]: s for _, s, info in runners}
     results = [make_result(name, clips, n, times[(name, n)], outputs[(name, n)], load[name])
-               for n in args.new_tokens for name in load]
-    features = {r.name: r.features_from for r, _ in runners if hasattr(r, "features_from")}
+               for n in args.new_tokens for name in load if name not in failed]
+    results += [Result(engine=name, clips=len(clips), tokens_per_clip=n, seconds=float("nan"),
+                       load_seconds=load.get(name, float("nan")), audio_seconds=CLIP_SECONDS * len(clips),
+                       error=error)
+                for n in args.new_tokens for name, error in failed.items()]
+    features = {info["name"]: info["features_from"] for _, _, info in runners if info["features_from"]}
+    pids = {info["name"]: info["pid"] for _, _, info in runners}
     for r in results:
+        r.pid = pids.get(r.engine, 0)
         if r.engine in features:
             r.note = f"features: {features[r.engine]}"
     shares = {}
-    if tandem is not None:
+    if tandem is not None and "tandem" not in failed:
         make_result("tandem 1-tok", clips, 1, one_times, one_out, load["tandem"])
         for n in args.new_tokens:
             full = times[("tandem", n)]
@@ -487,7 +570,9 @@ def run_rounds(runners, clips, warmup, args) -> tuple[list[Result], dict]:
                          "encoder_share": statistics.median(one_times) / statistics.median(full),
                          "seconds_full_all": full, "seconds_1_token_all": one_times,
                          "encoder_share_fastest": min(one_times) / min(full)}
-        shares["stats"] = tandem.llm.get_stats()
+        stats = call(tandem, "tandem", "stats")
+        if stats is not None:
+            shares["stats"] = stats
     return results, shares
 
 
@@ -508,7 +593,7 @@ def compare(results: list[Result]) -> None:
     (the fastest non-tandem row: any peer for tandem int8, where HF has no int8;
     only peers at ``--dtype`` for tandem), from the best and from the median figures."""
     for n in {r.tokens_per_clip for r in results}:
-        rows = [r for r in results if r.tokens_per_clip == n]
+        rows = [r for r in results if r.tokens_per_clip == n and not r.error]
         hf = next((r for r in rows if r.engine == "hf"), None)
         peers = [r for r in rows if not r.engine.startswith("tandem")]
         for r in rows:
@@ -535,6 +620,12 @@ def format_table(results: list[Result]) -> str:
               "audio s/s median", "vs HF", "best peer", "vs peer best", "vs peer median", "same as HF")
     rows = [header]
     for r in sorted(results, key=lambda r: r.tokens_per_clip):
+        if r.error:
+            error = r.error.splitlines()[0]
+            error = error if len(error) <= 90 else error[:87] + "..."
+            rows.append((r.engine, str(r.clips), str(r.tokens_per_clip), "FAILED: " + error)
+                        + ("-",) * (len(header) - 4))
+            continue
         rows.append((
             r.engine, str(r.clips), str(r.tokens_per_clip), str(len(r.all_seconds)),
             f"{min(r.all_seconds):.2f}", f"{r.seconds:.2f}", f"{r.best_audio_s_per_s:.2f}",
@@ -581,11 +672,14 @@ def environment(args, config, model_dir: str) -> dict:
         "cpu_count": os.cpu_count(),
         "load_avg_1min": round(os.getloadavg()[0], 2),
     }
+    from importlib.metadata import version
+
     for module in ("ctranslate2", "faster_whisper"):
-        try:
-            env[module] = __import__(module).__version__
+        try:  # not imported here: the engines' libraries load in their own processes
+            env[module] = version(module.replace("_", "-"))
         except ImportError:
             pass
+    env["engine_processes"] = not args.in_process
     return env
 
 
@@ -615,6 +709,9 @@ def parse_args(argv=None):
                      help="interleaved rounds (engines taking turns); the best and the median "
                           "are reported (default: 1)")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--in-process", action="store_true",
+                     help="load and run every engine in this one process (the old way) instead of "
+                          "each in a process of its own")
     run.add_argument("--json", metavar="PATH", help="also write results as JSON")
 
     hf = p.add_argument_group("HF / CTranslate2")
@@ -658,21 +755,17 @@ def parse_args(argv=None):
 
 
 def available_engines(engines: list[str]) -> list[str]:
-    """Drop engines whose package cannot be imported, with a note."""
-    needs = {"tandem": ("tandem", "LLM"), "hf": ("transformers", "WhisperForConditionalGeneration"),
-             "ct2": ("ctranslate2", "models")}
-    if "tandem" in engines:
-        try:
-            import tandem  # noqa: F401
-        except ImportError:
-            sys.path.insert(0, str(REPO_ROOT))
+    """Drop engines whose package is not installed, with a note (found, not imported:
+    a broken install shows in the engine's own process, as a FAILED row)."""
+    import importlib.util
+
+    needs = {"tandem": "tandem", "hf": "transformers", "ct2": "ctranslate2"}
+    if "tandem" in engines and importlib.util.find_spec("tandem") is None:
+        sys.path.insert(0, str(REPO_ROOT))
     kept = []
     for engine in engines:
-        module, name = needs[engine]
-        try:
-            getattr(__import__(module), name)
-        except (ImportError, AttributeError) as exc:
-            print(f"note: skipping {engine}: cannot import {name} from {module} ({exc})")
+        if importlib.util.find_spec(needs[engine]) is None:
+            print(f"note: skipping {engine}: {needs[engine]} is not installed")
             continue
         kept.append(engine)
     return kept
@@ -703,8 +796,13 @@ def main(argv=None) -> int:
         print(f"warning: 1-minute load average is {env['load_avg_1min']}: other processes are "
               "using the CPU, so figures will be noisy", file=sys.stderr)
 
-    runners, notes, converted = load_runners(model_dir, args, available_engines(args.engines))
-    results, shares = run_rounds(runners, clips, warmup, args)
+    runners, failed, converted = load_runners(model_dir, args, available_engines(args.engines))
+    try:
+        results, shares = run_rounds(runners, clips, warmup, args, failed)
+    finally:
+        for handle, _, _ in runners:
+            handle.close()
+    notes = [f"{name} failed: {error}" for name, error in failed.items()]
     del runners
     gc.collect()
     if converted is not None:
@@ -717,6 +815,9 @@ def main(argv=None) -> int:
           + f"threads={env['torch_threads']}  dtype={args.dtype}  clips={args.num_clips} x 30 s  "
           f"tokens/clip={','.join(map(str, args.new_tokens))}  rounds={args.repeats}  "
           f"load={env['load_avg']} -> {'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print("engines ran in this process, one after another (--in-process)" if args.in_process else
+          "engines ran in separate processes, one engine at a time: "
+          + ", ".join(f"{r.engine} pid {r.pid}" for r in results if r.pid and r.tokens_per_clip == args.new_tokens[0]))
     print(format_table(results))
     for note in dict.fromkeys(f"{r.engine}: {r.note}" for r in results if r.note):
         print(note)
@@ -762,4 +863,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as the module `whisper`, not `__main__`: the engines' processes (engine_procs)
+    # build whisper.WhisperHost by that name.
+    import whisper
+
+    sys.exit(whisper.main())
