@@ -366,9 +366,11 @@ class TandemRunner:
             key: getattr(args, key)
             for key in ("block_size", "num_kv_blocks",
                         "max_num_batched_tokens", "kv_cache_memory", "swap_space",
-                        "attention_backend", "cpu_gemm", "cpu_malloc")
-            if getattr(args, key) is not None
+                        "attention_backend", "cpu_gemm", "cpu_malloc", "compile_cache_dir")
+            if getattr(args, key, None) is not None
         }
+        if getattr(args, "compiled", False):
+            extra["enforce_eager"] = False  # the compiled decode step (docs/performance.md)
         if max_num_seqs is not None:
             extra["max_num_seqs"] = max_num_seqs
         if self.quantization:
@@ -1091,6 +1093,9 @@ def parse_args(argv=None):
     td.add_argument("--swap-space", type=float,
                     help="GiB for swapped-out KV blocks (0 on a machine short of RAM)")
     td.add_argument("--attention-backend")
+    td.add_argument("--compiled", action="store_true",
+                    help="tandem's compiled decode step (enforce_eager=False); warm-up compiles it")
+    td.add_argument("--compile-cache-dir", help="where the compiled step's artifacts are cached")
     td.add_argument("--cpu-gemm", choices=("auto", "packed", "dense"))
     td.add_argument("--cpu-malloc", choices=("auto", "system"),
                     help="process-wide: with auto, HF and CTranslate2 in this process run with it too")

@@ -47,9 +47,9 @@ def prepare_linear_kernels(
     over whole inputs and are packed for ``encoder_batch_hint`` rows instead. The
     packing is the same arithmetic in another blocked layout (bit-equal outputs),
     but its speed depends on the rows: on a 2-core AVX-512 EPYC, bart-base's
-    decoder + LM head GEMMs at one row took 18.7 ms packed for 1 row against 21.4 ms
-    packed for 128, while at 16 rows the 1-row packing was 20% slower
-    (docs/performance.md, "Packing for the batch").
+    decode-step GEMMs at one row took 17.7 ms (median) packed for 1 row against 18.7
+    packed for 128, while at 4-16 rows the 1-row packing was 30-50% slower
+    (docs/performance.md, "Packing for the batch"; benchmarks/packing.py).
     """
     check_choice("cpu_gemm", gemm)
     reasons = packed_gemm_unsupported(device, dtype)
