@@ -53,6 +53,23 @@ def _static(seen: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
     return (peaks.amax(0) - peaks.amin(0)) <= 2
 
 
+def _even(length: int, n: int) -> torch.Tensor:
+    """``n`` evenly spaced positions of ``length`` (distinct: spacing >= 1 as n <= length)."""
+    return torch.linspace(0, length - 1, n).round().long()
+
+
+def _judge(seen: dict[tuple[int, int], torch.Tensor], k: int):
+    """The window's attention summed per (layer, KV head) ``[num_layers, Hkv, L]``, its
+    ``k`` most attended positions (``topk``), and which heads keep positions by it
+    ``[num_layers, Hkv]``: concentrated (their ``k``
+    most attended positions hold at least ``CONCENTRATED`` of it) and static
+    (:func:`_static`)."""
+    importance = torch.stack(list(seen.values())).sum(0)
+    top = importance.topk(k, dim=-1)
+    share = top.values.sum(-1) / importance.sum(-1).clamp_min(1e-30)
+    return importance, top, (share >= CONCENTRATED) & _static(seen)
+
+
 def _flat(kv_cache: torch.Tensor) -> torch.Tensor:
     """``[2, num_blocks * block_size, H, D]``: the cache by flat slot."""
     return kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
@@ -158,16 +175,12 @@ class CrossKVCompressor:
         what it has not read yet, which past attention cannot rank."""
         seen = self.scores.pop(repack.request_id, None)
         k, length = repack.dst_positions, repack.src_positions
-        even = torch.linspace(0, length - 1, k).round().long()  # distinct: spacing >= 1 as k <= length
-        even = even.expand(self.num_layers, self.num_kv_heads, k)
+        even = _even(length, k).expand(self.num_layers, self.num_kv_heads, k)
         if not seen:  # nothing observed (cannot happen for a request the scheduler compressed)
             logger.warning("request %r: kv_compress found no observed attention; keeping evenly spaced positions",
                            repack.request_id)
             return even.to(device)
-        importance = torch.stack(list(seen.values())).sum(0)  # [num_layers, Hkv, L]
-        top = importance.topk(k, dim=-1)
-        share = top.values.sum(-1) / importance.sum(-1).clamp_min(1e-30)  # [num_layers, Hkv]
-        by_attention = (share >= CONCENTRATED) & _static(seen)
+        _, top, by_attention = _judge(seen, k)
         kept = torch.where(by_attention[..., None], top.indices, even)
         return kept.sort(dim=-1).values.to(device)
 
@@ -209,13 +222,11 @@ class CrossKVCompressor:
         if not seen:
             logger.warning("request %r: kv_compress found no observed attention; keeping evenly spaced positions",
                            repack.request_id)
-            even = torch.linspace(0, length - 1, k).round().long()
-            return [[even] * hkv for _ in range(self.num_layers)]
-        importance = torch.stack(list(seen.values())).sum(0).cpu()  # [num_layers, Hkv, L]
+            return [[_even(length, k)] * hkv for _ in range(self.num_layers)]
+        importance, _, by_attention = _judge(seen, k)
+        importance, by_attention = importance.cpu(), by_attention.cpu()
         order = importance.sort(dim=-1, descending=True)
         total = importance.sum(-1).clamp_min(1e-30)
-        share = order.values[..., :k].sum(-1) / total
-        by_attention = (share >= CONCENTRATED) & _static(seen).cpu()
         # the fewest top positions holding CONCENTRATED of the mass
         covering = (order.values.cumsum(-1) < CONCENTRATED * total[..., None]).sum(-1) + 1
         small = covering.clamp(min=min(self.min_keep, k), max=k)
@@ -242,9 +253,8 @@ class CrossKVCompressor:
                     grow = min(step, length - int(counts[layer, h]), spare)
                     counts[layer, h] += grow
                     spare -= grow
-        even = lambda n: torch.linspace(0, length - 1, n).round().long()  # noqa: E731
         return [[order.indices[layer, h, : int(counts[layer, h])].sort().values if by_attention[layer, h]
-                 else even(int(counts[layer, h])) for h in range(hkv)] for layer in range(self.num_layers)]
+                 else _even(length, int(counts[layer, h])) for h in range(hkv)] for layer in range(self.num_layers)]
 
     def _repack_per_head(self, repack: CrossRepack, kv_caches: list[torch.Tensor],
                          kept: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
@@ -261,7 +271,7 @@ class CrossKVCompressor:
         for layer, cache in enumerate(kv_caches):
             positions = torch.cat(kept[layer])
             heads = torch.cat([torch.full((len(p),), h, dtype=torch.long) for h, p in enumerate(kept[layer])])
-            src = (src_table[positions // bs] * bs + positions % bs) * hkv + heads
+            src = _slots(src_table, positions, bs) * hkv + heads  # the cache's single-head slots
             dst = cross_per_head.table_slots(dst_table, torch.arange(len(positions)), bs, hkv)
             flat = cross_per_head.flat_heads(cache)
             # The gather copies every kept K/V before the write: dst may be src's own first blocks.
