@@ -51,6 +51,14 @@ class AdapterError(ValueError):
     the adapter's name and path)."""
 
 
+def why_failed(req, e: BaseException | str) -> str:
+    """A request's error for its adapter ``req`` (a ``LoRARequest``) that cannot be served:
+    "LoRA adapter 'NAME' (PATH): reason", the reason an ``AdapterError``'s message, any
+    other exception's type and message, or a reason given as text."""
+    reason = e if isinstance(e, str) else str(e) if isinstance(e, AdapterError) else f"{type(e).__name__}: {e}"
+    return f"LoRA adapter {req.lora_name!r} ({req.lora_path}): {reason}"
+
+
 @dataclass
 class ModuleLoRA:
     """One adapted module: ``a`` ``[r, in]``, ``b`` ``[out, r]`` (float32), ``scaling``."""

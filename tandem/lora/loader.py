@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from tandem.lora.adapter import AdapterError, PeftLoRA, read_adapter
+from tandem.lora.adapter import PeftLoRA, read_adapter, why_failed
 from tandem.lora.request import LoRARequest
 from tandem.lora.source import resolve_adapter
 
@@ -50,11 +50,6 @@ def read_lora(req: LoRARequest, max_rank: int, prepare: Callable[[PeftLoRA], Any
     check it; then ``prepare`` (the in-process worker's mapping), when given."""
     adapter = read_adapter(resolve_adapter(req.lora_path), max_rank)
     return adapter if prepare is None else prepare(adapter)
-
-
-def why_failed(req: LoRARequest, e: BaseException | str) -> str:
-    reason = e if isinstance(e, str) else str(e) if isinstance(e, AdapterError) else f"{type(e).__name__}: {e}"
-    return f"LoRA adapter {req.lora_name!r} ({req.lora_path}): {reason}"
 
 
 class AdapterLoads:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tandem.core.layers.linear import LinearBase
-from tandem.lora.adapter import AdapterError, PeftLoRA, read_adapter
+from tandem.lora.adapter import AdapterError, PeftLoRA, read_adapter, why_failed
 from tandem.lora.layers import LinearLoRA, LoRAStep
 from tandem.lora.mapping import LayerLoRA, map_adapter, shards_of, side_of
 from tandem.lora.source import resolve_adapter
@@ -71,8 +71,7 @@ class LoRAManager:
                 slot_of_id[lora_id] = self._resident(req, busy)
                 busy.add(lora_id)
             except Exception as e:  # one adapter's fault is its requests', never the step's
-                reason = str(e) if isinstance(e, AdapterError) else f"{type(e).__name__}: {e}"
-                why_of_id[lora_id] = f"LoRA adapter {req.lora_name!r} ({req.lora_path}): {reason}"
+                why_of_id[lora_id] = why_failed(req, e)
                 logger.warning("%s", why_of_id[lora_id])
         slots, failed = {}, {}
         for g in groups:
@@ -110,7 +109,7 @@ class LoRAManager:
             self.cpu.move_to_end(lora_id)
             return self.cpu[lora_id]
         folder = resolve_adapter(req.lora_path)
-        parts = map_adapter(self.model, read_adapter(folder, self.max_rank), self.dtype)
+        parts = self.prepare(read_adapter(folder, self.max_rank))
         self.loads += 1
         self.cpu[lora_id] = parts
         while len(self.cpu) > self.max_cpu_loras:
