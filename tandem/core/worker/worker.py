@@ -43,11 +43,6 @@ class _RequestState:
     keeps_history: bool  # its processors read past tokens
 
 
-def _features(backend: type[AttentionBackend]) -> frozenset[str]:
-    caps = backend.capabilities
-    return caps.attn_features if caps is not None else frozenset()
-
-
 def _number_cross_layers(model: torch.nn.Module, num_layers: int) -> None:
     """kv_compress per head: each cross-attention layer's impl learns its decoder layer
     index (``AttentionImpl.layer_index``), in module order, which is the order the model
@@ -142,7 +137,7 @@ class Worker:
         max_blocks = -(-self.model_cls.max_decoder_len(self.hf_config) // self.block_size)
         compress = self.config.kv_compress_config
         # Per head where the backend reads that layout, else one count per request.
-        per_head = compress is not None and PER_HEAD_FEATURE in _features(self.backend)
+        per_head = compress is not None and not self.backend.feature_reasons(frozenset({PER_HEAD_FEATURE}))
         self.cross_compress = (CrossKVCompressor(s.num_layers, s.num_kv_heads, self.block_size, per_head=per_head,
                                                  min_keep=compress.min_keep)
                                if compress is not None else None)
