@@ -52,7 +52,7 @@ from tandem.entrypoints.openai.audio_fields import check_other_fields, refuse_un
 from tandem.entrypoints.openai.audio_stream import StreamEvents, audio_stream
 from tandem.entrypoints.openai.completions import complete, first_outputs, stream_completion
 from tandem.entrypoints.openai.guard import BodyTooLarge, Guard
-from tandem.entrypoints.openai.lora_modules import ServedModels
+from tandem.entrypoints.openai.lora_modules import ServedModels, check_lora_flags
 from tandem.entrypoints.openai.media import PromptAudio, find_audio
 from tandem.entrypoints.openai.metrics import AudioMeter, ServerMetrics
 from tandem.entrypoints.openai.protocol import (
@@ -458,9 +458,7 @@ def serve(args) -> int:
     lora_modules = getattr(args, "lora_modules", None) or []
     lora_allowed_dir = getattr(args, "lora_allowed_dir", None)
     # The LoRA flags checked before the engine is built (a mistake costs no model load).
-    ServedModels(args.served_model_name or args.model, args.model, enable_lora=engine_args.get("enable_lora", False),
-                 max_lora_rank=engine_args.get("max_lora_rank", 16), lora_modules=lora_modules,
-                 allowed_dir=lora_allowed_dir)
+    check_lora_flags(args.served_model_name or args.model, args.model, engine_args, lora_modules, lora_allowed_dir)
     engine = AsyncLLM(model=args.model, **engine_args)
     max_audio_seconds = getattr(args, "max_audio_seconds", DEFAULT_MAX_AUDIO_SECONDS)
     app = build_app(

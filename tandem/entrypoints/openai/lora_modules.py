@@ -183,3 +183,18 @@ def _field(body: Any, name: str) -> str:
         raise HTTPError(400, f"{name} must be a non-empty string (at most "
                              f"{4096 if name == 'lora_path' else MAX_NAME_CHARS} characters)", param=name)
     return value
+
+
+def check_lora_flags(base_name: str, root: str, engine_args: dict, lora_modules: list[tuple[str, str]],
+                     allowed_dir: str | None) -> None:
+    """The LoRA server options checked before any engine is built (``tandem serve``, a Ray
+    Serve deployment), so a mistake costs no model load: raises ``ValueError`` naming it.
+    ``engine_args``: the engine options given; the others take ``EngineConfig``'s defaults."""
+    from dataclasses import fields
+
+    from tandem.core.config import EngineConfig
+
+    defaults = {f.name: f.default for f in fields(EngineConfig) if f.name in ("enable_lora", "max_lora_rank")}
+    ServedModels(base_name, root, enable_lora=engine_args.get("enable_lora", defaults["enable_lora"]),
+                 max_lora_rank=engine_args.get("max_lora_rank", defaults["max_lora_rank"]),
+                 lora_modules=lora_modules, allowed_dir=allowed_dir)

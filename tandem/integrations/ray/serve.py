@@ -76,16 +76,14 @@ def deployment(
     ``engine_args`` (``help(tandem.LLM)``); the server options as ``tandem serve``'s flags
     (``lora_modules``: ``"name=path"`` strings or ``(name, path)`` pairs, as ``--lora-modules``)."""
     from tandem.core.engine_args import check_kwargs
-    from tandem.entrypoints.openai.lora_modules import ServedModels, parse_lora_module
+    from tandem.entrypoints.openai.lora_modules import check_lora_flags, parse_lora_module
 
     check_kwargs("deployment", engine_args)
     if lora_modules is not None:
         lora_modules = [parse_lora_module(m) if isinstance(m, str) else tuple(m) for m in lora_modules]
     if lora_modules or lora_allowed_dir is not None:
         # Checked here, as ``tandem serve`` checks its flags, so a mistake costs no replica.
-        ServedModels(served_model_name or model, model, enable_lora=engine_args.get("enable_lora", False),
-                     max_lora_rank=engine_args.get("max_lora_rank", 16), lora_modules=lora_modules or [],
-                     allowed_dir=lora_allowed_dir)
+        check_lora_flags(served_model_name or model, model, engine_args, lora_modules or [], lora_allowed_dir)
     if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
         raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
     server = {"served_model_name": served_model_name, "api_key": api_key, "max_queued_requests": max_queued_requests,
