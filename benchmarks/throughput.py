@@ -47,6 +47,13 @@ on a shared machine lands on all of them; every figure is reported as the best
 and the median of the rounds. Loading time is reported separately in the JSON
 output, not in tokens/s.
 
+Every round serves the same requests, so tandem runs with its encoder cache and
+prefix cache off (``encoder_cache_blocks=0``, ``prefix_cache_blocks=0``): with
+them on, rounds after the first would skip every encoder run (the cache keeps
+finished requests' cross-attention tables), which HF and CTranslate2 compute
+each time. Before 2026-11-27 (22:50) the caches were on, and tandem's later rounds
+on the translation and beam-4 workloads measured decoding without encoders.
+
 Each engine at its best setting: in round 1 every engine runs every setting it
 is swept over (engines still taking turns) and keeps its fastest for the later
 rounds (benchmarks/rounds.py); the table prints the kept setting, and a line per
@@ -369,6 +376,10 @@ class TandemRunner:
                         "attention_backend", "cpu_gemm", "cpu_malloc", "compile_cache_dir")
             if getattr(args, key, None) is not None
         }
+        # Every round repeats the same requests: with the caches on, rounds after the
+        # first would skip the encoder runs the other engines compute (module docstring).
+        extra.setdefault("encoder_cache_blocks", 0)
+        extra.setdefault("prefix_cache_blocks", 0)
         if getattr(args, "compiled", False):
             extra["enforce_eager"] = False  # the compiled decode step (docs/performance.md)
         if max_num_seqs is not None:
