@@ -141,7 +141,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rounds  # noqa: E402  (the sweep, interleaved rounds and percentiles)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-ENGINES = ("tandem", "tandem-int8", "hf", "ct2", "ct2-int8")
+ENGINES = ("tandem", "tandem-int8", "tandem-noscreen", "hf", "ct2", "ct2-int8")
 
 
 @dataclass(frozen=True)
@@ -364,6 +364,7 @@ def warmup_requests(requests: Requests) -> Requests:
 class TandemRunner:
     name = "tandem"
     quantization = None
+    lm_head_screen = None  # None: the engine's default
 
     def __init__(self, model_dir: str, args, max_num_seqs: int | None = None):
         from tandem import LLM, SamplingParams
@@ -386,6 +387,8 @@ class TandemRunner:
             extra["max_num_seqs"] = max_num_seqs
         if self.quantization:
             extra["quantization"] = self.quantization
+        if self.lm_head_screen:
+            extra["lm_head_screen"] = self.lm_head_screen
         self.llm = LLM(model=model_dir, dtype=args.dtype, device=args.device,
                        seed=args.seed, **extra)
         # auto picks per model (T5's relative position bias passes over backends without it)
@@ -397,6 +400,14 @@ class TandemRunner:
         prompts = [{"prompt_token_ids": ids} for ids in requests.encoder_ids]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         return [list(out.outputs[0].token_ids) for out in outs]
+
+
+class TandemNoScreenRunner(TandemRunner):
+    """tandem with ``lm_head_screen="off"``: every greedy step computes the whole float32
+    LM head (what the screen saves, docs/performance.md "A screened LM head")."""
+
+    name = "tandem-noscreen"
+    lm_head_screen = "off"
 
 
 class TandemInt8Runner(TandemRunner):
@@ -592,8 +603,8 @@ class CT2Int8Runner(CT2Runner):
     compute_type = "int8"
 
 
-RUNNERS = {"tandem": TandemRunner, "tandem-int8": TandemInt8Runner, "hf": HFRunner, "ct2": CT2Runner,
-           "ct2-int8": CT2Int8Runner}
+RUNNERS = {"tandem": TandemRunner, "tandem-int8": TandemInt8Runner, "tandem-noscreen": TandemNoScreenRunner,
+           "hf": HFRunner, "ct2": CT2Runner, "ct2-int8": CT2Int8Runner}
 
 
 # --------------------------------------------------------------------------

@@ -137,6 +137,14 @@ class EngineConfig:
         "tensors) unless LD_PRELOAD or MALLOC_* chose otherwise; system leaves it alone",
         choices=("auto", "system"),
     )
+    # core/layers/lm_head_screen.py: greedy steps of few rows read an int8 copy of the LM head
+    # and compute only the tokens that could win, exactly.
+    lm_head_screen: str = option(
+        "auto", "greedy decode steps of up to 8 rows take their float32 argmax from an int8 pass over the LM head "
+        "plus a proven error bound, computing exactly only the tokens that could win (same tokens; auto: on CPU "
+        "in float32 without quantization, at the cost of an int8 copy of the head); off computes every logit",
+        choices=("auto", "off"),
+    )
     # core/worker/compiled_step.py: decode steps as torch.compile'd graphs (CPU).
     enforce_eager: bool = option(
         True, "run every step eager; False compiles the decode step (every row one new token, no encoder) with "

@@ -88,3 +88,24 @@ def test_latency_reports_p50_and_p99_per_round(tiny_run):
         assert res["output_tokens"] == 3 * 64
     assert r["tandem"]["ratio_vs_ct2"] == pytest.approx(
         statistics.median(r["ct2"]["p50_ms"]) / statistics.median(r["tandem"]["p50_ms"]))
+
+
+def test_tandem_runs_with_its_caches_off(tmp_path):
+    """Every round repeats the same requests: with the encoder cache on, tandem's rounds
+    after the first skipped the encoder runs the other engines compute."""
+    from tandem.core.config import EngineConfig
+
+    model = throughput.make_model("tiny", str(tmp_path / "m"), 0)
+    args = throughput.parse_args(["--model", model, "--engines", "tandem", "--threads", "1"])
+    for cls in (throughput.TandemRunner, throughput.TandemNoScreenRunner):
+        runner = cls(model, args)
+        config: EngineConfig = runner.llm.llm_engine.config
+        assert config.encoder_cache_blocks == 0 and config.prefix_cache_blocks == 0
+        assert config.lm_head_screen == ("off" if cls is throughput.TandemNoScreenRunner else "auto")
+        w = throughput.Workload("t", 2, 5, 5, 3)
+        requests = throughput.Requests(w, [[0, 5, 6, 7, 2], [0, 8, 9, 10, 2]], [2, 0])
+        first = runner.run(requests)
+        assert runner.run(requests) == first
+        # The second round ran the encoder again: no finished request's table was kept or found.
+        bm = runner.llm.llm_engine.block_manager
+        assert len(bm.encoder_cache) == 0 and bm.encoder_cache_hits == 0

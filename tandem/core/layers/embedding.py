@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.core.layers import lm_head_screen
 from tandem.core.layers.parallel_state import resolve_tp_group
 from tandem.core.weight_loading import WeightLoaderModule, check_shape
 
@@ -44,6 +45,7 @@ class VocabParallelEmbedding(WeightLoaderModule):
         )
         self.bind_weight_loaders()
         self.logits_kernel = None  # a packed copy of the table for the LM-head GEMM (linear_kernels)
+        self.screen_head = None  # its int8 copy for greedy steps (lm_head_screen; kernel_setup sets it)
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
@@ -80,13 +82,21 @@ class VocabParallelEmbedding(WeightLoaderModule):
             bias = bias if own is None else own + bias
         else:
             bias = own
-        if self.logits_kernel is not None:
-            logits = self.logits_kernel(self, hidden_states, bias, None)
-        else:
-            logits = F.linear(hidden_states, self.weight, bias)
+        # A compiled graph keeps the plain head (it is traced once, for every step after).
+        screen = (lm_head_screen.active() if self.screen_head is not None and self.tp.size == 1
+                  and not torch.compiler.is_compiling() else None)
+        if screen is not None and (approx := screen.offer(self, self.screen_head, hidden_states, bias)) is not None:
+            return approx  # int8 logits the step's greedy rows resolve exactly (layers/lm_head_screen.py)
+        logits = self.head_logits(hidden_states, bias)
         if not gather_output or self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)[..., : self.num_embeddings]
+
+    def head_logits(self, hidden_states: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The LM-head GEMM with ``bias`` as given (already this rank's, own bias included)."""
+        if self.logits_kernel is not None:
+            return self.logits_kernel(self, hidden_states, bias, None)
+        return F.linear(hidden_states, self.weight, bias)
 
     def extra_repr(self) -> str:
         return (

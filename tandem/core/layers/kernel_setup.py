@@ -9,6 +9,7 @@ import torch
 from tandem.core.config import check_choice
 from tandem.core.layers.embedding import VocabParallelEmbedding
 from tandem.core.layers.linear import LinearBase
+from tandem.core.layers.lm_head_screen import ScreenedHead, screen_unsupported
 from tandem.core.layers.linear_kernels import Int8DynamicKernel, PackedCPUKernel, int8_unsupported, packed_gemm_unsupported
 
 # Rows an encoder's GEMMs see: a source of tens to hundreds of tokens per request
@@ -32,6 +33,7 @@ def prepare_linear_kernels(
     quantization: str | None = None,
     batch_hint: int = 128,
     encoder_batch_hint: int = ENCODER_BATCH_HINT,
+    screen: str = "off",
 ) -> str:
     """Give every linear layer of ``model`` (and each tied or untied LM head) its
     kernel; returns a one-line description for the engine's start line.
@@ -50,6 +52,11 @@ def prepare_linear_kernels(
     decode-step GEMMs at one row took 17.7 ms (median) packed for 1 row against 18.7
     packed for 128, while at 4-16 rows the 1-row packing was 30-50% slower
     (docs/performance.md, "Packing for the batch"; benchmarks/packing.py).
+
+    ``screen`` ("auto" or "off", ``lm_head_screen``): "auto" gives each LM head an
+    int8 copy from which greedy steps of few rows take their exact float32 argmax
+    (``lm_head_screen``), where :func:`lm_head_screen.screen_unsupported` is empty
+    and without ``quantization`` (whose head is int8 already).
     """
     check_choice("cpu_gemm", gemm)
     reasons = packed_gemm_unsupported(device, dtype)
@@ -64,6 +71,10 @@ def prepare_linear_kernels(
         if why:
             raise ValueError("quantization='int8' cannot run here: " + "; ".join(why))
 
+    check_choice("lm_head_screen", screen)
+    screen_why = ["off"] if screen == "off" else (
+        [f"quantization={quantization!r}"] if quantization is not None else screen_unsupported(device, dtype))
+    screens = 0
     encoder_side = {id(m) for enc in _encoder_modules(model) for m in enc.modules()}
     counts: dict[str, int] = {}
     with torch.no_grad():
@@ -80,6 +91,9 @@ def prepare_linear_kernels(
                     continue
                 module.set_kernel(kernel)
             elif isinstance(module, VocabParallelEmbedding):
+                if not screen_why and module.tp.size == 1:
+                    module.screen_head = ScreenedHead(module.weight)
+                    screens += 1
                 # The table stays for lookups (a tied head); the LM-head GEMM gets its own copy.
                 if quantization == "int8":
                     if module.tp.size != 1:
@@ -95,7 +109,12 @@ def prepare_linear_kernels(
             else:
                 continue
             counts[kernel.name] = counts.get(kernel.name, 0) + 1
+    if screen != "off":
+        counts_note = (f"; lm_head_screen: {screens} int8 LM-head cop{'y' if screens == 1 else 'ies'} for greedy steps"
+                       if screens else "; lm_head_screen off: " + ("; ".join(screen_why) or "no LM head"))
+    else:
+        counts_note = ""
     if not counts:
         why = "; ".join(reasons) if gemm != "dense" else "cpu_gemm='dense'"
-        return f"linear layers: dense F.linear ({why})"
-    return "linear layers: " + ", ".join(f"{n} x {name}" for name, n in sorted(counts.items()))
+        return f"linear layers: dense F.linear ({why})" + counts_note
+    return "linear layers: " + ", ".join(f"{n} x {name}" for name, n in sorted(counts.items())) + counts_note

@@ -85,6 +85,21 @@ def needs_history(p: SamplingParams) -> bool:
     )
 
 
+def only_bans(p: SamplingParams) -> bool:
+    """Whether the request's processors only ban tokens (set ``-inf``) and never change a
+    finite score: then they act alike on any approximation of the logits that keeps each
+    score finite (the LM-head screen's int8 logits, ``lm_head_screen``). ``allowed_token_ids``
+    is left out: when every allowed token was banned it sets them to 0."""
+    return not (
+        p.logit_bias
+        or p.repetition_penalty != 1.0
+        or p.presence_penalty
+        or p.frequency_penalty
+        or p.logits_processors
+        or p.allowed_token_ids is not None
+    )
+
+
 @dataclass
 class ProcessorRows:
     """What the processors know of each row of a step."""

@@ -12,6 +12,7 @@ import itertools
 import torch
 
 from tandem.core.attention import AttentionMetadataBuilder, StepInputs
+from tandem.core.layers import lm_head_screen
 from tandem.core.model import EncoderDecoderModel
 from tandem.core.scheduler_output import SchedulerOutput
 from tandem.core.worker.cross_compress import CrossKVCompressor
@@ -227,7 +228,8 @@ class ModelRunner:
         # built with enable_lora) and no kv_compress observation (it reads the attention weights).
         if self.compiled is not None and inputs.cross_observer is None and not inputs.cross_per_head_seqs \
                 and self._is_decode_step(inputs):
-            logits = self.compiled(inputs.input_ids, inputs.positions, kv_caches, attn_metadata)
+            with lm_head_screen.screening(None):  # a compiled graph keeps the plain LM head
+                logits = self.compiled(inputs.input_ids, inputs.positions, kv_caches, attn_metadata)
             if logits is not None:
                 return logits
         if self.lora is None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.core.sampling_params import SamplingParams
+from tandem.core.worker.greedy_screen import StepScreen
 from tandem.core.worker.logits_processors import LogitsProcessors, ProcessorRows
 from tandem.core.worker.reductions import argmax_rows
 from tandem.core.worker.warpers import draw, sampling_probs
@@ -43,11 +44,14 @@ class Sampler:
         rows: ProcessorRows,
         generators: list[torch.Generator | None],
         claimed: list[int] | None = None,
+        screen: StepScreen | None = None,
     ) -> SamplerOutput:
         """``logits`` is float32 ``[S, vocab]``; row ``i`` samples with ``rows.params[i]``
         from ``generators[i]`` (None: the engine's stream), except the ``claimed`` rows
         (sorted), which a mode picks from ``scores``. The returned token lists hold the
-        other rows, in row order."""
+        other rows, in row order. ``screen``: the step's :class:`StepScreen` when its rows
+        are all plain greedy; if the LM head screened, ``logits`` are int8 logits and the
+        tokens come from ``screen.tokens`` (exact float32 argmaxes)."""
         params = rows.params
         scores = self.processors(logits, rows)
         out = SamplerOutput([], [], [], scores)
@@ -57,7 +61,12 @@ class Sampler:
             sub = scores if plain is None else scores.index_select(0, torch.tensor(plain, device=scores.device))
             sub_params = params if plain is None else [params[i] for i in plain]
             sub_gens = generators if plain is None else [generators[i] for i in plain]
-            out.token_ids, out.logprobs, out.top_logprobs = self._sample(sub, sub_params, sub_gens)
+            screened = screen.tokens(scores) if screen is not None and plain is None else None
+            if screened is not None:
+                n = len(params)
+                out.token_ids, out.logprobs, out.top_logprobs = screened.tolist(), [None] * n, [None] * n
+            else:
+                out.token_ids, out.logprobs, out.top_logprobs = self._sample(sub, sub_params, sub_gens)
             self._check_chosen(sub, out, plain)
         out.failed_rows = {**self.processors.failures, **out.failed_rows}
         return out

@@ -18,6 +18,7 @@ import torch
 from tandem.core.attention import AttentionBackend, KVCacheSpec
 from tandem.core.config import EngineConfig
 from tandem.core.faults import KVTransferError
+from tandem.core.layers import lm_head_screen
 from tandem.core.layers.kernel_setup import prepare_linear_kernels
 from tandem.core.layers.parallel_state import TensorParallelGroup, tensor_parallel
 from tandem.core.worker.host_malloc import keep_freed_memory
@@ -27,8 +28,9 @@ from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler_output import ModelRunnerOutput, SamplingInputs, SchedulerOutput
 from tandem.core.kv_compress_config import PER_HEAD_FEATURE
 from tandem.core.worker.cross_compress import CrossKVCompressor
+from tandem.core.worker.greedy_screen import MAX_ROWS as SCREEN_MAX_ROWS, ScreenStats, StepScreen
 from tandem.core.worker.input_batch import BlockTableRows
-from tandem.core.worker.logits_processors import ProcessorRows, needs_history
+from tandem.core.worker.logits_processors import ProcessorRows, needs_history, only_bans
 from tandem.core.worker.compiled_step import CompiledDecodeStep
 from tandem.core.worker.model_runner import ModelRunner
 from tandem.core.worker.sampler import Sampler
@@ -92,6 +94,8 @@ class Worker:
         self.model: EncoderDecoderModel | None = None
         self.runner: ModelRunner | None = None
         self.lora = None  # tandem.lora.manager.LoRAManager when enable_lora (load_model makes it)
+        self.linear_kernels_screen = False  # whether an LM head has an int8 screen (load_model)
+        self.screen_stats = ScreenStats()
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
 
@@ -115,7 +119,10 @@ class Worker:
         self.linear_kernels = prepare_linear_kernels(
             self.model, device=self.device, dtype=self.dtype, gemm=self.config.cpu_gemm,
             quantization=self.config.quantization, batch_hint=min(self.config.max_num_seqs, 128),
+            screen=self.config.lm_head_screen if self.tp.size == 1 else "off",
         )
+        self.linear_kernels_screen = any(getattr(m, "screen_head", None) is not None for m in self.model.modules())
+        self.screen_stats = ScreenStats()
         self.lora = None
         if self.config.enable_lora:
             from tandem.lora.manager import LoRAManager
@@ -227,14 +234,18 @@ class Worker:
                 modes.append((group.request_id, group.mode, list(range(start, len(params)))))
         rows = ProcessorRows(params, num_out, seq_lens,
                              lambda idx: self._histories([seq_ids[i] for i in idx], [seq_lens[i] for i in idx]), joint)
+        screen = self._screen(params, modes, sampling)
         with torch.inference_mode():
-            logits = self.runner.execute(out, self.kv_caches, lora_slots)
+            with lm_head_screen.screening(screen):
+                logits = self.runner.execute(out, self.kv_caches, lora_slots)
             if sampling is not None:  # before everything else reads the logits
                 self._transform(logits, sampling, seq_ids, num_out)
             prepared = _by_class(modes, lambda cls, idx: cls.prepare_all(
                 logits, [(modes[j][1], modes[j][2]) for j in idx]))
             claimed = sorted(i for *_, mode_rows in modes for i in mode_rows)
-            sampled = self.sampler(logits, rows, generators, claimed)
+            sampled = self.sampler(logits, rows, generators, claimed, screen)
+            if screen is not None:
+                self.screen_stats.add(screen)
             selected = _by_class(modes, lambda cls, idx: cls.select_all(
                 sampled.scores,
                 [(modes[j][1], modes[j][2], params[modes[j][2][0]], prepared[j], generators[modes[j][2][0]])
@@ -251,6 +262,21 @@ class Worker:
             plain_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, mode_outputs, failed, no_token,
             cross_blocks_needed=needed,
         )
+
+    def _screen(self, params: list[SamplingParams], modes, sampling: SamplingInputs | None) -> StepScreen | None:
+        """A screen for a step whose rows are all plain greedy (no mode, no logits
+        transform, no logprobs, processors that only ban), few enough for it to pay."""
+        if (not self.linear_kernels_screen or modes or (sampling is not None and sampling.transforms)
+                or not 0 < len(params) <= SCREEN_MAX_ROWS):
+            return None
+        seen = set()
+        for p in params:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if not p.greedy or p.logprobs is not None or not only_bans(p):
+                return None
+        return StepScreen()
 
     @staticmethod
     def _transform(logits: torch.Tensor, sampling: SamplingInputs, seq_ids: list[int], num_out: list[int]) -> None:
