@@ -210,3 +210,31 @@ def test_engine_start_line_and_choices(bart_dir):
     assert "lm_head_screen off: quantization='int8'" in int8.llm_engine.worker.linear_kernels
     with pytest.raises(ValueError, match="lm_head_screen"):
         LLM(model=str(bart_dir), lm_head_screen="fast")
+
+
+def test_the_screen_steps_aside_where_it_does_not_pay():
+    """Flat distributions (every row needs its full float32 row): after a few such steps
+    only every PROBE_EVERY-th eligible step is screened; once rows resolve again, all are."""
+    from tandem.core.worker.greedy_screen import PROBE_EVERY, ScreenStats
+
+    g = torch.Generator().manual_seed(3)
+    d, v = 32, 1000
+    flat = torch.randn(1, d, generator=g) * 0.05 + 1e-6 * torch.randn(v, d, generator=g)
+    sharp = torch.randn(v, d, generator=g) * 0.05
+    stats = ScreenStats()
+
+    def step(weight):
+        if not stats.wanted():
+            return False
+        screen, _, _ = _screen(weight, torch.randn(2, d, generator=g), None)
+        stats.add(screen)
+        return True
+
+    assert all(step(flat) for _ in range(4))  # 0.2, 0.36, 0.49, 0.59: above the limit after 4
+    screened = sum(step(flat) for _ in range(4 * PROBE_EVERY))
+    assert screened == 4  # the probes only
+    while not step(sharp):  # the next probe finds rows that resolve
+        pass
+    for _ in range(8):
+        step(sharp)
+    assert stats.full_share < 0.5 and all(step(sharp) for _ in range(10))

@@ -109,15 +109,26 @@ class StepScreen:
         return int(argmax_rows(full)[0])
 
 
+# A row that needs its whole float32 row pays for the int8 pass on top. Where most rows
+# do (a checkpoint whose next-token distributions are near flat), the screen steps
+# aside: while the recent share of such rows is above FULL_SHARE_LIMIT, only every
+# PROBE_EVERY-th eligible step is screened, to notice when it pays again.
+FULL_SHARE_LIMIT = 0.5
+PROBE_EVERY = 32
+
+
 @dataclass
 class ScreenStats:
-    """What the screen did over an engine's steps (the worker keeps one)."""
+    """What the screen did over an engine's steps (the worker keeps one), and whether
+    it is paying (:meth:`wanted`)."""
 
     steps: int = 0
     rows_screened: int = 0  # rows whose token came from exact candidates
     rows_full: int = 0  # rows that needed their whole float32 row
     candidates: int = 0  # candidates computed exactly, summed over screened rows
     max_candidates: int = 0
+    full_share: float = 0.0  # recent share of full rows (a moving average over steps)
+    steps_passed: int = 0  # eligible steps not screened because full_share was high
 
     def add(self, screen: StepScreen) -> None:
         if screen.produced is None:
@@ -127,3 +138,14 @@ class ScreenStats:
         self.rows_full += screen.rows_full
         self.candidates += sum(screen.candidates)
         self.max_candidates = max(self.max_candidates, *screen.candidates, 0)
+        rows = screen.rows_screened + screen.rows_full
+        share = screen.rows_full / rows if rows else 0.0
+        # While stepped aside, a probe's result stands alone: one that pays resumes screening.
+        self.full_share = share if self.full_share > FULL_SHARE_LIMIT else 0.8 * self.full_share + 0.2 * share
+
+    def wanted(self) -> bool:
+        """Whether to screen the next eligible step."""
+        if self.full_share <= FULL_SHARE_LIMIT:
+            return True
+        self.steps_passed += 1
+        return self.steps_passed % PROBE_EVERY == 0

@@ -276,7 +276,7 @@ class Worker:
             seen.add(id(p))
             if not p.greedy or p.logprobs is not None or not only_bans(p):
                 return None
-        return StepScreen()
+        return StepScreen() if self.screen_stats.wanted() else None
 
     @staticmethod
     def _transform(logits: torch.Tensor, sampling: SamplingInputs, seq_ids: list[int], num_out: list[int]) -> None:
