@@ -80,21 +80,25 @@ class StepScreen:
         ok = [f and 0 < n <= MAX_CANDIDATES for f, n in zip(finite, counts)]
         exact = None
         if any(ok):
+            # Only the rows that resolve here: a near-flat row's thousands of candidates are
+            # not gathered (it takes its full row below).
+            keep = torch.tensor(ok, device=scores.device)[row_idx]
+            row_idx, cols = row_idx[keep], cols[keep]
             weight = p.layer.weight
             exact = (weight.index_select(0, cols).float() * p.hidden.index_select(0, row_idx).float()).sum(dim=1)
             if p.bias is not None:
                 exact.add_(p.bias.index_select(0, cols))
         out, start = [], 0
         for r in range(rows):
-            n = counts[r]
             if ok[r]:
+                n = counts[r]
                 out.append(int(cols[start + int(torch.argmax(exact[start : start + n]))]))
                 self.rows_screened += 1
                 self.candidates.append(n)
+                start += n
             else:
                 out.append(self._full_row(p, r, scores))
                 self.rows_full += 1
-            start += n
         return torch.tensor(out, dtype=torch.long, device=scores.device)
 
     @staticmethod
