@@ -117,7 +117,13 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return self.error is not None or (bool(self.completions) and all(c.finished for c in self.completions))
+        if self.error is not None:
+            return True
+        # Read for every request every step: a plain loop, no generator or property calls.
+        for c in self.completions:
+            if c.finish_reason is None:
+                return False
+        return bool(self.completions)
 
     def update(self, result: RequestResult) -> dict[int, str]:
         """Apply a step's result; returns the completions a stop string ended, by
@@ -133,7 +139,7 @@ class RequestState:
             while d.index >= len(self.completions):
                 self.completions.append(self._new())
             c = self.completions[d.index]
-            if c.finished:  # ended here by a stop string; the core may not know yet
+            if c.finish_reason is not None:  # ended here by a stop string; the core may not know yet
                 continue
             if d.replace:
                 c.token_ids, c.num_detok, c.text = list(d.new_token_ids), 0, ""
@@ -147,7 +153,7 @@ class RequestState:
                     c.logprobs.extend(d.new_logprobs)
             c.cumulative_logprob = d.cumulative_logprob
             c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
-            if self.follow or c.finished:
+            if self.follow or d.finish_reason is not None:
                 before = len(c.text)
                 self._detokenize(c)
                 if self.stop_strings:
