@@ -188,13 +188,14 @@ class RequestState:
             if not c.finished:
                 c.finish_reason = "abort"
 
-    def output(self) -> RequestOutput:
+    def output(self, finished: bool | None = None) -> RequestOutput:
+        """``finished``: :attr:`finished` when the caller knows it."""
         p = self.params
         delta = p.output_kind is RequestOutputKind.DELTA
         outs = []
         for i, c in enumerate(self.completions):
             text = c.text
-            if not c.finished and self.stop_strings:
+            if self.stop_strings and c.finish_reason is None:
                 # Hold back a possible stop string's beginning: sent text cannot be taken back.
                 text = text[: max(0, len(text) - self.hold)]
             tokens, logprobs = c.token_ids, c.logprobs
@@ -214,7 +215,7 @@ class RequestState:
             request_id=info.request_id, encoder_prompt=info.encoder_prompt,
             encoder_prompt_token_ids=list(info.encoder_prompt_token_ids), prompt=info.prompt,
             prompt_token_ids=list(self.prompt_token_ids), outputs=outs,
-            finished=self.finished, error=self.error, probe_prob=self.probe_prob,
+            finished=self.finished if finished is None else finished, error=self.error, probe_prob=self.probe_prob,
         )
 
     def step_output(self, finished: bool | None = None) -> RequestOutput | None:
@@ -224,7 +225,7 @@ class RequestState:
             finished = self.finished
         if not finished and (not self.shape.streams or self.params.output_kind is RequestOutputKind.FINAL_ONLY):
             return None
-        return self.output()
+        return self.output(finished)
 
 
 @dataclass
@@ -278,7 +279,10 @@ class OutputProcessor:
             if finished:
                 self.requests.pop(rid, None)
             if out is not None:
-                self._emit(state, out, outputs)
+                if state.queue is None:  # _emit, inline: once per request every step
+                    outputs.append(out)
+                else:
+                    state.queue.put_nowait(out)
         for state, out in errors:
             self._emit(state, out, outputs)
         return ProcessedOutputs(outputs, stops, failed)

@@ -185,7 +185,7 @@ class BlockManager:
         """``cross_positions`` and the cross table (the live list: not to be changed) in
         one call, for the scheduler's per-group step data."""
         table = self._cross[group.request_id]
-        return (group.encoder_len if table.positions is None else table.positions), table.blocks
+        return (group.encoder_inputs.num_positions if table.positions is None else table.positions), table.blocks
 
     def is_cross_compressed(self, group: SequenceGroup) -> bool:
         table = self._cross.get(group.request_id)

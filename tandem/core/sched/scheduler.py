@@ -224,10 +224,14 @@ class Scheduler:
                 self._fail_group(group, e, blocks=True)
                 continue
             if seqs is not None:
-                budget -= len(seqs)
-                num_seqs += len(seqs)
+                n = len(seqs)
+                budget -= n
+                num_seqs += n
                 self.running.append(group)
-                self._schedule_group(scheduled, group, False, seqs)
+                try:  # _schedule_group, inline: once per running group every step
+                    scheduled.append(self._metadata(group, False, seqs))
+                except Exception as e:  # noqa: BLE001 - its strategy's step data: it fails alone
+                    self._fail_group(group, e)
                 continue
             fits = True
             while fits:
