@@ -455,7 +455,7 @@ class BlockManager:
             if i >= len(table) or refs[table[i]] != 1:
                 return None
             running.append(seq)
-        if self.prefix_cache.enabled:
+        if self.prefix_cache.max_blocks:  # enabled
             for seq in running:
                 # Only a sequence with a full computed prompt block may have one to register.
                 if seq.num_computed_tokens >= bs and len(seq.prompt_token_ids) >= bs:

@@ -46,8 +46,10 @@ class BlockPool:
 
     def reset(self) -> None:
         self._refs = np.zeros(self.num_blocks, dtype=np.int64)
-        self._refs_view = self._refs.view()
-        self._refs_view.flags.writeable = False
+        # Every block's reference count, ``[num_blocks]``, read-only: for callers that
+        # read many counts in a loop (``refcounts[b]`` is no Python call).
+        self.refcounts = self._refs.view()
+        self.refcounts.flags.writeable = False
         self._kept = np.zeros(self.num_blocks, dtype=bool)
         # Lazily pruned: ids taken as part of a run (or kept) stay here until popped.
         self._heap: list[int] = list(range(self.num_blocks))
@@ -63,12 +65,6 @@ class BlockPool:
 
     def refcount(self, block: int) -> int:
         return int(self._refs[block])
-
-    @property
-    def refcounts(self) -> np.ndarray:
-        """Every block's reference count, ``[num_blocks]``: a read-only view, for
-        callers that read many counts in a loop (``refcounts[b]`` is no Python call)."""
-        return self._refs_view
 
     def is_kept(self, block: int) -> bool:
         return bool(self._kept[block])

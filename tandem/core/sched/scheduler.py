@@ -36,13 +36,18 @@ from tandem.core.scheduler_output import (
 )
 from tandem.core.sched.lora_slots import LoRASlots
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from tandem.core.strategies.base import RequestFailed
+from tandem.core.strategies.base import RequestFailed, RequestStrategy
 
 if TYPE_CHECKING:
     from tandem.core.sched.cross_compress import CrossCompressor
     from tandem.core.strategies.modes import Modes
 
 logger = logging.getLogger(__name__)
+
+# The base hooks (no drafts, no step mode: plain sampling), which a strategy that keeps
+# them is not called for: once per running group every step.
+_NO_LOOKAHEAD, _NO_STEP_MODE = RequestStrategy.lookahead, RequestStrategy.step_mode
+
 
 class Scheduler:
     def __init__(
@@ -211,7 +216,8 @@ class Scheduler:
             group = queue.popleft()
             # Lookahead tokens only where they fit: never preempt for them.
             try:
-                if group.strategy.lookahead(group) and not bm.can_append_slots(group):
+                if (type(group.strategy).lookahead is not _NO_LOOKAHEAD and group.strategy.lookahead(group)
+                        and not bm.can_append_slots(group)):
                     self._drop_lookahead(group)
             except Exception as e:  # noqa: BLE001 - this request's strategy or blocks: it fails alone
                 self._fail_group(group, e)
@@ -470,7 +476,7 @@ class Scheduler:
             encoder_inputs=group.encoder_inputs if run_encoder else None,
             num_encoder_positions=positions,
             cross_block_table=list(cross_table),
-            mode=group.strategy.step_mode(group),
+            mode=None if type(group.strategy).step_mode is _NO_STEP_MODE else group.strategy.step_mode(group),
             cross_observe_until=compress.observe_until(group) if compress is not None else 0,
             cross_compressed=compress is not None and bm.is_cross_compressed(group),
             lora_request=group.lora_request,
