@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import pytest
 from hypothesis import given, settings
 
 import test_scheduler as ts
@@ -89,8 +90,6 @@ def _same_runs(scenario, monkeypatch) -> int:
 @settings(max_examples=150, **SETTINGS)
 @given(scenarios())
 def test_fast_path_steps_equal_the_general_paths(scenario):
-    import pytest
-
     with pytest.MonkeyPatch.context() as mp:
         _same_runs(scenario, mp)
 
@@ -98,8 +97,6 @@ def test_fast_path_steps_equal_the_general_paths(scenario):
 @settings(max_examples=100, **SETTINGS)
 @given(scenarios(tiny=True, max_groups=6))
 def test_fast_path_under_preemption_and_swaps_equals_the_general_path(scenario):
-    import pytest
-
     with pytest.MonkeyPatch.context() as mp:
         _same_runs(scenario, mp)
 
@@ -114,9 +111,9 @@ def test_fast_path_serves_plain_decode_steps(monkeypatch):
     assert 4 * 39 * 3 // 4 - 4 <= taken < 4 * 39
 
 
-def _group(bm_seqs: int, prompt: list[int]) -> SequenceGroup:
-    seqs = [Sequence(100 + i, prompt, index=i) for i in range(bm_seqs)]
-    g = SequenceGroup("r", EncoderInputs.from_token_ids([1, 2, 3]), seqs, SamplingParams(n=bm_seqs), 0.0)
+def _group(n: int, prompt: list[int]) -> SequenceGroup:
+    seqs = [Sequence(100 + i, prompt, index=i) for i in range(n)]
+    g = SequenceGroup("r", EncoderInputs.from_token_ids([1, 2, 3]), seqs, SamplingParams(n=n), 0.0)
     for s in seqs:
         s.status = SequenceStatus.RUNNING
     return g
