@@ -168,7 +168,7 @@ class EngineCore:
         self.faults.step_ok()
         # Per-request faults in the update (a strategy's update) join the worker's.
         results = failed + self.scheduler.update_from_output(sched, result)
-        self.num_requests_finished += sum(r.finished for r in results)
+        self.num_requests_finished += sum([r.finished for r in results])  # a list: no generator resumed per request
         results += self.fail(result.failed_requests)
         self._after_change()
         return results

@@ -117,7 +117,13 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return self.error is not None or (bool(self.completions) and all(c.finished for c in self.completions))
+        if self.error is not None:
+            return True
+        # Read for every request every step: a plain loop, no generator or property calls.
+        for c in self.completions:
+            if c.finish_reason is None:
+                return False
+        return bool(self.completions)
 
     def update(self, result: RequestResult) -> dict[int, str]:
         """Apply a step's result; returns the completions a stop string ended, by
@@ -133,7 +139,7 @@ class RequestState:
             while d.index >= len(self.completions):
                 self.completions.append(self._new())
             c = self.completions[d.index]
-            if c.finished:  # ended here by a stop string; the core may not know yet
+            if c.finish_reason is not None:  # ended here by a stop string; the core may not know yet
                 continue
             if d.replace:
                 c.token_ids, c.num_detok, c.text = list(d.new_token_ids), 0, ""
@@ -147,7 +153,7 @@ class RequestState:
                     c.logprobs.extend(d.new_logprobs)
             c.cumulative_logprob = d.cumulative_logprob
             c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
-            if self.follow or c.finished:
+            if self.follow or d.finish_reason is not None:
                 before = len(c.text)
                 self._detokenize(c)
                 if self.stop_strings:
@@ -182,13 +188,14 @@ class RequestState:
             if not c.finished:
                 c.finish_reason = "abort"
 
-    def output(self) -> RequestOutput:
+    def output(self, finished: bool | None = None) -> RequestOutput:
+        """``finished``: :attr:`finished` when the caller knows it."""
         p = self.params
         delta = p.output_kind is RequestOutputKind.DELTA
         outs = []
         for i, c in enumerate(self.completions):
             text = c.text
-            if not c.finished and self.stop_strings:
+            if self.stop_strings and c.finish_reason is None:
                 # Hold back a possible stop string's beginning: sent text cannot be taken back.
                 text = text[: max(0, len(text) - self.hold)]
             tokens, logprobs = c.token_ids, c.logprobs
@@ -208,7 +215,7 @@ class RequestState:
             request_id=info.request_id, encoder_prompt=info.encoder_prompt,
             encoder_prompt_token_ids=list(info.encoder_prompt_token_ids), prompt=info.prompt,
             prompt_token_ids=list(self.prompt_token_ids), outputs=outs,
-            finished=self.finished, error=self.error, probe_prob=self.probe_prob,
+            finished=self.finished if finished is None else finished, error=self.error, probe_prob=self.probe_prob,
         )
 
     def step_output(self, finished: bool | None = None) -> RequestOutput | None:
@@ -218,7 +225,7 @@ class RequestState:
             finished = self.finished
         if not finished and (not self.shape.streams or self.params.output_kind is RequestOutputKind.FINAL_ONLY):
             return None
-        return self.output()
+        return self.output(finished)
 
 
 @dataclass
@@ -272,7 +279,10 @@ class OutputProcessor:
             if finished:
                 self.requests.pop(rid, None)
             if out is not None:
-                self._emit(state, out, outputs)
+                if state.queue is None:  # _emit, inline: once per request every step
+                    outputs.append(out)
+                else:
+                    state.queue.put_nowait(out)
         for state, out in errors:
             self._emit(state, out, outputs)
         return ProcessedOutputs(outputs, stops, failed)

@@ -37,6 +37,11 @@ _FINISHED = {
 }
 
 
+# What each status reports as a finish reason (None: still going), read as a dict
+# lookup where a finish is checked per sequence per step.
+FINISH_REASON: dict[SequenceStatus, str | None] = {s: s.value if s in _FINISHED else None for s in SequenceStatus}
+
+
 class Sequence:
     """One decoder sequence (or the static encoder sequence of a group).
 

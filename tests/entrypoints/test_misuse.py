@@ -80,18 +80,18 @@ def test_an_interrupt_while_adding_leaves_nothing_queued(llm, expected, monkeypa
 
 @pytest.mark.parametrize("fail_at", [1, 3, 9])
 def test_an_exception_inside_schedule_frees_every_block(llm, expected, monkeypatch, fail_at):
-    # append_slots runs while the scheduler holds running groups in a local queue:
-    # failing there strands groups outside every queue.
+    # append_in_place (each running group's decode step) runs while the scheduler holds
+    # running groups in a local queue: failing there strands groups outside every queue.
     bm = llm.engine.block_manager
-    real, calls = bm.append_slots, []
+    real, calls = bm.append_in_place, []
 
-    def append_slots(seq):
+    def append_in_place(group):
         calls.append(1)
         if len(calls) == fail_at:
             raise KeyboardInterrupt
-        return real(seq)
+        return real(group)
 
-    monkeypatch.setattr(bm, "append_slots", append_slots)
+    monkeypatch.setattr(bm, "append_in_place", append_in_place)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     monkeypatch.undo()

@@ -31,6 +31,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # Preempting by swap: a small pool, two sequences per request (3 swap-outs in a clean run).
 SWAPPING = dict(block_size=4, num_kv_blocks=20, preemption_mode="swap", max_num_seqs=4)
 SWAP_PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2)
+SMALL_BLOCKS = dict(block_size=4)
 BEAMS = SamplingParams(num_beams=2, max_tokens=6, temperature=0.0)
 
 
@@ -73,8 +74,11 @@ def _hook_rid(name):
 BLOCK_FAULTS = {
     "can_allocate": (BlockManager, {}, GREEDY),
     "allocate": (BlockManager, {}, GREEDY),
-    "can_append_slots": (BlockManager, {}, GREEDY),
-    "append_slots": (BlockManager, {}, GREEDY),
+    # A decode step whose token goes into a block it holds alone takes append_in_place;
+    # 4-token blocks make decode steps open new blocks, which take the general path.
+    "append_in_place": (BlockManager, {}, GREEDY),
+    "can_append_slots": (BlockManager, SMALL_BLOCKS, GREEDY),
+    "append_slots": (BlockManager, SMALL_BLOCKS, GREEDY),
     "swap_out": (BlockManager, SWAPPING, SWAP_PARAMS),
     "can_swap_in": (BlockManager, SWAPPING, SWAP_PARAMS),
     "swap_in": (BlockManager, SWAPPING, SWAP_PARAMS),
@@ -167,12 +171,12 @@ def test_a_fault_that_breaks_the_pool_accounting_makes_the_engine_dead(bart_dir,
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("where", ["append_slots", "step_mode"])
+@pytest.mark.parametrize("where", ["append_in_place", "step_mode"])  # append_in_place: every decode step
 async def test_async_llm_a_schedule_fault_fails_only_its_request(bart_dir, monkeypatch, where):
     want = _oracle(bart_dir, {}, GREEDY)
     engine = AsyncLLM(model=str(bart_dir), dtype="float32", device="cpu")
     try:
-        if where == "append_slots":
+        if where == "append_in_place":
             hit = inject(monkeypatch, BlockManager, where, lambda bm, args: _rid_of(bm, args))
         else:
             hit = inject(monkeypatch, SamplingStrategy, where, _group_rid)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from tandem.core.kv.block_pool import BlockPool, Device, blocks_for
 from tandem.core.kv.encoder_cache import EncoderCache
 from tandem.core.kv.prefix_cache import PrefixCache
-from tandem.core.sequence import Sequence, SequenceGroup
+from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class AllocStatus(enum.Enum):
@@ -180,6 +180,12 @@ class BlockManager:
         compressed."""
         positions = self._cross[group.request_id].positions
         return group.encoder_len if positions is None else positions
+
+    def cross_view(self, group: SequenceGroup) -> tuple[int, list[int]]:
+        """``cross_positions`` and the cross table (the live list: not to be changed) in
+        one call, for the scheduler's per-group step data."""
+        table = self._cross[group.request_id]
+        return (group.encoder_inputs.num_positions if table.positions is None else table.positions), table.blocks
 
     def is_cross_compressed(self, group: SequenceGroup) -> bool:
         table = self._cross.get(group.request_id)
@@ -425,6 +431,36 @@ class BlockManager:
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
         return self._append_need(group, Device.DEVICE) <= self.num_free_blocks()
+
+    def append_in_place(self, group: SequenceGroup) -> list[Sequence] | None:
+        """A decode step's fast path: when each of the group's sequences that holds a
+        table is running, computes exactly one token (no drafts) and that token's slot
+        lies in a block of its table it alone holds, ``can_append_slots`` holds and
+        ``append_slots`` would allocate and copy nothing: register what the prefix cache
+        takes (as ``append_slots`` does) and return the running sequences. None when any
+        sequence needs more (the caller takes the general path; nothing was done)."""
+        # Hot: every running group every step. Plain loops and attribute reads, no calls
+        # but the refcount read: this replaces _append_need's and append_slots' per-block work.
+        refs, bs, tables, running = self.pools[Device.DEVICE].refcounts, self.block_size, self._self, []
+        for seq in group.seqs:
+            table = tables.get(seq.seq_id)
+            if seq.status is not SequenceStatus.RUNNING:
+                if table is not None:
+                    return None
+                continue
+            computed = seq.num_computed_tokens
+            if table is None or seq.lookahead_token_ids or len(seq.token_ids) - computed != 1:
+                return None
+            i = computed // bs
+            if i >= len(table) or refs[table[i]] != 1:
+                return None
+            running.append(seq)
+        if self.prefix_cache.max_blocks:  # enabled
+            for seq in running:
+                # Only a sequence with a full computed prompt block may have one to register.
+                if seq.num_computed_tokens >= bs and len(seq.prompt_token_ids) >= bs:
+                    self._register_prompt(seq, tables[seq.seq_id])
+        return running
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Make the sequence's self table hold all its tokens and its draft tokens

@@ -21,6 +21,10 @@ class Device(enum.Enum):
     DEVICE = "device"  # on the device the model runs on (a GPU, or the CPU itself)
     HOST = "host"  # host memory: the swap space
 
+    # Members are singletons compared by identity: hash them in C (Enum's own __hash__
+    # is a Python call, paid for each pool lookup of every running group each step).
+    __hash__ = object.__hash__
+
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
@@ -42,6 +46,10 @@ class BlockPool:
 
     def reset(self) -> None:
         self._refs = np.zeros(self.num_blocks, dtype=np.int64)
+        # Every block's reference count, ``[num_blocks]``, read-only: for callers that
+        # read many counts in a loop (``refcounts[b]`` is no Python call).
+        self.refcounts = self._refs.view()
+        self.refcounts.flags.writeable = False
         self._kept = np.zeros(self.num_blocks, dtype=bool)
         # Lazily pruned: ids taken as part of a run (or kept) stay here until popped.
         self._heap: list[int] = list(range(self.num_blocks))

@@ -34,7 +34,8 @@ class LoRASlots:
 
     def start_step(self, running: Iterable[SequenceGroup]) -> None:
         """The adapters of the groups already in the step (the running ones)."""
-        self.active = {g.lora_id for g in running if g.lora_id}
+        # lora_id, read without its property call (every running group, every step).
+        self.active = {lid for g in running if g.lora_request is not None and (lid := g.lora_request.lora_int_id)}
         self.blocked = False
 
     def admits(self, group: SequenceGroup) -> bool:

@@ -36,13 +36,18 @@ from tandem.core.scheduler_output import (
 )
 from tandem.core.sched.lora_slots import LoRASlots
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from tandem.core.strategies.base import RequestFailed
+from tandem.core.strategies.base import RequestFailed, RequestStrategy
 
 if TYPE_CHECKING:
     from tandem.core.sched.cross_compress import CrossCompressor
     from tandem.core.strategies.modes import Modes
 
 logger = logging.getLogger(__name__)
+
+# The base hooks (no drafts, no step mode: plain sampling), which a strategy that keeps
+# them is not called for: once per running group every step.
+_NO_LOOKAHEAD, _NO_STEP_MODE = RequestStrategy.lookahead, RequestStrategy.step_mode
+
 
 class Scheduler:
     def __init__(
@@ -211,10 +216,28 @@ class Scheduler:
             group = queue.popleft()
             # Lookahead tokens only where they fit: never preempt for them.
             try:
-                if group.strategy.lookahead(group) and not bm.can_append_slots(group):
+                if (type(group.strategy).lookahead is not _NO_LOOKAHEAD and group.strategy.lookahead(group)
+                        and not bm.can_append_slots(group)):
                     self._drop_lookahead(group)
             except Exception as e:  # noqa: BLE001 - this request's strategy or blocks: it fails alone
                 self._fail_group(group, e)
+                continue
+            # The usual decode step: each sequence's one new token goes into a block it
+            # alone holds, so there is nothing to allocate, copy or preempt for.
+            try:
+                seqs = bm.append_in_place(group)
+            except Exception as e:  # noqa: BLE001 - the block manager's work for this request
+                self._fail_group(group, e, blocks=True)
+                continue
+            if seqs is not None:
+                n = len(seqs)
+                budget -= n
+                num_seqs += n
+                self.running.append(group)
+                try:  # _schedule_group, inline: once per running group every step
+                    scheduled.append(self._metadata(group, False, seqs))
+                except Exception as e:  # noqa: BLE001 - its strategy's step data: it fails alone
+                    self._fail_group(group, e)
                 continue
             fits = True
             while fits:
@@ -389,9 +412,10 @@ class Scheduler:
             i += 1
         return None
 
-    def _schedule_group(self, scheduled: list[ScheduledGroup], group: SequenceGroup, run_encoder: bool) -> None:
+    def _schedule_group(self, scheduled: list[ScheduledGroup], group: SequenceGroup, run_encoder: bool,
+                        seqs: list[Sequence] | None = None) -> None:
         try:
-            scheduled.append(self._metadata(group, run_encoder))
+            scheduled.append(self._metadata(group, run_encoder, seqs))
         except Exception as e:  # noqa: BLE001 - its strategy's step data: it fails alone
             self._fail_group(group, e)
 
@@ -412,37 +436,49 @@ class Scheduler:
         failures, self._failures = self._failures, {}
         return failures
 
-    def _metadata(self, group: SequenceGroup, run_encoder: bool) -> ScheduledGroup:
+    def _metadata(self, group: SequenceGroup, run_encoder: bool, running: list[Sequence] | None = None) -> ScheduledGroup:
+        """The group's step as plain data; ``running``: its running sequences, when the
+        caller has them."""
         bm = self.block_manager
+        sent_tables = self._sent_tables
         seqs = []
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
+        for seq in group.get_seqs(SequenceStatus.RUNNING) if running is None else running:
+            sid, computed, lookahead = seq.seq_id, seq.num_computed_tokens, seq.lookahead_token_ids
             table = bm.get_block_table(seq)
-            sent = self._sent_tables.get(seq.seq_id)
-            block_ids, replace = table_update(table, sent)
-            # A sequence the worker has not seen but with computed tokens was forked.
-            prefix = seq.token_ids[: seq.num_computed_tokens] if sent is None and seq.num_computed_tokens else None
-            self._sent_tables[seq.seq_id] = list(table)
+            sent = sent_tables.get(sid)
+            prefix = None
+            if sent is not None and sent == table:  # the usual decode step: the worker has it all
+                block_ids, replace = [], False
+            else:
+                block_ids, replace = table_update(table, sent)
+                # A sequence the worker has not seen but with computed tokens was forked.
+                if sent is None and computed:
+                    prefix = seq.token_ids[:computed]
+                sent_tables[sid] = list(table)
+            tokens = seq.token_ids[computed:]
             seqs.append(
                 ScheduledSequence(
-                    seq_id=seq.seq_id,
-                    token_ids=seq.token_ids[seq.num_computed_tokens :] + seq.lookahead_token_ids,
-                    num_computed_tokens=seq.num_computed_tokens,
+                    seq_id=sid,
+                    token_ids=tokens + lookahead if lookahead else tokens,
+                    num_computed_tokens=computed,
                     block_ids=block_ids,
                     replace_blocks=replace,
                     num_output_tokens=len(seq.output_token_ids),
                     prefix_token_ids=prefix,
-                    num_logits=1 + len(seq.lookahead_token_ids),
+                    num_logits=1 + len(lookahead),
                 )
             )
+        positions, cross_table = bm.cross_view(group)
+        compress = self.cross_compress
         return ScheduledGroup(
             request_id=group.request_id,
             seqs=seqs,
             encoder_inputs=group.encoder_inputs if run_encoder else None,
-            num_encoder_positions=bm.cross_positions(group),
-            cross_block_table=list(bm.get_cross_block_table(group)),
-            mode=group.strategy.step_mode(group),
-            cross_observe_until=self.cross_compress.observe_until(group) if self.cross_compress is not None else 0,
-            cross_compressed=self.cross_compress is not None and bm.is_cross_compressed(group),
+            num_encoder_positions=positions,
+            cross_block_table=list(cross_table),
+            mode=None if type(group.strategy).step_mode is _NO_STEP_MODE else group.strategy.step_mode(group),
+            cross_observe_until=compress.observe_until(group) if compress is not None else 0,
+            cross_compressed=compress is not None and bm.is_cross_compressed(group),
             lora_request=group.lora_request,
         )
 
@@ -490,15 +526,12 @@ class Scheduler:
         if self._sent_tables.pop(seq.seq_id, None) is not None:
             self._finished_seqs.append(seq.seq_id)
 
-    def check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
-        self._check_stop(seq, group)
-
     def rollback(self, group: SequenceGroup, seq: Sequence) -> None:
         # The table may now be shorter than the one the worker was sent: _metadata
         # then sends it whole (the worker's row still lists the freed ids).
         self.block_manager.rollback_slots(seq)
 
-    def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
+    def check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
         """Stops on token ids and length; stop strings are the output processor's."""
         p = group.sampling_params
         token = seq.output_token_ids[-1]

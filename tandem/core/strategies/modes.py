@@ -20,12 +20,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from tandem.core.core_outputs import OutputShape
 from tandem.core.scheduler_output import SamplingInputs
+from tandem.core.strategies.base import RequestStrategy
+
+# A strategy that keeps the base ``batch_items`` gives nothing (plain sampling): its
+# requests skip the call, twice a step each.
+_NO_ITEMS = RequestStrategy.batch_items
 
 if TYPE_CHECKING:
     from tandem.core.sampling_params import SamplingParams
     from tandem.core.scheduler_output import SchedulerOutput
     from tandem.core.sequence import SequenceGroup
-    from tandem.core.strategies.base import LogitsTransform, RequestStrategy
+    from tandem.core.strategies.base import LogitsTransform
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,8 @@ class Modes:
         items: dict[str, list] = {}
         failed = []
         for group in groups:
+            if type(group.strategy).batch_items is _NO_ITEMS:  # gives nothing: skip the call
+                continue
             try:
                 mine = list(group.strategy.batch_items(group, None))
             except Exception as e:  # noqa: BLE001 - this request's strategy
@@ -192,7 +199,7 @@ class Modes:
         failed: dict[str, str] = {}
         for sg in sched.scheduled:
             group = groups.get(sg.request_id)
-            if group is None:
+            if group is None or type(group.strategy).batch_items is _NO_ITEMS:
                 continue
             try:
                 mine = list(group.strategy.batch_items(group, sg))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tandem.core.core_outputs import CompletionDelta, RequestResult
-from tandem.core.sequence import SequenceStatus
+from tandem.core.sequence import FINISH_REASON, SequenceStatus
 from tandem.core.strategies.base import RequestStrategy, SchedulerOps
 from tandem.core.strategies.modes import Mode, RequestContext
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def finish_reason(seq) -> str | None:
-    return seq.status.value if seq.finished else None
+    return FINISH_REASON[seq.status]
 
 
 class SamplingStrategy(RequestStrategy):
@@ -28,12 +28,13 @@ class SamplingStrategy(RequestStrategy):
         rows: dict[int, int],
     ) -> RequestResult:
         deltas = []
-        any_finished = False
+        any_finished = going = False
         by_id = {s.seq_id: s for s in group.seqs} if len(group.seqs) > 1 else None
         want_logprobs = group.sampling_params.logprobs is not None
+        check_stop = ops.check_stop
         for ss in sg.seqs:
             seq = by_id[ss.seq_id] if by_id is not None else group.seqs[0]
-            if seq.finished:
+            if FINISH_REASON[seq.status] is not None:
                 continue
             seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
             if ss.seq_id in result.no_token_seq_ids:  # every token banned: nothing to append
@@ -45,16 +46,20 @@ class SamplingStrategy(RequestStrategy):
             i = rows[ss.seq_id]
             token, top = result.token_ids[i], result.top_logprobs[i]
             seq.append_token(token, result.logprobs[i], top)
-            ops.check_stop(seq, group)
-            reason = finish_reason(seq)
-            any_finished |= reason is not None
+            check_stop(seq, group)
+            reason = FINISH_REASON[seq.status]
+            if reason is None:
+                going = True
+            else:
+                any_finished = True
             deltas.append(CompletionDelta(
                 seq.index, [token], [top] if top is not None else None, seq.cumulative_logprob,
                 reason, seq.stop_reason,
             ))
         if any_finished:
             ops.release_finished(group)
-        return RequestResult(group.request_id, deltas, group.is_finished)
+        # A sequence that goes on keeps the group going (no need to look at the others).
+        return RequestResult(group.request_id, deltas, False if going else group.is_finished)
 
 
 class SamplingMode(Mode):

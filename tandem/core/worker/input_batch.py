@@ -28,6 +28,15 @@ class BlockTableRows:
     def row(self, key: object) -> int:
         return self._row[key]
 
+    def rows(self, keys) -> list[int]:
+        """The rows of ``keys``, in order (one call per step, not one per key)."""
+        row = self._row
+        return [row[k] for k in keys]
+
+    def keys(self):
+        """The keys held (a live view: membership tests cost no Python call)."""
+        return self._row.keys()
+
     def num_blocks(self, key: object) -> int:
         return self.width[self._row[key]]
 

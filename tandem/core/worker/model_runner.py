@@ -65,16 +65,17 @@ class ModelRunner:
         self._cross_lists.pop(request_id, None)
 
     def _update_tables(self, out: SchedulerOutput) -> None:
+        known = self.tables.keys()
         for group in out.scheduled:
             if self._cross_lists.get(group.request_id) != group.cross_block_table:
                 self._cross_lists[group.request_id] = group.cross_block_table
                 self.cross_tables.set(group.request_id, group.cross_block_table)
             for seq in group.seqs:
-                if seq.replace_blocks or seq.seq_id not in self.tables:
-                    if not seq.replace_blocks:
-                        raise RuntimeError(f"sequence {seq.seq_id}: block-table update for an unknown table")
+                if seq.replace_blocks:
                     self.tables.set(seq.seq_id, seq.block_ids)
-                else:
+                elif seq.seq_id not in known:
+                    raise RuntimeError(f"sequence {seq.seq_id}: block-table update for an unknown table")
+                elif seq.block_ids:  # usually none: a decode step fills a block it holds
                     self.tables.extend(seq.seq_id, seq.block_ids)
 
     # -- the step --------------------------------------------------------------
@@ -82,9 +83,9 @@ class ModelRunner:
         self._update_tables(out)
         bs = self.block_size
         seqs = [s for g in out.scheduled for s in g.seqs]
-        rows = torch.tensor([self.tables.row(s.seq_id) for s in seqs], dtype=torch.long)
+        rows = torch.tensor(self.tables.rows([s.seq_id for s in seqs]), dtype=torch.long)
         cross_rows = torch.tensor(
-            [self.cross_tables.row(g.request_id) for g in out.scheduled for _ in g.seqs], dtype=torch.long
+            self.cross_tables.rows([g.request_id for g in out.scheduled for _ in g.seqs]), dtype=torch.long
         )
         query_lens = [len(s.token_ids) for s in seqs]
         seq_lens = [s.num_computed_tokens + q for s, q in zip(seqs, query_lens)]
@@ -135,7 +136,7 @@ class ModelRunner:
                 i += len(g.seqs)
             observer = self.cross_compress.observer(out.scheduled, seq_rows, dev)
         per_head, offsets, lens = self._per_head_layouts(out, dev)
-        tokens = list(itertools.chain.from_iterable(s.token_ids for s in seqs))
+        tokens = [t for s in seqs for t in s.token_ids]
         return StepInputs(
             input_ids=torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True),
             positions=positions.to(dev, non_blocking=True),
@@ -189,7 +190,7 @@ class ModelRunner:
         """Token indices whose logits are returned: each sequence's last ``num_logits``."""
         ends = query_start_loc[1:]
         counts = [s.num_logits for s in seqs]
-        if all(c == 1 for c in counts):
+        if max(counts) == 1:  # num_logits >= 1
             return ends - 1
         n = torch.tensor(counts, dtype=torch.long)
         run, offsets = _packed_positions(torch.zeros_like(n), n)

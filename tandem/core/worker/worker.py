@@ -211,27 +211,33 @@ class Worker:
             with torch.inference_mode():
                 self.runner.execute(out, self.kv_caches, lora_slots)
             return None
-        params, generators, num_out, seq_lens, seq_ids, row_request, joint = [], [], [], [], [], [], []
+        # Per row: (params, generator, output tokens so far, length, seq id, request id,
+        # joint), one tuple a row, transposed once below (not seven appends a row).
+        row_data: list[tuple] = []
+        add = row_data.append
         modes = []  # (request id, its StepMode, its rows)
+        requests = self.requests
         for group in out.scheduled:
-            state = self.requests[group.request_id]
-            start = len(params)
+            rid, mode = group.request_id, group.mode
+            state = requests[rid]
+            p, gen, joint_rows = state.params, state.generator, mode is not None and mode.joint_rows
+            start = len(row_data)
             for seq in group.seqs:
                 # One row per position whose logits are returned (several when lookahead
                 # tokens are verified), each with the lengths it would have in plain decoding.
                 end = seq.num_computed_tokens + len(seq.token_ids)
-                for j in range(seq.num_logits - 1, -1, -1):
-                    params.append(state.params)
-                    generators.append(state.generator)
-                    num_out.append(seq.num_output_tokens + seq.num_logits - 1 - j)
-                    seq_lens.append(end - j)
-                    seq_ids.append(seq.seq_id)
-                    row_request.append(group.request_id)
-                    joint.append(group.mode is not None and group.mode.joint_rows)
+                n = seq.num_logits
+                if n == 1:
+                    add((p, gen, seq.num_output_tokens, end, seq.seq_id, rid, joint_rows))
+                else:
+                    for j in range(n - 1, -1, -1):
+                        add((p, gen, seq.num_output_tokens + n - 1 - j, end - j, seq.seq_id, rid, joint_rows))
                 if state.keeps_history:
                     self._record_history(seq)
-            if group.mode is not None:
-                modes.append((group.request_id, group.mode, list(range(start, len(params)))))
+            if mode is not None:
+                modes.append((rid, mode, list(range(start, len(row_data)))))
+        params, generators, num_out, seq_lens, seq_ids, row_request, joint = (
+            [list(column) for column in zip(*row_data)] if row_data else [[] for _ in range(7)])
         rows = ProcessorRows(params, num_out, seq_lens,
                              lambda idx: self._histories([seq_ids[i] for i in idx], [seq_lens[i] for i in idx]), joint)
         screen = self._screen(params, modes, sampling)
