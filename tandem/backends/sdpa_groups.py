@@ -43,25 +43,32 @@ def attend_runs(
     scale: float,
     causal: bool,
     gqa: bool,
+    max_gather: int,
 ) -> None:
     """SDPA of each run's queries over its keys, written into ``out``; ``causal``
-    (top-left) is meant for runs whose queries are all their keys.
+    (top-left) is meant for runs whose queries are all their keys. A run whose
+    keys hold more than ``max_gather`` elements (length x KV heads x head size) is
+    attended alone through views: copying its K/V would cost more than the call
+    it saves (Whisper's cross prefills: a few queries over 1,500 positions).
 
     The runs' rows are gathered once, ordered by shape, so each shape's runs are
     one slice of the copies; the outputs go back with one ``index_copy_``. A step's
     few large ops, not one per shape: each op is a fork/join of the intra-op
     threads, and on a machine other jobs share a join waits for a descheduled
     thread."""
-    if len(runs) == 1:  # views, no copy
-        (q_start, q_len, k_start, k_len), = runs
+    per_key = key.shape[1] * key.shape[2]
+    alone = [r for r in runs if r[3] * per_key > max_gather] if len(runs) > 1 else runs
+    for q_start, q_len, k_start, k_len in alone:  # views, no copy
         o = F.scaled_dot_product_attention(
             _heads_first(query[q_start : q_start + q_len]), _heads_first(key[k_start : k_start + k_len]),
             _heads_first(value[k_start : k_start + k_len]), is_causal=causal, scale=scale, enable_gqa=gqa)
         out[q_start : q_start + q_len] = o[0].transpose(0, 1)
-        return
     groups: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
     for q_start, q_len, k_start, k_len in runs:
-        groups[(q_len, k_len)].append((q_start, k_start))
+        if len(runs) > 1 and k_len * per_key <= max_gather:
+            groups[(q_len, k_len)].append((q_start, k_start))
+    if not groups:
+        return
     q_rows = _rows([(s, q) for (q, _), g in groups.items() for s, _ in g], query.device)
     k_rows = _rows([(s, k) for (_, k), g in groups.items() for _, s in g], key.device)
     # Gathered as [rows, H * D]: index_select's row copy (a 3-D strided source, such as

@@ -81,7 +81,8 @@ def _length_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
 # Below this many cross K elements per sequence (encoder tokens x kv heads x
 # head size) a batched gather is cheaper than one SDPA call per sequence (a
 # CPU SDPA call costs ~50 us): 64K elements is ~85 tokens of bart-base. Tuned
-# on the summarization and translation benchmarks (16K to 256K tried).
+# on the summarization and translation benchmarks (16K to 256K tried) for
+# decodes; encoder runs and prefills gather below it too (sdpa_groups).
 VIEW_MIN_CROSS_ELEMENTS = 65536
 
 
@@ -215,7 +216,7 @@ class SDPAImplBase(AttentionImpl):
         grouped = pb is None and can_group(query.device)
         if attn_type is AttentionType.ENCODER and grouped:
             attend_runs(query, key, value, [(s, n, s, n) for s, n in md.encoder_runs], out,
-                        scale=self.scale, causal=False, gqa=gqa)
+                        scale=self.scale, causal=False, gqa=gqa, max_gather=VIEW_MIN_CROSS_ELEMENTS)
             return out
         if attn_type is AttentionType.ENCODER:
             for start, n in md.encoder_runs:
@@ -296,7 +297,8 @@ class SDPAImplBase(AttentionImpl):
             if is_cross:
                 flat = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, H, Dh]: slots as rows
                 key, value = flat[0], flat[1]
-            attend_runs(query, key, value, runs, out, scale=self.scale, causal=not is_cross, gqa=gqa)
+            attend_runs(query, key, value, runs, out, scale=self.scale, causal=not is_cross, gqa=gqa,
+                        max_gather=VIEW_MIN_CROSS_ELEMENTS)
         return rest
 
     def _per_head(self, query, kv_cache, md: SDPAMetadata, j: int, table) -> torch.Tensor:

@@ -57,7 +57,10 @@ def test_grouped_runs_are_bit_equal_to_one_call_per_run_and_match_float64(case, 
     causal, gqa, scale = case == "causal prefill", kv_heads != H, D**-0.5
 
     out = torch.full_like(query, float("nan"))
-    attend_runs(query, key, value, runs, out, scale=scale, causal=causal, gqa=gqa)
+    # Runs of 13 keys attended alone through views (the rest gathered), as Whisper's
+    # cross prefills over 1,500 positions are.
+    max_gather = 12 * kv_heads * D
+    attend_runs(query, key, value, runs, out, scale=scale, causal=causal, gqa=gqa, max_gather=max_gather)
     per_run = _per_run(query, key, value, runs, scale=scale, causal=causal, gqa=gqa)
     if case == "cross":
         # One or two queries over a few keys: with 2+ threads PyTorch's CPU kernel sums
@@ -75,7 +78,7 @@ def test_grouped_runs_are_bit_equal_to_one_call_per_run_and_match_float64(case, 
 def test_one_run_is_attended_in_place():
     query = torch.randn(7, H, D)
     out = torch.empty_like(query)
-    attend_runs(query, query, query, [(0, 7, 0, 7)], out, scale=0.25, causal=True, gqa=False)
+    attend_runs(query, query, query, [(0, 7, 0, 7)], out, scale=0.25, causal=True, gqa=False, max_gather=0)
     assert torch.equal(out, _per_run(query, query, query, [(0, 7, 0, 7)], scale=0.25, causal=True, gqa=False))
 
 
@@ -99,9 +102,10 @@ def test_backend_groups_encoder_runs_and_prefills_of_one_shape(backend, monkeypa
     calls = []
     real = sdpa_groups.attend_runs
 
-    def spy(query, key, value, runs, out, *, scale, causal, gqa):
+    def spy(query, key, value, runs, out, *, scale, causal, gqa, max_gather):
         calls.append((len(runs), causal))
-        real(query, key, value, runs, out, scale=scale, causal=causal, gqa=gqa)
+        assert all(k_len * key.shape[1] * key.shape[2] <= max_gather for *_, k_len in runs)  # all gathered
+        real(query, key, value, runs, out, scale=scale, causal=causal, gqa=gqa, max_gather=max_gather)
 
     monkeypatch.setattr(sdpa, "attend_runs", spy)
     block_size, seqs, used = 4, [], 0
