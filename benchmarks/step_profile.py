@@ -1,6 +1,7 @@
 """Where a decode step goes: tandem's steady-state step split into its parts.
 
-Runs tandem's offline engine (``LLM``, float32, CPU, 2 torch threads by
+Runs tandem's offline engine (``LLM``, float32, or int8 linear layers with
+``--quantization int8``; CPU, 2 torch threads by
 default) on a BART checkpoint (a random bart-base-sized one by default, built
 as ``benchmarks/throughput.py`` builds it) in three cases, and reports, for
 the steady-state decode steps only (steps that run no encoder and no prompt,
