@@ -1,6 +1,7 @@
 """Where a decode step goes: tandem's steady-state step split into its parts.
 
-Runs tandem's offline engine (``LLM``, float32, CPU, 2 torch threads by
+Runs tandem's offline engine (``LLM``, float32, or int8 linear layers with
+``--quantization int8``; CPU, 2 torch threads by
 default) on a BART checkpoint (a random bart-base-sized one by default, built
 as ``benchmarks/throughput.py`` builds it) in three cases, and reports, for
 the steady-state decode steps only (steps that run no encoder and no prompt,
@@ -65,6 +66,7 @@ Examples (from the repository root):
   python benchmarks/step_profile.py                      # bart-base-sized, all cases
   python benchmarks/step_profile.py --cases batch1 --steps 40
   python benchmarks/step_profile.py --model /path/to/bart --threads 1
+  python benchmarks/step_profile.py --cases short --quantization int8
 """
 
 from __future__ import annotations
@@ -560,6 +562,8 @@ def parse_args(argv=None):
     run.add_argument("--compile", action="store_true",
                      help="enforce_eager=False: decode steps through the compiled graph (issue 40)")
     run.add_argument("--compile-cache-dir", help="compile_cache_dir (default: tandem's)")
+    run.add_argument("--quantization", choices=("int8",),
+                     help="quantization='int8': int8 linear layers and LM head (the engine stays float32)")
     args = p.parse_args(argv)
     unknown = [c for c in args.cases if c not in CASES]
     if unknown or not args.cases:
@@ -588,7 +592,7 @@ def main(argv=None) -> int:
     config = load_config(model_dir)
 
     llm = LLM(model=model_dir, dtype="float32", device="cpu", seed=args.seed, enforce_eager=not args.compile,
-              compile_cache_dir=args.compile_cache_dir)
+              compile_cache_dir=args.compile_cache_dir, quantization=args.quantization)
     # Warm kernels and allocator once per case shape (short requests, a few steps).
     for name in args.cases:
         w = CASES[name]
@@ -613,8 +617,8 @@ def main(argv=None) -> int:
             u()
 
     backend = llm.llm_engine.attn_backend.name
-    print(f"\nmodel={'random ' + args.make_model if not args.model else model_dir}  dtype=float32  device=cpu  "
-          f"torch_threads={torch.get_num_threads()}  attention_backend={backend}  torch={torch.__version__}")
+    print(f"\nmodel={'random ' + args.make_model if not args.model else model_dir}  dtype=float32  "
+          f"quantization={args.quantization}  device=cpu  torch_threads={torch.get_num_threads()}  attention_backend={backend}  torch={torch.__version__}")
     print(f"cpu_flags={cpu_flags()}  cpu_capability={torch.backends.cpu.get_cpu_capability()}  "
           f"cpu_count={os.cpu_count()}  load_avg_1min={os.getloadavg()[0]:.2f}")
     print("cases: " + "; ".join(

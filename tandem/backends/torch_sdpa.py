@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.backends.sdpa_groups import attend_runs, can_group
 from tandem.core.attention import (
     AttentionBackend,
     AttentionImpl,
@@ -80,7 +81,8 @@ def _length_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
 # Below this many cross K elements per sequence (encoder tokens x kv heads x
 # head size) a batched gather is cheaper than one SDPA call per sequence (a
 # CPU SDPA call costs ~50 us): 64K elements is ~85 tokens of bart-base. Tuned
-# on the summarization and translation benchmarks (16K to 256K tried).
+# on the summarization and translation benchmarks (16K to 256K tried) for
+# decodes; encoder runs and prefills gather below it too (sdpa_groups).
 VIEW_MIN_CROSS_ELEMENTS = 65536
 
 
@@ -211,6 +213,11 @@ class SDPAImplBase(AttentionImpl):
         if attn_type is AttentionType.ENCODER and pb is None and _equal_runs(md.encoder_runs, query.shape[0]):
             return self._encoder_batched(query, key, value, len(md.encoder_runs), gqa)
         out = torch.empty_like(query)
+        grouped = pb is None and can_group(query.device)
+        if attn_type is AttentionType.ENCODER and grouped:
+            attend_runs(query, key, value, [(s, n, s, n) for s, n in md.encoder_runs], out,
+                        scale=self.scale, causal=False, gqa=gqa, max_gather=VIEW_MIN_CROSS_ELEMENTS)
+            return out
         if attn_type is AttentionType.ENCODER:
             for start, n in md.encoder_runs:
                 q, k, v = (_heads_first(t[start : start + n]) for t in (query, key, value))
@@ -225,7 +232,9 @@ class SDPAImplBase(AttentionImpl):
         is_cross = attn_type is AttentionType.ENCODER_DECODER
         tables = md.cross_block_tables if is_cross else md.block_tables
         block_size = kv_cache.shape[2]
-        for start, q_len, seq_len, i in md.prefills:
+        prefills = self._prefills_grouped(query, key, value, kv_cache, md, is_cross, gqa, out) if grouped \
+            else md.prefills
+        for start, q_len, seq_len, i in prefills:
             q = _heads_first(query[start : start + q_len])
             if is_cross and i in md.cross_head_index:
                 out[start : start + q_len] = self._per_head(query[start : start + q_len], kv_cache, md,
@@ -269,6 +278,28 @@ class SDPAImplBase(AttentionImpl):
             for row, j in md.cross_head_decodes:
                 out[row : row + 1] = self._per_head(query[row : row + 1], kv_cache, md, j, None)
         return out
+
+    def _prefills_grouped(self, query, key, value, kv_cache, md: SDPAMetadata, is_cross: bool, gqa: bool,
+                          out: torch.Tensor) -> list[tuple[int, int, int, int]]:
+        """Attend the prefills that read keys in place (self: nothing cached before them;
+        cross: a contiguous cross table) through :func:`attend_runs`, runs of one shape
+        in one call; returns the prefills left for the per-sequence loop."""
+        runs, rest = [], []
+        for p in md.prefills:
+            start, q_len, seq_len, i = p
+            if is_cross and i not in md.cross_head_index and md.cross_view_start[i] >= 0:
+                runs.append((start, q_len, md.cross_view_start[i], md.cross_seq_lens[i]))
+            elif not is_cross and seq_len == q_len:
+                runs.append((start, q_len, start, q_len))
+            else:
+                rest.append(p)
+        if runs:
+            if is_cross:
+                flat = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, H, Dh]: slots as rows
+                key, value = flat[0], flat[1]
+            attend_runs(query, key, value, runs, out, scale=self.scale, causal=not is_cross, gqa=gqa,
+                        max_gather=VIEW_MIN_CROSS_ELEMENTS)
+        return rest
 
     def _per_head(self, query, kv_cache, md: SDPAMetadata, j: int, table) -> torch.Tensor:
         """kv_compress per head: ``query`` ``[q, H, D]`` of per-head sequence ``j`` over

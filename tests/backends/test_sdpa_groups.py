@@ -1,0 +1,120 @@
+"""Attention runs of one shape as one SDPA call (tandem/backends/sdpa_groups.py):
+bit-equal to one call per run (encoder runs, causal prefills; cross prefills of
+one or two queries to rounding), float64's result within float32 rounding, and
+taken by the SDPA backends' encoder and prefill paths on CPU."""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from layouts import REL_FP32, Seq, check_backend, reference, relative_error
+from tandem.backends import sdpa_groups
+from tandem.backends.sdpa_groups import attend_runs
+
+H, D = 4, 16
+
+
+def _per_run(query, key, value, runs, *, scale, causal, gqa):
+    """The path before grouping: one SDPA call per run over views."""
+    out = torch.full_like(query, float("nan"))
+    for qs, ql, ks, kl in runs:
+        o = F.scaled_dot_product_attention(
+            query[qs : qs + ql].transpose(0, 1)[None], key[ks : ks + kl].transpose(0, 1)[None],
+            value[ks : ks + kl].transpose(0, 1)[None], is_causal=causal, scale=scale, enable_gqa=gqa)
+        out[qs : qs + ql] = o[0].transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("case", ["encoder", "causal prefill", "cross", "gqa"])
+@pytest.mark.parametrize("seed", range(3))
+def test_grouped_runs_are_bit_equal_to_one_call_per_run_and_match_float64(case, seed):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    n = 24
+    # Shapes repeat (a few lengths for many runs), as in a batch of short requests;
+    # one shape appears once, so a singleton group is in every case.
+    lens = [rng.choice([3, 5, 9]) for _ in range(n - 1)] + [13]
+    kv_heads = 2 if case == "gqa" else H
+    runs, tq, k_rows = [], 0, 400
+    for kl in lens:
+        if case == "cross":  # one or two queries over keys at a scattered start
+            ql = rng.choice([1, 2])
+            runs.append((tq, ql, rng.randrange(0, k_rows - kl + 1), kl))
+        else:  # keys are the queries' own rows
+            ql = kl
+            runs.append((tq, ql, tq, ql))
+        tq += ql
+    # The query a strided view (the q of one fused q/k/v projection), as in a model.
+    qkv = torch.randn(tq, (H + 2 * kv_heads) * D, generator=g)
+    query = qkv[:, : H * D].view(tq, H, D)
+    if case == "cross":  # keys read from a cache's slots
+        key, value = torch.randn(2, k_rows, kv_heads, D, generator=g)
+    else:
+        key = qkv[:, H * D : (H + kv_heads) * D].view(tq, kv_heads, D)
+        value = qkv[:, (H + kv_heads) * D :].view(tq, kv_heads, D)
+    causal, gqa, scale = case == "causal prefill", kv_heads != H, D**-0.5
+
+    out = torch.full_like(query, float("nan"))
+    # Runs of 13 keys attended alone through views (the rest gathered), as Whisper's
+    # cross prefills over 1,500 positions are.
+    max_gather = 12 * kv_heads * D
+    attend_runs(query, key, value, runs, out, scale=scale, causal=causal, gqa=gqa, max_gather=max_gather)
+    per_run = _per_run(query, key, value, runs, scale=scale, causal=causal, gqa=gqa)
+    if case == "cross":
+        # One or two queries over a few keys: with 2+ threads PyTorch's CPU kernel sums
+        # such a call in another order than a batch of them (and than itself on one
+        # thread), so only rounding may differ: <= L * u * max|v| ~ 13 * 6e-8 * 5 = 4e-6.
+        assert torch.allclose(out, per_run, rtol=0, atol=5e-6)
+    else:
+        assert torch.equal(out, per_run)
+    for qs, ql, ks, kl in runs:
+        q, k, v = (t.double() for t in (query[qs : qs + ql], key[ks : ks + kl], value[ks : ks + kl]))
+        want = reference(q, k, v, scale, causal_offset=0 if causal else None)
+        assert relative_error(out[qs : qs + ql], want) < REL_FP32
+
+
+def test_one_run_is_attended_in_place():
+    query = torch.randn(7, H, D)
+    out = torch.empty_like(query)
+    attend_runs(query, query, query, [(0, 7, 0, 7)], out, scale=0.25, causal=True, gqa=False, max_gather=0)
+    assert torch.equal(out, _per_run(query, query, query, [(0, 7, 0, 7)], scale=0.25, causal=True, gqa=False))
+
+
+@pytest.mark.parametrize("backend", ["torch_sdpa", "cpu_paged"])
+def test_backend_groups_encoder_runs_and_prefills_of_one_shape(backend, monkeypatch):
+    """A step of short requests: encoder runs of a few lengths, two-token prefills
+    over contiguous cross tables. Each kind is attended through attend_runs in one
+    call over all sequences, and every output is float64's (check_backend)."""
+    if backend == "cpu_paged":
+        from tandem.backends.cpu_paged import CPUPagedBackend as cls
+        from tandem.backends.cpu_paged import ops
+
+        try:
+            ops.load()
+        except ops.CPUOpUnavailable as e:
+            pytest.skip(f"cpu_paged's C++ op is unavailable here: {e}")
+    else:
+        from tandem.backends.torch_sdpa import TorchSDPABackend as cls
+    import tandem.backends.torch_sdpa as sdpa
+
+    calls = []
+    real = sdpa_groups.attend_runs
+
+    def spy(query, key, value, runs, out, *, scale, causal, gqa, max_gather):
+        calls.append((len(runs), causal))
+        assert all(k_len * key.shape[1] * key.shape[2] <= max_gather for *_, k_len in runs)  # all gathered
+        real(query, key, value, runs, out, scale=scale, causal=causal, gqa=gqa, max_gather=max_gather)
+
+    monkeypatch.setattr(sdpa, "attend_runs", spy)
+    block_size, seqs, used = 4, [], 0
+    for group, n in enumerate([6, 9, 6, 9, 6, 11]):
+        cross = list(range(used, used + -(-n // block_size)))  # contiguous: read through a view
+        table = [cross[-1] + 1]
+        used = table[-1] + 1
+        seqs.append(Seq(group, 0, 2, table, n, cross, True))
+    check_backend(cls, 0, block_size, num_kv_heads=2, layout=(seqs, used + 4))
+    # Encoder runs, causal self prefills and cross prefills: every call takes all 6
+    # sequences at once (check_backend runs some kinds more than once).
+    assert {n for n, _ in calls} == {6} and {causal for _, causal in calls} == {False, True}
