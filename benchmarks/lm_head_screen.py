@@ -92,18 +92,19 @@ def main() -> None:
     for rows, (h, head, screened, int8) in setups.items():
         want = argmax_rows(head.head_logits(h, None)).tolist()
 
-        def fp32():
+        # Default arguments bind this row count's tensors (the closures outlive the loop).
+        def fp32(h=h, head=head):
             return argmax_rows(head.head_logits(h, None))
 
-        def screen():
+        def screen(h=h, head=head, screened=screened, rows=rows):
             s = StepScreen(max_rows=rows)
             return s.tokens(s.offer(head, screened, h, None)), s
 
-        def int8_head():
+        def int8_head(h=h, head=head, int8=int8):
             return int8(head, h, None, None)
 
         tokens, s = screen()
-        assert tokens.tolist() == want, f"{rows} rows: screened tokens differ from the float32 argmax"
+        assert tokens is not None and tokens.tolist() == want, f"{rows} rows: screened tokens differ from the float32 argmax"
         results[rows] = {"fp32": [], "screen": [], "int8 head": [],
                          "cands": sum(s.candidates) / max(1, len(s.candidates)), "full": s.rows_full}
         setups[rows] = (fp32, screen, int8_head)
@@ -111,8 +112,10 @@ def main() -> None:
         for rows, fns in setups.items():
             for name, fn in zip(("fp32", "screen", "int8 head"), fns):
                 t = time.perf_counter()
-                fn()
+                out = fn()
                 results[rows][name].append((time.perf_counter() - t) * 1e3)
+                if name == "screen" and out[0] is None:
+                    raise RuntimeError(f"{rows} rows: the screen did not serve the timed call")
     print(f"cpu_flags={throughput.cpu_flags()}  cpu_capability={torch.backends.cpu.get_cpu_capability()}  "
           f"torch={torch.__version__}  threads={args.threads} rounds={args.rounds} load={os.getloadavg()[0]:.2f} model={model_dir}")
     print(f"{'rows':>4}  {'fp32 head+argmax ms':>20}  {'screen ms':>16}  {'int8 head ms':>16}  "
