@@ -63,6 +63,24 @@ class Seq:
     run_encoder: bool  # its group's encoder runs this step (then ctx == 0)
 
 
+def sdpa_family_backend(name: str) -> type[AttentionBackend]:
+    """``torch_sdpa`` or ``cpu_paged`` (which shares its prefill path); skips the test
+    where cpu_paged's C++ op cannot be built here."""
+    if name == "cpu_paged":
+        import pytest
+
+        from tandem.backends.cpu_paged import CPUPagedBackend, ops
+
+        try:
+            ops.load()
+        except ops.CPUOpUnavailable as e:
+            pytest.skip(f"cpu_paged's C++ op is unavailable here: {e}")
+        return CPUPagedBackend
+    from tandem.backends.torch_sdpa import TorchSDPABackend
+
+    return TorchSDPABackend
+
+
 def _take_blocks(rng: random.Random, free: list[int], n: int, contiguous: bool) -> list[int]:
     if contiguous and n:
         avail = set(free)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from layouts import REL_FP32, Seq, check_backend, reference, relative_error
+from layouts import REL_FP32, Seq, check_backend, reference, relative_error, sdpa_family_backend
 from tandem.backends import sdpa_groups
 from tandem.backends.sdpa_groups import attend_runs
 
@@ -87,16 +87,7 @@ def test_backend_groups_encoder_runs_and_prefills_of_one_shape(backend, monkeypa
     """A step of short requests: encoder runs of a few lengths, two-token prefills
     over contiguous cross tables. Each kind is attended through attend_runs in one
     call over all sequences, and every output is float64's (check_backend)."""
-    if backend == "cpu_paged":
-        from tandem.backends.cpu_paged import CPUPagedBackend as cls
-        from tandem.backends.cpu_paged import ops
-
-        try:
-            ops.load()
-        except ops.CPUOpUnavailable as e:
-            pytest.skip(f"cpu_paged's C++ op is unavailable here: {e}")
-    else:
-        from tandem.backends.torch_sdpa import TorchSDPABackend as cls
+    cls = sdpa_family_backend(backend)
     import tandem.backends.torch_sdpa as sdpa
 
     calls = []

@@ -4,7 +4,7 @@ against float64 on random paged layouts (the shared conformance check)."""
 import pytest
 import torch
 
-from layouts import check_backend
+from layouts import check_backend, sdpa_family_backend
 from tandem.backends.torch_sdpa import TorchSDPABackend, contiguous_starts
 
 
@@ -41,16 +41,7 @@ def test_encoder_runs_of_one_length_in_one_call_match_float64(backend, monkeypat
     import tandem.backends.torch_sdpa as sdpa
     from layouts import Seq
 
-    if backend == "cpu_paged":
-        from tandem.backends.cpu_paged import CPUPagedBackend as cls
-        from tandem.backends.cpu_paged import ops
-
-        try:
-            ops.load()
-        except ops.CPUOpUnavailable as e:
-            pytest.skip(f"cpu_paged's C++ op is unavailable here: {e}")
-    else:
-        cls = TorchSDPABackend
+    cls = sdpa_family_backend(backend)
     batched = []
     real = sdpa.SDPAImplBase._encoder_batched
     monkeypatch.setattr(sdpa.SDPAImplBase, "_encoder_batched",
