@@ -207,7 +207,8 @@ def test_engine_start_line_and_choices(bart_dir):
     llm = LLM(model=str(bart_dir), dtype="float32", seed=0, lm_head_screen="auto")
     assert "lm_head_screen: " in llm.llm_engine.worker.linear_kernels
     int8 = LLM(model=str(bart_dir), dtype="float32", seed=0, quantization="int8")
-    assert "lm_head_screen off: quantization='int8'" in int8.llm_engine.worker.linear_kernels
+    assert "lm_head_screen" not in int8.llm_engine.worker.linear_kernels  # its head is int8 already
+    assert not any(getattr(m, "screen_head", None) for m in int8.llm_engine.worker.model.modules())
     with pytest.raises(ValueError, match="lm_head_screen"):
         LLM(model=str(bart_dir), lm_head_screen="fast")
 

@@ -109,7 +109,7 @@ def prepare_linear_kernels(
             else:
                 continue
             counts[kernel.name] = counts.get(kernel.name, 0) + 1
-    if screen != "off":
+    if screen != "off" and quantization is None:  # int8's head is int8 already: nothing to say
         counts_note = (f"; lm_head_screen: {screens} int8 LM-head cop{'y' if screens == 1 else 'ies'} for greedy steps"
                        if screens else "; lm_head_screen off: " + ("; ".join(screen_why) or "no LM head"))
     else:
