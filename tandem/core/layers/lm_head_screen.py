@@ -163,8 +163,6 @@ class ScreenedHead:
         self.q_norm = torch.nextafter(torch.cat(norm).float(), torch.tensor(up))  # ||Wq_j||
         self.q_norm_max = float(self.q_norm.max())
         self.err_norm_max = float(self.err_norm.max())
-        self.out_features = w.shape[0]
-        self.nbytes = q.numel() + 8 * q.shape[0]
 
     def approximate(self, h: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """int8 logits ``[R, V]`` of float32 rows ``h``, and per row the pieces of the bound:

@@ -94,7 +94,7 @@ class Worker:
         self.model: EncoderDecoderModel | None = None
         self.runner: ModelRunner | None = None
         self.lora = None  # tandem.lora.manager.LoRAManager when enable_lora (load_model makes it)
-        self.linear_kernels_screen = False  # whether an LM head has an int8 screen (load_model)
+        self.has_lm_head_screen = False  # whether an LM head has an int8 screen (load_model)
         self.screen_stats = ScreenStats()
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
@@ -121,8 +121,7 @@ class Worker:
             quantization=self.config.quantization, batch_hint=min(self.config.max_num_seqs, 128),
             screen=self.config.lm_head_screen if self.tp.size == 1 else "off",
         )
-        self.linear_kernels_screen = any(getattr(m, "screen_head", None) is not None for m in self.model.modules())
-        self.screen_stats = ScreenStats()
+        self.has_lm_head_screen = any(getattr(m, "screen_head", None) is not None for m in self.model.modules())
         self.lora = None
         if self.config.enable_lora:
             from tandem.lora.manager import LoRAManager
@@ -272,7 +271,7 @@ class Worker:
     def _screen(self, params: list[SamplingParams], modes, sampling: SamplingInputs | None) -> StepScreen | None:
         """A screen for a step whose rows are all plain greedy (no mode, no logits
         transform, no logprobs, processors that only ban), few enough for it to pay."""
-        if (not self.linear_kernels_screen or modes or (sampling is not None and sampling.transforms)
+        if (not self.has_lm_head_screen or modes or (sampling is not None and sampling.transforms)
                 or not 0 < len(params) <= SCREEN_MAX_ROWS):
             return None
         seen = set()
