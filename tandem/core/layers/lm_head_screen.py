@@ -53,21 +53,14 @@ from contextlib import contextmanager
 
 import torch
 
+from tandem.core.layers.linear_kernels import int8_unsupported
+
 # Float32 rounding of the int8 pass's scaling: a few ulps (2^-24 each) of the summed
 # magnitudes, five times over.
 _ROUNDING = 1e-6
 
 # The step's screen (tandem.core.worker.greedy_screen.StepScreen) while its LM head runs.
 _ACTIVE: contextvars.ContextVar[object | None] = contextvars.ContextVar("tandem_lm_head_screen", default=None)
-
-
-def _int8_ops_missing() -> list[str]:
-    if not all(hasattr(torch.ops.quantized, op) for op in ("linear_prepack", "linear_dynamic")):
-        return ["this PyTorch build has no quantized::linear_dynamic"]
-    engines = torch.backends.quantized.supported_engines
-    if not any(e in engines for e in ("x86", "fbgemm", "onednn")):
-        return [f"this PyTorch build has no x86 quantized engine (it has {engines})"]
-    return []
 
 
 def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,12 +95,8 @@ def _integer_dots(packed, q_rows: torch.Tensor) -> torch.Tensor:
 def screen_unsupported(device: torch.device, dtype: torch.dtype) -> list[str]:
     """Why the screen cannot run here (empty: it can): CPU, float32, the int8 kernel,
     and that kernel computing exact integer dot products for the inputs it is given."""
-    why = []
-    if device.type != "cpu":
-        why.append(f"device {device.type} is not cpu")
-    if dtype != torch.float32:
-        why.append(f"dtype {dtype} is not float32 (the screen proves float32 argmaxes)")
-    why += _int8_ops_missing()
+    why = [] if dtype == torch.float32 else [f"dtype {dtype} is not float32 (the screen proves float32 argmaxes)"]
+    why += int8_unsupported(device)  # the int8 mode's own check: CPU, the op, an x86 engine
     if why:
         return why
     return _kernel_is_exact()
