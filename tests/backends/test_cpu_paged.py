@@ -108,6 +108,40 @@ def test_reads_strided_queries_and_writes_only_the_decode_rows():
 
 
 @needs_op
+@pytest.mark.parametrize("head_size", [8, 16, 24, 40, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_score_pass_on_any_head_size_and_storage(head_size, dtype):
+    """The score pass runs in vectors where the head size is a multiple of the
+    vector width (8 lanes on AVX2, 16 on AVX-512) and the storage has a vector load,
+    and in the scalar loop elsewhere; the vector pass reduces the dot products of up
+    to a vector's worth of keys at once, so lengths around that width (a partial
+    run, one full run, one more key) and block sizes of 16 and 32 (two runs per
+    block) are swept. Every case against float64, and groups bit for bit as alone."""
+    lens = [1, 7, 8, 9, 15, 16, 17, 31, 33, 100]
+    for block_size in (16, 32):
+        cache, tables = _layout(lens, 2, head_size, block_size, dtype, seed=head_size + block_size)
+        g = torch.Generator().manual_seed(head_size)
+        q = (torch.randn(len(lens), 4, head_size, generator=g)).to(dtype)
+        out = torch.empty_like(q)
+        rows = seqs = torch.arange(len(lens))
+        scale = head_size ** -0.5
+        OP(q, cache, out, rows, seqs, torch.tensor(lens), tables, scale)
+        ref = _reference(q, cache, tables, lens, scale, 2)
+        if dtype is torch.float32:  # as test_matches_float64_on_bart_sized_heads (at most 128-term dots)
+            torch.testing.assert_close(out.double(), ref, atol=5e-5, rtol=1e-4)
+        else:  # the same stored values on both sides; the output rounds to 8 (bf16) or 11 (fp16) bits
+            rtol = 2 ** -8 if dtype is torch.bfloat16 else 2 ** -10
+            torch.testing.assert_close(out.double(), ref, atol=rtol * 4, rtol=rtol)
+        # Two requests' four rows each over one table, as beams: bit for bit the rows alone.
+        bseqs = torch.tensor([3, 3, 3, 3, 9, 9, 9, 9])
+        bq = (torch.randn(8, 4, head_size, generator=g)).to(dtype)
+        alone, grouped = torch.empty_like(bq), torch.empty_like(bq)
+        OP(bq, cache, alone, torch.arange(8), bseqs, torch.tensor(lens), tables, scale)
+        OP(bq, cache, grouped, torch.arange(8), bseqs, torch.tensor(lens), tables, scale, None, torch.tensor([0, 4, 8]))
+        assert torch.equal(grouped, alone)
+
+
+@needs_op
 def test_bfloat16_storage_with_float32_arithmetic():
     lens = [3, 90, 200]
     cache, tables = _layout(lens, 2, 64, 16, torch.bfloat16, seed=5)

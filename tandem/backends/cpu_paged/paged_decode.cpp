@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -46,6 +47,118 @@ inline void axpy(float a, const T* __restrict v, float* __restrict acc, int64_t 
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) acc[i] += a * static_cast<float>(v[i]);
 }
+
+// The score pass in vectors (float32 arithmetic whatever the storage): the scores
+// of a run of keys are their dot products with one query vector. Each key's
+// products are accumulated lane-wise (one vector of partial sums per key), and the
+// partial sums of kLanes keys are then reduced together by a transposing tree
+// (about 3 vector ops a dot, where a horizontal sum per dot takes ~8 and a
+// dependent chain). Each key's sum depends only on its own partial vector (the tree
+// adds lane l to lane l + kLanes/2, then halves again, and never mixes two keys),
+// so a key's score is the same whichever run it sits in: a group's rows get bit for
+// bit what they get alone. Used where the head size is a multiple of kLanes and
+// the storage type has a vector load here; other cases take the scalar loop.
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#define TANDEM_SIMD 1
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using vec = __m512;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float x) { return _mm512_set1_ps(x); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vloadf(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstoref(float* p, vec x) { _mm512_storeu_ps(p, x); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline vec vload(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+template <typename T> constexpr bool kVectorLoads = true;
+// p[0..15]: one partial-sum vector per key -> lane i holds the sum of p[i].
+inline vec reduce_keys(vec* p) {
+  vec t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[i], p[i + 8], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(p[i], p[i + 8], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // quarters: key i, key i + 8, key i + 4, key i + 12
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[i], t[i + 4], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(t[i], t[i + 4], _MM_SHUFFLE(3, 1, 3, 1)));
+  const vec v0 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+  const vec v1 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+  const vec w = _mm512_add_ps(_mm512_shuffle_ps(v0, v1, _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_ps(v0, v1, _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_shuffle_f32x4(w, w, _MM_SHUFFLE(3, 1, 2, 0));  // keys 0-3, 8-11, 4-7, 12-15 -> in order
+}
+#else
+constexpr int64_t kLanes = 8;
+using vec = __m256;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset1(float x) { return _mm256_set1_ps(x); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vloadf(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstoref(float* p, vec x) { _mm256_storeu_ps(p, x); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vload(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#if defined(__F16C__)
+inline vec vload(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+template <typename T> constexpr bool kVectorLoads = true;
+#else
+inline vec vload(const c10::Half*) { return vzero(); }  // never called: kVectorLoads<Half> is false
+template <typename T> constexpr bool kVectorLoads = !std::is_same<T, c10::Half>::value;  // float16 without F16C
+#endif
+// p[0..7]: one partial-sum vector per key -> lane i holds the sum of p[i].
+inline vec reduce_keys(vec* p) {
+  vec t[4];
+  for (int i = 0; i < 4; ++i)  // halves: key i, key i + 4
+    t[i] = _mm256_add_ps(_mm256_permute2f128_ps(p[i], p[i + 4], 0x20), _mm256_permute2f128_ps(p[i], p[i + 4], 0x31));
+  const vec v0 = _mm256_add_ps(_mm256_unpacklo_ps(t[0], t[1]), _mm256_unpackhi_ps(t[0], t[1]));
+  const vec v1 = _mm256_add_ps(_mm256_unpacklo_ps(t[2], t[3]), _mm256_unpackhi_ps(t[2], t[3]));
+  return _mm256_add_ps(_mm256_shuffle_ps(v0, v1, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(v0, v1, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+#endif
+
+// Whether the vector passes serve this storage type and head size.
+template <typename T>
+inline bool vector_path(int64_t head_size) {
+  return kVectorLoads<T> && head_size % kLanes == 0;
+}
+
+// out[j] = q . k_j for the m keys k_j = k + j * k_stride (head_size floats each).
+template <typename T>
+inline void key_scores(const float* __restrict q, const T* __restrict k, int64_t k_stride, int64_t m,
+                       int64_t head_size, float* __restrict out) {
+  vec p[kLanes];
+  for (int64_t j0 = 0; j0 < m; j0 += kLanes) {
+    const int64_t n = std::min(kLanes, m - j0);
+    for (int64_t j = 0; j < kLanes; ++j) {
+      if (j >= n) {
+        p[j] = vzero();
+        continue;
+      }
+      const T* kj = k + (j0 + j) * k_stride;
+      vec acc = vmul(vloadf(q), vload(kj));
+      for (int64_t c = kLanes; c < head_size; c += kLanes) acc = vfma(vloadf(q + c), vload(kj + c), acc);
+      p[j] = acc;
+    }
+    const vec s = reduce_keys(p);
+    if (n == kLanes) {
+      vstoref(out + j0, s);
+    } else {
+      alignas(64) float tmp[kLanes];
+      vstoref(tmp, s);
+      for (int64_t j = 0; j < n; ++j) out[j0 + j] = tmp[j];
+    }
+  }
+}
+
+#endif
 
 // exp(x) for x <= 0 (scores minus their max), in a form the compiler vectorizes:
 // x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial
@@ -93,6 +206,11 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t tab_st = block_tables.stride(0);
   const float fscale = static_cast<float>(scale);
+#ifdef TANDEM_SIMD
+  const bool vectors = vector_path<T>(head_size);
+#else
+  const bool vectors = false;
+#endif
   // Rows [first(g), first(g + 1)) share the K/V of sequence seq_of[first(g)] (the beams
   // or n > 1 samples of one request over its one cross table): each key slot is read
   // once for all of them. Without groups every row is its own group.
@@ -132,8 +250,23 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
           for (int64_t i = 0; i < head_size; ++i) qv[i] = static_cast<float>(qh[i]) * fscale;
         }
       scores.resize(nv * std::max<int64_t>(len, 1));
+#ifdef TANDEM_SIMD
+      if (vectors) {
+        // Scores: block by block, each head's run of slots for every row (the block's
+        // K is read from memory once and from cache for the other rows and heads).
+        for (int64_t n0 = 0, blk = 0; n0 < len; n0 += block_size, ++blk) {
+          const T* kb = k_ptr + table[blk] * c_sb + h0 * c_sh;
+          const int64_t m = std::min(block_size, len - n0);
+          for (int64_t h = 0; h < nq; ++h)
+            for (int64_t r = 0; r < nr; ++r) {
+              const int64_t v = r * nq + h;
+              key_scores(&qf[v * head_size], kb + (h / group) * c_sh, c_ss, m, head_size, &scores[v * len + n0]);
+            }
+        }
+      }
+#endif
       // Scores: one pass over the keys, slot by slot, each slot's heads for every row.
-      for (int64_t n0 = 0, blk = 0; n0 < len; n0 += block_size, ++blk) {
+      for (int64_t n0 = 0, blk = 0; !vectors && n0 < len; n0 += block_size, ++blk) {
         const T* kb = k_ptr + table[blk] * c_sb + h0 * c_sh;
         const int64_t m = std::min(block_size, len - n0);
         for (int64_t j = 0; j < m; ++j)
