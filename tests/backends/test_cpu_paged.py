@@ -142,6 +142,35 @@ def test_score_pass_on_any_head_size_and_storage(head_size, dtype):
 
 
 @needs_op
+def test_tasks_of_unequal_cost_give_the_same_result_on_any_thread_count():
+    """Tasks go to threads by cost (largest first, to the least loaded thread), so
+    which thread runs a row changes with the thread count and the batch: its result
+    must not. Groups of 4 beams and single rows over 3-500 keys, bit for bit against
+    one thread, and against float64."""
+    lens = [500, 3, 260, 64, 17, 420, 1, 90]
+    cache, tables = _layout(lens, 12, 64, 16, torch.float32, seed=21)
+    seqs = torch.tensor([0, 0, 0, 0, 1, 2, 2, 2, 2, 3, 4, 5, 5, 5, 5, 6, 7])
+    groups = torch.tensor([0, 4, 5, 9, 10, 11, 15, 16, 17])
+    q = torch.randn(len(seqs), 12, 64, generator=torch.Generator().manual_seed(22))
+    rows = torch.arange(len(seqs))
+    threads = torch.get_num_threads()
+    results = {}
+    try:
+        for n in (1, 2, 3, 4, 7):
+            torch.set_num_threads(n)
+            for grouped in (None, groups):
+                out = torch.full_like(q, float("nan"))
+                OP(q, cache, out, rows, seqs, torch.tensor(lens), tables, 0.125, None, grouped)
+                results[n, grouped is not None] = out
+    finally:
+        torch.set_num_threads(threads)
+    for key, out in results.items():
+        assert torch.equal(out, results[1, False]), f"threads, grouped = {key}"
+    ref = _reference(q, cache, tables[seqs], [lens[i] for i in seqs], 0.125, 1)
+    torch.testing.assert_close(results[1, False].double(), ref, atol=5e-5, rtol=1e-4)
+
+
+@needs_op
 def test_bfloat16_storage_with_float32_arithmetic():
     lens = [3, 90, 200]
     cache, tables = _layout(lens, 2, 64, 16, torch.bfloat16, seed=5)

@@ -230,11 +230,43 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
   // (12 heads in 8 wanted chunks: runs of 2, 6 chunks).
   const int64_t chunks = (num_kv_heads + heads_per_task - 1) / heads_per_task;
 
-  at::parallel_for(0, num_groups * chunks, 1, [&](int64_t begin, int64_t end) {
+  // Tasks differ in cost (a 512-key cross table against a 64-key one, groups of 4 rows
+  // against 1), so contiguous ranges of them can leave one thread with twice another's
+  // work. Each thread gets a list instead: tasks by cost, largest first, each to the
+  // thread with the least so far. Which thread runs a task does not change its result.
+  const int64_t num_tasks = num_groups * chunks;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  std::vector<int64_t> order(num_tasks), cost(num_tasks), assigned(num_tasks), starts(threads + 1, 0);
+  for (int64_t task = 0; task < num_tasks; ++task) {
+    const int64_t g = task / chunks, h0 = (task % chunks) * heads_per_task;
+    const int64_t nh = std::min(heads_per_task, num_kv_heads - h0);
+    // Per query vector: its keys plus a fixed share for the task's setup and softmax.
+    cost[task] = (first(g + 1) - first(g)) * nh * (lens[seq_of[first(g)]] + 16);
+    order[task] = task;
+  }
+  if (threads > 1) {
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+    std::vector<int64_t> load(threads, 0), thread_of(num_tasks);
+    for (int64_t task : order) {
+      const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+      thread_of[task] = t;
+      load[t] += cost[task];
+      ++starts[t + 1];
+    }
+    for (int64_t t = 0; t < threads; ++t) starts[t + 1] += starts[t];
+    std::vector<int64_t> fill(starts.begin(), starts.end() - 1);
+    for (int64_t task = 0; task < num_tasks; ++task) assigned[fill[thread_of[task]]++] = task;
+  } else {
+    starts[1] = num_tasks;
+    for (int64_t task = 0; task < num_tasks; ++task) assigned[task] = task;
+  }
+
+  at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
     const int64_t width = max_rows * heads_per_task * group;  // query vectors of a task at most
     std::vector<float> qf(width * head_size), acc(width * head_size), scores;
     std::vector<float> inv(width);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t i = starts[t_begin]; i < starts[t_end]; ++i) {
+      const int64_t task = assigned[i];
       const int64_t g = task / chunks;
       const int64_t b0 = first(g), nr = first(g + 1) - b0;
       const int64_t h0 = (task % chunks) * heads_per_task;
