@@ -236,12 +236,15 @@ def test_capture_failure_falls_back_to_eager(bart, tmp_path, aot_eager, caplog):
     assert step.piecewise.stats.captures == 0
 
 
-def test_worker_builds_the_cuda_graph_step_on_cuda(bart, tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("cpu_gemm", ["dense", "packed"])
+def test_worker_builds_the_cuda_graph_step_on_cuda(bart, tmp_path, monkeypatch, caplog, cpu_gemm):
     """``enforce_eager=False`` on a CUDA device builds the piecewise CUDA-graph step and
     says so on the start line; on CPU it stays the unsplit compiled step (checked in
-    ``_engine``). The CUDA build is swapped for the stand-in here (no GPU)."""
+    ``_engine``). The CUDA build is swapped for the stand-in here (no GPU), on the CPU
+    model: with pre-packed kernels (CPU only; they read the step's real rows in Python,
+    which a graph would fix at capture) the worker says why and runs eager."""
     llm = LLM(str(bart), dtype="float32", enforce_eager=False, compile_max_batch_size=4,
-              compile_cache_dir=str(tmp_path / "cache"))
+              compile_cache_dir=str(tmp_path / "cache"), cpu_gemm=cpu_gemm)
     w = llm.llm_engine.worker
     built = []
 
@@ -254,5 +257,9 @@ def test_worker_builds_the_cuda_graph_step_on_cuda(bart, tmp_path, monkeypatch, 
     with caplog.at_level(logging.INFO, logger=worker_mod.__name__):
         step = w._compiled_step()
     assert built == [("cuda", {"max_rows": 4, "cache_dir": str(tmp_path / "cache")})]
-    assert step is not None and step.piecewise is not None
+    if cpu_gemm == "packed":
+        assert step is None
+        assert "decode steps run eager: pre-packed linear kernels on cuda" in caplog.text
+        return
+    assert step is not None and step.piecewise is not None and not step.kernels
     assert "decode steps: CUDA graphs, piecewise around attention (batch buckets [1, 2, 4]" in caplog.text
