@@ -57,7 +57,7 @@ class StaticPieceRunner:
         self.warmup = warmup
         self.calls = 0
         self.inputs: list | None = None  # the captured arguments: static buffers, parameters, non-tensors
-        self.copy_in: list[int] = []  # which of them are ours, refilled before each replay
+        self.copy_in: set[int] = set()  # which of them are ours, refilled before each replay
         self.outputs = None  # the static outputs, as the piece returns them
 
     def __call__(self, *args):
@@ -80,7 +80,7 @@ class StaticPieceRunner:
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor) and a.data_ptr() not in self.static_ptrs:
                 a = a.clone()
-                self.copy_in.append(i)
+                self.copy_in.add(i)
             self.inputs.append(a)
 
     def _fill(self, args) -> None:
@@ -112,8 +112,11 @@ class StandInRunner(StaticPieceRunner):
 
     def _capture(self, inputs: list):
         out = self.fn(*inputs)
+        # An output that is a view of an input is that input's buffer: left as it is.
+        held = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
         for t in _tensors(out):
-            t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
+            if t.untyped_storage().data_ptr() not in held:
+                t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
         return out
 
     def _replay(self) -> None:
