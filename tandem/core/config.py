@@ -145,12 +145,13 @@ class EngineConfig:
         "in float32 without quantization, at the cost of an int8 copy of the head); off computes every logit",
         choices=("auto", "off"),
     )
-    # core/worker/compiled_step.py: decode steps as torch.compile'd graphs (CPU).
+    # core/worker/compiled_step.py: decode steps as torch.compile'd graphs (CPU; CUDA: piecewise_backend.py).
     enforce_eager: bool = option(
         True, "run every step eager; False compiles the decode step (every row one new token, no encoder) with "
-        "torch.compile (inductor, CPU only), one graph per batch-size bucket (powers of two up to "
-        "`compile_max_batch_size`), compiled the first time a bucket is needed; larger batches, other steps and "
-        "any compile failure run eager (docs/performance.md has the measurements behind the default)"
+        "torch.compile (inductor; on CUDA each piece between attention calls captured as a CUDA graph), one "
+        "graph per batch-size bucket (powers of two up to `compile_max_batch_size`), compiled the first time a "
+        "bucket is needed; larger batches, other steps and any compile failure run eager (docs/performance.md has "
+        "the measurements behind the default)"
     )
     compile_max_batch_size: int = option(
         32, "the largest decode batch (rows) a compiled graph serves when `enforce_eager` is False; larger ones "

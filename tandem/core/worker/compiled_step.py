@@ -77,7 +77,7 @@ class CompiledDecodeStep:
     caller must run the step eager."""
 
     def __init__(self, model: EncoderDecoderModel, device: torch.device, *, max_rows: int = DEFAULT_MAX_ROWS,
-                 cache_dir: str | None = None) -> None:
+                 cache_dir: str | None = None, backend=None) -> None:
         self.model = model
         self.device = device
         self.buckets = buckets_up_to(max_rows)
@@ -96,7 +96,9 @@ class CompiledDecodeStep:
                 self.kernels.append(kernel)
         self.failed: str | None = None  # why compiling was turned off
         self.compiled_buckets: set[int] = set()
-        self._fn = torch.compile(_decode_logits, backend=COMPILER_BACKEND, dynamic=False)
+        # backend: torch.compile's (default COMPILER_BACKEND); piecewise_backend.py's splits
+        # the graph at its attention calls for CUDA graphs.
+        self._fn = torch.compile(_decode_logits, backend=backend or COMPILER_BACKEND, dynamic=False)
         self._no_encoder = torch.empty(0, dtype=torch.long, device=device)
         self._padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

@@ -32,6 +32,7 @@ from tandem.core.worker.greedy_screen import MAX_ROWS as SCREEN_MAX_ROWS, Screen
 from tandem.core.worker.input_batch import BlockTableRows
 from tandem.core.worker.logits_processors import ProcessorRows, needs_history, only_bans
 from tandem.core.worker.compiled_step import CompiledDecodeStep
+from tandem.core.worker.piecewise_backend import cuda_graph_decode_step
 from tandem.core.worker.model_runner import ModelRunner
 from tandem.core.worker.sampler import Sampler
 
@@ -160,8 +161,8 @@ class Worker:
         if c.enforce_eager:
             return None
         why = []
-        if self.device.type != "cpu":
-            why.append(f"device {self.device.type}: compiled steps are built for CPU only")
+        if self.device.type not in ("cpu", "cuda"):
+            why.append(f"device {self.device.type}: compiled steps are built for CPU and CUDA only")
         if self.tp.size > 1:
             why.append("tensor parallelism: the ranks' collectives run eager")
         if c.enable_lora:
@@ -169,8 +170,17 @@ class Worker:
         if why:
             logger.info("enforce_eager=False, but decode steps run eager: %s", "; ".join(why))
             return None
-        step = CompiledDecodeStep(self.model, self.device, max_rows=min(c.compile_max_batch_size, c.max_num_seqs),
-                                  cache_dir=c.compile_cache_dir)
+        kwargs = dict(max_rows=min(c.compile_max_batch_size, c.max_num_seqs), cache_dir=c.compile_cache_dir)
+        if self.device.type == "cuda":
+            step = cuda_graph_decode_step(self.model, self.device, **kwargs)
+            if step.kernels:  # a packed kernel reads the step's real rows in Python: a graph would fix them
+                logger.info("enforce_eager=False, but decode steps run eager: pre-packed linear kernels on %s",
+                            self.device)
+                return None
+            logger.info("decode steps: CUDA graphs, piecewise around attention (batch buckets %s, cache %s)",
+                        step.buckets, step.cache_dir)
+            return step
+        step = CompiledDecodeStep(self.model, self.device, **kwargs)
         logger.info("decode steps compile (batch buckets %s, cache %s)", step.buckets, step.cache_dir)
         return step
 
