@@ -541,3 +541,20 @@ async def final_output(engine, prompt, params, request_id=None):
     async for out in engine.generate(prompt, params, request_id):
         last = out
     return last
+
+
+# Compiled decode-step tests (test_compiled_step.py, test_piecewise_step.py, the GPU
+# CUDA-graph test): prompts of 3-5 tokens, and greedy requests of exactly n tokens each,
+# so the decode batch shrinks as the shortest finish.
+def step_prompts(n: int) -> list[dict]:
+    return [{"prompt_token_ids": [5 + i, 9, 11 + 2 * i, 7, 13, 6 + i][: 3 + i % 3]} for i in range(n)]
+
+
+def exact_length_greedy(lengths) -> list:
+    from tandem import SamplingParams
+
+    return [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in lengths]
+
+
+def first_tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]

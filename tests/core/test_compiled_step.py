@@ -26,10 +26,10 @@ import logging
 import pytest
 import torch
 
-from tandem import LLM, SamplingParams
+from tandem import LLM
 from tandem.core.worker import compiled_step
 from tandem.core.worker.compiled_step import CompiledDecodeStep, buckets_up_to
-from tests.helpers import make_bart, make_t5
+from tests.helpers import exact_length_greedy, first_tokens, make_bart, make_t5, step_prompts
 
 REL_TOL = 1e-4
 LENGTHS = (2, 4, 6, 8, 10)  # max_tokens of the five requests: batches 5, 4, 3, 2, 1
@@ -37,15 +37,14 @@ SHORT = (2, 2, 5, 5, 5)  # batches 5, then 3 (padded to 4)
 
 
 def _prompts(n: int = len(LENGTHS)) -> list[dict]:
-    return [{"prompt_token_ids": [5 + i, 9, 11 + 2 * i, 7, 13, 6 + i][: 3 + i % 3]} for i in range(n)]
+    return step_prompts(n)
 
 
-def _params(lengths=LENGTHS) -> list[SamplingParams]:
-    return [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in lengths]
+def _params(lengths=LENGTHS) -> list:
+    return exact_length_greedy(lengths)
 
 
-def _tokens(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
+_tokens = first_tokens
 
 
 @pytest.fixture

@@ -25,12 +25,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tandem import LLM, SamplingParams
+from tandem import LLM
 from tandem.core.worker import compiled_step, piecewise_backend
 from tandem.core.worker import worker as worker_mod
 from tandem.core.worker.graph_runner import GraphStats, StandInRunner
 from tandem.core.worker.piecewise_backend import piecewise_decode_step, split_at_attention
-from tests.helpers import make_bart
+from tests.helpers import exact_length_greedy, first_tokens, make_bart, step_prompts
 
 REL_TOL = 1e-4
 DECODER_LAYERS = 3
@@ -40,15 +40,14 @@ LENGTHS = (2, 2, 6, 6, 9)
 
 
 def _prompts(n: int = len(LENGTHS)) -> list[dict]:
-    return [{"prompt_token_ids": [5 + i, 9, 11 + 2 * i, 7, 13, 6 + i][: 3 + i % 3]} for i in range(n)]
+    return step_prompts(n)
 
 
-def _params(lengths=LENGTHS) -> list[SamplingParams]:
-    return [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in lengths]
+def _params(lengths=LENGTHS) -> list:
+    return exact_length_greedy(lengths)
 
 
-def _tokens(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
+_tokens = first_tokens
 
 
 @pytest.fixture(scope="module")

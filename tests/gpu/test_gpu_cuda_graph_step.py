@@ -23,7 +23,7 @@ import logging
 import pytest
 import torch
 
-from helpers import make_bart
+from helpers import exact_length_greedy, first_tokens, make_bart, step_prompts
 from tandem import LLM, SamplingParams
 from tandem.core.worker import compiled_step
 from tandem.core.worker import worker as worker_mod
@@ -38,8 +38,8 @@ DECODER_LAYERS = 3
 PIECES = 2 * DECODER_LAYERS + 1  # around a self- and a cross-attention call per layer
 # Decode steps at 5 rows (beyond the buckets [1, 2, 4]: eager), 3 (padded to 4), 1.
 LENGTHS = (2, 2, 6, 6, 9)
-PROMPTS = [{"prompt_token_ids": [5 + i, 9, 11 + 2 * i, 7, 13, 6 + i][: 3 + i % 3]} for i in range(len(LENGTHS))]
-PARAMS = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in LENGTHS]
+PROMPTS = step_prompts(len(LENGTHS))
+PARAMS = exact_length_greedy(LENGTHS)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +47,7 @@ def bart(tmp_path_factory):
     return make_bart(tmp_path_factory.mktemp("bart") / "ckpt", decoder_layers=DECODER_LAYERS)
 
 
-def _tokens(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
+_tokens = first_tokens
 
 
 @pytest.fixture

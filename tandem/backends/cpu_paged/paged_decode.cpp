@@ -65,7 +65,6 @@ inline void axpy(float a, const T* __restrict v, float* __restrict acc, int64_t 
 constexpr int64_t kLanes = 16;
 using vec = __m512;
 inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vset1(float x) { return _mm512_set1_ps(x); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vloadf(const float* p) { return _mm512_loadu_ps(p); }
@@ -96,7 +95,6 @@ inline vec reduce_keys(vec* p) {
 constexpr int64_t kLanes = 8;
 using vec = __m256;
 inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vset1(float x) { return _mm256_set1_ps(x); }
 inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vloadf(const float* p) { return _mm256_loadu_ps(p); }
