@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from tandem.backends.cpu_flash import encoder, ops
-from tandem.backends.cpu_paged.ops import CPUOpUnavailable
 
 try:
     OP = ops.load()
     WHY = ""
-except CPUOpUnavailable as e:
+except ops.CPUOpUnavailable as e:
     OP, WHY = None, str(e)
 needs_op = pytest.mark.skipif(OP is None, reason=f"the bf16 flash op is unavailable here: {WHY} "
                                                  "(it needs a CPU with avx512_bf16 and a C++ compiler)")
@@ -135,7 +134,7 @@ def test_unsupported_inputs_keep_sdpa(monkeypatch):
 
 def test_op_that_cannot_load_keeps_sdpa(monkeypatch):
     def fail():
-        raise CPUOpUnavailable("no compiler here")
+        raise ops.CPUOpUnavailable("no compiler here")
 
     monkeypatch.setattr(ops, "load", fail)
     q, k, v, _ = _qkv([5], heads=2, head_size=64, seed=0)

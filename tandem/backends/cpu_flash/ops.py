@@ -23,8 +23,6 @@ from pathlib import Path
 
 import torch
 
-from tandem.backends.cpu_paged.ops import CPUOpUnavailable, cpu_capability
-
 logger = logging.getLogger("tandem.backends.cpu_flash")
 
 SOURCE = Path(__file__).with_name("encoder_attention.cpp")
@@ -32,6 +30,20 @@ NAME = "tandem_cpu_flash_avx512bf16"
 FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma"]
 
 __all__ = ["CPUOpUnavailable", "load", "available", "unsupported_cpu"]
+
+
+
+class CPUOpUnavailable(RuntimeError):
+    """The op cannot be built or loaded here; the message says why. (Its own class, as
+    cpu_paged's: importing that package imports torch_sdpa, which imports this one.)"""
+
+
+def cpu_capability() -> str:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except Exception:  # older or unusual builds
+        return "DEFAULT"
+
 
 _lock = threading.Lock()
 _op = None
