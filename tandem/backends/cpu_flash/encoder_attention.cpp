@@ -89,9 +89,12 @@ void pack_v(const u16* v, int64_t v_st, int64_t n, int64_t d, u16* out) {
   }
 }
 
-// s[r][0..31] = scale * q_r . k for 8 rows (q: 8 rows of d bf16, stride d) and the 32 keys
+// s[r][0..31] = q_r . k for 8 rows (q: 8 rows of d bf16, stride d) and the 32 keys
 // of two packed 16-key groups starting at kp.
-inline void scores_8x32(const u16* q, const u16* kp, int64_t d, __m512 scale, float* s, int64_t s_st) {
+// Each row's lane-wise running max over the chunk's first `live` keys goes into
+// vmax[r] (the keys past a run's end score 0 and must not raise it).
+inline void scores_8x32(const u16* q, const u16* kp, int64_t d, int64_t live, float* s, int64_t s_st,
+                        __m512* vmax) {
   __m512 acc[kRows][2];
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const u16* kp1 = kp + 16 * d;
@@ -107,8 +110,16 @@ inline void scores_8x32(const u16* q, const u16* kp, int64_t d, __m512 scale, fl
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    _mm512_storeu_ps(s + r * s_st, _mm512_mul_ps(acc[r][0], scale));
-    _mm512_storeu_ps(s + r * s_st + 16, _mm512_mul_ps(acc[r][1], scale));
+    _mm512_storeu_ps(s + r * s_st, acc[r][0]);
+    _mm512_storeu_ps(s + r * s_st + 16, acc[r][1]);
+  }
+  if (live >= 32) {
+    for (int r = 0; r < kRows; ++r) vmax[r] = _mm512_max_ps(vmax[r], _mm512_max_ps(acc[r][0], acc[r][1]));
+  } else {
+    const __mmask16 k0 = live >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
+    const __mmask16 k1 = live >= 32 ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(live - 16, 0)) - 1);
+    for (int r = 0; r < kRows; ++r)
+      vmax[r] = _mm512_mask_max_ps(_mm512_mask_max_ps(vmax[r], k0, vmax[r], acc[r][0]), k1, vmax[r], acc[r][1]);
   }
 }
 
@@ -170,10 +181,11 @@ void attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& va
     }
   });
 
-  const __m512 ls = _mm512_set1_ps(static_cast<float>(scale * 1.44269504088896340736));  // scores in base 2
+  const float ls = static_cast<float>(scale * 1.44269504088896340736);  // scores to base 2
   at::parallel_for(0, blocks_at[num_runs], 1, [&](int64_t begin, int64_t end) {
     std::vector<u16> qt(kQ * d), pt(kQ * kK);
     std::vector<float> st(kQ * kK), ot(kQ * d), mx(kQ), l(kQ * 16);
+    std::vector<__m512> vmax(kQ);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t r = std::upper_bound(blocks_at.begin(), blocks_at.end(), t) - blocks_at.begin() - 1;
       const int64_t s = runs[2 * r], n = runs[2 * r + 1];
@@ -192,28 +204,25 @@ void attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& va
       const u16* vp = vpack.data() + packed(r, h);
       for (int64_t j0 = 0; j0 < n; j0 += kK) {
         const int64_t m = std::min(kK, n - j0), m32 = round_up(m, 32);
+        for (int64_t i = 0; i < nq8; ++i) vmax[i] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int64_t c = 0; c < m32; c += 32)
           for (int64_t i = 0; i < nq8; i += kRows)
-            scores_8x32(&qt[i * d], kp + (j0 + c) * d, d, ls, &st[i * kK + c], kK);
+            scores_8x32(&qt[i * d], kp + (j0 + c) * d, d, m - c, &st[i * kK + c], kK, &vmax[i]);
         // Online softmax, base 2: row max, probabilities (bf16), the rescale of O and l.
         for (int64_t i = 0; i < nq8; ++i) {
           float* si = &st[i * kK];
-          __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-          for (int64_t c = 0; c < m32; c += 16) {
-            const __mmask16 live = m - c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(m - c, 0)) - 1);
-            vmax = _mm512_mask_max_ps(vmax, live, vmax, _mm512_loadu_ps(si + c));
-          }
-          const float m_new = std::max(mx[i], _mm512_reduce_max_ps(vmax));
-          const float alpha = std::exp2(mx[i] - m_new);  // 0 on the first block (mx = -inf)
+          // Scores stay unscaled; exp2(ls * (s - max)) as one fma (ls > 0 keeps the max).
+          const float m_new = std::max(mx[i], _mm512_reduce_max_ps(vmax[i]));
+          const float alpha = std::exp2(ls * (mx[i] - m_new));  // 0 on the first block (mx = -inf)
           mx[i] = m_new;
-          const __m512 vm = _mm512_set1_ps(m_new);
+          const __m512 vls = _mm512_set1_ps(ls), vm = _mm512_set1_ps(-ls * m_new);
           __m512 sum = _mm512_setzero_ps();
           u16* pi = &pt[i * kK];
           for (int64_t c = 0; c < m32; c += 32) {
             const __mmask16 live0 = m - c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(m - c, 0)) - 1);
             const __mmask16 live1 = m - c >= 32 ? 0xFFFF : static_cast<__mmask16>((1u << std::max<int64_t>(m - c - 16, 0)) - 1);
-            const __m512 p0 = _mm512_maskz_mov_ps(live0, exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(si + c), vm)));
-            const __m512 p1 = _mm512_maskz_mov_ps(live1, exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(si + c + 16), vm)));
+            const __m512 p0 = _mm512_maskz_mov_ps(live0, exp2_nonpositive(_mm512_fmadd_ps(_mm512_loadu_ps(si + c), vls, vm)));
+            const __m512 p1 = _mm512_maskz_mov_ps(live1, exp2_nonpositive(_mm512_fmadd_ps(_mm512_loadu_ps(si + c + 16), vls, vm)));
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
             _mm512_storeu_si512(pi + c, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
           }
