@@ -3,6 +3,8 @@
 Runs on CPU and CUDA. Sequences with several new tokens (prefills) run one
 SDPA call each over 4-D views; single-token sequences (decodes) run batched,
 their keys gathered from the paged cache and padded under a length mask.
+On a CPU with avx512_bf16, bfloat16 encoder runs without a bias take tandem's
+flash op instead (``tandem/backends/cpu_flash``; ``cpu_paged`` shares this path).
 
 Serves the ``"relative_position_bias"`` feature (T5): the bias of each encoder run,
 prefill and the decode batch becomes SDPA's additive mask, computed from positions
