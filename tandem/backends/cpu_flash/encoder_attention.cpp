@@ -12,13 +12,14 @@
 //   pairs run over the head dimension; V as key pairs whose lanes are dimensions.
 // - A task is one (run, head, block of kQ query rows). Over key blocks of kK keys:
 //   S = Q K^T in float32 (8 rows x 32 keys a micro-kernel), an online softmax in
-//   float32 (base 2, the scale folded into log2 e), P rounded to bf16 (as flash
+//   float32 (exp2 of scale * log2 e * (s - row max), one fma and a degree-5
+//   polynomial; the max taken as the scores are stored), P rounded to bf16 (as flash
 //   kernels on GPUs do), O += P V in float32 (8 rows x 32 dims a micro-kernel),
 //   O rescaled when a row's max grows. O / l is stored as bf16.
 //
 // Numerics: bf16 inputs, float32 products and sums; each probability's rounding to
-// bf16 is a relative error of at most 2^-9 in its weight; l sums the float32
-// probabilities. A task's arithmetic depends only on its run, head and rows, so
+// bf16 is a relative error of at most 2^-8 (bf16's unit roundoff) in its weight,
+// and the output's rounding another 2^-8; l sums the float32 probabilities. A task's arithmetic depends only on its run, head and rows, so
 // the output is bit for bit the same whatever the thread count.
 //
 // Built only with -mavx512bf16 (ops.py) and called only where the CPU has it.
