@@ -50,7 +50,7 @@ import whisper as clips_bench  # noqa: E402
 # Op classes, first match wins (profiler names, lower case).
 CLASSES = (
     ("GEMMs (linear layers)", ("linear", "addmm", "aten::mm", "aten::bmm", "aten::matmul")),
-    ("attention (SDPA)", ("scaled_dot_product", "flash_attention")),
+    ("attention (SDPA)", ("scaled_dot_product", "flash_attention", "bf16_encoder_attention")),
     ("convolutions", ("convolution", "conv1d", "conv2d")),
     ("layer norm", ("layer_norm",)),
     ("GELU", ("gelu",)),

@@ -3,6 +3,8 @@
 Runs on CPU and CUDA. Sequences with several new tokens (prefills) run one
 SDPA call each over 4-D views; single-token sequences (decodes) run batched,
 their keys gathered from the paged cache and padded under a length mask.
+On a CPU with avx512_bf16, bfloat16 encoder runs without a bias take tandem's
+flash op instead (``tandem/backends/cpu_flash``; ``cpu_paged`` shares this path).
 
 Serves the ``"relative_position_bias"`` feature (T5): the bias of each encoder run,
 prefill and the decode batch becomes SDPA's additive mask, computed from positions
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.backends.cpu_flash import encoder as bf16_flash
 from tandem.backends.sdpa_groups import attend_runs, can_group
 from tandem.core.attention import (
     AttentionBackend,
@@ -210,6 +213,12 @@ class SDPAImplBase(AttentionImpl):
         pb = position_bias
         self.write_new_kv(key, value, kv_cache, md, attn_type)
         gqa = self.num_kv_heads != self.num_heads
+        if attn_type is AttentionType.ENCODER and pb is None and not gqa:
+            # bfloat16 on an avx512_bf16 CPU: a flash kernel on bf16 dot products (SDPA's CPU
+            # kernel runs bf16 at its float32 rate there); None where it does not apply.
+            o = bf16_flash.attend(query, key, value, md.encoder_runs, self.scale)
+            if o is not None:
+                return o
         if attn_type is AttentionType.ENCODER and pb is None and _equal_runs(md.encoder_runs, query.shape[0]):
             return self._encoder_batched(query, key, value, len(md.encoder_runs), gqa)
         out = torch.empty_like(query)
