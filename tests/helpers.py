@@ -558,3 +558,19 @@ def exact_length_greedy(lengths) -> list:
 
 def first_tokens(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def count_flash_calls(monkeypatch) -> list[bool]:
+    """Each encoder attention call that reaches cpu_flash from now on appends whether its
+    bf16 flash op served it (False: SDPA did)."""
+    from tandem.backends.cpu_flash import encoder
+
+    calls, real = [], encoder.attend
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(encoder, "attend", counting)
+    return calls

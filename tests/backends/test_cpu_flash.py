@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import count_flash_calls
 from tandem.backends.cpu_flash import encoder, ops
 
 try:
@@ -141,30 +142,23 @@ def test_op_that_cannot_load_keeps_sdpa(monkeypatch):
     assert encoder.attend(q, k, v, [(0, 5)], 0.125) is None
 
 
-def _encoder_layer_output(monkeypatch, dtype, calls):
-    """One ENCODER call of torch_sdpa's impl over two runs, counting the op's calls."""
+def _encoder_layer_output(monkeypatch, dtype):
+    """One ENCODER call of torch_sdpa's impl over two runs; also whether the op served it."""
     from tandem.backends.torch_sdpa import TorchSDPABackend
     from tandem.core.attention import AttentionType
 
-    real = encoder.attend
-
-    def counting(*a, **kw):
-        o = real(*a, **kw)
-        calls.append(o is not None)
-        return o
-
-    monkeypatch.setattr(encoder, "attend", counting)
+    calls = count_flash_calls(monkeypatch)
     impl = TorchSDPABackend.get_impl_cls()(num_heads=2, head_size=64, scale=0.125, num_kv_heads=2)
     q, k, v, runs = _qkv([40, 40], heads=2, head_size=64, seed=7)
     md = type("MD", (), {"encoder_runs": runs})()
     impl.write_new_kv = lambda *a, **kw: None
-    return impl.forward(q.to(dtype), k.to(dtype), v.to(dtype), None, md, AttentionType.ENCODER), (q, k, v, runs)
+    out = impl.forward(q.to(dtype), k.to(dtype), v.to(dtype), None, md, AttentionType.ENCODER)
+    return out, (q, k, v, runs), calls
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_encoder_path_takes_the_op_for_bf16_where_it_builds(monkeypatch, dtype):
-    calls = []
-    out, (q, k, v, runs) = _encoder_layer_output(monkeypatch, dtype, calls)
+    out, (q, k, v, runs), calls = _encoder_layer_output(monkeypatch, dtype)
     assert calls == [dtype == torch.bfloat16 and OP is not None]
     ref, mag = _reference(q.to(dtype), k.to(dtype), v.to(dtype), runs, 0.125)
     err = (out.double() - ref).abs()

@@ -6,7 +6,7 @@ and a random one with large weights (where a wrong or dropped term shows most)."
 import pytest
 import torch
 
-from helpers import make_whisper, synth_audio
+from helpers import count_flash_calls, make_whisper, synth_audio
 from tandem import LLM, SamplingParams
 from tandem.demo_whisper import PATH as DEMO_PATH
 
@@ -85,20 +85,11 @@ def _whisper_head_size_64(path):
 
 
 def test_bf16_encoder_through_the_flash_op_equals_hf_within_bf16_rounding(tmp_path, monkeypatch):
-    from tandem.backends.cpu_flash import encoder as flash
     from tandem.backends.cpu_flash import ops
 
     if not ops.available():
         pytest.skip(f"the bf16 flash op is unavailable here: {ops.unsupported_cpu() or 'it does not build'}")
-    calls = []
-    real = flash.attend
-
-    def counting(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(flash, "attend", counting)
+    calls = count_flash_calls(monkeypatch)
     path = _whisper_head_size_64(tmp_path / "ckpt")
     clips = [synth_audio(9.5, seed=1), synth_audio(30.0, seed=2)]
     ours = _engine_encoder_output(path, clips, dtype="bfloat16")

@@ -15,13 +15,12 @@ the outcome is remembered for the process.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import threading
-import time
 from pathlib import Path
 
 import torch
+
+from tandem.backends import cpp_build
 
 logger = logging.getLogger("tandem.backends.cpu_flash")
 
@@ -32,17 +31,13 @@ FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", 
 __all__ = ["CPUOpUnavailable", "load", "available", "unsupported_cpu"]
 
 
-
 class CPUOpUnavailable(RuntimeError):
     """The op cannot be built or loaded here; the message says why. (Its own class, as
     cpu_paged's: importing that package imports torch_sdpa, which imports this one.)"""
 
 
 def cpu_capability() -> str:
-    try:
-        return torch.backends.cpu.get_cpu_capability()
-    except Exception:  # older or unusual builds
-        return "DEFAULT"
+    return cpp_build.cpu_capability()
 
 
 _lock = threading.Lock()
@@ -73,37 +68,8 @@ def unsupported_cpu(flags: set[str] | None = None, capability: str | None = None
     return None
 
 
-def _missing_tools() -> list[str]:
-    from torch.utils import cpp_extension
-
-    missing = []
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        missing.append(f"no C++ compiler ({cxx!r} is not on PATH; install g++ or set $CXX)")
-    if not cpp_extension.is_ninja_available():
-        missing.append("ninja is not installed (pip install ninja)")
-    return missing
-
-
 def _build():
-    from torch.utils import cpp_extension
-
-    cflags = ["-O3", *FLAGS]
-    ldflags = []
-    if torch.backends.openmp.is_available():  # at::parallel_for is inlined: see cpu_paged/ops.py
-        cflags.append("-fopenmp")
-        ldflags.append("-fopenmp")
-    try:
-        cached = (Path(cpp_extension._get_build_directory(NAME, verbose=False)) / f"{NAME}.so").exists()
-    except Exception:
-        cached = False
-    if not cached:
-        logger.info("cpu_flash: building the bf16 encoder-attention op (once per machine, ~10-60 s)")
-    started = time.perf_counter()
-    cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=ldflags,
-                       is_python_module=False, verbose=False)
-    logger.log(logging.DEBUG if cached else logging.INFO, "cpu_flash: loaded %s in %.1f s", NAME,
-               time.perf_counter() - started)
+    cpp_build.build(NAME, SOURCE, FLAGS, logger, "the bf16 encoder-attention op")
     return torch.ops.tandem_cpu_flash.bf16_encoder_attention
 
 
@@ -112,16 +78,7 @@ def load():
     global _op, _error
     with _lock:
         if _op is None and _error is None:
-            reason = unsupported_cpu()
-            missing = [] if reason else _missing_tools()
-            if reason or missing:
-                _error = reason or "; ".join(missing)
-            else:
-                try:
-                    _op = _build()
-                except Exception as e:  # compiler errors arrive as RuntimeError/CalledProcessError
-                    text = str(e).strip().splitlines()
-                    _error = f"building the C++ op failed: {text[-1] if text else type(e).__name__}"
+            _op, _error = cpp_build.attempt(_build, unsupported_cpu())
         if _op is None:
             raise CPUOpUnavailable(_error)
         return _op

@@ -16,13 +16,12 @@ retried on every backend selection.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import threading
-import time
 from pathlib import Path
 
 import torch
+
+from tandem.backends import cpp_build
 
 logger = logging.getLogger("tandem.backends.cpu_paged")
 
@@ -46,10 +45,7 @@ _error: str | None = None
 
 
 def cpu_capability() -> str:
-    try:
-        return torch.backends.cpu.get_cpu_capability()
-    except Exception:  # older or unusual builds
-        return "DEFAULT"
+    return cpp_build.cpu_capability()
 
 
 def isa(capability: str | None = None) -> str:
@@ -65,45 +61,10 @@ def library_name(capability: str | None = None) -> str:
     return f"tandem_cpu_paged_{isa(capability)}"
 
 
-def _missing_tools() -> list[str]:
-    from torch.utils import cpp_extension
-
-    missing = []
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        missing.append(f"no C++ compiler ({cxx!r} is not on PATH; install g++ or set $CXX)")
-    if not cpp_extension.is_ninja_available():
-        missing.append("ninja is not installed (pip install ninja)")
-    return missing
-
-
 def _build():
-    from torch.utils import cpp_extension
-
     capability = cpu_capability()
-    variant = isa(capability)
-    cflags = ["-O3", *_ISA_FLAGS.get(capability, [])]
-    ldflags = []
-    if torch.backends.openmp.is_available():
-        # at::parallel_for is inlined here; with OpenMP it needs -fopenmp to run in
-        # parallel. libgomp resolves to the copy torch already loaded (same soname).
-        cflags.append("-fopenmp")
-        ldflags.append("-fopenmp")
-    name = library_name(capability)
-    try:
-        cached = (Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so").exists()
-    except Exception:
-        cached = False
-    if not cached:
-        logger.info("cpu_paged: building the C++ paged-attention op for %s (once per machine, ~10-60 s)", variant)
-    started = time.perf_counter()
-    cpp_extension.load(
-        name=name, sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=ldflags,
-        is_python_module=False, verbose=False,
-    )
-    took = time.perf_counter() - started
-    logger.log(logging.DEBUG if cached else logging.INFO, "cpu_paged: loaded %s (CPU capability %s) in %.1f s",
-               name, capability, took)
+    cpp_build.build(library_name(capability), SOURCE, _ISA_FLAGS.get(capability, []), logger,
+                    f"the C++ paged-attention op for {isa(capability)}")
     return torch.ops.tandem_cpu.paged_decode_attention
 
 
@@ -112,15 +73,7 @@ def load():
     global _op, _error
     with _lock:
         if _op is None and _error is None:
-            missing = _missing_tools()
-            if missing:
-                _error = "; ".join(missing)
-            else:
-                try:
-                    _op = _build()
-                except Exception as e:  # compiler errors arrive as RuntimeError/CalledProcessError
-                    text = str(e).strip().splitlines()
-                    _error = f"building the C++ op failed: {text[-1] if text else type(e).__name__}"
+            _op, _error = cpp_build.attempt(_build)
         if _op is None:
             raise CPUOpUnavailable(_error)
         return _op
