@@ -22,6 +22,10 @@ from tandem.core.sched.scheduler import SchedulerConfig
 from tandem.lora.request import LoRARequest, check_lora_request
 
 
+# Distinct resolved params kept for sharing (then the table starts over).
+_INTERNED_PARAMS = 4096
+
+
 @dataclass
 class ProcessedRequest:
     """What ``LLMEngine.add_processed_request`` queues: plain data, checked."""
@@ -44,6 +48,27 @@ class RequestProcessor:
         self.vocab_size, self.scheduler_config = vocab_size, scheduler_config
         self.check_request = check_request  # the executor's: params that cannot reach its workers
         self.input_processor = InputProcessor(hf_config, model_cls, tokenizer)
+        # Resolved params by value: requests asking for the same thing share one object
+        # (see _interned).
+        self._params: dict[tuple, SamplingParams] = {}
+
+    def _interned(self, params: SamplingParams) -> SamplingParams:
+        """One object for equal resolved params. Merging the checkpoint's defaults and
+        resolving lengths makes a new object per request; the worker groups rows by
+        params object (one ban, one penalty pass per group, not per request), so equal
+        values must be one object. Params are frozen, so sharing is safe; the explicit
+        fields are part of the key because beam-search checks read them. An unhashable
+        field value (a user's object) leaves the request its own params."""
+        key = (params, params.explicit_fields)
+        try:
+            hit = self._params.get(key)
+        except TypeError:
+            return params
+        if hit is None:
+            if len(self._params) >= _INTERNED_PARAMS:
+                self._params.clear()
+            hit = self._params[key] = params
+        return hit
 
     def resolve_params(self, params: SamplingParams | None) -> SamplingParams:
         if params is None:
@@ -73,7 +98,7 @@ class RequestProcessor:
             if not prompt_slot.choices or bad:
                 raise ValueError(f"prompt slot {prompt_slot}: needs choices, all in the vocabulary [0, {self.vocab_size})")
             prompt_len += 1 + len(prompt_slot.then)  # the prompt as it will be once completed
-        params = resolve_lengths(params, prompt_len, m.max_decoder_len(cfg) - prompt_len)
+        params = self._interned(resolve_lengths(params, prompt_len, m.max_decoder_len(cfg) - prompt_len))
         self.validate(inputs, params, prompt_len)
         self.check_request(params)
         _ = inputs.encoder_inputs.cache_key  # hashing audio features: here, not on the engine thread

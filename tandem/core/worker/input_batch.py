@@ -77,6 +77,26 @@ class BlockTableRows:
         self.table[row, start:end] = torch.tensor(block_ids, dtype=torch.long)
         self.width[row] = end
 
+    def extend_many(self, keys: list, id_lists: list[list[int]]) -> None:
+        """``extend(key, ids)`` for each pair, as one tensor write (keys distinct)."""
+        row_of, width = self._row, self.width
+        rows, cols, values = [], [], []
+        end_max = 0
+        for key, ids in zip(keys, id_lists):
+            row = row_of[key]
+            start = width[row]
+            end = start + len(ids)
+            width[row] = end
+            end_max = max(end_max, end)
+            rows.extend([row] * len(ids))
+            cols.extend(range(start, end))
+            values.extend(ids)
+        if not values:
+            return
+        if end_max > self.table.shape[1]:
+            self._grow(0, max(end_max, 2 * self.table.shape[1]))
+        self.table[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(values, dtype=torch.long)
+
     def get(self, key: object) -> list[int]:
         row = self._row[key]
         return self.table[row, : self.width[row]].tolist()

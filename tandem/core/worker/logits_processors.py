@@ -125,6 +125,8 @@ class LogitsProcessors:
         # requests end with that error; the rest of the batch goes on.
         self.failures: dict[int, str] = {}
         self._bad_words_cache: dict[int, tuple[SamplingParams, _BadWords]] = {}
+        # Banned-id lists as tensors, by value (suppress_tokens).
+        self._token_tensors: dict[tuple[int, ...], torch.Tensor] = {}
 
     def __call__(self, scores: torch.Tensor, rows: ProcessorRows) -> torch.Tensor:
         """Apply every processor the rows ask for to ``scores`` ``[S, vocab]`` in place."""
@@ -168,12 +170,35 @@ class LogitsProcessors:
         return keep
 
     def _static(self, scores, groups, kind: str) -> None:
+        if kind == "suppress":
+            self._suppress(scores, groups)
+            return
         for p, idx in groups:
-            if kind == "allowed" and p.allowed_token_ids is not None:
+            if p.allowed_token_ids is not None:
                 rows = torch.tensor(idx, device=scores.device)
                 scores[rows] = scores[rows].masked_fill(~self._allowed_mask(scores, p), NEG_INF)
-            elif kind == "suppress" and p.suppress_tokens:
-                self._ban(scores, idx, p.suppress_tokens)
+
+    def _suppress(self, scores, groups) -> None:
+        """``suppress_tokens``: the rows of every params object with the same list banned
+        in one op, the list's ids as a tensor built once (requests whose params differ in
+        anything else, a length say, still share their checkpoint's suppress list)."""
+        by_value: dict[tuple[int, ...], list[int]] = {}
+        for p, idx in groups:
+            if p.suppress_tokens:
+                rows = by_value.get(p.suppress_tokens)
+                if rows is None:
+                    by_value[p.suppress_tokens] = list(idx)
+                else:
+                    rows.extend(idx)
+        dev = scores.device
+        for token_ids, idx in by_value.items():
+            tokens = self._token_tensors.get(token_ids)
+            if tokens is None or tokens.device != dev:
+                if len(self._token_tensors) >= _BAD_WORDS_CACHE_SIZE:
+                    self._token_tensors.clear()
+                tokens = self._token_tensors[token_ids] = torch.tensor(token_ids, dtype=torch.long, device=dev)
+            rows = torch.tensor(idx, dtype=torch.long, device=dev)
+            scores[rows[:, None], tokens[None, :]] = NEG_INF
 
     def _allowed_fallback(self, scores, groups, rows: ProcessorRows) -> None:
         """HF's prefix-constrained processor at its place in HF's order: a row whose

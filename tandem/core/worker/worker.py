@@ -225,6 +225,7 @@ class Worker:
         row_data: list[tuple] = []
         add = row_data.append
         modes = []  # (request id, its StepMode, its rows)
+        history = []  # sequences whose processors read their past tokens
         requests = self.requests
         for group in out.scheduled:
             rid, mode = group.request_id, group.mode
@@ -242,9 +243,11 @@ class Worker:
                     for j in range(n - 1, -1, -1):
                         add((p, gen, seq.num_output_tokens + n - 1 - j, end - j, seq.seq_id, rid, joint_rows))
                 if state.keeps_history:
-                    self._record_history(seq)
+                    history.append(seq)
             if mode is not None:
                 modes.append((rid, mode, list(range(start, len(row_data)))))
+        if history:
+            self._record_histories(history)
         params, generators, num_out, seq_lens, seq_ids, row_request, joint = (
             [list(column) for column in zip(*row_data)] if row_data else [[] for _ in range(7)])
         rows = ProcessorRows(params, num_out, seq_lens,
@@ -306,6 +309,20 @@ class Worker:
                     owners.append(j)
             if rows:
                 t.apply(logits, rows, owners, [num_out[i] for i in rows])
+
+    def _record_histories(self, seqs) -> None:
+        """Add the step's tokens to each sequence's history: the usual decode step (the
+        history holds exactly the computed tokens) as one tensor write for all of them,
+        the rest (new, forked, recomputed) one by one."""
+        h = self.histories
+        keys, ids = [], []
+        for seq in seqs:
+            if seq.prefix_token_ids is None and seq.seq_id in h and h.num_blocks(seq.seq_id) == seq.num_computed_tokens:
+                keys.append(seq.seq_id)
+                ids.append(seq.token_ids)
+            else:
+                self._record_history(seq)
+        h.extend_many(keys, ids)
 
     def _record_history(self, seq) -> None:
         h = self.histories
