@@ -214,15 +214,16 @@ class LLM:
         order: list[str] = []
         bar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm, unit="req")
         try:
-            for prompt, p, lora in zip(prompts, params, loras):
-                rid = str(next(self._ids))
-                order.append(rid)
-                try:
-                    engine.add_request(rid, prompt, p, lora_request=lora)
-                except EngineDeadError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - this prompt alone cannot be served
-                    results[rid] = _rejected(rid, prompt, e)
+            with engine.core.adding():  # one stats snapshot for all of them (linear in the prompts)
+                for prompt, p, lora in zip(prompts, params, loras):
+                    rid = str(next(self._ids))
+                    order.append(rid)
+                    try:
+                        engine.add_request(rid, prompt, p, lora_request=lora)
+                    except EngineDeadError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - this prompt alone cannot be served
+                        results[rid] = _rejected(rid, prompt, e)
             bar.update(len(results))
             while engine.has_unfinished_requests():
                 for out in engine.step():

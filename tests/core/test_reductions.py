@@ -51,3 +51,20 @@ def test_strided_rows_and_other_dtypes():
 def test_rejects_a_tensor_that_is_not_2d():
     with pytest.raises(ValueError, match=r"2-D .*\(4,\)"):
         argmax_rows(torch.zeros(4))
+
+
+@pytest.mark.parametrize("vocab", [1000, 2000, 2001, 4095])
+def test_small_vocabularies_take_small_chunks_with_ties_and_nan(vocab):
+    """Below 16 chunks of 512 the chunk shrinks (to >= 64 columns): ties across the small
+    chunks' boundaries, NaN and the tail still resolve as torch's argmax does."""
+    from tandem.core.worker.reductions import MIN_CHUNKS
+
+    chunk = max(64, vocab // MIN_CHUNKS)
+    x = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab))
+    x[0, [chunk - 1, chunk]] = 9.0  # across the first boundary
+    x[1, [3 * chunk, vocab - 1]] = 9.0
+    x[2, vocab - 1] = 9.0  # the tail
+    x[3, [5, 2 * chunk + 1]] = float("nan")
+    x[4] = 1.0
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(x)[:3].tolist() == [chunk - 1, 3 * chunk, vocab - 1]

