@@ -111,11 +111,14 @@ class SDPAMetadataBuilderBase(AttentionMetadataBuilder):
         cross tables for every sequence (else only when a prefill needs them)."""
         starts = inputs.query_start_loc.tolist()
         prefills, decodes = [], []
-        for i, (q, s) in enumerate(zip(inputs.query_lens, inputs.seq_lens)):
-            if q == 1:
-                decodes.append(i)
-            else:
-                prefills.append((starts[i], q, s, i))
+        if inputs.max_query_len == 1:  # a decode step: every sequence decodes (no loop per row)
+            decodes = list(range(len(inputs.query_lens)))
+        else:
+            for i, (q, s) in enumerate(zip(inputs.query_lens, inputs.seq_lens)):
+                if q == 1:
+                    decodes.append(i)
+                else:
+                    prefills.append((starts[i], q, s, i))
         enc_runs, row = [], 0
         for n in inputs.encoder_seq_lens:
             enc_runs.append((row, n))

@@ -51,6 +51,7 @@ class RequestProcessor:
         # Resolved params by value: requests asking for the same thing share one object
         # (see _interned).
         self._params: dict[tuple, SamplingParams] = {}
+        self._last_merge: tuple[SamplingParams, SamplingParams] | None = None  # (request's, merged)
 
     def _interned(self, params: SamplingParams) -> SamplingParams:
         """One object for equal resolved params. Merging the checkpoint's defaults and
@@ -75,7 +76,16 @@ class RequestProcessor:
             return self.generation_defaults.params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        return merge_params(self.generation_defaults.params, params, self.generation_defaults.source)
+        # One params object for many prompts (LLM.generate's): merged and checked once,
+        # not once per prompt (a generation config's 90 suppress_tokens are checked on
+        # every merge). Params are frozen, so the same object merges to the same result;
+        # the pair is read and written as one tuple, so threads may share it.
+        last = self._last_merge
+        if last is not None and last[0] is params:
+            return last[1]
+        merged = merge_params(self.generation_defaults.params, params, self.generation_defaults.source)
+        self._last_merge = (params, merged)
+        return merged
 
     def process(self, prompt: Any, params: SamplingParams | None = None,
                 prompt_slot: PromptSlot | None = None, lora_request: LoRARequest | None = None) -> ProcessedRequest:

@@ -456,30 +456,20 @@ class Scheduler:
                     prefix = seq.token_ids[:computed]
                 sent_tables[sid] = list(table)
             tokens = seq.token_ids[computed:]
-            seqs.append(
-                ScheduledSequence(
-                    seq_id=sid,
-                    token_ids=tokens + lookahead if lookahead else tokens,
-                    num_computed_tokens=computed,
-                    block_ids=block_ids,
-                    replace_blocks=replace,
-                    num_output_tokens=len(seq.output_token_ids),
-                    prefix_token_ids=prefix,
-                    num_logits=1 + len(lookahead),
-                )
-            )
+            # Positional: once per running row every step (ScheduledSequence's field order).
+            seqs.append(ScheduledSequence(
+                sid, tokens + lookahead if lookahead else tokens, computed, block_ids, replace,
+                len(seq.output_token_ids), prefix, 1 + len(lookahead)))
         positions, cross_table = bm.cross_view(group)
         compress = self.cross_compress
+        # ScheduledGroup's field order: request, seqs, encoder inputs, positions, cross table,
+        # mode, adapter, observation window, compressed.
         return ScheduledGroup(
-            request_id=group.request_id,
-            seqs=seqs,
-            encoder_inputs=group.encoder_inputs if run_encoder else None,
-            num_encoder_positions=positions,
-            cross_block_table=list(cross_table),
-            mode=None if type(group.strategy).step_mode is _NO_STEP_MODE else group.strategy.step_mode(group),
-            cross_observe_until=compress.observe_until(group) if compress is not None else 0,
-            cross_compressed=compress is not None and bm.is_cross_compressed(group),
-            lora_request=group.lora_request,
+            group.request_id, seqs, group.encoder_inputs if run_encoder else None, positions, list(cross_table),
+            None if type(group.strategy).step_mode is _NO_STEP_MODE else group.strategy.step_mode(group),
+            group.lora_request,
+            compress.observe_until(group) if compress is not None else 0,
+            compress is not None and bm.is_cross_compressed(group),
         )
 
     # -- after the forward pass ----------------------------------------------

@@ -64,23 +64,33 @@ class Sampler:
             screened = screen.tokens(scores) if screen is not None and plain is None else None
             if screened is not None:
                 n = len(params)
-                out.token_ids, out.logprobs, out.top_logprobs = screened.tolist(), [None] * n, [None] * n
+                out.token_ids, bad = self._take(sub, screened)
+                out.logprobs, out.top_logprobs = [None] * n, [None] * n
             else:
-                out.token_ids, out.logprobs, out.top_logprobs = self._sample(sub, sub_params, sub_gens)
-            self._check_chosen(sub, out, plain)
+                out.token_ids, out.logprobs, out.top_logprobs, bad = self._sample(sub, sub_params, sub_gens)
+            self._check_chosen(out, bad, plain)
         out.failed_rows = {**self.processors.failures, **out.failed_rows}
         return out
 
     @staticmethod
-    def _check_chosen(scores: torch.Tensor, out: SamplerOutput, plain: list[int] | None) -> None:
+    def _take(scores: torch.Tensor, tokens: torch.Tensor) -> tuple[list[int], list[tuple[int, float]]]:
+        """The chosen tokens as a list, and ``(row, score)`` of each row whose chosen
+        token's processed score is not finite: one device-to-host copy for both (a
+        second only when some row is bad)."""
+        chosen = scores.gather(1, tokens[:, None]).squeeze(1)
+        both = torch.stack([tokens, torch.isfinite(chosen).to(tokens.dtype)]).tolist()
+        token_list, finite = both
+        if all(finite):
+            return token_list, []
+        bad = [j for j, ok in enumerate(finite) if not ok]
+        values = chosen.index_select(0, torch.tensor(bad, device=scores.device)).tolist()
+        return token_list, list(zip(bad, values))
+
+    @staticmethod
+    def _check_chosen(out: SamplerOutput, bad: list[tuple[int, float]], plain: list[int] | None) -> None:
         """A chosen token whose processed score is -inf means every token was banned;
         NaN or +inf means the scores themselves are broken (the model's logits)."""
-        tokens = torch.tensor(out.token_ids, device=scores.device)
-        chosen = scores.gather(1, tokens[:, None]).squeeze(1)
-        bad = ~torch.isfinite(chosen)
-        if not bool(bad.any()):
-            return
-        for j, value in zip(bad.nonzero().flatten().tolist(), chosen[bad].tolist()):
+        for j, value in bad:
             row = j if plain is None else plain[j]
             if value == -float("inf"):
                 out.no_token_rows.append(row)
@@ -92,8 +102,17 @@ class Sampler:
         # Log-probabilities cost a logsumexp over the vocabulary per row (~4% of a
         # CPU decode step at vocab 50K), so only rows that ask for logprobs get
         # them; the full log-softmax is never built (top-k uses logits - lse).
-        want = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
-        greedy = [p.greedy for p in params]
+        # Per distinct params object, not per row (rows of one request, or of requests
+        # whose resolved params are equal, share it).
+        distinct = {id(p): p for p in params}
+        if len(distinct) == 1:
+            (p0,) = distinct.values()
+            want = [(i, p0.logprobs) for i in range(len(params))] if p0.logprobs is not None else []
+            greedy = [p0.greedy] * len(params)
+        else:
+            is_greedy = {k: p.greedy for k, p in distinct.items()}
+            want = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
+            greedy = [is_greedy[id(p)] for p in params]
         tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
         greedy_rows = [i for i, g in enumerate(greedy) if g]
         if len(greedy_rows) == len(params):  # all greedy: no copy of the logits
@@ -107,7 +126,7 @@ class Sampler:
             probs = sampling_probs(logits.index_select(0, rows), [params[i] for i in sample_rows])
             tokens[rows] = draw(probs, [generators[i] for i in sample_rows], self.generator)
 
-        token_list = tokens.tolist()
+        token_list, bad = self._take(logits, tokens)
         top: list[dict[int, float] | None] = [None] * len(params)
         chosen: list[float | None] = [None] * len(params)
         if want:
@@ -125,4 +144,4 @@ class Sampler:
                 d[token_list[i]] = sub_chosen[j]
                 top[i] = d
                 chosen[i] = sub_chosen[j]
-        return token_list, chosen, top
+        return token_list, chosen, top, bad
