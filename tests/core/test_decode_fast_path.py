@@ -1,4 +1,5 @@
-"""The scheduler's decode fast path (``BlockManager.append_in_place``, issue 40).
+"""The scheduler's decode fast path (``BlockManager.append_in_place`` and, for all
+running groups at once, ``append_in_place_all``: issues 40 and 49).
 
 A running group whose sequences each compute one token into a block they alone
 hold skips ``can_append_slots`` / ``append_slots``. The oracle is the general
@@ -34,11 +35,11 @@ def _run(scenario, monkeypatch, fast: bool):
     monkeypatch.setattr(ts, "_tokens", itertools.count(10_000))
     sim = new_sim(*scenario)
     bm, outputs, taken = sim.bm, [], [0]
-    general = bm.append_in_place
+    general = bm.append_in_place_all  # append_in_place and the scheduler's steady pass both ask it
 
-    def checked(group):
-        seqs = general(group)
-        if seqs is not None:
+    def checked(groups):
+        found = general(groups)
+        for group, seqs, *_ in found.values():
             taken[0] += 1
             # The general path, asked the same, must find nothing to do.
             assert bm.can_append_slots(group)
@@ -49,9 +50,9 @@ def _run(scenario, monkeypatch, fast: bool):
             assert tables == {s.seq_id: list(bm.get_block_table(s)) for s in group.seqs if bm.has_block_table(s)}
             assert (bm.pools[DEV].refcounts == refs).all()
             assert seqs == group.get_seqs(SequenceStatus.RUNNING)
-        return seqs
+        return found
 
-    bm.append_in_place = checked if fast else (lambda group: None)
+    bm.append_in_place_all = checked if fast else (lambda groups: {})
     schedule = sim.sched.schedule
 
     def recorded():

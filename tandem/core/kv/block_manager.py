@@ -439,28 +439,49 @@ class BlockManager:
         ``append_slots`` would allocate and copy nothing: register what the prefix cache
         takes (as ``append_slots`` does) and return the running sequences. None when any
         sequence needs more (the caller takes the general path; nothing was done)."""
-        # Hot: every running group every step. Plain loops and attribute reads, no calls
-        # but the refcount read: this replaces _append_need's and append_slots' per-block work.
-        refs, bs, tables, running = self.pools[Device.DEVICE].refcounts, self.block_size, self._self, []
-        for seq in group.seqs:
-            table = tables.get(seq.seq_id)
-            if seq.status is not SequenceStatus.RUNNING:
-                if table is not None:
-                    return None
-                continue
-            computed = seq.num_computed_tokens
-            if table is None or seq.lookahead_token_ids or len(seq.token_ids) - computed != 1:
-                return None
-            i = computed // bs
-            if i >= len(table) or refs[table[i]] != 1:
-                return None
-            running.append(seq)
-        if self.prefix_cache.max_blocks:  # enabled
-            for seq in running:
-                # Only a sequence with a full computed prompt block may have one to register.
-                if seq.num_computed_tokens >= bs and len(seq.prompt_token_ids) >= bs:
-                    self._register_prompt(seq, tables[seq.seq_id])
-        return running
+        hit = self.append_in_place_all([group]).get(group.request_id)
+        return None if hit is None else hit[1]
+
+    def append_in_place_all(self, groups: list[SequenceGroup]) -> dict[str, tuple]:
+        """``append_in_place`` for many groups in one call, with what a step record of
+        each needs from here, so the scheduler's usual decode step costs no Python call
+        per group: request id -> ``(group, running sequences, their self tables, cross
+        positions, cross blocks)`` for each group that passes (tables as live lists, not
+        to be changed; the cross fields None when the group holds no cross table). The
+        others are left out, nothing done for them. A plain tuple: building a named one
+        is a Python call per group."""
+        refs, bs, tables, cross_of = self.pools[Device.DEVICE].refcounts, self.block_size, self._self, self._cross
+        running_status = SequenceStatus.RUNNING
+        out: dict[str, tuple] = {}
+        registered = self.prefix_cache.max_blocks  # enabled: full prompt blocks to register
+        for group in groups:
+            running, held = [], []
+            for seq in group.seqs:
+                table = tables.get(seq.seq_id)
+                if seq.status is not running_status:
+                    if table is not None:
+                        break
+                    continue
+                computed = seq.num_computed_tokens
+                if table is None or seq.lookahead_token_ids or len(seq.token_ids) - computed != 1:
+                    break
+                i = computed // bs
+                if i >= len(table) or refs[table[i]] != 1:
+                    break
+                running.append(seq)
+                held.append(table)
+            else:
+                cross = cross_of.get(group.request_id)
+                if cross is None:
+                    out[group.request_id] = (group, running, held, None, None)
+                else:
+                    positions = group.encoder_inputs.num_positions if cross.positions is None else cross.positions
+                    out[group.request_id] = (group, running, held, positions, cross.blocks)
+                if registered:
+                    for seq, table in zip(running, held):
+                        if seq.num_computed_tokens >= bs and len(seq.prompt_token_ids) >= bs:
+                            self._register_prompt(seq, table)
+        return out
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Make the sequence's self table hold all its tokens and its draft tokens

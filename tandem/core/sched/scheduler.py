@@ -36,7 +36,7 @@ from tandem.core.scheduler_output import (
 )
 from tandem.core.sched.lora_slots import LoRASlots
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from tandem.core.strategies.base import RequestFailed, RequestStrategy
+from tandem.core.strategies.base import RequestStrategy
 
 if TYPE_CHECKING:
     from tandem.core.sched.cross_compress import CrossCompressor
@@ -212,23 +212,42 @@ class Scheduler:
                 queue.remove(group)
                 self._fail_group(group, e)
         repacks = self._compress(queue) if self.cross_compress is not None else []
+        # The usual decode step of the groups without drafts or a step mode, found and
+        # recorded for all of them at once (``_steady``): no Python call per group. What
+        # the loop below then does for others (preempting from the back, allocating,
+        # copying) only frees blocks or takes free ones, never a block these hold, so it
+        # leaves their records true.
+        try:
+            records, in_place = self._steady(queue)
+        except Exception:  # noqa: BLE001 - a fault of one group's: the loop below finds and isolates it
+            records, in_place = {}, {}
         while queue:
             group = queue.popleft()
-            # Lookahead tokens only where they fit: never preempt for them.
-            try:
-                if (type(group.strategy).lookahead is not _NO_LOOKAHEAD and group.strategy.lookahead(group)
-                        and not bm.can_append_slots(group)):
-                    self._drop_lookahead(group)
-            except Exception as e:  # noqa: BLE001 - this request's strategy or blocks: it fails alone
-                self._fail_group(group, e)
+            record = records.get(group.request_id)
+            if record is not None:
+                n = len(record.seqs)
+                budget -= n
+                num_seqs += n
+                self.running.append(group)
+                scheduled.append(record)
                 continue
-            # The usual decode step: each sequence's one new token goes into a block it
-            # alone holds, so there is nothing to allocate, copy or preempt for.
-            try:
-                seqs = bm.append_in_place(group)
-            except Exception as e:  # noqa: BLE001 - the block manager's work for this request
-                self._fail_group(group, e, blocks=True)
-                continue
+            seqs = in_place.get(group.request_id)
+            if seqs is None:
+                # Lookahead tokens only where they fit: never preempt for them.
+                try:
+                    if (type(group.strategy).lookahead is not _NO_LOOKAHEAD and group.strategy.lookahead(group)
+                            and not bm.can_append_slots(group)):
+                        self._drop_lookahead(group)
+                except Exception as e:  # noqa: BLE001 - this request's strategy or blocks: it fails alone
+                    self._fail_group(group, e)
+                    continue
+                # The usual decode step: each sequence's one new token goes into a block it
+                # alone holds, so there is nothing to allocate, copy or preempt for.
+                try:
+                    seqs = bm.append_in_place(group)
+                except Exception as e:  # noqa: BLE001 - the block manager's work for this request
+                    self._fail_group(group, e, blocks=True)
+                    continue
             if seqs is not None:
                 n = len(seqs)
                 budget -= n
@@ -344,6 +363,43 @@ class Scheduler:
             finished_seq_ids=finished_seqs,
             cross_repacks=repacks,
         )
+
+    def _steady(self, queue: deque[SequenceGroup]) -> tuple[dict[str, ScheduledGroup], dict[str, list[Sequence]]]:
+        """The running groups whose step is the usual decode step (``append_in_place``
+        holds) and that have no drafts and no step mode: request id -> the group's step
+        record, for those whose tables the worker holds as they are; request id -> its
+        running sequences, for the others (``_metadata`` records them). Built inline,
+        as ``_metadata`` would build them (``tests/core/test_steady_records.py`` checks
+        that they are equal): this runs for every running row every step."""
+        if self.cross_compress is not None:  # the observation window is per group: _metadata's
+            return {}, {}
+        candidates = [g for g in queue
+                      if type(g.strategy).lookahead is _NO_LOOKAHEAD and type(g.strategy).step_mode is _NO_STEP_MODE]
+        found = self.block_manager.append_in_place_all(candidates)
+        new, sent_tables = object.__new__, self._sent_tables
+        records, in_place = {}, {}
+        for rid, (group, seqs, tables, positions, cross_blocks) in found.items():
+            if cross_blocks is None:
+                in_place[rid] = seqs
+                continue
+            rows = []
+            for seq, table in zip(seqs, tables):
+                if sent_tables.get(seq.seq_id) != table:  # the worker's table differs: _metadata sends it
+                    in_place[rid] = seqs
+                    break
+                computed = seq.num_computed_tokens
+                ss = new(ScheduledSequence)
+                ss.seq_id, ss.token_ids, ss.num_computed_tokens = seq.seq_id, seq.token_ids[computed:], computed
+                ss.block_ids, ss.replace_blocks, ss.num_output_tokens = [], False, len(seq.output_token_ids)
+                ss.prefix_token_ids, ss.num_logits = None, 1
+                rows.append(ss)
+            else:
+                sg = new(ScheduledGroup)
+                sg.request_id, sg.seqs, sg.encoder_inputs, sg.num_encoder_positions = rid, rows, None, positions
+                sg.cross_block_table, sg.mode, sg.lora_request = list(cross_blocks), None, group.lora_request
+                sg.cross_observe_until, sg.cross_compressed = 0, False
+                records[rid] = sg
+        return records, in_place
 
     def _compress(self, queue: deque[SequenceGroup]) -> list:
         """kv_compress: the running groups whose observation window is over get their
@@ -483,23 +539,24 @@ class Scheduler:
         row = {seq_id: i for i, seq_id in enumerate(result.seq_ids)}
         if result.cross_blocks_needed and self.cross_compress is not None:
             self.cross_compress.trim(self.groups, result.cross_blocks_needed)
-        results = []
+        # Runs of consecutive groups of one strategy class go to the class's update_all
+        # in one call (plain sampling's does its rows without a Python call per group).
+        results, run, run_cls = [], [], None
+        groups, failed = self.groups, result.failed_requests
         for sg in output.scheduled:
-            group = self.groups.get(sg.request_id)
-            if group is None or sg.request_id in result.failed_requests:
+            group = groups.get(sg.request_id)
+            if group is None or sg.request_id in failed:
                 continue  # gone, or failed in the worker (the engine aborts it)
             # Sharers too: their cross table was filled by now, in this step or an earlier one.
             group.encoder_computed = True
-            try:
-                res = group.strategy.update(self, group, sg, result, row)
-            except RequestFailed as e:  # the strategy says why, for the request's error
-                result.failed_requests[sg.request_id] = str(e)
-                continue
-            except Exception as e:  # noqa: BLE001 - this request's own update (its strategy, its lengths)
-                result.failed_requests[sg.request_id] = f"updating it after the step failed: {type(e).__name__}: {e}"
-                continue
-            if res is not None:
-                results.append(res)
+            cls = type(group.strategy)
+            if cls is not run_cls and run:
+                results += [r for r in run_cls.update_all(self, run, result, row) if r is not None]
+                run = []
+            run_cls = cls
+            run.append((group, sg))
+        if run:
+            results += [r for r in run_cls.update_all(self, run, result, row) if r is not None]
         return results
 
     # -- what strategies may ask (strategies.base.SchedulerOps) ----------------------

@@ -31,6 +31,13 @@ class RequestFailed(Exception):
     kept; the request's unfinished sequences end ``abort``."""
 
 
+def update_failure(e: Exception) -> str:
+    """A request's error when its strategy's update raised ``e``."""
+    if isinstance(e, RequestFailed):  # the strategy says why
+        return str(e)
+    return f"updating it after the step failed: {type(e).__name__}: {e}"
+
+
 class SchedulerOps(Protocol):
     """What a strategy may ask of the scheduler while it applies a step."""
 
@@ -153,6 +160,25 @@ class RequestStrategy(ABC):
     ) -> "RequestResult | None":
         """Apply the step to the group (``rows``: seq id -> index into the result's
         plain rows); returns its progress, or None when nothing is visible yet."""
+
+    @classmethod
+    def update_all(
+        cls, ops: SchedulerOps, items: "list[tuple[SequenceGroup, ScheduledGroup]]", result: "ModelRunnerOutput",
+        rows: dict[int, int],
+    ) -> "list[RequestResult | None]":
+        """``update`` for consecutive groups whose strategies are all of this class, in
+        one call (a strategy that runs on most rows may do them without a Python call
+        per group). Never raises for a request: one whose update failed is put in
+        ``result.failed_requests`` with why (``RequestFailed``'s message as it is), and
+        gets None here. One result per item, in order."""
+        out: "list[RequestResult | None]" = []
+        for group, sg in items:
+            try:
+                out.append(group.strategy.update(ops, group, sg, result, rows))
+            except Exception as e:  # noqa: BLE001 - this request's own update (its strategy, its lengths)
+                result.failed_requests[sg.request_id] = update_failure(e)
+                out.append(None)
+        return out
 
     def blocks_needed_at_most(self, group: "SequenceGroup", full_len: int, block_size: int) -> int | None:
         """Blocks the request may hold at once with its decoder sequences ``full_len``

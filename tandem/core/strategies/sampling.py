@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from tandem.core.core_outputs import CompletionDelta, RequestResult
 from tandem.core.sampling_params import RequestOutputKind
 from tandem.core.sequence import FINISH_REASON, SequenceStatus
-from tandem.core.strategies.base import RequestStrategy, SchedulerOps
+from tandem.core.strategies.base import RequestStrategy, SchedulerOps, update_failure
 from tandem.core.strategies.modes import Mode, RequestContext
 
 if TYPE_CHECKING:
@@ -80,6 +80,63 @@ class SamplingStrategy(RequestStrategy):
             return None
         # A sequence that goes on keeps the group going (no need to look at the others).
         return RequestResult(group.request_id, deltas, False if going else group.is_finished)
+
+
+    @classmethod
+    def update_all(
+        cls, ops: SchedulerOps, items: "list[tuple[SequenceGroup, ScheduledGroup]]", result: "ModelRunnerOutput",
+        rows: dict[int, int],
+    ) -> list[RequestResult | None]:
+        """``update`` for a run of plain groups. The usual case, a running group of one
+        sequence that sampled a token, is done here inline, with no Python call per
+        group: ``Sequence.append_token`` and ``Scheduler.check_stop`` written out (the
+        two must stay alike: ``tests/core/test_steady_records.py`` runs both on random
+        stops). Any other goes to ``update``."""
+        out: list[RequestResult | None] = []
+        tokens, logprobs, tops, no_token = result.token_ids, result.logprobs, result.top_logprobs, result.no_token_seq_ids
+        eos, final_only, running = ops.eos_token_ids, RequestOutputKind.FINAL_ONLY, SequenceStatus.RUNNING
+        stopped, length = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH
+        for group, sg in items:
+            try:
+                seqs, scheduled = group.seqs, sg.seqs
+                if len(seqs) != 1 or len(scheduled) != 1 or no_token or seqs[0].status is not running:
+                    out.append(group.strategy.update(ops, group, sg, result, rows))
+                    continue
+                seq, ss, p = seqs[0], scheduled[0], group.sampling_params
+                seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
+                i = rows[ss.seq_id]
+                token, lp, top = tokens[i], logprobs[i], tops[i]
+                # Sequence.append_token
+                seq.output_token_ids.append(token)
+                seq.token_ids.append(token)
+                if lp is None or seq.cumulative_logprob is None:
+                    seq.cumulative_logprob = None
+                else:
+                    seq.cumulative_logprob += lp
+                if top is not None:
+                    seq.output_logprobs.append(top)
+                # Scheduler.check_stop
+                num_out = len(seq.output_token_ids)
+                if num_out >= p.min_tokens and not p.ignore_eos and token in eos:
+                    seq.status = stopped
+                elif num_out >= p.min_tokens and token in p.stop_token_ids:
+                    seq.status, seq.stop_reason = stopped, token
+                elif num_out >= p.max_tokens:
+                    seq.status = length
+                quiet = p.output_kind is final_only and not p.stop_strings
+                if seq.status is running:
+                    out.append(None if quiet else RequestResult(group.request_id, [CompletionDelta(
+                        seq.index, [token], [top] if top is not None else None, seq.cumulative_logprob)], False))
+                    continue
+                ops.release_finished(group)
+                delta = _whole(seq, p.logprobs is not None) if quiet else CompletionDelta(
+                    seq.index, [token], [top] if top is not None else None, seq.cumulative_logprob,
+                    FINISH_REASON[seq.status], seq.stop_reason)
+                out.append(RequestResult(group.request_id, [delta], group.is_finished))
+            except Exception as e:  # noqa: BLE001 - this request's own update (its lengths, its blocks)
+                result.failed_requests[sg.request_id] = update_failure(e)
+                out.append(None)
+        return out
 
 
 def _whole(seq, want_logprobs: bool) -> CompletionDelta:
