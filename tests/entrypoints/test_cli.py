@@ -106,6 +106,23 @@ def test_help_and_version_do_not_import_torch():
     assert "engine options:" in res.stdout and "--dtype" in res.stdout
 
 
+def test_demo_path_does_not_import_torch():
+    """`tandem demo --path` took 6-10 s to print a directory: it imported torch for the
+    engine flags. Now it prints the path and nothing else is loaded."""
+    from tandem.entrypoints.cli import DEMO_MODEL, DEMO_WHISPER
+
+    code = ("import sys\nfrom tandem.entrypoints.cli import main\nmain(sys.argv[1:])\n"
+            "print('torch imported:', 'torch' in sys.modules)")
+    for args, path in ((["demo", "--path"], DEMO_MODEL), (["demo", "--whisper", "--path"], DEMO_WHISPER),
+                       (["demo", "--path", "--whisper"], DEMO_WHISPER)):
+        res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+        assert res.stdout.splitlines() == [str(path), "torch imported: False"], (args, res.stdout, res.stderr)
+    # With an engine flag the line is parsed in full (and the flag checked) as before.
+    res = subprocess.run([sys.executable, "-c", code, "demo", "--path", "--dtype", "float8"], capture_output=True,
+                         text=True)
+    assert "argument --dtype: invalid choice: 'float8'" in res.stderr
+
+
 @pytest.mark.parametrize("args, command, names", [
     (["generate", "--model", "m", "--bogus-flag", "x"], "generate", "unrecognized arguments: --bogus-flag"),
     (["demo", "--dtype", "float8"], "demo", "argument --dtype: invalid choice: 'float8'"),
