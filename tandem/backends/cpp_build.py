@@ -213,19 +213,26 @@ def build(name: str, source: Path, isa_flags: list[str], logger: logging.Logger,
                  time.perf_counter() - started)
 
 
-def attempt(build_op, reason: str | None = None):
+def attempt(build_op, reason: str | None = None, logger: logging.Logger | None = None):
     """``(op, None)`` from ``build_op()``, or ``(None, why)``: ``reason`` where the caller
     already knows the op cannot run here, the missing tools, or the build's failure in
-    one line (compiler errors arrive as long RuntimeErrors)."""
+    one line (compiler errors arrive as long RuntimeErrors). Where this machine could run
+    the op but cannot build it, ``logger`` says so once at INFO (the start's details,
+    which name the backends passed over, are at DEBUG)."""
     if reason:
         return None, reason
     missing = missing_tools()
     if missing:
-        return None, "; ".join(missing)
-    try:
-        return build_op(), None
-    except BuildLockTimeout as e:
-        return None, str(e)
-    except Exception as e:  # noqa: BLE001 - RuntimeError / CalledProcessError from the compiler, or any other
-        text = str(e).strip().splitlines()
-        return None, f"building the C++ op failed: {text[-1] if text else type(e).__name__}"
+        why = "; ".join(missing)
+    else:
+        try:
+            return build_op(), None
+        except BuildLockTimeout as e:
+            why = str(e)
+        except Exception as e:  # noqa: BLE001 - RuntimeError / CalledProcessError from the compiler, or any other
+            text = str(e).strip().splitlines()
+            why = f"building the C++ op failed: {text[-1] if text else type(e).__name__}"
+    if logger is not None:
+        logger.info("%s: C++ op unavailable, backends that need it are passed over: %s",
+                    logger.name.rsplit(".", 1)[-1], why)
+    return None, why

@@ -164,12 +164,18 @@ def test_the_build_directory_is_keyed_by_source_and_flags_not_by_path(tmp_path, 
     assert len(others) == 3 and base[0] not in others
 
 
-def test_a_lock_timeout_is_the_op_s_reason_and_a_bad_timeout_names_the_variable(monkeypatch):
+def test_a_lock_timeout_is_the_op_s_reason_and_a_bad_timeout_names_the_variable(monkeypatch, caplog):
     def blocked():
         raise cpp_build.BuildLockTimeout("waited 2 s for the build lock /x/tandem.lock, held by pid 1")
 
     monkeypatch.setattr(cpp_build, "missing_tools", lambda: [])
-    assert cpp_build.attempt(blocked) == (None, "waited 2 s for the build lock /x/tandem.lock, held by pid 1")
+    with caplog.at_level(logging.INFO, logger="tandem"):
+        assert cpp_build.attempt(blocked, logger=logging.getLogger("tandem.backends.cpu_paged")) == \
+            (None, "waited 2 s for the build lock /x/tandem.lock, held by pid 1")
+        assert cpp_build.attempt(blocked, "the CPU lacks avx512_bf16") == (None, "the CPU lacks avx512_bf16")
+    assert [r.getMessage() for r in caplog.records] == [
+        "cpu_paged: C++ op unavailable, backends that need it are passed over: "
+        "waited 2 s for the build lock /x/tandem.lock, held by pid 1"]
     monkeypatch.setenv(cpp_build.LOCK_TIMEOUT_ENV, "soon")
     with pytest.raises(ValueError, match="TANDEM_OP_BUILD_LOCK_TIMEOUT='soon': must be a positive number"):
         cpp_build._lock_timeout()

@@ -79,7 +79,7 @@ def load():
     global _op, _error
     with _lock:
         if _op is None and _error is None:
-            _op, _error = cpp_build.attempt(_build, unsupported_cpu())
+            _op, _error = cpp_build.attempt(_build, unsupported_cpu(), logger)
         if _op is None:
             raise CPUOpUnavailable(_error)
         return _op

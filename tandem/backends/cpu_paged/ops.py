@@ -75,7 +75,7 @@ def load():
     global _op, _error
     with _lock:
         if _op is None and _error is None:
-            _op, _error = cpp_build.attempt(_build)
+            _op, _error = cpp_build.attempt(_build, logger=logger)
         if _op is None:
             raise CPUOpUnavailable(_error)
         return _op
