@@ -142,11 +142,12 @@ def _holder(path: Path) -> str:
 def build_lock(path: Path, logger: logging.Logger, tag: str):
     """Holds an exclusive ``flock`` on ``path`` (created if need be); the kernel drops it
     when this process dies. Waits for another holder with a line every few seconds,
-    then raises :class:`BuildLockTimeout` naming ``path``."""
+    then raises :class:`BuildLockTimeout` naming ``path``. Yields whether it holds the
+    lock (False where the OS or file system has no such locks)."""
     try:
         import fcntl
     except ImportError:  # not POSIX: no cross-process lock; torch's own marker file remains
-        yield
+        yield False
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -154,12 +155,17 @@ def build_lock(path: Path, logger: logging.Logger, tag: str):
         started = time.monotonic()
         timeout = _lock_timeout()
         next_line = started
+        locked = True
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 pass
+            except OSError as e:  # a file system without locks (some NFS): build unguarded, as torch alone would
+                logger.warning("%s: cannot lock %s (%s); building without the lock", tag, path, e)
+                locked = False
+                break
             now = time.monotonic()
             if now - started >= timeout:
                 message = (f"waited {now - started:.0f} s for the build lock {path}, held by {_holder(path)}; "
@@ -172,9 +178,10 @@ def build_lock(path: Path, logger: logging.Logger, tag: str):
                             tag, path, _holder(path), now - started)
                 next_line = now + WAIT_LOG_INTERVAL_S
             time.sleep(0.2)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
-        yield
+        if locked:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+        yield locked
     finally:
         os.close(fd)  # releases the flock
 
@@ -194,11 +201,12 @@ def build(name: str, source: Path, isa_flags: list[str], logger: logging.Logger,
     so = directory / f"{library}.so"
     started = time.perf_counter()
     if not _complete(directory, library):
-        with build_lock(directory / LOCK_FILE, logger, tag):
+        with build_lock(directory / LOCK_FILE, logger, tag) as locked:
             if not _complete(directory, library):  # else another process built it while this one waited
-                # Nobody else builds here while this process holds the lock: a marker file of
-                # torch's is a leftover of a killed build, on which torch would wait forever.
-                (directory / "lock").unlink(missing_ok=True)
+                if locked:
+                    # Nobody else builds here while this process holds the lock: a marker file of
+                    # torch's is a leftover of a killed build, on which torch would wait forever.
+                    (directory / "lock").unlink(missing_ok=True)
                 copy = directory / Path(source).name
                 shutil.copyfile(source, copy)
                 logger.info("%s: building %s in %s (once per machine and source, ~10-60 s)", tag, what, directory)

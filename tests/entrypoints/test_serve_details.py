@@ -254,28 +254,3 @@ async def test_a_stream_carries_vllms_chunk_shape_and_its_usage_when_asked(whisp
     for other in (bare, alone):
         assert other.status_code == 200 and not any("usage" in e for e in _events(other))
         assert _events(other)[-1]["text"] == text
-
-
-def test_serve_says_what_it_is_starting_and_when_it_listens(monkeypatch, caplog):
-    """`tandem serve` start-up (the engine load takes seconds to minutes) says at INFO what it
-    starts and, once it is up, how long that took and where it listens (engine, app and server
-    stubbed: the lines are what is measured)."""
-    import logging
-    import types
-
-    from tandem.entrypoints import cli
-    from tandem.entrypoints.openai import api_server
-
-    made = []
-    monkeypatch.setattr(api_server, "AsyncLLM", lambda model, **kwargs: made.append(model) or object())
-    monkeypatch.setattr(api_server, "build_app", lambda engine, **kwargs: types.SimpleNamespace(
-        state=types.SimpleNamespace(drain_cut=None)))
-    monkeypatch.setattr(api_server, "make_server", lambda config, **kwargs: types.SimpleNamespace(run=lambda: None))
-    args = cli._build_parser()[0].parse_args(["serve", str(DEMO), "--port", "8123", "--served-model-name", "demo"])
-    with caplog.at_level(logging.INFO, logger="tandem.serve"):
-        assert api_server.serve(args) == 0
-    lines = [r.getMessage() for r in caplog.records if r.name == "tandem.serve"]
-    assert made == [str(DEMO)]
-    assert lines[0] == f"tandem serve: starting the engine for {DEMO} (then listening on http://{args.host}:8123)"
-    assert lines[1].startswith("tandem serve: engine started in ") and \
-        lines[1].endswith(f" s; serving 'demo' on http://{args.host}:8123")
