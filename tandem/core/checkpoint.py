@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+# A large checkpoint takes tens of seconds to read: a line this often says how far it got.
+PROGRESS_INTERVAL_S = 5.0
 
 
 class WeightLoadError(RuntimeError):
@@ -87,8 +94,25 @@ def _short(value) -> str:
 
 
 def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` one at a time, so peak memory stays near one tensor."""
-    for path in checkpoint_files(model_dir):
+    """Yield ``(name, tensor)`` one at a time, so peak memory stays near one tensor; a read
+    that runs past :data:`PROGRESS_INTERVAL_S` says how far it got at INFO, that often."""
+    files = checkpoint_files(model_dir)
+    total = sum(p.stat().st_size for p in files)
+    started = time.monotonic()
+    next_line = started + PROGRESS_INTERVAL_S
+    done = 0
+    for name, tensor in _read(files):
+        yield name, tensor
+        done += tensor.numel() * tensor.element_size()
+        now = time.monotonic()
+        if now >= next_line:
+            logger.info("loading weights from %s: %.0f of %.0f MiB (%.0f s)", model_dir, done / 2**20,
+                        total / 2**20, now - started)
+            next_line = now + PROGRESS_INTERVAL_S
+
+
+def _read(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
         if path.suffix == ".safetensors":
             from safetensors import SafetensorError, safe_open
 

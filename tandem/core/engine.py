@@ -64,6 +64,7 @@ class LLMEngine:
         (``tandem.registry``; core imports nothing above it)."""
         self.config = config
         self.scheduler_config = config.scheduler_config()
+        started = time.perf_counter()
 
         trust = config.trust_remote_code
         self.hf_config = load_hf_config(config.model_path, trust_remote_code=trust)
@@ -91,6 +92,8 @@ class LLMEngine:
                                  tuple(sorted(self.eos_token_ids)))
         # Starts the ranks (worker processes for "mp"); sizes the KV pools across them,
         # then loads the model and allocates the pools.
+        logger.info("loading %s from %s (%s on %s, attention %s)", self.architecture, config.model_path,
+                    str(dtype).removeprefix("torch."), device, self.attn_backend.name)
         self.executor = executor_class(config.distributed_executor_backend)(worker_spec)
         try:
             pools = self.executor.initialize()
@@ -143,11 +146,15 @@ class LLMEngine:
                                           draft_model=None if self.draft is None else config.speculative.model)
         self.input_processor = self.processor.input_processor
         self.output_processor = OutputProcessor(self.tokenizer)
-        # One record (never interleaved with another thread's), one fact per line: a short
-        # head, then indented lines; the backends passed over one per line too.
+        # One line at INFO; the details at DEBUG ($TANDEM_LOGGING_LEVEL=DEBUG): one record
+        # (never interleaved with another thread's), one fact per line, the backends passed
+        # over one per line too.
+        logger.info("engine ready in %.1f s: %s, %s on %s, attention %s, KV pool %d blocks (%.1f MiB)",
+                    time.perf_counter() - started, self.architecture, str(dtype).removeprefix("torch."), device,
+                    self.attn_backend.name, num_blocks, num_blocks * block_bytes / (1 << 20))
         backend_reason = self._backend_reason.replace(" | ", "\n      | ")
-        logger.info(
-            "engine ready: %s for %s\n  dtype and device: %s (%s) on %s\n  %s\n  %s\n  attention backend %s (%s)"
+        logger.debug(
+            "engine details: %s for %s\n  dtype and device: %s (%s) on %s\n  %s\n  %s\n  attention backend %s (%s)"
             "\n  KV pool %d blocks x %d tokens = %.1f MiB\n  swap space %d blocks = %.2f GiB, committed as used"
             "\n  executor %s, tensor_parallel_size=%d (KV sizes are per rank)",
             self.model_cls.__name__, self.architecture, str(dtype).removeprefix("torch."), config.dtype_reason,

@@ -510,6 +510,12 @@ def _demo_whisper(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"] and "--path" in argv:
+        # Prints a directory: parsed without the engine flags, whose module imports torch
+        # (seconds), unless the line names one of them.
+        args, extra = _build_parser(engine_flags=False)[0].parse_known_args(argv)
+        if not extra:
+            return cmd_demo(args)
     # The top level takes no option with a value, so a word that is not an option names a command.
     parser, subparsers = _build_parser(engine_flags=any(not a.startswith("-") for a in argv))
     args, extra = parser.parse_known_args(argv)

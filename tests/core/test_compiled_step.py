@@ -227,3 +227,25 @@ def test_bad_compile_options_are_refused(tmp_path, kw, field):
 def test_enforce_eager_builds_no_compiled_step(tmp_path):
     llm = LLM(str(make_bart(tmp_path / "bart")), dtype="float32")
     assert llm.llm_engine.worker.runner.compiled is None
+
+
+def test_a_bucket_s_first_compile_says_so_at_info(tmp_path, monkeypatch, caplog):
+    """A bucket's first call (the cold compile, tens of seconds on 2 cores) logs a line
+    when it starts, naming the bucket and the cache, and one with its seconds when done;
+    later calls of that bucket log nothing."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # restored afterwards (the step sets it)
+    monkeypatch.setattr(compiled_step.torch, "compile",
+                        lambda fn, **kwargs: lambda model, ids, *args: torch.zeros(ids.shape[0], 3))
+    step = CompiledDecodeStep(torch.nn.Linear(1, 1), torch.device("cpu"), max_rows=4, cache_dir=str(tmp_path))
+    with caplog.at_level(logging.INFO, logger=compiled_step.__name__):
+        for rows in (3, 4, 1, 3):
+            assert step(torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long), [], None).shape \
+                == (rows, 3)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert [line.split(" in ")[0] for line in lines] == [
+        f"compiling the decode step for 4 rows (once per batch bucket; cache {tmp_path})",
+        "compiled the decode step for 4 rows",
+        f"compiling the decode step for 1 rows (once per batch bucket; cache {tmp_path})",
+        "compiled the decode step for 1 rows",
+    ]
+    assert lines[1].endswith(" s")

@@ -107,10 +107,10 @@ def test_a_bad_value_is_refused_at_construction_naming_variable_and_value(monkey
 
 def test_engine_runs_in_the_override_and_logs_why(monkeypatch, bart_dir, caplog):
     monkeypatch.setenv(ENV, "bfloat16")
-    with caplog.at_level(logging.INFO, logger="tandem"):
+    with caplog.at_level(logging.DEBUG, logger="tandem"):
         llm = LLM(model=str(bart_dir), device="cpu", num_kv_blocks=32)
     assert llm.engine.kv_caches[0].dtype == torch.bfloat16
-    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready"))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("engine details"))
     assert "bfloat16 (TANDEM_AUTO_DTYPE=bfloat16 overrides auto) on cpu" in line
     out = llm.generate([{"prompt_token_ids": [0, 5, 6, 2]}], SamplingParams(temperature=0.0, max_tokens=3),
                        use_tqdm=False)[0]

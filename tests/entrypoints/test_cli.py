@@ -65,14 +65,25 @@ def test_generate_on_the_demo_model_works_with_no_flags():
     res = tandem("generate", "--model", str(DEMO_MODEL), "the cat sat on the mat")
     assert res.returncode == 0, res.stderr
     assert res.stdout == "the cat sat on the mat\tmat the on sat cat the\n"
-    # The CLI logs at INFO: one start-up message, a short head and one fact per indented line
-    # (the backends passed over each on a "|" line of their own).
     # On CPU cpu_paged where its op builds, else torch_sdpa; no flags means cuda where there is one.
     chosen = r"\w+" if torch.cuda.is_available() else "(cpu_paged|torch_sdpa)"
-    start = res.stderr.index("INFO tandem.core.engine: engine ready")
+    # The CLI logs at INFO: two start-up lines (loading, ready), not the ten-line block.
+    engine = [line for line in res.stderr.splitlines() if line.startswith("INFO tandem.core.engine:")]
+    assert len(engine) == 2, res.stderr
+    assert re.fullmatch(rf"INFO tandem.core.engine: loading BartForConditionalGeneration from {DEMO_MODEL} "
+                        rf"\(\w+ on \w+, attention {chosen}\)", engine[0]), engine
+    assert re.fullmatch(rf"INFO tandem.core.engine: engine ready in [\d.]+ s: BartForConditionalGeneration, \w+ on "
+                        rf"\w+, attention {chosen}, KV pool \d+ blocks \([\d.]+ MiB\)", engine[1]), engine
+    assert "  dtype and device" not in res.stderr
+    # At DEBUG the details: a short head and one fact per indented line (the backends passed
+    # over each on a "|" line of their own).
+    res = tandem("generate", "--model", str(DEMO_MODEL), "the cat sat on the mat",
+                 env={**os.environ, "TANDEM_LOGGING_LEVEL": "DEBUG"})
+    assert res.returncode == 0, res.stderr
+    start = res.stderr.index("DEBUG tandem.core.engine: engine details")
     record = res.stderr[start:].splitlines()
     record = record[:next(i for i, line in enumerate(record) if line.startswith("  swap space")) + 1]
-    assert record[0] == "INFO tandem.core.engine: engine ready: BartForConditionalGeneration for " \
+    assert record[0] == "DEBUG tandem.core.engine: engine details: BartForConditionalGeneration for " \
                         "BartForConditionalGeneration"
     assert max(map(len, record)) < 200, record
     facts = [line for line in record[1:] if not line.startswith("      | ")]
@@ -104,6 +115,23 @@ def test_help_and_version_do_not_import_torch():
     # A command's own help still lists the engine flags.
     res = subprocess.run([sys.executable, "-c", code, "serve", "--help"], capture_output=True, text=True)
     assert "engine options:" in res.stdout and "--dtype" in res.stdout
+
+
+def test_demo_path_does_not_import_torch():
+    """`tandem demo --path` took 6-10 s to print a directory: it imported torch for the
+    engine flags. Now it prints the path and nothing else is loaded."""
+    from tandem.entrypoints.cli import DEMO_MODEL, DEMO_WHISPER
+
+    code = ("import sys\nfrom tandem.entrypoints.cli import main\nmain(sys.argv[1:])\n"
+            "print('torch imported:', 'torch' in sys.modules)")
+    for args, path in ((["demo", "--path"], DEMO_MODEL), (["demo", "--whisper", "--path"], DEMO_WHISPER),
+                       (["demo", "--path", "--whisper"], DEMO_WHISPER)):
+        res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+        assert res.stdout.splitlines() == [str(path), "torch imported: False"], (args, res.stdout, res.stderr)
+    # With an engine flag the line is parsed in full (and the flag checked) as before.
+    res = subprocess.run([sys.executable, "-c", code, "demo", "--path", "--dtype", "float8"], capture_output=True,
+                         text=True)
+    assert "argument --dtype: invalid choice: 'float8'" in res.stderr
 
 
 @pytest.mark.parametrize("args, command, names", [

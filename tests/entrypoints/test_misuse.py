@@ -216,9 +216,14 @@ def test_swap_space_is_committed_as_it_is_used(bart_dir):
 
 
 def test_engine_start_is_logged_once_with_what_was_chosen(bart_dir, caplog):
-    with caplog.at_level(logging.INFO, logger="tandem"):
+    with caplog.at_level(logging.DEBUG, logger="tandem"):
         llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", num_kv_blocks=50, swap_space=0.5)
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
+    # At INFO one line; the details at DEBUG.
+    ready = [r for r in caplog.records if r.getMessage().startswith("engine ready")]
+    assert len(ready) == 1 and ready[0].levelno == logging.INFO and "\n" not in ready[0].getMessage()
+    assert "BartForConditionalGeneration, float32 on cpu, attention " in ready[0].getMessage()
+    assert "KV pool 50 blocks (" in ready[0].getMessage()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine details")]
     assert len(lines) == 1
     line = lines[0]
     assert "BartForConditionalGeneration" in line and "float32 (asked for) on cpu" in line

@@ -3,7 +3,8 @@
 the avx512_bf16 dot-product instruction.
 
 Built on first use with torch's C++-extension builder (a C++ compiler and ninja
-are needed) and cached under ``$TORCH_EXTENSIONS_DIR`` as cpu_paged's op is. There
+are needed) and cached under ``$TORCH_EXTENSIONS_DIR`` (keyed by source, flags and torch
+version, under a lock a killed build cannot leave held) as cpu_paged's op is. There
 is one variant, compiled with ``-mavx512bf16``: it is built and loaded only where
 the CPU reports ``avx512_bf16`` (``/proc/cpuinfo``) and torch runs its AVX-512
 kernels (``ATEN_CPU_CAPABILITY=avx2`` turns it off with them).
@@ -78,7 +79,7 @@ def load():
     global _op, _error
     with _lock:
         if _op is None and _error is None:
-            _op, _error = cpp_build.attempt(_build, unsupported_cpu())
+            _op, _error = cpp_build.attempt(_build, unsupported_cpu(), logger)
         if _op is None:
             raise CPUOpUnavailable(_error)
         return _op

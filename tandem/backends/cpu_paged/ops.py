@@ -2,11 +2,12 @@
 
 The op is compiled on first use with torch's C++-extension builder (a C++
 compiler and ninja are needed) and cached under ``$TORCH_EXTENSIONS_DIR``
-(default ``~/.cache/torch_extensions``); later processes load the cached
-library in milliseconds. The build targets the CPU's vector ISA as torch
-reports it (``torch.backends.cpu.get_cpu_capability()``), and that ISA is part
-of the library's name, so a cache shared by different machines never hands an
-AVX-512 build to an AVX2 CPU.
+(default ``~/.cache/torch_extensions``), one directory per source, flags and
+torch version (``tandem.backends.cpp_build``, which also holds the build lock);
+later processes load the cached library in milliseconds. The build targets the
+CPU's vector ISA as torch reports it (``torch.backends.cpu.get_cpu_capability()``),
+and that ISA is part of the library's name, so a cache shared by different
+machines never hands an AVX-512 build to an AVX2 CPU.
 
 :func:`load` returns the op, or raises :class:`CPUOpUnavailable` with the
 reason; the outcome is remembered for the process, so a failed build is not
@@ -57,7 +58,8 @@ def isa(capability: str | None = None) -> str:
 
 
 def library_name(capability: str | None = None) -> str:
-    """The extension's name (its cache directory and ``.so``) for that variant."""
+    """The extension's name for that variant; its cache directory and ``.so`` add the
+    build key (``tandem_cpu_paged_avx2_<12 hex digits>``)."""
     return f"tandem_cpu_paged_{isa(capability)}"
 
 
@@ -73,7 +75,7 @@ def load():
     global _op, _error
     with _lock:
         if _op is None and _error is None:
-            _op, _error = cpp_build.attempt(_build)
+            _op, _error = cpp_build.attempt(_build, logger=logger)
         if _op is None:
             raise CPUOpUnavailable(_error)
         return _op

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -124,6 +125,13 @@ class CompiledDecodeStep:
             ids, pos = self._padded[bucket]
             ids[:rows] = input_ids
             pos[:rows] = positions
+        # A bucket's first call traces and compiles it: ~10-60 s on a small CPU, seconds where
+        # the kernels come from the cache dir. Said at INFO, so a start never looks stuck.
+        first = bucket not in self.compiled_buckets
+        if first:
+            logger.info("compiling the decode step for %d rows (once per batch bucket; cache %s)", bucket,
+                        self.cache_dir)
+            started = time.perf_counter()
         try:
             # One graph per bucket and per engine in the process (Dynamo counts them per code
             # object); past the limit Dynamo would run eager unannounced: raise instead.
@@ -135,5 +143,7 @@ class CompiledDecodeStep:
             logger.warning("compiled decode step failed (%s); decode steps run eager from now on", self.failed,
                            exc_info=True)
             return None
+        if first:
+            logger.info("compiled the decode step for %d rows in %.1f s", bucket, time.perf_counter() - started)
         self.compiled_buckets.add(bucket)
         return logits[:rows]

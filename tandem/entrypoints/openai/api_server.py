@@ -459,6 +459,9 @@ def serve(args) -> int:
     lora_allowed_dir = getattr(args, "lora_allowed_dir", None)
     # The LoRA flags checked before the engine is built (a mistake costs no model load).
     check_lora_flags(args.served_model_name or args.model, args.model, engine_args, lora_modules, lora_allowed_dir)
+    started = time.perf_counter()
+    logger.info("tandem serve: starting the engine for %s (then listening on http://%s:%d)", args.model,
+                args.host, args.port)
     engine = AsyncLLM(model=args.model, **engine_args)
     max_audio_seconds = getattr(args, "max_audio_seconds", DEFAULT_MAX_AUDIO_SECONDS)
     app = build_app(
@@ -468,6 +471,8 @@ def serve(args) -> int:
         allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
         lora_modules=lora_modules, lora_allowed_dir=lora_allowed_dir,
     )
+    logger.info("tandem serve: engine started in %.1f s; serving %r on http://%s:%d", time.perf_counter() - started,
+                args.served_model_name or args.model, args.host, args.port)
     # uvicorn's own stop (it cancels what still runs) is the backstop: the server's
     # cut comes at the drain timeout, its cancelling CUT_GRACE_SECONDS later.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
