@@ -260,7 +260,7 @@ class Worker:
                 self._transform(logits, sampling, seq_ids, num_out)
             prepared = _by_class(modes, lambda cls, idx: cls.prepare_all(
                 logits, [(modes[j][1], modes[j][2]) for j in idx]))
-            claimed = sorted(i for *_, mode_rows in modes for i in mode_rows)
+            claimed = sorted([i for *_, mode_rows in modes for i in mode_rows])
             sampled = self.sampler(logits, rows, generators, claimed, screen)
             if screen is not None:
                 self.screen_stats.add(screen)

@@ -136,7 +136,7 @@ class BeamSearchStrategy(RequestStrategy):
     def update(
         self, ops: SchedulerOps, group: "SequenceGroup", sg: "ScheduledGroup", result: "ModelRunnerOutput",
         rows: dict[int, int],
-    ) -> RequestResult:
+    ) -> RequestResult | None:
         """One beam step: the next running beams reuse, fork or drop this step's;
         a finished search leaves the best hypotheses as the group's sequences."""
         state, cands = self.state, result.mode_outputs[group.request_id]
@@ -166,7 +166,7 @@ class BeamSearchStrategy(RequestStrategy):
             seq.append_token(nb.token_id, nb.token_logprob, nb.top_logprobs)
             seq.cumulative_logprob = nb.score
         group.seqs = [seq for seq, _ in plan]
-        return RequestResult(group.request_id)  # beams change until the end: nothing to show
+        return None  # beams change until the end: nothing to show (the frontend does nothing)
 
     def _finish(self, ops: SchedulerOps, group: "SequenceGroup", running: list) -> RequestResult:
         for seq in running:
