@@ -76,3 +76,52 @@ def test_a_step_of_beams_only_is_log_softmaxed_in_place():
     modes = [BeamStep([0.0, -1.0, -2.0, -3.0], 4, 8) for _ in range(2)]
     BeamStep.prepare_all(logits, [(modes[0], [0, 1, 2, 3]), (modes[1], [4, 5, 6, 7])])
     assert torch.equal(logits, torch.log_softmax(raw, dim=-1))
+
+
+def test_search_steps_stacked_over_requests_equal_each_alone():
+    """``BeamSearchState.step_all`` over requests of mixed beam counts, length penalties,
+    early stopping and stop ids, step after step: every request's scores (bit for bit),
+    hypotheses, next beams and ``done`` equal what stepping it alone gives. Candidate
+    scores come rounded to a coarse grid, so ties between candidates are common."""
+    from tandem.core.strategies.beam.search import BeamCandidates, BeamSearchState
+
+    g = torch.Generator().manual_seed(1)
+    settings = [(4, 1.0, False), (4, 0.6, True), (2, 2.0, "never"), (4, -0.5, False), (3, 1.0, True),
+                (4, 1.0, "never"), (2, 1.0, False)]
+
+    def fresh():
+        out = []
+        for beams, lp, early in settings:
+            p = SamplingParams(num_beams=beams, length_penalty=lp, early_stopping=early, max_tokens=6,
+                               temperature=0.0)
+            out.append(BeamSearchState(p, prompt_len=2, stop_ids=frozenset({2, 5})))
+        return out
+
+    together, alone = fresh(), fresh()
+    outs = {id(st): [[]] * st.num_beams for st in together}
+    outs_alone = {id(st): [[]] * st.num_beams for st in alone}
+    for step in range(6):
+        items, items_alone = [], []
+        for a, b in zip(together, alone):
+            if a.done:
+                continue
+            k = 2 * a.num_beams
+            scores = (torch.randn(k, generator=g) * 2).round(decimals=1).sort(descending=True).values.tolist()
+            cands = BeamCandidates(scores, torch.randint(0, a.num_beams, (k,), generator=g).tolist(),
+                                   torch.randint(0, 8, (k,), generator=g).tolist(), [-0.1] * k)
+            items.append((a, cands, outs[id(a)], [[] for _ in range(a.num_beams)], step))
+            items_alone.append((b, cands, outs_alone[id(b)], [[] for _ in range(b.num_beams)], step))
+        if not items:
+            break
+        stacked = BeamSearchState.step_all(items)
+        singles = [BeamSearchState.step_all([it])[0] for it in items_alone]
+        for (a, *_), (b, *_), x, y in zip(items, items_alone, stacked, singles):
+            assert [(nb.parent, nb.token_id, nb.score) for nb in x] == [(nb.parent, nb.token_id, nb.score) for nb in y]
+            assert torch.equal(a.scores, b.scores) and torch.equal(a.is_finished, b.is_finished)
+            assert torch.equal(a.running, b.running)
+            assert (a.done, a.improvable) == (b.done, b.improvable)
+            assert [h and (h.output_token_ids, h.finished_by_stop) for h in a.hyps] == \
+                [h and (h.output_token_ids, h.finished_by_stop) for h in b.hyps]
+            outs[id(a)] = [outs[id(a)][nb.parent] + [nb.token_id] for nb in x]
+            outs_alone[id(b)] = [outs_alone[id(b)][nb.parent] + [nb.token_id] for nb in y]
+    assert any(st.done for st in together)

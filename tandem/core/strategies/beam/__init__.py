@@ -21,7 +21,7 @@ import torch
 from tandem.core.core_outputs import CompletionDelta, OutputShape, RequestResult
 from tandem.core.kv.block_pool import blocks_for
 from tandem.core.sequence import SequenceStatus
-from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode
+from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode, update_failure
 from tandem.core.strategies.beam.search import BeamCandidates, BeamSearchState
 from tandem.core.strategies.modes import Mode, RequestContext
 
@@ -139,16 +139,55 @@ class BeamSearchStrategy(RequestStrategy):
     ) -> RequestResult | None:
         """One beam step: the next running beams reuse, fork or drop this step's;
         a finished search leaves the best hypotheses as the group's sequences."""
-        state, cands = self.state, result.mode_outputs[group.request_id]
+        running, step = self._step_input(group, sg, result)
+        return self._apply(ops, group, running, self.state.step_all([step])[0])
+
+    @classmethod
+    def update_all(
+        cls, ops: SchedulerOps, items: "list[tuple[SequenceGroup, ScheduledGroup]]", result: "ModelRunnerOutput",
+        rows: dict[int, int],
+    ) -> list[RequestResult | None]:
+        """:meth:`update` for a run of beam requests: their search steps stacked into
+        one set of tensor ops (``BeamSearchState.step_all``), then each request's forks
+        and drops. A request whose update raises fails alone; a fault in the stacked
+        arithmetic fails the requests stacked with it."""
+        out: list[RequestResult | None] = [None] * len(items)
+        ready, steps = [], []
+        for n, (group, sg) in enumerate(items):
+            try:
+                running, step = group.strategy._step_input(group, sg, result)
+            except Exception as e:  # noqa: BLE001 - this request's own update
+                result.failed_requests[sg.request_id] = update_failure(e)
+                continue
+            ready.append((n, group, sg, running))
+            steps.append(step)
+        try:
+            next_beams = BeamSearchState.step_all(steps)
+        except Exception as e:  # noqa: BLE001 - the stacked search step: the requests in it fail
+            for _, _, sg, _ in ready:
+                result.failed_requests[sg.request_id] = update_failure(e)
+            return out
+        for (n, group, sg, running), beams in zip(ready, next_beams):
+            try:
+                out[n] = group.strategy._apply(ops, group, running, beams)
+            except Exception as e:  # noqa: BLE001 - this request's own forks and drops
+                result.failed_requests[sg.request_id] = update_failure(e)
+        return out
+
+    def _step_input(self, group: "SequenceGroup", sg: "ScheduledGroup", result: "ModelRunnerOutput"):
+        """The group's running beams (their computed tokens counted) and its search
+        step's input (``BeamSearchState.step_all``)."""
+        cands = result.mode_outputs[group.request_id]
         by_id = {s.seq_id: s for s in group.seqs}
         running = [by_id[ss.seq_id] for ss in sg.seqs]
         for ss, seq in zip(sg.seqs, running):
             seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
         num_out = len(running[0].output_token_ids)
-        next_beams = state.step(
-            cands, [s.output_token_ids for s in running], [s.output_logprobs for s in running], num_out
-        )
-        if state.done:
+        return running, (self.state, cands, [s.output_token_ids for s in running],
+                         [s.output_logprobs for s in running], num_out)
+
+    def _apply(self, ops: SchedulerOps, group: "SequenceGroup", running: list, next_beams: list) -> RequestResult | None:
+        if self.state.done:
             return self._finish(ops, group, running)
         claimed: set[int] = set()
         plan = []

@@ -85,63 +85,87 @@ class BeamSearchState:
         """Advance by one token. ``parents_out[j]`` / ``parents_logprobs[j]`` are the
         output tokens / logprobs of parent beam ``j``; ``num_out`` their (common)
         count before this step. Returns the next running beams, in HF's order."""
-        p = self.params
-        cur_len = self.prompt_len + num_out
-        k = len(cands.scores)
-        topk = torch.tensor(cands.scores, dtype=torch.float32)
-        tokens = cands.token_ids
-        ended = torch.tensor(
-            [t in self.stop_ids or cur_len + 1 >= self.max_length for t in tokens], dtype=torch.bool
-        )
+        return self.step_all([(self, cands, parents_out, parents_logprobs, num_out)])[0]
 
-        # e. The next running beams: the best that did not end.
-        running_cands = topk + ended.to(torch.float32) * _NEG
-        next_idx = torch.topk(running_cands, k=self.num_beams)[1]
-        new_running = running_cands.index_select(0, next_idx)
+    @staticmethod
+    def step_all(items: list[tuple["BeamSearchState", BeamCandidates, list, list, int]]) -> list[list[NextBeam]]:
+        """:meth:`step` for many requests: ``(state, cands, parents_out, parents_logprobs,
+        num_out)`` each. Requests with the same beam count and candidate count are
+        stacked, one tensor op per stage for all of them (HF's own batched arithmetic:
+        each row's values are those of a step alone, which ``tests/core/test_beam_step.py``
+        checks against HF's ``_beam_search`` pieces); only the finished hypotheses and
+        the next beams' records are built per request."""
+        buckets: dict[tuple[int, int], list[int]] = {}
+        for i, (state, cands, *_) in enumerate(items):
+            buckets.setdefault((state.num_beams, len(cands.scores)), []).append(i)
+        out: list[list[NextBeam]] = [[] for _ in items]
+        for (num_beams, k), idx in buckets.items():
+            group = [items[i] for i in idx]
+            states = [it[0] for it in group]
+            cur = [st.prompt_len + it[4] for st, it in zip(states, group)]
+            topk = torch.tensor([it[1].scores for it in group], dtype=torch.float32)  # [G, k]
+            ended = torch.tensor(
+                [[t in st.stop_ids or c + 1 >= st.max_length for t in it[1].token_ids]
+                 for st, it, c in zip(states, group, cur)], dtype=torch.bool)
 
-        # f. Finished hypotheses: the top num_beams candidates that ended, if better.
-        top_mask = torch.zeros(k, dtype=torch.bool)
-        top_mask[: self.num_beams] = True
-        just_finished = ended & top_mask
-        finished_scores = topk / ((cur_len + 1 - self.prompt_len) ** p.length_penalty)
-        full = bool(self.is_finished.all()) and p.early_stopping is True
-        finished_scores += torch.tensor(float(full)) * _NEG
-        finished_scores += torch.tensor(float(not self.improvable)) * _NEG
-        finished_scores += (~just_finished) * _NEG
-        merged_scores = torch.cat((self.scores, finished_scores))
-        merged_finished = torch.cat((self.is_finished, just_finished))
-        keep = torch.topk(merged_scores, k=self.num_beams)[1].tolist()
-        new_hyps: list[Hypothesis | None] = []
-        for m in keep:
-            if m < self.num_beams:
-                new_hyps.append(self.hyps[m])
-            else:
-                c = m - self.num_beams
-                j, t = cands.parents[c], tokens[c]
-                top = self._top(cands, j, t, c)
-                logprobs = parents_logprobs[j] + [top] if top is not None else []
-                new_hyps.append(Hypothesis(parents_out[j] + [t], logprobs, t in self.stop_ids))
-        self.scores = merged_scores[keep]
-        self.is_finished = merged_finished[keep]
-        self.hyps = new_hyps
-        self.running = new_running
+            # e. The next running beams: the best that did not end.
+            running_cands = topk + ended.to(torch.float32) * _NEG
+            next_idx = torch.topk(running_cands, k=num_beams, dim=1)[1]
+            new_running = running_cands.gather(1, next_idx)
 
-        # g. Whether the search goes on.
-        cur_len += 1
-        if p.early_stopping == "never" and p.length_penalty > 0.0:
-            best_len = self.max_length - self.prompt_len
-        else:
-            best_len = cur_len - self.prompt_len
-        best_possible = self.running[:1] / (best_len ** p.length_penalty)
-        worst = torch.where(self.is_finished, torch.min(self.scores), torch.tensor(_NEG))
-        self.improvable = self.improvable and bool(torch.any(best_possible > worst))
-        all_full = bool(self.is_finished.all()) and p.early_stopping is True
-        self.done = not (self.improvable and not all_full and not bool(ended.all()))
+            # f. Finished hypotheses: the top num_beams candidates that ended, if better.
+            top_mask = torch.zeros(len(group), k, dtype=torch.bool)
+            top_mask[:, :num_beams] = True
+            just_finished = ended & top_mask
+            scores = torch.stack([st.scores for st in states])  # [G, B]
+            is_finished = torch.stack([st.is_finished for st in states])
+            lengths = torch.tensor([[(c + 1 - st.prompt_len) ** st.params.length_penalty]
+                                    for st, c in zip(states, cur)], dtype=torch.float32)
+            finished_scores = topk / lengths
+            full = is_finished.all(dim=1, keepdim=True) & torch.tensor(
+                [[st.params.early_stopping is True] for st in states])
+            finished_scores += full.to(torch.float32) * _NEG
+            finished_scores += torch.tensor([[float(not st.improvable)] for st in states]) * _NEG
+            finished_scores += (~just_finished) * _NEG
+            merged_scores = torch.cat((scores, finished_scores), dim=1)
+            merged_finished = torch.cat((is_finished, just_finished), dim=1)
+            keep_t = torch.topk(merged_scores, k=num_beams, dim=1)[1]
+            new_scores = merged_scores.gather(1, keep_t)
+            new_finished = merged_finished.gather(1, keep_t)
 
-        out = []
-        for c in next_idx.tolist():
-            j, t = cands.parents[c], tokens[c]
-            out.append(NextBeam(j, t, float(running_cands[c]), cands.token_logprobs[c], self._top(cands, j, t, c)))
+            # g. Whether the search goes on.
+            best_lens = []
+            for st, c in zip(states, cur):
+                p = st.params
+                best_len = st.max_length - st.prompt_len if p.early_stopping == "never" and p.length_penalty > 0.0 \
+                    else c + 1 - st.prompt_len
+                best_lens.append([best_len ** p.length_penalty])
+            best_possible = new_running[:, :1] / torch.tensor(best_lens, dtype=torch.float32)
+            worst = torch.where(new_finished, new_scores.amin(dim=1, keepdim=True), torch.tensor(_NEG))
+            better = (best_possible > worst).any(dim=1).tolist()
+            all_finished = new_finished.all(dim=1).tolist()
+            all_ended = ended.all(dim=1).tolist()
+
+            keeps, nexts, runs = keep_t.tolist(), next_idx.tolist(), running_cands.tolist()
+            for n, (i, st, it) in enumerate(zip(idx, states, group)):
+                _, cands, parents_out, parents_logprobs, _ = it
+                tokens = cands.token_ids
+                new_hyps: list[Hypothesis | None] = []
+                for m in keeps[n]:
+                    if m < num_beams:
+                        new_hyps.append(st.hyps[m])
+                    else:
+                        c = m - num_beams
+                        j, t = cands.parents[c], tokens[c]
+                        top = st._top(cands, j, t, c)
+                        logprobs = parents_logprobs[j] + [top] if top is not None else []
+                        new_hyps.append(Hypothesis(parents_out[j] + [t], logprobs, t in st.stop_ids))
+                st.scores, st.is_finished, st.hyps, st.running = new_scores[n], new_finished[n], new_hyps, new_running[n]
+                st.improvable = st.improvable and better[n]
+                all_full = all_finished[n] and st.params.early_stopping is True
+                st.done = not (st.improvable and not all_full and not all_ended[n])
+                out[i] = [NextBeam(cands.parents[c], tokens[c], runs[n][c], cands.token_logprobs[c],
+                                   st._top(cands, cands.parents[c], tokens[c], c)) for c in nexts[n]]
         return out
 
     def _top(self, cands: BeamCandidates, parent: int, token: int, c: int) -> dict[int, float] | None:
