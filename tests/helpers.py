@@ -184,11 +184,12 @@ def generate_preempted_and_ample(model_dir: Path, prompts, params, mode: str, nu
     return outs, ref
 
 
-def hf_search(model_dir: Path, encoder_ids: list[int], decoder_ids: list[int] | None, **kwargs):
-    """HF ``generate`` on one prompt with ``kwargs`` (beam or greedy): per returned
-    sequence, its new tokens (after ``decoder_ids``, or after HF's own start token)
-    and its score (beam search) or None."""
-    model = _hf_model(model_dir)
+def hf_search(model_dir: Path, encoder_ids: list[int], decoder_ids: list[int] | None,
+              dtype: torch.dtype = torch.float32, **kwargs):
+    """HF ``generate`` on one prompt with ``kwargs`` (beam or greedy), the model in
+    ``dtype``: per returned sequence, its new tokens (after ``decoder_ids``, or after
+    HF's own start token) and its score (beam search) or None."""
+    model = _hf_model(model_dir, dtype)
     extra = {} if decoder_ids is None else {"decoder_input_ids": torch.tensor([decoder_ids])}
     with torch.no_grad():
         out = model.generate(

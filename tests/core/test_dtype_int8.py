@@ -47,7 +47,7 @@ def test_an_explicit_16_bit_dtype_with_int8_says_what_to_use(bart_dir, dtype):
 def test_int8_engine_runs_in_float32_under_a_bfloat16_auto_and_logs_why(monkeypatch, bart_dir, caplog):
     monkeypatch.setenv(ENV, "bfloat16")
     _bf16_cpu(monkeypatch)
-    with caplog.at_level(logging.INFO, logger="tandem"):
+    with caplog.at_level(logging.DEBUG, logger="tandem"):  # the dtype's reason: in the "engine details" block
         llm = LLM(model=str(bart_dir), device="cpu", quantization="int8", num_kv_blocks=32)
     assert llm.engine.kv_caches[0].dtype == torch.float32 and "int8" in llm.engine.worker.linear_kernels
     log = "\n".join(r.getMessage() for r in caplog.records)

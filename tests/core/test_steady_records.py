@@ -174,3 +174,58 @@ class _Sched:
         ss = ScheduledSequence(seq.seq_id, seq.token_ids[seq.num_computed_tokens:], seq.num_computed_tokens, [],
                                False, len(seq.output_token_ids))
         self.record = ScheduledGroup(group.request_id, [ss], None, 4, [0])
+
+
+class _Broken:
+    """Sampling params whose stop fields cannot be read (a fault inside the inline path)."""
+
+    output_kind = RequestOutputKind.FINAL_ONLY
+    logprobs = None
+
+    def __getattr__(self, name):
+        raise ArithmeticError(f"broken field {name}")
+
+
+def test_a_fault_in_the_inline_update_fails_its_request_alone():
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, output_kind=RequestOutputKind.CUMULATIVE)
+    groups = [_group(4, 2, 1, params) for _ in range(3)]
+    groups[1].sampling_params = _Broken()
+    items, ids = [], []
+    for g in groups:
+        seq = g.seqs[0]
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = 1
+        items.append((g, _Sched(g, seq).record))
+        ids.append(seq.seq_id)
+    result = ModelRunnerOutput(ids, [40, 41, 42], [None] * 3, [None] * 3)
+    out = SamplingStrategy.update_all(_Ops([2]), items, result, {s: i for i, s in enumerate(ids)})
+    assert list(result.failed_requests) == [groups[1].request_id]
+    assert "ArithmeticError: broken field" in result.failed_requests[groups[1].request_id]
+    assert out[1] is None
+    assert [o.completions[0].new_token_ids for o in (out[0], out[2])] == [[40], [42]]
+    assert [g.seqs[0].output_token_ids for g in (groups[0], groups[2])] == [[40], [42]]
+
+
+def test_a_strategy_class_whose_update_all_raises_fails_its_run_alone():
+    """``update_all`` must not raise; one that does (a third-party strategy's) fails the
+    requests of its run, and the step's other runs are applied."""
+
+    class Raising(SamplingStrategy):
+        @classmethod
+        def update_all(cls, ops, items, result, rows):
+            raise RuntimeError("a batch hook that raises")
+
+    bm = BlockManager(16, 256, 0, watermark=0.0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4096), bm, eos_token_ids=[2])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    groups = [_group(5, 2, 1, params) for _ in range(4)]
+    groups[1].strategy = groups[2].strategy = Raising()
+    for g in groups:
+        sched.add(g)
+    out = sched.schedule()
+    result = _sample_all(sched, out)
+    sched.update_from_output(out, result)
+    bad = {groups[1].request_id, groups[2].request_id}
+    assert set(result.failed_requests) == bad
+    assert all("RuntimeError: a batch hook that raises" in why for why in result.failed_requests.values())
+    assert [len(g.seqs[0].output_token_ids) for g in groups] == [1, 0, 0, 1]

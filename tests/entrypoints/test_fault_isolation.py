@@ -113,14 +113,16 @@ def test_a_worker_memory_error_fails_the_step_alone(bart_dir, clean, monkeypatch
 
 def test_one_requests_beam_update_fault_fails_it_alone(bart_dir, clean, monkeypatch):
     llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
-    original = BeamSearchStrategy.update
+    # The per-request part of beam search's update (after the search step stacked over
+    # the step's beam requests: BeamSearchStrategy.update_all).
+    original = BeamSearchStrategy._apply
 
-    def raising_for_three_beams(self, ops, group, sg, result, rows):
+    def raising_for_three_beams(self, ops, group, running, next_beams):
         if group.sampling_params.num_beams == 3:
             raise ArithmeticError("this request's beams")
-        return original(self, ops, group, sg, result, rows)
+        return original(self, ops, group, running, next_beams)
 
-    monkeypatch.setattr(BeamSearchStrategy, "update", raising_for_three_beams)
+    monkeypatch.setattr(BeamSearchStrategy, "_apply", raising_for_three_beams)
     beams = SamplingParams(num_beams=2, max_tokens=6, temperature=0.0)
     bad = SamplingParams(num_beams=3, max_tokens=6, temperature=0.0)
     params = [beams, GREEDY, bad, beams, GREEDY, beams]

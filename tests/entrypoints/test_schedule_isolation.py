@@ -40,8 +40,11 @@ class Injected(Exception):
 
 
 def _rid_of(bm: BlockManager, args) -> str:
-    """The request a block manager call concerns (its first argument: a group or a sequence)."""
+    """The request a block manager call concerns (its first argument: a group or a
+    sequence; a list of groups: its first)."""
     x = args[0]
+    if isinstance(x, list):
+        x = x[0]
     return x.request_id if hasattr(x, "request_id") else bm._owner[x.seq_id]
 
 
@@ -74,9 +77,11 @@ def _hook_rid(name):
 BLOCK_FAULTS = {
     "can_allocate": (BlockManager, {}, GREEDY),
     "allocate": (BlockManager, {}, GREEDY),
-    # A decode step whose token goes into a block it holds alone takes append_in_place;
-    # 4-token blocks make decode steps open new blocks, which take the general path.
-    "append_in_place": (BlockManager, {}, GREEDY),
+    # A decode step whose token goes into a block it holds alone takes append_in_place_all
+    # (the scheduler's steady pass over every running group, then, after a fault there,
+    # append_in_place group by group, which asks it for one group); 4-token blocks make
+    # decode steps open new blocks, which take the general path.
+    "append_in_place_all": (BlockManager, {}, GREEDY),
     "can_append_slots": (BlockManager, SMALL_BLOCKS, GREEDY),
     "append_slots": (BlockManager, SMALL_BLOCKS, GREEDY),
     "swap_out": (BlockManager, SWAPPING, SWAP_PARAMS),
@@ -85,6 +90,10 @@ BLOCK_FAULTS = {
     "fork": (BlockManager, {}, BEAMS),  # beams fork in their update
 }
 STRATEGY_HOOKS = ["ready", "lookahead", "batch_items", "step_mode", "update"]
+# update: plain sampling applies a one-sequence group's token inline (update_all), so
+# the hook is reached by requests of two sequences (tests/core/test_steady_records.py
+# faults the inline path).
+HOOK_PARAMS = {"update": SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, n=2)}
 
 _clean: dict = {}
 
@@ -129,14 +138,15 @@ def test_llm_a_block_manager_fault_while_scheduling_fails_only_its_request(bart_
 
 @pytest.mark.parametrize("name", STRATEGY_HOOKS)
 def test_llm_a_strategy_hook_fault_fails_only_its_request(bart_dir, monkeypatch, name):
-    want = _oracle(bart_dir, {}, GREEDY)
+    params = HOOK_PARAMS.get(name, GREEDY)
+    want = _oracle(bart_dir, {}, params)
     llm = _llm(bart_dir)
     hit = inject(monkeypatch, SamplingStrategy, name, _hook_rid(name))
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
     monkeypatch.undo()
     _check(outs, hit, want, llm.get_stats(), name)
-    again = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
-    assert again[0].outputs[0].token_ids == want[0][0]
+    again = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert [c.token_ids for c in again[0].outputs] == want[0]
 
 
 def test_beam_strategy_hook_fault_fails_only_its_request(bart_dir, monkeypatch):
@@ -171,12 +181,12 @@ def test_a_fault_that_breaks_the_pool_accounting_makes_the_engine_dead(bart_dir,
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("where", ["append_in_place", "step_mode"])  # append_in_place: every decode step
+@pytest.mark.parametrize("where", ["append_in_place_all", "step_mode"])  # append_in_place_all: every decode step
 async def test_async_llm_a_schedule_fault_fails_only_its_request(bart_dir, monkeypatch, where):
     want = _oracle(bart_dir, {}, GREEDY)
     engine = AsyncLLM(model=str(bart_dir), dtype="float32", device="cpu")
     try:
-        if where == "append_in_place":
+        if where == "append_in_place_all":
             hit = inject(monkeypatch, BlockManager, where, lambda bm, args: _rid_of(bm, args))
         else:
             hit = inject(monkeypatch, SamplingStrategy, where, _group_rid)

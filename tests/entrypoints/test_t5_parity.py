@@ -235,7 +235,13 @@ def test_beam_search_generation_config_equals_hf(t5, gen_name, tmp_path):
         assert o.error is None, o.error
         (tokens, score), = hf_search(path, source, None, **gen)
         assert o.prompt_token_ids == [PAD]
-        assert o.outputs[0].token_ids == tokens, (source, gen_name)
+        if o.outputs[0].token_ids != tokens:
+            # A near tie that float32 sums in another order (this CPU's kernels, HF's or
+            # tandem's) settle either way, and a beam search can carry one into another
+            # final hypothesis: then the float64 search is the judge (seen on an Intel
+            # AMX machine: tandem's hypothesis is float64 HF's, float32 HF's is another).
+            (tokens, score), = hf_search(path, source, None, dtype=torch.float64, **gen)
+            assert o.outputs[0].token_ids == tokens, (source, gen_name, "float64")
         assert o.outputs[0].cumulative_logprob == pytest.approx(score, rel=SCORE_REL, abs=SCORE_ABS)
         if "min_length" in gen:  # HF's lengths count the start token
             assert len(tokens) + 1 >= gen["min_length"]

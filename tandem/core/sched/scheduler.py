@@ -36,7 +36,7 @@ from tandem.core.scheduler_output import (
 )
 from tandem.core.sched.lora_slots import LoRASlots
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from tandem.core.strategies.base import RequestStrategy
+from tandem.core.strategies.base import RequestStrategy, update_failure
 
 if TYPE_CHECKING:
     from tandem.core.sched.cross_compress import CrossCompressor
@@ -551,13 +551,25 @@ class Scheduler:
             group.encoder_computed = True
             cls = type(group.strategy)
             if cls is not run_cls and run:
-                results += [r for r in run_cls.update_all(self, run, result, row) if r is not None]
+                results += self._update_run(run_cls, run, result, row)
                 run = []
             run_cls = cls
             run.append((group, sg))
         if run:
-            results += [r for r in run_cls.update_all(self, run, result, row) if r is not None]
+            results += self._update_run(run_cls, run, result, row)
         return results
+
+    def _update_run(self, cls: type, run: list, result: ModelRunnerOutput, row: dict[int, int]) -> list[RequestResult]:
+        """A run's ``update_all``. It fails a request alone itself; should it raise all
+        the same (a strategy breaking that contract), the run's requests fail with why,
+        and the step's other requests go on."""
+        try:
+            return [r for r in cls.update_all(self, run, result, row) if r is not None]
+        except Exception as e:  # noqa: BLE001 - a strategy class's batch update: its run's requests fail
+            why = update_failure(e)
+            for _, sg in run:
+                result.failed_requests.setdefault(sg.request_id, why)
+            return []
 
     # -- what strategies may ask (strategies.base.SchedulerOps) ----------------------
     def new_sequence(self, group: SequenceGroup, prompt_token_ids: list[int]) -> Sequence:
