@@ -89,9 +89,13 @@ class XgrammarBackend:
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the parser's message
             raise GrammarCompileError(f"StructuredOutputsParams.{kind}: cannot be compiled: {_cause(e)}") from e
         try:
-            check_bounds(str(grammar), self.max_repeat)
+            check_bounds(str(grammar), self.max_repeat, lambda p: str(import_xgrammar().Grammar.from_regex(p)))
         except GrammarBoundsError as e:
-            raise GrammarCompileError(f"StructuredOutputsParams.{kind}: refused before compiling: {e}") from None
+            hint = ""
+            if kind == "json" and "repetition count" in str(e):
+                hint = ("; a schema's minLength, maxLength, minItems, maxItems, minProperties and maxProperties are "
+                        "repetition counts")
+            raise GrammarCompileError(f"StructuredOutputsParams.{kind}: refused before compiling: {e}{hint}") from None
         try:
             return compiler.compile_grammar(grammar)
         except Exception as e:  # noqa: BLE001

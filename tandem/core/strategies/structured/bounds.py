@@ -27,7 +27,9 @@ of one search is bounded apart (``jump.py``, a CPU-time budget).
 from __future__ import annotations
 
 import heapq
+import json
 import re
+from collections.abc import Callable
 
 # Repetitions of an element that can match nothing: each count is a parser state.
 MAX_NULLABLE_REPEAT = 128
@@ -48,14 +50,30 @@ class _Unreadable(Exception):
     pass
 
 
-def check_bounds(ebnf: str, max_repeat: int) -> None:
+def check_bounds(ebnf: str, max_repeat: int, regex_grammar: Callable[[str], str] | None = None) -> float:
     """Raise ``GrammarBoundsError`` where the grammar ``ebnf`` (xgrammar's printed
     form) is over a bound (module doc); a text this reader cannot follow is refused
-    too, rather than let through unchecked."""
+    too, rather than let through unchecked. ``regex_grammar(pattern)``: the printed
+    grammar of a regex, for the ``Regex("...")`` rules of a JSON schema's
+    ``patternProperties`` / ``propertyNames``, each checked the same way. Returns
+    the shortest text of the root rule."""
     try:
-        rules, owner = _flatten(_parse(ebnf))
+        parsed = _parse(ebnf)
     except _Unreadable as e:
         raise GrammarBoundsError(f"its grammar could not be checked for its cost ({e}), so it is not compiled") from None
+    # A lazy regex is a literal as long as its own shortest text, once checked alone.
+    for alts in parsed.values():
+        for seq in alts:
+            for k, (atom, lo, hi) in enumerate(seq):
+                if atom[0] == "regex":
+                    if regex_grammar is None:
+                        raise GrammarBoundsError("its grammar holds a Regex(...) rule that could not be checked")
+                    try:
+                        sub = regex_grammar(atom[1])
+                    except Exception as e:  # noqa: BLE001 - xgrammar's parser
+                        raise GrammarBoundsError(f"its pattern {atom[1][:80]!r} could not be read: {e}") from None
+                    seq[k] = (("lit", check_bounds(sub, max_repeat, regex_grammar)), lo, hi)
+    rules, owner = _flatten(parsed)
     if "root" not in rules:
         raise GrammarBoundsError("its grammar has no root rule")
     reachable = _reachable(rules)
@@ -84,6 +102,7 @@ def check_bounds(ebnf: str, max_repeat: int) -> None:
             raise GrammarBoundsError(
                 f"rule {owner[name]!r} matches no text shorter than {shortest[name]:.0f} characters, over the limit of "
                 f"{max_repeat} (engine option structured_outputs_max_repeat): nested counts multiply")
+    return shortest["root"]
 
 
 # -- reading xgrammar's printed grammar ---------------------------------------
@@ -194,9 +213,32 @@ class _Parser:
         if m is None:
             raise _Unreadable(f"unexpected {s[i:i + 20]!r}")
         self.i = m.end()
-        if self.peek("("):  # a macro (TagDispatch, ...): not a form this reader knows
+        if self.peek("(") and m.group(0) == "Regex":  # Regex("pattern", json_string=true): a lazy regex
+            return ("regex", self._regex_call())
+        if self.peek("("):  # another macro (TagDispatch, ...): not a form this reader knows
             raise _Unreadable(f"the construct {m.group(0)}(...)")
         return ("ref", m.group(0))
+
+    def _regex_call(self) -> str:
+        s = self.s
+        i = self.i + 1
+        if i >= len(s) or s[i] != '"':
+            raise _Unreadable("a Regex(...) without a pattern")
+        j = i + 1
+        while j < len(s) and s[j] != '"':
+            j += 2 if s[j] == "\\" else 1
+        try:
+            pattern = json.loads(s[i:j + 1])
+        except ValueError:
+            raise _Unreadable("a Regex(...) pattern") from None
+        depth, k = 1, j + 1
+        while k < len(s) and depth:
+            depth += {"(": 1, ")": -1}.get(s[k], 0)
+            k += 1
+        if depth:
+            raise _Unreadable("an unterminated Regex(...)")
+        self.i = k
+        return pattern
 
 
 def _flatten(rules: dict[str, list]) -> tuple[dict[str, list], dict[str, str]]:
