@@ -150,3 +150,18 @@ def test_a_valid_output_passes_and_no_pattern_runs_on_the_engine_thread(schema, 
     t0 = time.monotonic()
     assert OutputChecker().why_invalid(None if schema is None else json.dumps(schema), text) is None
     assert time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.parametrize("kind, spec, nested, jump", [
+    ("regex", "ab{12}c", 12, "inline"),
+    ("regex", r"(ab|c)[0-9]{2,4}-(yes|no)", 4, "inline"),
+    ("json", {"type": "object"}, 8, "inline"),  # whitespace{0, 8}
+    ("regex", "(a{0,30}a{30}){30}", 900, "budget"),  # 0.16 s a search
+    ("regex", "((a{0,10}a{10}){10}){10}", 1000, "budget"),  # 17 s a search
+    ("regex", "(a{0,256}a{256}){16}", 4096, "off"),  # one search ran out of 4 GB
+    ("regex", "a{0,3000}a{3000}", 3000, "off"),  # ~2 s a search at 5000
+    ("regex", "x{5000}", 5000, "off"),
+])
+def test_how_a_grammars_jump_forward_searches_run(kind, spec, nested, jump):
+    cost = check(kind, spec, any_whitespace=True, max_whitespace_cnt=8) if kind == "json" else check(kind, spec)
+    assert (cost.nested, cost.jump) == (nested, jump)

@@ -88,11 +88,12 @@ def test_counts_within_the_limits_are_served(llm):
 
 
 def test_a_slow_jump_forward_search_fails_only_its_request(model_dir):
-    """``a{0,3000}a{3000}`` is within every static bound, but finding its forced text
-    takes most of a second of CPU a call: past the budget its request fails, naming
-    it, while a plain request beside it is served."""
+    """``(a{0,30}a{30}){30}`` is within every bound, but its nested counts (900) make
+    finding its forced text take a tenth of a second of CPU a call (17 s for
+    ``((a{0,10}a{10}){10}){10}``): the search runs under the CPU budget, and past it
+    the request fails, naming it, while a plain request beside it is served."""
     llm = LLM(model=str(model_dir), dtype="float32", device="cpu", structured_outputs_jump_timeout=0.02)
-    slow = SamplingParams(temperature=0, max_tokens=16, structured_outputs=SO(regex="a{0,3000}a{3000}"))
+    slow = SamplingParams(temperature=0, max_tokens=16, structured_outputs=SO(regex="(a{0,30}a{30}){30}"))
     plain = SamplingParams(temperature=0, max_tokens=16)
     t0 = time.monotonic()
     bad, good = llm.generate([PROMPT, PROMPT], [slow, plain], use_tqdm=False)
@@ -105,6 +106,16 @@ def test_a_slow_jump_forward_search_fails_only_its_request(model_dir):
     out = one(llm, SO(regex="ab{12}c"))
     assert out.error is None and out.outputs[0].text == "a" + "b" * 12 + "c"
     assert llm.get_stats()["structured_jump_forward_tokens"] > 0
+
+
+def test_a_grammar_whose_search_memory_is_not_bounded_decodes_without_jumping(llm):
+    """``(a{0,256}a{256}){16}`` passes the count bounds, but one search for its forced
+    text ran out of 4 GB: its nested counts (4096) turn jump-forward off for it; its
+    tokens are decoded one at a time, within the same bounds as any."""
+    before = llm.get_stats()["structured_jump_forward_tokens"]
+    out = one(llm, SO(regex="(a{0,256}a{256}){16}"), max_tokens=12)
+    assert out.error is None and out.outputs[0].text == "a" * 12 and out.outputs[0].finish_reason == "length"
+    assert llm.get_stats()["structured_jump_forward_tokens"] == before
 
 
 @pytest.mark.parametrize("ref", ["file:///etc/passwd", "http://127.0.0.1/schema.json", "other.json#/a", 5])

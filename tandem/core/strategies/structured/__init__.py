@@ -53,15 +53,19 @@ if TYPE_CHECKING:
 class StructuredStrategy(RequestStrategy):
     def __init__(self, grammar: Future, new_matcher: Callable[[Any], Any], inner: RequestStrategy,
                  num_allowed: Callable[[Any], int], jump: Callable[[], JumpForward] | None = None,
-                 check: Callable[[list[int]], str | None] | None = None) -> None:
+                 check: Callable[[list[int]], str | None] | None = None,
+                 jump_mode: Callable[[], str] | None = None) -> None:
         """``grammar``: the future of the compiled grammar; ``new_matcher(compiled)``:
         a fresh matcher; ``inner``: the strategy whose tokens are constrained;
         ``num_allowed(matcher)``: how many ids the matcher allows next; ``jump``: the
         engine's jump-forward, once the grammar compiled (None: the request never jumps);
         ``check(output ids)``: why an output its grammar ended is not valid (None: it is;
-        ``validate.py``), or None for kinds not checked."""
+        ``validate.py``), or None for kinds not checked; ``jump_mode()``: how the compiled
+        grammar's jump searches run (``bounds.GrammarCost.jump``; "off": no jumps)."""
         self.grammar, self.new_matcher, self.inner, self.num_allowed = grammar, new_matcher, inner, num_allowed
         self.check = check
+        self._jump_mode = jump_mode
+        self.inline = False
         self.matchers: dict[int, Any] = {}  # seq id -> its matcher
         self._jump_factory = jump
         self.jump: JumpForward | None = None
@@ -75,8 +79,10 @@ class StructuredStrategy(RequestStrategy):
             # as a fork, which xgrammar only has from 0.2).
             for seq in group.seqs:
                 self.matchers[seq.seq_id] = self.new_matcher(compiled)
-            if self._jump_factory is not None:
+            mode = self._jump_mode() if self._jump_mode is not None else "budget"
+            if self._jump_factory is not None and mode != "off":
                 self.jump = self._jump_factory()
+                self.inline = mode == "inline"
         return True
 
     def max_num_seqs(self, group: "SequenceGroup") -> int:
@@ -172,7 +178,7 @@ class StructuredStrategy(RequestStrategy):
             matcher = self.matchers[ss.seq_id]
             try:
                 ids = self.jump.after(matcher, seq.output_token_ids[-1], p.max_tokens - len(seq.output_token_ids),
-                                      stops)
+                                      stops, self.inline)
             except JumpBudgetError as e:
                 raise RequestFailed(f"StructuredOutputsParams.{p.structured_outputs.kind}: {e}") from None
             if ids is None:
@@ -245,7 +251,8 @@ class StructuredOutputMode(Mode):
         if so.kind in ("json", "json_object"):
             schema = so.spec if so.kind == "json" else None
             check = lambda ids: self._why_invalid(schema, ids)  # noqa: E731
-        return StructuredStrategy(m.grammar(so), backend.matcher, inner, backend.num_allowed, jump, check)
+        return StructuredStrategy(m.grammar(so), backend.matcher, inner, backend.num_allowed, jump, check,
+                                  lambda: backend.jump_mode(so))
 
     def _why_invalid(self, schema: str | None, ids: list[int]) -> str | None:
         # The text the grammar matched: each id's string as xgrammar sees it (built with

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from tandem.core.strategies.structured.bounds import DEFAULT_MAX_REPEAT, GrammarBoundsError, check_bounds
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from tandem.core.structured_params import StructuredOutputsParams
 
 INSTALL_HINT = "pip install 'tandem-engine[structured]'"
+# Specs whose GrammarCost.jump is kept (more than the manager's cache of compiled grammars).
+_JUMP_KEPT = 1024
 # The engine option's default (EngineConfig.structured_outputs_max_whitespace): a run of
 # whitespace between two JSON tokens is at most this many characters (0: any).
 DEFAULT_MAX_WHITESPACE = 8
@@ -66,6 +69,7 @@ class XgrammarBackend:
         self.joined = joined_decoding(tokenizer)  # raises ValueError at the door
         self.max_repeat, self.max_whitespace = max_repeat, max_whitespace
         self._lock = threading.Lock()
+        self._jump: OrderedDict[tuple, str] = OrderedDict()  # spec -> GrammarCost.jump
         self._compiler = None
         self.tokenizer_info = None
 
@@ -89,7 +93,7 @@ class XgrammarBackend:
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the parser's message
             raise GrammarCompileError(f"StructuredOutputsParams.{kind}: cannot be compiled: {_cause(e)}") from e
         try:
-            check_bounds(str(grammar), self.max_repeat, lambda p: str(import_xgrammar().Grammar.from_regex(p)))
+            cost = check_bounds(str(grammar), self.max_repeat, lambda p: str(import_xgrammar().Grammar.from_regex(p)))
         except GrammarBoundsError as e:
             hint = ""
             if kind == "json" and "repetition count" in str(e):
@@ -97,9 +101,20 @@ class XgrammarBackend:
                         "repetition counts")
             raise GrammarCompileError(f"StructuredOutputsParams.{kind}: refused before compiling: {e}{hint}") from None
         try:
-            return compiler.compile_grammar(grammar)
+            compiled = compiler.compile_grammar(grammar)
         except Exception as e:  # noqa: BLE001
             raise GrammarCompileError(f"StructuredOutputsParams.{kind}: cannot be compiled: {_cause(e)}") from e
+        with self._lock:
+            self._jump[so.cache_key] = cost.jump
+            while len(self._jump) > _JUMP_KEPT:
+                self._jump.popitem(last=False)
+        return compiled
+
+    def jump_mode(self, so: "StructuredOutputsParams") -> str:
+        """How ``so``'s compiled grammar's jump-forward searches run (``GrammarCost.jump``:
+        "inline", "budget" or "off"); "off" when not known."""
+        with self._lock:
+            return self._jump.get(so.cache_key, "off")
 
     def grammar(self, so: "StructuredOutputsParams"):
         """``so`` as an xgrammar ``Grammar`` (not compiled). A tokenizer that joins its

@@ -30,16 +30,20 @@ import heapq
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 # Repetitions of an element that can match nothing: each count is a parser state.
 MAX_NULLABLE_REPEAT = 128
 # The engine option's default (EngineConfig.structured_outputs_max_repeat).
 DEFAULT_MAX_REPEAT = 10_000
+# GrammarCost.jump: how a grammar's jump-forward searches run, by its nested counts
+# and its rules' shortest texts (measured: docs/structured_output.md).
+INLINE_NESTED = 128
+BUDGET_NESTED = 1024
+JUMP_MAX_SHORTEST = 4096
 
 _INF = float("inf")
 _RULE = re.compile(r"([A-Za-z_][A-Za-z0-9_.\-]*) ::= ")
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
-_COUNT = re.compile(r"\{\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?\}")
 
 
 class GrammarBoundsError(ValueError):
@@ -50,19 +54,46 @@ class _Unreadable(Exception):
     pass
 
 
-def check_bounds(ebnf: str, max_repeat: int, regex_grammar: Callable[[str], str] | None = None) -> float:
+@dataclass(frozen=True)
+class GrammarCost:
+    """What the check measured: the root rule's shortest text, the largest count, the
+    longest shortest text of any reachable rule (characters), and the largest
+    product of nested counts (``((a{0,10}a{10}){10}){10}``: 1000), which is what the
+    parser's states multiply by: that one took 17 s to search for its forced text,
+    ``(a{0,256}a{256}){16}`` (4096) ran out of 4 GB."""
+
+    root_shortest: float
+    max_count: int
+    max_shortest: float
+    nested: int
+
+    @property
+    def jump(self) -> str:
+        """How its jump-forward searches run (``jump.py``): "inline" on the step's thread
+        (cheap: no budget needed), "budget" in the search thread under the CPU-time
+        budget, or "off" (no jump-forward: the search's memory would not be bounded;
+        its tokens are decoded one at a time, each mask and accept bounded by the counts)."""
+        if self.max_shortest > JUMP_MAX_SHORTEST:
+            return "off"
+        if self.nested <= INLINE_NESTED:
+            return "inline"
+        return "budget" if self.nested <= BUDGET_NESTED else "off"
+
+
+def check_bounds(ebnf: str, max_repeat: int, regex_grammar: Callable[[str], str] | None = None) -> GrammarCost:
     """Raise ``GrammarBoundsError`` where the grammar ``ebnf`` (xgrammar's printed
     form) is over a bound (module doc); a text this reader cannot follow is refused
     too, rather than let through unchecked. ``regex_grammar(pattern)``: the printed
     grammar of a regex, for the ``Regex("...")`` rules of a JSON schema's
     ``patternProperties`` / ``propertyNames``, each checked the same way. Returns
-    the shortest text of the root rule."""
+    what it measured."""
     try:
-        parsed = _parse(ebnf)
+        rules, owner = _parse(ebnf)
     except _Unreadable as e:
         raise GrammarBoundsError(f"its grammar could not be checked for its cost ({e}), so it is not compiled") from None
     # A lazy regex is a literal as long as its own shortest text, once checked alone.
-    for alts in parsed.values():
+    max_count, max_shortest, max_nested = 0, 0.0, 1
+    for alts in rules.values():
         for seq in alts:
             for k, (atom, lo, hi) in enumerate(seq):
                 if atom[0] == "regex":
@@ -72,8 +103,10 @@ def check_bounds(ebnf: str, max_repeat: int, regex_grammar: Callable[[str], str]
                         sub = regex_grammar(atom[1])
                     except Exception as e:  # noqa: BLE001 - xgrammar's parser
                         raise GrammarBoundsError(f"its pattern {atom[1][:80]!r} could not be read: {e}") from None
-                    seq[k] = (("lit", check_bounds(sub, max_repeat, regex_grammar)), lo, hi)
-    rules, owner = _flatten(parsed)
+                    cost = check_bounds(sub, max_repeat, regex_grammar)
+                    max_count, max_shortest = max(max_count, cost.max_count), max(max_shortest, cost.max_shortest)
+                    max_nested = max(max_nested, cost.nested)
+                    seq[k] = (("lit", cost.root_shortest), lo, hi)
     if "root" not in rules:
         raise GrammarBoundsError("its grammar has no root rule")
     reachable = _reachable(rules)
@@ -102,168 +135,185 @@ def check_bounds(ebnf: str, max_repeat: int, regex_grammar: Callable[[str], str]
             raise GrammarBoundsError(
                 f"rule {owner[name]!r} matches no text shorter than {shortest[name]:.0f} characters, over the limit of "
                 f"{max_repeat} (engine option structured_outputs_max_repeat): nested counts multiply")
-    return shortest["root"]
+    for name in reachable:
+        max_shortest = max(max_shortest, shortest[name])
+        for seq in rules[name]:
+            for _, lo, hi in seq:
+                max_count = max(max_count, lo, hi)
+    nested = max(max_nested, _nested(rules, reachable))
+    return GrammarCost(shortest["root"], max_count, max_shortest, nested)
+
+
+def _nested(rules: dict[str, list], reachable: set[str]) -> int:
+    """The largest product of counts along a nesting of counted repetitions (an
+    element repeated ``{lo, hi}`` with ``hi >= 2`` multiplies what it holds by ``hi``;
+    ``*`` and ``+`` hold no counter). A rule reached again inside itself counts 1
+    there. Iterative: grammars nest deeper than Python's stack."""
+    memo: dict[str, int] = {}
+    for start in sorted(reachable):
+        if start in memo:
+            continue
+        stack = [(start, False)]
+        active: set[str] = set()
+        while stack:
+            name, done = stack.pop()
+            if done:
+                best = 1
+                for seq in rules[name]:
+                    for atom, _, hi in seq:
+                        inner = memo.get(atom[1], 1) if atom[0] == "ref" else 1
+                        best = max(best, inner * (hi if hi >= 2 else 1))
+                memo[name] = min(best, 1 << 62)
+                active.discard(name)
+                continue
+            if name in memo or name in active:
+                continue
+            active.add(name)
+            stack.append((name, True))
+            for seq in rules[name]:
+                for atom, _, _ in seq:
+                    if atom[0] == "ref" and atom[1] not in memo and atom[1] not in active:
+                        stack.append((atom[1], False))
+    return max((memo.get(n, 1) for n in reachable), default=1)
 
 
 # -- reading xgrammar's printed grammar ---------------------------------------
-# A rule is a list of alternatives, each a list of elements; an element is
-# (atom, lo, hi) with hi == -1 for no upper bound, and an atom is
-# ("lit", length) | ("ref", name) | ("group", alternatives).
+# A rule is a list of alternatives, each a list of elements (atom, lo, hi), hi == -1
+# for no upper bound; an atom is ("lit", length) | ("ref", rule) | ("regex", pattern).
+# A parenthesised group becomes a rule of its own, named ``rule#k``.
+
+_TOKEN = re.compile(r"""
+    \s+
+  | (?P<str>"(?:[^"\\]|\\.)*")
+  | (?P<cls>\[(?:[^\]\\]|\\.)*\])
+  | (?P<count>\{\s*-?\d+\s*(?:,\s*-?\d+\s*)?\})
+  | (?P<look>\(=)
+  | (?P<punct>[()|*+?,=])
+  | (?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)
+""", re.VERBOSE)
+_ESCAPE = re.compile(r"\\(?:x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|.)")
 
 
-def _parse(text: str) -> dict[str, list]:
+def _tokens(line: str, start: int) -> list[tuple[str, str]]:
+    out, i, n = [], start, len(line)
+    while i < n:
+        m = _TOKEN.match(line, i)
+        if m is None:
+            raise _Unreadable(f"unexpected {line[i:i + 20]!r}")
+        i = m.end()
+        kind = m.lastgroup
+        if kind is not None:
+            out.append((kind, m.group(kind)))
+    return out
+
+
+def _parse(text: str) -> tuple[dict[str, list], dict[str, str]]:
     rules: dict[str, list] = {}
+    owner: dict[str, str] = {}
     for line in text.splitlines():
         if not line.strip():
             continue
         m = _RULE.match(line)
         if m is None:
             raise _Unreadable(f"a line that is not a rule: {line[:60]!r}")
-        p = _Parser(line, m.end())
-        alts = p.alternatives()
-        p.skip()
-        if p.peek("(="):  # a lookahead: it matches no text
-            p.i += 2
+        name = m.group(1)
+        owner[name] = name
+        p = _Reader(_tokens(line, m.end()), name, rules, owner)
+        rules[name] = p.alternatives()
+        if p.peek("look"):  # a lookahead: it matches no text
+            p.i += 1
             p.alternatives()
             p.expect(")")
-            p.skip()
-        if p.i != len(line):
-            raise _Unreadable(f"unexpected {line[p.i:p.i + 20]!r} in rule {m.group(1)!r}")
-        rules[m.group(1)] = alts
-    return rules
+        if p.i != len(p.toks):
+            raise _Unreadable(f"unexpected {p.toks[p.i][1][:20]!r} in rule {name!r}")
+    return rules, owner
 
 
-class _Parser:
-    def __init__(self, s: str, i: int) -> None:
-        self.s, self.i = s, i
+class _Reader:
+    def __init__(self, toks: list[tuple[str, str]], rule: str, rules: dict, owner: dict) -> None:
+        self.toks, self.i, self.rule, self.rules, self.owner = toks, 0, rule, rules, owner
 
-    def skip(self) -> None:
-        while self.i < len(self.s) and self.s[self.i] == " ":
-            self.i += 1
+    def peek(self, kind: str, value: str | None = None) -> bool:
+        if self.i >= len(self.toks):
+            return False
+        k, v = self.toks[self.i]
+        return k == kind and (value is None or v == value)
 
-    def peek(self, t: str) -> bool:
-        return self.s.startswith(t, self.i)
-
-    def expect(self, t: str) -> None:
-        self.skip()
-        if not self.peek(t):
-            raise _Unreadable(f"expected {t!r} at {self.s[self.i:self.i + 20]!r}")
-        self.i += len(t)
+    def expect(self, value: str) -> None:
+        if not self.peek("punct", value):
+            got = self.toks[self.i][1][:20] if self.i < len(self.toks) else "the end"
+            raise _Unreadable(f"expected {value!r}, not {got!r}")
+        self.i += 1
 
     def alternatives(self) -> list:
         alts = [self.sequence()]
-        while True:
-            self.skip()
-            if not self.peek("|"):
-                return alts
+        while self.peek("punct", "|"):
             self.i += 1
             alts.append(self.sequence())
+        return alts
 
     def sequence(self) -> list:
-        seq = []
-        while True:
-            self.skip()
-            if self.i >= len(self.s) or self.s[self.i] in "|)" or self.peek("(="):
-                return seq
+        seq, toks = [], self.toks
+        while self.i < len(toks):
+            kind, value = toks[self.i]
+            if kind == "look" or (kind == "punct" and value in "|)"):
+                break
             atom = self.atom()
-            lo, hi = 1, 1
-            if self.i < len(self.s):
-                c = self.s[self.i]
-                if c == "*":
-                    lo, hi, self.i = 0, -1, self.i + 1
-                elif c == "+":
-                    lo, hi, self.i = 1, -1, self.i + 1
-                elif c == "?":
-                    lo, hi, self.i = 0, 1, self.i + 1
-                elif c == "{":
-                    m = _COUNT.match(self.s, self.i)
-                    if m is None:
-                        raise _Unreadable(f"a count {self.s[self.i:self.i + 20]!r}")
-                    lo = int(m.group(1))
-                    hi = int(m.group(2)) if m.group(2) is not None else lo
-                    self.i = m.end()
+            lo = hi = 1
+            if self.i < len(toks):
+                kind, value = toks[self.i]
+                if kind == "punct" and value in "*+?":
+                    lo, hi = _SUFFIX[value]
+                    self.i += 1
+                elif kind == "count":
+                    parts = value[1:-1].split(",")
+                    lo = int(parts[0])
+                    hi = int(parts[1]) if len(parts) > 1 else lo
+                    self.i += 1
             seq.append((atom, lo, hi))
+        return seq
 
     def atom(self):
-        s, i = self.s, self.i
-        c = s[i]
-        if c == '"':
-            n, i = 0, i + 1
-            while i < len(s) and s[i] != '"':
-                i += 2 if s[i] == "\\" else 1
-                n += 1
-            if i >= len(s):
-                raise _Unreadable("an unterminated string")
-            self.i = i + 1
-            return ("lit", n)
-        if c == "[":
-            i += 1
-            while i < len(s) and s[i] != "]":
-                i += 2 if s[i] == "\\" else 1
-            if i >= len(s):
-                raise _Unreadable("an unterminated character class")
-            self.i = i + 1
+        kind, value = self.toks[self.i]
+        self.i += 1
+        if kind == "str":
+            return ("lit", len(_ESCAPE.sub("_", value[1:-1])))
+        if kind == "cls":
             return ("lit", 1)
-        if c == "(":
-            self.i += 1
+        if kind == "punct" and value == "(":
             alts = self.alternatives()
             self.expect(")")
-            return ("group", alts)
-        m = _NAME.match(s, i)
-        if m is None:
-            raise _Unreadable(f"unexpected {s[i:i + 20]!r}")
-        self.i = m.end()
-        if self.peek("(") and m.group(0) == "Regex":  # Regex("pattern", json_string=true): a lazy regex
+            sub = f"{self.rule}#{len(self.owner)}"
+            self.owner[sub] = self.rule
+            self.rules[sub] = alts
+            return ("ref", sub)
+        if kind != "name":
+            raise _Unreadable(f"unexpected {value[:20]!r}")
+        if self.peek("punct", "("):
+            if value != "Regex":  # a macro (TagDispatch, ...): not a form this reader knows
+                raise _Unreadable(f"the construct {value}(...)")
             return ("regex", self._regex_call())
-        if self.peek("("):  # another macro (TagDispatch, ...): not a form this reader knows
-            raise _Unreadable(f"the construct {m.group(0)}(...)")
-        return ("ref", m.group(0))
+        return ("ref", value)
 
     def _regex_call(self) -> str:
-        s = self.s
-        i = self.i + 1
-        if i >= len(s) or s[i] != '"':
+        # Regex("pattern", json_string=true): a regex xgrammar expands lazily.
+        self.i += 1
+        if not self.peek("str"):
             raise _Unreadable("a Regex(...) without a pattern")
-        j = i + 1
-        while j < len(s) and s[j] != '"':
-            j += 2 if s[j] == "\\" else 1
         try:
-            pattern = json.loads(s[i:j + 1])
+            pattern = json.loads(self.toks[self.i][1])
         except ValueError:
             raise _Unreadable("a Regex(...) pattern") from None
-        depth, k = 1, j + 1
-        while k < len(s) and depth:
-            depth += {"(": 1, ")": -1}.get(s[k], 0)
-            k += 1
-        if depth:
-            raise _Unreadable("an unterminated Regex(...)")
-        self.i = k
+        self.i += 1
+        while self.i < len(self.toks) and not self.peek("punct", ")"):
+            if self.peek("punct", "("):
+                raise _Unreadable("a Regex(...) argument")
+            self.i += 1
+        self.expect(")")
         return pattern
 
 
-def _flatten(rules: dict[str, list]) -> tuple[dict[str, list], dict[str, str]]:
-    """Each group made a rule of its own (named ``rule#k``), so every element is a
-    literal or a rule; and each rule's owner (the named rule it came from)."""
-    flat: dict[str, list] = {}
-    owner: dict[str, str] = {}
-
-    def add(name: str, alts: list, own: str) -> None:
-        owner[name] = own
-        out = []
-        for seq in alts:
-            row = []
-            for atom, lo, hi in seq:
-                if atom[0] == "group":
-                    sub = f"{own}#{len(owner)}"
-                    add(sub, atom[1], own)
-                    atom = ("ref", sub)
-                row.append((atom, lo, hi))
-            out.append(row)
-        flat[name] = out
-
-    for name, alts in rules.items():
-        add(name, alts, name)
-    return flat, owner
+_SUFFIX = {"*": (0, -1), "+": (1, -1), "?": (0, 1)}
 
 
 def _reachable(rules: dict[str, list]) -> set[str]:

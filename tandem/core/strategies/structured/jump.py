@@ -109,9 +109,12 @@ class JumpSearch:
         self._searcher: _Searcher | None = None
         self._abandoned: list[_Searcher] = []
 
-    def forced(self, matcher) -> str | None:
+    def forced(self, matcher, inline: bool = False) -> str | None:
         """The text ``matcher``'s grammar forces next; None: not searched (abandoned
-        searches still run: the sequence decodes this step without a jump)."""
+        searches still run: the sequence decodes this step without a jump). ``inline``:
+        the grammar's searches are cheap (``bounds.GrammarCost.jump``): searched here."""
+        if inline:
+            return matcher.find_jump_forward_string()
         if self._abandoned:
             self._abandoned = [s for s in self._abandoned if s.thread.is_alive()]
             if len(self._abandoned) >= MAX_ABANDONED:
@@ -181,15 +184,17 @@ class JumpForward:
         self.tokenizer, self.token_bytes, self.never, self.counters = tokenizer, token_bytes, never, counters
         self.search = search if search is not None else JumpSearch()
 
-    def after(self, matcher: Any, last: int, room: int, stop_ids: frozenset[int] = frozenset()) -> list[int] | None:
+    def after(self, matcher: Any, last: int, room: int, stop_ids: frozenset[int] = frozenset(),
+              inline: bool = False) -> list[int] | None:
         """``matcher`` has accepted ``last``, the token just sampled; ``room``: tokens
         the sequence may still append. Returns the tokens that replace ``last`` (the
         first) and follow it, the matcher moved past them; None (matcher unchanged):
         no jump. Jumped tokens stop before any of ``stop_ids``. Raises
-        ``JumpBudgetError`` where the search passed its budget (the request fails)."""
+        ``JumpBudgetError`` where the search passed its budget (the request fails);
+        ``inline``: search on this thread (``JumpSearch.forced``)."""
         if room <= 0:
             return None
-        text = self.search.forced(matcher)
+        text = self.search.forced(matcher, inline)
         if not text:
             return None
         cut = len(text) > MAX_JUMP_CHARS
