@@ -218,7 +218,7 @@ class EngineConfig:
     )
     # core/strategies/structured/bounds.py: what one grammar may cost, checked before compiling.
     structured_outputs_max_repeat: int = option(
-        10_000, "the largest repetition count a structured-output grammar may hold (regex and EBNF `{n,m}`, a JSON "
+        10_000, "the largest repetition count a structured-output grammar may hold (regex and EBNF {n,m} counts, a JSON "
         "schema's minLength / maxLength / minItems / maxItems / minProperties / maxProperties), and the longest "
         "shortest text of any of its rules (nested counts multiply); a grammar over it is refused before compiling, "
         "naming the count and this limit"

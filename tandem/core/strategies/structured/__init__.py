@@ -20,7 +20,12 @@ Where the grammar then admits exactly one continuation, the sequence jumps over 
 (``jump.py``): its tokens follow the sampled one in the same update and are
 computed as one chunk the next step. Not where the request asks for what a jumped
 token, which is never scored, cannot give (``jump.why_not_exact``), nor where the
-engine option ``structured_outputs_disable_jump_forward`` is set.
+engine option ``structured_outputs_disable_jump_forward`` is set, nor where its
+grammar's searches could not be bounded (``bounds.GrammarCost.jump``); a search
+past its CPU budget fails its request (``jump.JumpSearch``).
+
+A JSON output its grammar ended is checked (``validate.py``) before it finishes:
+one that is not valid for its schema fails the request instead.
 
 The matchers live with the request on the scheduler's side, so preemption
 leaves them as they are: a swapped-out sequence keeps its tokens and its

@@ -20,8 +20,10 @@ matching it could run away:
   forever, and the search for it grows memory until the process is killed.
 
 Once these hold, every state the matcher can reach has a finite completion no
-longer than its rules' shortest texts, which bounds the forced text; the time
-of one search is bounded apart (``jump.py``, a CPU-time budget).
+longer than its rules' shortest texts, which bounds the forced text. What one
+search for it costs grows with the product of nested counts as well, which the
+check measures (``GrammarCost``): by it a grammar's searches run on the step's
+thread, in a thread under a CPU-time budget (``jump.py``), or not at all.
 """
 
 from __future__ import annotations
