@@ -216,7 +216,22 @@ class EngineConfig:
         64 * 1024, "characters a structured-output spec (a JSON schema's text, a regex, a grammar, the choices) may "
         "have to be compiled; a longer one is refused before compiling, naming its size and this limit"
     )
+    # core/strategies/structured/bounds.py: what one grammar may cost, checked before compiling.
+    structured_outputs_max_repeat: int = option(
+        10_000, "the largest repetition count a structured-output grammar may hold (regex and EBNF {n,m} counts, a JSON "
+        "schema's minLength / maxLength / minItems / maxItems / minProperties / maxProperties), and the longest "
+        "shortest text of any of its rules (nested counts multiply); a grammar over it is refused before compiling, "
+        "naming the count and this limit"
+    )
+    structured_outputs_max_whitespace: int = option(
+        8, "whitespace characters a JSON structured output may write between two of its tokens (a weak model may "
+        "otherwise write whitespace until max_tokens); 0: any amount, as JSON allows"
+    )
     # core/strategies/structured/jump.py; docs/structured_output.md
+    structured_outputs_jump_timeout: float = option(
+        0.25, "CPU seconds one jump-forward search (the text a structured output's grammar forces next) may take; "
+        "a request whose search passes it fails, naming it, while the others run on"
+    )
     structured_outputs_disable_jump_forward: bool = option(
         False, "decode every structured-output token with a forward pass of its own: without it, where the grammar "
         "admits exactly one continuation (a key, punctuation, the rest of an enum value) its tokens are appended at "
@@ -327,6 +342,15 @@ class EngineConfig:
         if not is_int(self.structured_outputs_max_chars) or self.structured_outputs_max_chars < 1:
             raise ValueError(f"structured_outputs_max_chars={self.structured_outputs_max_chars!r}: must be an "
                              "integer >= 1")
+        if not is_int(self.structured_outputs_max_repeat) or self.structured_outputs_max_repeat < 1:
+            raise ValueError(f"structured_outputs_max_repeat={self.structured_outputs_max_repeat!r}: must be an "
+                             "integer >= 1")
+        if not is_int(self.structured_outputs_max_whitespace) or self.structured_outputs_max_whitespace < 0:
+            raise ValueError(f"structured_outputs_max_whitespace={self.structured_outputs_max_whitespace!r}: must be "
+                             "an integer >= 0 (0: any amount)")
+        if not is_real(self.structured_outputs_jump_timeout) or self.structured_outputs_jump_timeout <= 0:
+            raise ValueError(f"structured_outputs_jump_timeout={self.structured_outputs_jump_timeout!r}: must be a "
+                             "number of seconds > 0")
         if not isinstance(self.structured_outputs_disable_jump_forward, bool):
             raise ValueError(f"structured_outputs_disable_jump_forward={self.structured_outputs_disable_jump_forward!r}: "
                              "must be True or False")

@@ -118,7 +118,9 @@ class LLMEngine:
         # Nothing is imported or built for structured output until a request asks for it.
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
                                                   timeout=config.structured_outputs_compile_timeout,
-                                                  max_chars=config.structured_outputs_max_chars)
+                                                  max_chars=config.structured_outputs_max_chars,
+                                                  max_repeat=config.structured_outputs_max_repeat,
+                                                  max_whitespace=config.structured_outputs_max_whitespace)
         # One instance of each registered mode; a request's strategy is stacked from them.
         self.modes = Modes.build(mode_registry if mode_registry is not None else BuiltinModes(), EngineContext(
             config, frozenset(self.eos_token_ids), self.vocab_size, config.block_size,

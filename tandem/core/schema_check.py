@@ -76,6 +76,12 @@ def check_enforceable(schema: object) -> None:
 
 
 def _check_node(node: dict, path: str) -> None:
+    ref = node.get("$ref")
+    if "$ref" in node and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
+        # xgrammar drops a reference it cannot resolve in the schema itself (the value is
+        # then unconstrained); nothing is ever fetched, so another document is refused.
+        _refuse(path, "$ref", f"{_cut(ref)!r} is not a reference inside this schema: only '#' and '#/...' "
+                              "references are resolved (nothing is fetched: put the referenced schema in $defs)")
     for key, what in UNENFORCED.items():
         if key in node:
             _refuse(path, key, f"the grammar does not enforce {what}")
@@ -182,6 +188,10 @@ def _disjoint(branches: list) -> bool:
             if len(set(consts)) == len(consts):
                 return True
     return False
+
+
+def _cut(value: object, n: int = 80) -> object:
+    return value if not isinstance(value, str) or len(value) <= n else value[: n - 3] + "..."
 
 
 def _escape(key: str) -> str:

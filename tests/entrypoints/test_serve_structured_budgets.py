@@ -80,6 +80,17 @@ def test_hostile_structured_requests_are_json_400s_naming_the_field(bytes_dir, t
         assert "did not compile within the grammar compile time budget of 0.5 s" in msg, msg
         plain = post()  # served beside the compile still running in its thread
         assert plain.status_code == 200 and plain.json()["choices"][0]["text"] is not None, plain.text[:300]
+        # Issue "Hardening v4": counts that ran the jump-forward search out of memory (or
+        # 24 s a call), a rule that never ends, an external $ref that was ignored.
+        for regex, says in [("x{2147483647}", "a repetition count of 2147483647"),
+                            ("(a?){5000}a{5000}", "an element that can match nothing repeated up to 5000 times")]:
+            msg = _error(post(guided_regex=regex), 400, "guided_regex")
+            assert "refused before compiling" in msg and says in msg, msg
+        msg = _error(post(guided_grammar='root ::= "x" root'), 400, "guided_grammar")
+        assert "rule 'root' can never end" in msg, msg
+        for ref in ("file:///etc/passwd", "http://127.0.0.1/schema.json"):
+            msg = _error(post(guided_json={"type": "object", "properties": {"a": {"$ref": ref}}}), 400, "guided_json")
+            assert f"keyword '$ref' at #/properties/a: {ref!r} is not a reference inside this schema" in msg, msg
         ok = post(guided_json={"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
                                                                       "maximum": 9}}, "required": ["n"]},
                   max_tokens=40)

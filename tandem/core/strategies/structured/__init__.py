@@ -20,7 +20,12 @@ Where the grammar then admits exactly one continuation, the sequence jumps over 
 (``jump.py``): its tokens follow the sampled one in the same update and are
 computed as one chunk the next step. Not where the request asks for what a jumped
 token, which is never scored, cannot give (``jump.why_not_exact``), nor where the
-engine option ``structured_outputs_disable_jump_forward`` is set.
+engine option ``structured_outputs_disable_jump_forward`` is set, nor where its
+grammar's searches could not be bounded (``bounds.GrammarCost.jump``); a search
+past its CPU budget fails its request (``jump.JumpSearch``).
+
+A JSON output its grammar ended is checked (``validate.py``) before it finishes:
+one that is not valid for its schema fails the request instead.
 
 The matchers live with the request on the scheduler's side, so preemption
 leaves them as they are: a swapped-out sequence keeps its tokens and its
@@ -40,7 +45,10 @@ from tandem.core.sequence import SequenceStatus
 from tandem.core.strategies.base import RequestFailed, RequestStrategy, SchedulerOps, StepMode
 from tandem.core.strategies.modes import Mode, RequestContext
 from tandem.core.strategies.sampling import finish_reason
-from tandem.core.strategies.structured.jump import JumpCounters, JumpForward, jump_stats, why_not_exact
+from tandem.core.strategies.structured.jump import (
+    DEFAULT_JUMP_TIMEOUT_S, JumpBudgetError, JumpCounters, JumpForward, JumpSearch, jump_stats, why_not_exact,
+)
+from tandem.core.strategies.structured.validate import OutputChecker
 
 if TYPE_CHECKING:
     from tandem.core.scheduler_output import ModelRunnerOutput, ScheduledGroup
@@ -49,12 +57,20 @@ if TYPE_CHECKING:
 
 class StructuredStrategy(RequestStrategy):
     def __init__(self, grammar: Future, new_matcher: Callable[[Any], Any], inner: RequestStrategy,
-                 num_allowed: Callable[[Any], int], jump: Callable[[], JumpForward] | None = None) -> None:
+                 num_allowed: Callable[[Any], int], jump: Callable[[], JumpForward] | None = None,
+                 check: Callable[[list[int]], str | None] | None = None,
+                 jump_mode: Callable[[], str] | None = None) -> None:
         """``grammar``: the future of the compiled grammar; ``new_matcher(compiled)``:
         a fresh matcher; ``inner``: the strategy whose tokens are constrained;
         ``num_allowed(matcher)``: how many ids the matcher allows next; ``jump``: the
-        engine's jump-forward, once the grammar compiled (None: the request never jumps)."""
+        engine's jump-forward, once the grammar compiled (None: the request never jumps);
+        ``check(output ids)``: why an output its grammar ended is not valid (None: it is;
+        ``validate.py``), or None for kinds not checked; ``jump_mode()``: how the compiled
+        grammar's jump searches run (``bounds.GrammarCost.jump``; "off": no jumps)."""
         self.grammar, self.new_matcher, self.inner, self.num_allowed = grammar, new_matcher, inner, num_allowed
+        self.check = check
+        self._jump_mode = jump_mode
+        self.inline = False
         self.matchers: dict[int, Any] = {}  # seq id -> its matcher
         self._jump_factory = jump
         self.jump: JumpForward | None = None
@@ -68,8 +84,10 @@ class StructuredStrategy(RequestStrategy):
             # as a fork, which xgrammar only has from 0.2).
             for seq in group.seqs:
                 self.matchers[seq.seq_id] = self.new_matcher(compiled)
-            if self._jump_factory is not None:
+            mode = self._jump_mode() if self._jump_mode is not None else "budget"
+            if self._jump_factory is not None and mode != "off":
                 self.jump = self._jump_factory()
+                self.inline = mode == "inline"
         return True
 
     def max_num_seqs(self, group: "SequenceGroup") -> int:
@@ -118,6 +136,16 @@ class StructuredStrategy(RequestStrategy):
                     f"sampled token {token}, which its structured output does not allow there (a logits "
                     "processor gave a masked token a finite score)"
                 )
+            if self.check is not None and self.matchers[ss.seq_id].is_terminated():
+                # The grammar ended it (EOS accepted): checked before it finishes as "stop".
+                why = self.check(by_id[ss.seq_id].output_token_ids)
+                if why is not None:
+                    so = group.sampling_params.structured_outputs
+                    which = f" (completion {by_id[ss.seq_id].index})" if len(group.seqs) > 1 else ""
+                    raise RequestFailed(
+                        f"StructuredOutputsParams.{so.kind}: the output its grammar ended{which} is not valid for the "
+                        f"{'schema' if so.kind == 'json' else 'JSON object it asks for'}: {why}; it is refused rather "
+                        "than finished as 'stop'")
         res = self.inner.update(ops, group, sg, result, rows)
         ended = False
         for ss in sg.seqs:
@@ -153,7 +181,11 @@ class StructuredStrategy(RequestStrategy):
                     or d.new_token_ids[-1] != seq.output_token_ids[-1]):
                 continue
             matcher = self.matchers[ss.seq_id]
-            ids = self.jump.after(matcher, seq.output_token_ids[-1], p.max_tokens - len(seq.output_token_ids), stops)
+            try:
+                ids = self.jump.after(matcher, seq.output_token_ids[-1], p.max_tokens - len(seq.output_token_ids),
+                                      stops, self.inline)
+            except JumpBudgetError as e:
+                raise RequestFailed(f"StructuredOutputsParams.{p.structured_outputs.kind}: {e}") from None
             if ids is None:
                 continue
             # Not emitted and its keys and values not computed yet: replacing it is free.
@@ -205,7 +237,10 @@ class StructuredOutputMode(Mode):
         self.manager = ctx.services.get("structured")
         self.jump_enabled = not getattr(ctx.config, "structured_outputs_disable_jump_forward", False)
         self.jump_counters = JumpCounters()
+        self._jump_search = JumpSearch(getattr(ctx.config, "structured_outputs_jump_timeout", DEFAULT_JUMP_TIMEOUT_S))
         self._jump: JumpForward | None = None
+        self._checker = OutputChecker()
+        self._token_bytes: tuple[list[bytes], bytes] | None = None
 
     def applies(self, req: RequestContext) -> bool:
         return req.params.structured_outputs is not None
@@ -216,15 +251,33 @@ class StructuredOutputMode(Mode):
         m = self.manager
         backend = m.backend
         jump = self._jump_forward if self.jump_enabled and why_not_exact(req.params) is None else None
-        return StructuredStrategy(m.grammar(req.params.structured_outputs), backend.matcher, inner, backend.num_allowed,
-                                  jump)
+        so = req.params.structured_outputs
+        check = None
+        if so.kind in ("json", "json_object"):
+            schema = so.spec if so.kind == "json" else None
+            check = lambda ids: self._why_invalid(schema, ids)  # noqa: E731
+        return StructuredStrategy(m.grammar(so), backend.matcher, inner, backend.num_allowed, jump, check,
+                                  lambda: backend.jump_mode(so))
+
+    def _why_invalid(self, schema: str | None, ids: list[int]) -> str | None:
+        # The text the grammar matched: each id's string as xgrammar sees it (built with
+        # the first compile, before any output).
+        if self._token_bytes is None:
+            backend = self.manager.backend
+            sep = backend.joined.separator.encode("utf-8") if backend.joined is not None else b""
+            self._token_bytes = (backend.token_bytes()[0], sep)
+        strings, sep = self._token_bytes
+        text = b"".join(strings[i] for i in ids if 0 <= i < len(strings))
+        if sep and text.startswith(sep):
+            text = text[len(sep):]  # the grammar's first separator, written by no decoder
+        return self._checker.why_invalid(schema, text)
 
     def _jump_forward(self) -> JumpForward:
         # Once a grammar compiled: the vocabulary table is built with the compiler.
         if self._jump is None:
             backend = self.manager.backend
             strings, never = backend.token_bytes()
-            self._jump = JumpForward(backend.tokenizer, strings, never, self.jump_counters)
+            self._jump = JumpForward(backend.tokenizer, strings, never, self.jump_counters, self._jump_search)
         return self._jump
 
     def stats(self) -> dict[str, int]:

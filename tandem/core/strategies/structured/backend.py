@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from tandem.core.strategies.structured.bounds import DEFAULT_MAX_REPEAT, GrammarBoundsError, check_bounds
 from tandem.core.strategies.structured.joined import joined_decoding, joined_vocab
 
 if TYPE_CHECKING:
@@ -20,6 +22,11 @@ if TYPE_CHECKING:
     from tandem.core.structured_params import StructuredOutputsParams
 
 INSTALL_HINT = "pip install 'tandem-engine[structured]'"
+# Specs whose GrammarCost.jump is kept (more than the manager's cache of compiled grammars).
+_JUMP_KEPT = 1024
+# The engine option's default (EngineConfig.structured_outputs_max_whitespace): a run of
+# whitespace between two JSON tokens is at most this many characters (0: any).
+DEFAULT_MAX_WHITESPACE = 8
 
 
 class GrammarCompileError(ValueError):
@@ -48,7 +55,10 @@ class XgrammarBackend:
     joins tokens with a separator (``joined``) is refused here when that cannot be
     mapped token by token, and its grammars are the separator then the spec."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], *,
+                 max_repeat: int = DEFAULT_MAX_REPEAT, max_whitespace: int = DEFAULT_MAX_WHITESPACE) -> None:
+        """``max_repeat``: the cost bounds' limit (``bounds.py``); ``max_whitespace``:
+        whitespace characters at most between two JSON tokens (0: any amount)."""
         if tokenizer is None:
             raise ValueError("structured outputs need the model's tokenizer, and this engine has none")
         if not stop_token_ids:
@@ -57,7 +67,9 @@ class XgrammarBackend:
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.joined = joined_decoding(tokenizer)  # raises ValueError at the door
+        self.max_repeat, self.max_whitespace = max_repeat, max_whitespace
         self._lock = threading.Lock()
+        self._jump: OrderedDict[tuple, str] = OrderedDict()  # spec -> GrammarCost.jump
         self._compiler = None
         self.tokenizer_info = None
 
@@ -72,39 +84,59 @@ class XgrammarBackend:
             return self._compiler
 
     def compile(self, so: "StructuredOutputsParams"):
-        """The compiled grammar of ``so``; raises ``GrammarCompileError`` naming the field."""
+        """The compiled grammar of ``so``; raises ``GrammarCompileError`` naming the field.
+        The grammar is checked against the cost bounds (``bounds.py``) before compiling."""
         compiler = self.compiler()
-        kind, spec = so.kind, so.spec
+        kind = so.kind
         try:
-            if self.joined is not None:
-                return compiler.compile_grammar(self._joined_grammar(so))
-            if kind == "json":
-                return compiler.compile_json_schema(spec, any_whitespace=not so.disable_any_whitespace)
-            if kind == "json_object":  # OpenAI's: any JSON object
-                return compiler.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=not so.disable_any_whitespace, strict_mode=False
-                )
-            if kind == "regex":
-                return compiler.compile_regex(spec)
-            if kind == "choice":
-                return compiler.compile_grammar(choice_grammar(spec))
-            return compiler.compile_grammar(spec)
+            grammar = self.grammar(so)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the parser's message
             raise GrammarCompileError(f"StructuredOutputsParams.{kind}: cannot be compiled: {_cause(e)}") from e
+        try:
+            cost = check_bounds(str(grammar), self.max_repeat, lambda p: str(import_xgrammar().Grammar.from_regex(p)))
+        except GrammarBoundsError as e:
+            hint = ""
+            if kind == "json" and "repetition count" in str(e):
+                hint = ("; a schema's minLength, maxLength, minItems, maxItems, minProperties and maxProperties are "
+                        "repetition counts")
+            raise GrammarCompileError(f"StructuredOutputsParams.{kind}: refused before compiling: {e}{hint}") from None
+        try:
+            compiled = compiler.compile_grammar(grammar)
+        except Exception as e:  # noqa: BLE001
+            raise GrammarCompileError(f"StructuredOutputsParams.{kind}: cannot be compiled: {_cause(e)}") from e
+        with self._lock:
+            self._jump[so.cache_key] = cost.jump
+            while len(self._jump) > _JUMP_KEPT:
+                self._jump.popitem(last=False)
+        return compiled
 
-    def _joined_grammar(self, so: "StructuredOutputsParams"):
-        # The first token's separator is written by no decoder: the grammar's, not the text's.
+    def jump_mode(self, so: "StructuredOutputsParams") -> str:
+        """How ``so``'s compiled grammar's jump-forward searches run (``GrammarCost.jump``:
+        "inline", "budget" or "off"); "off" when not known."""
+        with self._lock:
+            return self._jump.get(so.cache_key, "off")
+
+    def grammar(self, so: "StructuredOutputsParams"):
+        """``so`` as an xgrammar ``Grammar`` (not compiled). A tokenizer that joins its
+        tokens with a separator gets the separator then the spec: the first token's
+        separator is written by no decoder, so it is the grammar's, not the text's."""
         xgr, kind, spec = import_xgrammar(), so.kind, so.spec
-        ws = not so.disable_any_whitespace
-        if kind == "json":
-            g = xgr.Grammar.from_json_schema(spec, any_whitespace=ws)
-        elif kind == "json_object":
-            g = xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=ws, strict_mode=False)
+        if kind in ("json", "json_object"):
+            ws = not so.disable_any_whitespace
+            kw = {"any_whitespace": ws}
+            if ws and self.max_whitespace > 0:
+                kw["max_whitespace_cnt"] = self.max_whitespace
+            if kind == "json":
+                g = xgr.Grammar.from_json_schema(spec, **kw)
+            else:  # OpenAI's: any JSON object
+                g = xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **kw)
         elif kind == "regex":
             g = xgr.Grammar.from_regex(spec)
         else:
             g = xgr.Grammar.from_ebnf(choice_grammar(spec) if kind == "choice" else spec)
-        return xgr.Grammar.concat(xgr.Grammar.from_ebnf("root ::= " + json.dumps(self.joined.separator)), g)
+        if self.joined is not None:
+            g = xgr.Grammar.concat(xgr.Grammar.from_ebnf("root ::= " + json.dumps(self.joined.separator)), g)
+        return g
 
     def matcher(self, compiled):
         return import_xgrammar().GrammarMatcher(compiled)

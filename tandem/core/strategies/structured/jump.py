@@ -25,6 +25,10 @@ otherwise the matcher is rolled back and the sequence decodes as without jumps.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import queue
+import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +41,102 @@ if TYPE_CHECKING:
 MAX_JUMP_TOKENS = 32
 # Forced text tokenized at once (bounds the tokenizer's work per jump).
 MAX_JUMP_CHARS = 256
+
+
+# The engine option's default (EngineConfig.structured_outputs_jump_timeout): CPU seconds.
+DEFAULT_JUMP_TIMEOUT_S = 0.25
+# Searches past their budget that may still run (their threads cannot be stopped) before
+# new searches wait for one to end: meanwhile sequences decode without jumping.
+MAX_ABANDONED = 2
+# However slowly a loaded machine gives the search its CPU time, the step waits no longer.
+_WALL_LIMIT_S = 30.0
+_POLL_S = 0.02
+
+
+class JumpBudgetError(RuntimeError):
+    """One jump-forward search passed its CPU-time budget (the message names it)."""
+
+
+class _Searcher:
+    """One daemon thread running ``find_jump_forward_string`` calls (xgrammar releases
+    the GIL in them, so the step waits without holding other threads up)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self.clock: int | None = None
+        self.thread = threading.Thread(target=self._run, name="tandem-jump-forward", daemon=True)
+        self.thread.start()
+        self._ready.wait()
+
+    def _run(self) -> None:
+        try:
+            self.clock = time.pthread_getcpuclockid(threading.get_ident())
+        except (AttributeError, OSError):  # not on this platform: the budget is wall time
+            self.clock = None
+        self._ready.set()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            matcher, future = job
+            try:
+                future.set_result(matcher.find_jump_forward_string())
+            except BaseException as e:  # noqa: BLE001 - the caller's
+                future.set_exception(e)
+
+    def cpu(self) -> float:
+        return time.clock_gettime(self.clock) if self.clock is not None else time.monotonic()
+
+    def submit(self, matcher) -> cf.Future:
+        future: cf.Future = cf.Future()
+        self._jobs.put((matcher, future))
+        return future
+
+    def retire(self) -> None:
+        self._jobs.put(None)  # ends once the search under way returns
+
+
+class JumpSearch:
+    """``find_jump_forward_string`` under a CPU-time budget, off the calling thread.
+    The grammar's cost bounds (``bounds.py``) keep every search finite; this keeps the
+    step from waiting for a slow one: past ``budget`` CPU seconds of its thread the
+    search is abandoned (it runs on in its daemon thread, holding nothing the engine
+    needs) and ``JumpBudgetError`` fails that request alone."""
+
+    def __init__(self, budget: float = DEFAULT_JUMP_TIMEOUT_S) -> None:
+        self.budget = budget
+        self._searcher: _Searcher | None = None
+        self._abandoned: list[_Searcher] = []
+
+    def forced(self, matcher, inline: bool = False) -> str | None:
+        """The text ``matcher``'s grammar forces next; None: not searched (abandoned
+        searches still run: the sequence decodes this step without a jump). ``inline``:
+        the grammar's searches are cheap (``bounds.GrammarCost.jump``): searched here."""
+        if inline:
+            return matcher.find_jump_forward_string()
+        if self._abandoned:
+            self._abandoned = [s for s in self._abandoned if s.thread.is_alive()]
+            if len(self._abandoned) >= MAX_ABANDONED:
+                return None
+        if self._searcher is None:
+            self._searcher = _Searcher()
+        searcher = self._searcher
+        start, wall = searcher.cpu(), time.monotonic()
+        future = searcher.submit(matcher)
+        while True:
+            try:
+                return future.result(timeout=_POLL_S)
+            except cf.TimeoutError:
+                if searcher.cpu() - start > self.budget or time.monotonic() - wall > _WALL_LIMIT_S:
+                    break
+        searcher.retire()
+        self._abandoned.append(searcher)
+        self._searcher = None
+        raise JumpBudgetError(
+            f"finding the text its grammar forces next took more than {self.budget:g} s of CPU time (engine option "
+            "structured_outputs_jump_timeout); the engine option structured_outputs_disable_jump_forward decodes "
+            "such grammars a token at a time")
 
 
 @dataclass
@@ -79,17 +179,22 @@ class JumpForward:
     ``TokenizerInfo.decoded_vocab``); ``never``: ids a jump never appends (special
     and stop tokens, ids past the tokenizer's vocabulary)."""
 
-    def __init__(self, tokenizer, token_bytes: list[bytes], never: set[int], counters: JumpCounters) -> None:
+    def __init__(self, tokenizer, token_bytes: list[bytes], never: set[int], counters: JumpCounters,
+                 search: JumpSearch | None = None) -> None:
         self.tokenizer, self.token_bytes, self.never, self.counters = tokenizer, token_bytes, never, counters
+        self.search = search if search is not None else JumpSearch()
 
-    def after(self, matcher: Any, last: int, room: int, stop_ids: frozenset[int] = frozenset()) -> list[int] | None:
+    def after(self, matcher: Any, last: int, room: int, stop_ids: frozenset[int] = frozenset(),
+              inline: bool = False) -> list[int] | None:
         """``matcher`` has accepted ``last``, the token just sampled; ``room``: tokens
         the sequence may still append. Returns the tokens that replace ``last`` (the
         first) and follow it, the matcher moved past them; None (matcher unchanged):
-        no jump. Jumped tokens stop before any of ``stop_ids``."""
+        no jump. Jumped tokens stop before any of ``stop_ids``. Raises
+        ``JumpBudgetError`` where the search passed its budget (the request fails);
+        ``inline``: search on this thread (``JumpSearch.forced``)."""
         if room <= 0:
             return None
-        text = matcher.find_jump_forward_string()
+        text = self.search.forced(matcher, inline)
         if not text:
             return None
         cut = len(text) > MAX_JUMP_CHARS

@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING
 
 from tandem.core.faults import describe
 from tandem.core.strategies.base import LogitsTransform
+from tandem.core.strategies.structured.bounds import DEFAULT_MAX_REPEAT
 from tandem.core.strategies.structured.backend import (
-    GrammarCompileError, XgrammarBackend, apply_bitmask, fill_bitmask, import_xgrammar, new_bitmask,
+    DEFAULT_MAX_WHITESPACE, GrammarCompileError, XgrammarBackend, apply_bitmask, fill_bitmask, import_xgrammar, new_bitmask,
 )
 
 if TYPE_CHECKING:
@@ -86,12 +87,15 @@ class _Deadline:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_workers: int = 2, *,
-                 timeout: float = DEFAULT_COMPILE_TIMEOUT_S, max_chars: int = DEFAULT_MAX_CHARS) -> None:
+                 timeout: float = DEFAULT_COMPILE_TIMEOUT_S, max_chars: int = DEFAULT_MAX_CHARS,
+                 max_repeat: int = DEFAULT_MAX_REPEAT, max_whitespace: int = DEFAULT_MAX_WHITESPACE) -> None:
         """``vocab_size``: the LM head's (masks cover every id the model can score);
         ``stop_token_ids``: the engine's EOS ids; ``timeout`` (seconds) and
-        ``max_chars``: the compile budgets. Nothing is imported or built until the
-        first structured request."""
+        ``max_chars``: the compile budgets; ``max_repeat``: the grammar cost bound
+        (``bounds.py``); ``max_whitespace``: JSON whitespace run (0: any). Nothing is
+        imported or built until the first structured request."""
         self._tokenizer, self.vocab_size, self._stop_ids = tokenizer, vocab_size, list(stop_token_ids)
+        self.max_repeat, self.max_whitespace = max_repeat, max_whitespace
         self._max_workers, self.timeout, self.max_chars = max_workers, timeout, max_chars
         self._backend: XgrammarBackend | None = None
         self._cache: OrderedDict[tuple, _Compile] = OrderedDict()
@@ -113,7 +117,8 @@ class StructuredOutputManager:
         model structured output cannot serve (no tokenizer, no EOS)."""
         if self._backend is None:
             import_xgrammar()
-            self._backend = XgrammarBackend(self._tokenizer, self.vocab_size, self._stop_ids)
+            self._backend = XgrammarBackend(self._tokenizer, self.vocab_size, self._stop_ids,
+                                            max_repeat=self.max_repeat, max_whitespace=self.max_whitespace)
         return self._backend
 
     # -- requests ------------------------------------------------------------
