@@ -76,7 +76,7 @@ class LLMEngine:
         spec = self.model_cls.kv_cache_spec(self.hf_config)
         selection = backend_registry.select(
             config.attention_backend, device=device, dtype=dtype, head_size=spec.head_size,
-            attn_types=frozenset(AttentionType), block_size=config.block_size, kv_cache_dtype=dtype,
+            attn_types=frozenset(AttentionType), block_size=config.block_size, kv_cache_dtype=config.kv_cache_torch_dtype,
             attn_features=self.model_cls.attn_features(self.hf_config) | (
                 {KV_COMPRESS_FEATURE} if config.kv_compress_config is not None else set()),
         )
@@ -148,12 +148,15 @@ class LLMEngine:
         backend_reason = self._backend_reason.replace(" | ", "\n      | ")
         logger.info(
             "engine ready: %s for %s\n  dtype and device: %s (%s) on %s\n  %s\n  %s\n  attention backend %s (%s)"
-            "\n  KV pool %d blocks x %d tokens = %.1f MiB\n  swap space %d blocks = %.2f GiB, committed as used"
+            "\n  KV pool %d blocks x %d tokens = %.1f MiB%s\n  swap space %d blocks = %.2f GiB, committed as used"
             "\n  executor %s, tensor_parallel_size=%d (KV sizes are per rank)",
             self.model_cls.__name__, self.architecture, str(dtype).removeprefix("torch."), config.dtype_reason,
             device, facts["linear_kernels"], facts["host_malloc"],
             self.attn_backend.name, backend_reason, num_blocks, config.block_size,
-            num_blocks * block_bytes / (1 << 20), num_cpu_blocks, num_cpu_blocks * block_bytes / GiB,
+            num_blocks * block_bytes / (1 << 20),
+            "" if config.kv_cache_dtype == "auto" else
+            f" in {str(config.kv_cache_torch_dtype).removeprefix('torch.')} (kv_cache_dtype={config.kv_cache_dtype})",
+            num_cpu_blocks, num_cpu_blocks * block_bytes / GiB,
             type(self.executor).__name__, config.tensor_parallel_size,
         )
 
