@@ -218,6 +218,13 @@ class SDPAImplBase(AttentionImpl):
         md = attn_metadata
         pb = position_bias
         self.write_new_kv(key, value, kv_cache, md, attn_type)
+        if attn_type is AttentionType.DECODER and fp8.is_fp8(kv_cache.dtype) and key.shape[0]:
+            # Prefills attend to the new K/V as the cache holds them, as decodes and a cached
+            # prefix do: a request's tokens then do not depend on a prefix-cache hit or a
+            # recompute (one quantize-dequantize pass over the new tokens).
+            s, dt = self.kv_scales, kv_cache.dtype
+            key, value = self.dequantized(fp8.quantize(key, s.k_scale, dt), fp8.quantize(value, s.v_scale, dt),
+                                          key.dtype)
         gqa = self.num_kv_heads != self.num_heads
         if attn_type is AttentionType.ENCODER and pb is None and not gqa:
             # bfloat16 on an avx512_bf16 CPU: a flash kernel on bf16 dot products (SDPA's CPU

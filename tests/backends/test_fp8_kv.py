@@ -141,6 +141,57 @@ def test_the_op_refuses_scales_on_a_cache_in_the_model_dtype():
            torch.ones(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), 1.0, None, None, 0.5, 1.0)
 
 
+def _fp8_layout(dtype, seed, num_blocks=10, block_size=4, num_kv_heads=2, head_size=16):
+    """An fp8 cache with scales that are not 1, and the float32 cache it stands for."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=g) * 3
+    k_scale, v_scale = 0.25, 2.0
+    q8 = torch.stack([fp8.quantize(raw[0], k_scale, dtype), fp8.quantize(raw[1], v_scale, dtype)])
+    deq = torch.stack([fp8.dequantize(q8[0], k_scale, torch.float32), fp8.dequantize(q8[1], v_scale, torch.float32)])
+    return q8, deq, (k_scale, v_scale)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_triton_kernels_read_fp8_tiles_as_the_dequantized_cache(dtype):
+    """In Triton's interpreter (on CPU): the decode kernel (split-K included) and the varlen
+    kernel (a paged, causal prefill and a decode) on fp8 bytes with scales give what they
+    give on the float32 cache those bytes stand for (the upcast is exact, the scales
+    powers of two: equal up to float32 summation, which is the same here)."""
+    pytest.importorskip("triton")
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernels are compiled for a GPU here (TRITON_INTERPRET is off)")
+    from tandem.backends.triton import configs, kernels
+
+    c8, cf, scales = _fp8_layout(dtype, seed=5)
+    g = torch.Generator().manual_seed(6)
+    H, D = 4, 16
+    tables = torch.tensor([[3, 1, 0, 0], [2, 4, 5, 6], [7, 0, 0, 0]])
+    lens = torch.tensor([5, 14, 1], dtype=torch.int32)
+    q = torch.randn(3, H, D, generator=g)
+    rows = torch.arange(3, dtype=torch.int32)
+    cfg = configs.decode(80, torch.float32, D, H // 2)
+    for splits in (1, 2):
+        o8, of = torch.empty_like(q), torch.empty_like(q)
+        kernels.decode_attention(q, c8, o8, rows, lens, tables, scale=0.25, num_splits=splits, config=cfg,
+                                 kv_scales=scales)
+        kernels.decode_attention(q, cf, of, rows, lens, tables, scale=0.25, num_splits=splits, config=cfg)
+        torch.testing.assert_close(o8, of, rtol=1e-6, atol=1e-6)
+    # A 3-token prefill after 2 cached tokens (sequence 0: 5 keys) and a decode (sequence 1).
+    qv = torch.randn(4, H, D, generator=g)
+    q_start = torch.tensor([0, 3, 4], dtype=torch.int32)
+    vlens = torch.tensor([5, 14], dtype=torch.int32)
+    vcfg = configs.varlen(80, torch.float32, D, 3)
+    tile_seq = torch.tensor([0, 1], dtype=torch.int32)
+    tile_row = torch.zeros(2, dtype=torch.int32)
+    o8, of = torch.empty_like(qv), torch.empty_like(qv)
+    for cache, out, kw in ((c8, o8, {"kv_scales": scales}), (cf, of, {})):
+        kernels.varlen_attention(qv, cache, None, out, tile_seq, tile_row, q_start, vlens, scale=0.25, causal=True,
+                                 config=vcfg, block_table=tables[:2], **kw)
+    torch.testing.assert_close(o8, of, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("backend", [TorchSDPABackend, CPUPagedBackend, TritonBackend])
 def test_copy_on_write_and_swap_move_fp8_blocks_byte_for_byte(backend, dtype):

@@ -22,7 +22,7 @@ attention scores, as a trained checkpoint's. The bounds (``DRIFT_BOUND``, ``MIN_
 are the measured values (docs/backends.md,
 "fp8 KV cache", has the table; ``python tests/entrypoints/test_fp8_kv_parity.py``
 prints it) with headroom: about 2x on the drift, whose per-element source scales with the
-unit roundoff (e5m2's bound twice e4m3's), and agreement floors below the measured
+unit roundoff, and agreement floors below the measured
 values by a few flips.
 """
 
@@ -44,10 +44,10 @@ from tandem import LLM, SamplingParams  # noqa: E402
 TOP = 5  # logprobs per step asked of both runs
 MAX_TOKENS = 24
 # Per format: the largest logprob drift on shared tokens, and the least token agreement.
-# Measured (calm checkpoints, docs/backends.md): drift 0.067 (e4m3) and 0.132 (e5m2) at
-# most, agreement 79.8% and 66.3% at least (flan-t5-base, whose calm checkpoint has many
-# near ties; the others 99.7-100%), every flip at a gap of 0.153 or less.
-DRIFT_BOUND = {"fp8_e4m3": 0.15, "fp8_e5m2": 0.3}
+# Measured (calm checkpoints, docs/backends.md): drift 0.096 (e4m3) and 0.136 (e5m2) at
+# most, agreement 81.4% and 65.9% at least (flan-t5-base, whose calm checkpoint has many
+# near ties; the others 92-100%), every flip at a gap of 0.113 or less.
+DRIFT_BOUND = {"fp8_e4m3": 0.2, "fp8_e5m2": 0.3}
 MIN_AGREEMENT = {"fp8_e4m3": 0.7, "fp8_e5m2": 0.55}
 
 
@@ -136,7 +136,6 @@ def references(models):
     return {name: _run(path, prompts, "auto")[0] for name, (path, prompts) in models.items()}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("model", ["bart", "t5-small", "flan-t5-base", "whisper"])
 def test_fp8_outputs_stay_within_the_measured_bounds(models, references, model, kv):
@@ -150,33 +149,48 @@ def test_fp8_outputs_stay_within_the_measured_bounds(models, references, model, 
     assert {str(c.dtype) for c in worker.kv_caches} == {f"torch.float8_{kv[4:]}{'fn' if kv == 'fp8_e4m3' else ''}"}
 
 
-def test_the_fp8_pool_holds_four_times_the_float32_blocks_and_swaps(models):
-    path, prompts = models["bart"]
+def test_the_fp8_pool_holds_four_times_the_float32_blocks(models):
+    path, _ = models["bart"]
     pools = {kv: LLM(model=str(path), dtype="float32", device="cpu", kv_cache_dtype=kv, kv_cache_memory=0.01)
              for kv in ("auto", "fp8")}
     blocks = {kv: llm.llm_engine.block_manager.num_total_blocks() for kv, llm in pools.items()}
-    assert blocks["fp8"] == 4 * blocks["auto"] or abs(blocks["fp8"] - 4 * blocks["auto"]) <= 4, blocks
-    # Swap preemption moves fp8 blocks out and back byte for byte: the same tokens as a
-    # run that never preempts (recompute would rebuild the prompt's K/V unquantized).
+    assert abs(blocks["fp8"] - 4 * blocks["auto"]) < 4, blocks  # 0.01 GiB // (block bytes / 4)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preempted_fp8_requests_equal_unpreempted_ones(models, mode):
+    """Swap moves fp8 blocks out and back byte for byte; recompute rebuilds them, and
+    prefills attend to new K/V as the cache holds them: the tokens of a run that never
+    preempts, either way."""
+    path, prompts = models["bart"]
     params = SamplingParams(temperature=0.0, max_tokens=16)
     small = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_dtype="fp8", block_size=4,
-                num_kv_blocks=60, preemption_mode="swap")
+                num_kv_blocks=60, preemption_mode=mode)
     outs = small.generate(prompts[:12], params, use_tqdm=False)
     stats = small.get_stats()
-    assert stats["num_preemptions"] > 0 and stats["swapped_in_blocks"] == stats["swapped_out_blocks"] > 0
+    assert stats["num_preemptions"] > 0
+    if mode == "swap":
+        assert stats["swapped_in_blocks"] == stats["swapped_out_blocks"] > 0
     ample = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_dtype="fp8", block_size=4)
     ref = ample.generate(prompts[:12], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
 
 
-def test_n_samples_share_fp8_blocks_through_copy_on_write(models):
+def test_cached_prefixes_and_forked_samples_read_fp8_blocks_as_fresh_ones(models):
     path, _ = models["bart"]
     llm = LLM(model=str(path), dtype="float32", device="cpu", kv_cache_dtype="fp8", block_size=4)
+    # A near tie at the first step (float32: 19 over 91 by 0.015): any difference between
+    # reading the prompt's K/V fresh and reading them back from the cache would show.
     prompt = {"encoder_prompt": "the rain in spain", "decoder_prompt": {"prompt_token_ids": [2, 0, 9, 31, 17]}}
-    one = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
-    # n greedy samples fork the prompt's partly filled block: each copy is written on its own.
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    one = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    again = llm.generate(prompt, greedy, use_tqdm=False)[0]  # its prefix and encoder from the caches
+    stats = llm.get_stats()
+    assert stats["prefix_cache_hit_tokens"] > 0 and stats["encoder_cache_hits"] > 0
+    # n greedy samples fork the prompt's partly filled block: copy-on-write copies fp8 bytes.
     many = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, n=3), use_tqdm=False)[0]
-    assert [c.token_ids for c in many.outputs] == [one.outputs[0].token_ids] * 3
+    assert again.outputs[0].token_ids == one
+    assert [c.token_ids for c in many.outputs] == [one] * 3
 
 
 def table() -> str:
