@@ -19,8 +19,8 @@ query-to-key distance), added inside the op's softmax.
 
 Uses the default KV layout ``[2, num_blocks, block_size, H_kv, D]`` and core's
 write/swap/copy ops. An fp8 cache (``kv_cache_dtype="fp8"``): decodes read the bytes in
-place (a table lookup per element, the scales folded into the query scale and the
-softmax's normalizer); prefills read it dequantized as torch_sdpa does. Chosen automatically on CPU (priority 15, above
+place (converted to float32 in vectors, the scales folded into the query scale and
+the softmax's normalizer); prefills read it dequantized as torch_sdpa does. Chosen automatically on CPU (priority 15, above
 torch_sdpa) when the op builds; if it cannot (no C++ compiler or ninja), the
 reason is reported and torch_sdpa serves.
 """

@@ -19,9 +19,10 @@
 // row[h, W - L + n] for key n; no bias, no extra pass.
 //
 // The cache may also be fp8 (float8 e4m3fn or e5m2, kv_cache_dtype="fp8") under a
-// float32/float16/bfloat16 query: each byte becomes its float32 value through a
-// 256-entry table in the inner loops (a gather of 8 or 16 table entries per vector
-// load in the score pass), and the per-tensor scales are folded in where they cost
+// float32/float16/bfloat16 query: where the vector passes serve, 8 or 16 bytes at a time
+// become float32 through float16's conversion (F16C; a table gather on AVX2 without it),
+// in the score pass and the value pass alike; elsewhere each byte through a 256-entry
+// table. The per-tensor scales are folded in where they cost
 // nothing: k_scale into the query's softmax scale (q . (s k) = (s q) . k), v_scale
 // into the softmax's 1 / sum. With scales 1.0 every other path is bit for bit as
 // before.
@@ -91,6 +92,7 @@ inline void axpy(float a, const T* __restrict v, float* __restrict acc, int64_t 
 constexpr int64_t kLanes = 16;
 using vec = __m512;
 inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float a) { return _mm512_set1_ps(a); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vloadf(const float* p) { return _mm512_loadu_ps(p); }
@@ -101,11 +103,19 @@ inline vec vload(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline vec vload(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline vec vload_fp8(const void* p, const float* table) {
-  return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), table, 4);
+// fp8 through float16's conversion: an e5m2 byte is the top byte of the float16 of the
+// same value; an e4m3 byte's exponent and mantissa, shifted into a float16, are its value
+// times 2^-8 (subnormals included), so one multiply by 256 restores it.
+inline vec vload(const c10::Float8_e5m2* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
 }
-inline vec vload(const c10::Float8_e4m3fn* p) { return vload_fp8(p, kE4M3.v); }
-inline vec vload(const c10::Float8_e5m2* p) { return vload_fp8(p, kE5M2.v); }
+inline vec vload(const c10::Float8_e4m3fn* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
 template <typename T> constexpr bool kVectorLoads = true;
 // p[0..15]: one partial-sum vector per key -> lane i holds the sum of p[i].
 inline vec reduce_keys(vec* p) {
@@ -126,6 +136,7 @@ inline vec reduce_keys(vec* p) {
 constexpr int64_t kLanes = 8;
 using vec = __m256;
 inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset1(float a) { return _mm256_set1_ps(a); }
 inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vloadf(const float* p) { return _mm256_loadu_ps(p); }
@@ -135,11 +146,26 @@ inline vec vload(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+#if defined(__F16C__)
+// fp8 through float16's conversion (as in the AVX-512 build).
+inline vec vload(const c10::Float8_e5m2* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(b, 8));
+}
+inline vec vload(const c10::Float8_e4m3fn* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+}
+#else
+// Without F16C: a gather of the bytes' table entries.
 inline vec vload_fp8(const void* p, const float* table) {
   return _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 4);
 }
 inline vec vload(const c10::Float8_e4m3fn* p) { return vload_fp8(p, kE4M3.v); }
 inline vec vload(const c10::Float8_e5m2* p) { return vload_fp8(p, kE5M2.v); }
+#endif
 #if defined(__F16C__)
 inline vec vload(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 template <typename T> constexpr bool kVectorLoads = true;
@@ -157,6 +183,16 @@ inline vec reduce_keys(vec* p) {
   return _mm256_add_ps(_mm256_shuffle_ps(v0, v1, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(v0, v1, _MM_SHUFFLE(3, 2, 3, 2)));
 }
 #endif
+
+template <typename T>
+constexpr bool kIsFp8 = std::is_same<T, c10::Float8_e4m3fn>::value || std::is_same<T, c10::Float8_e5m2>::value;
+
+// acc += a * v in vectors, for fp8 storage (whose scalar loop is a table lookup per element).
+template <typename T>
+inline void axpy_vectors(float a, const T* __restrict v, float* __restrict acc, int64_t d) {
+  const vec va = vset1(a);
+  for (int64_t i = 0; i < d; i += kLanes) vstoref(acc + i, vfma(va, vload(v + i), vloadf(acc + i)));
+}
 
 // Whether the vector passes serve this storage type and head size.
 template <typename T>
@@ -379,6 +415,12 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
             const C* vh = vb + j * c_ss + (h / group) * c_sh;
             for (int64_t r = 0; r < nr; ++r) {
               const int64_t v = r * nq + h;
+#ifdef TANDEM_SIMD
+              if (kIsFp8<C> && vectors) {
+                axpy_vectors(scores[v * len + n0 + j], vh, &acc[v * head_size], head_size);
+                continue;
+              }
+#endif
               axpy(scores[v * len + n0 + j], vh, &acc[v * head_size], head_size);
             }
           }
