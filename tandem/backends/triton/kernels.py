@@ -168,7 +168,7 @@ def _decode_attn(
     bias_ptr,  # [H, 2 * bias_center + 1] float32 bias per relative position (HAS_BIAS only)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kv, stride_slot, stride_kvh, stride_tab, stride_bias, bias_center,
-    scale_log2, num_heads, v_scale,  # v_scale: as _varlen_attn's
+    scale_log2, num_heads, v_scale,  # v_scale: an fp8 cache's (KV_FP8 only; its k_scale is in scale_log2)
     QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
