@@ -183,13 +183,15 @@ class TritonImpl(AttentionImpl):
         # fixed once calibrated, so no device read per step).
         scales = (self.kv_scales.k_scale, self.kv_scales.v_scale) if fp8.is_fp8(kv_cache.dtype) else None
         if md.decode_only:
-            cfg = configs.decode(arch, query.dtype, self.head_size, self.num_heads // self.num_kv_heads)
+            cfg = configs.decode(arch, query.dtype, self.head_size, self.num_heads // self.num_kv_heads,
+                                 kv_fp8=scales is not None)
             self._k.decode_attention(
                 query, kv_cache, out, md.query_start_loc_i32[:-1], lens, tables, scale=self.scale,
                 num_splits=md.cross_splits if cross else md.self_splits, config=cfg, bias=bias, kv_scales=scales,
             )
         else:
-            cfg = configs.varlen(arch, query.dtype, self.head_size, md.max_query_len, bias=bias is not None)
+            cfg = configs.varlen(arch, query.dtype, self.head_size, md.max_query_len, bias=bias is not None,
+                                 kv_fp8=scales is not None)
             tile_seq, tile_row = md.tiles(False, cfg.block_m)
             self._k.varlen_attention(
                 query, kv_cache, None, out, tile_seq, tile_row, md.query_start_loc_i32, lens,
