@@ -1,7 +1,8 @@
 """The fp8 KV cache against the float32 cache on the parity suites' prompts: BART
 (test_bart_parity's 24 mixed prompts), T5 (test_t5_parity's, t5-small and flan-t5-base
-shapes) and Whisper (test_whisper's five clips), tiny random checkpoints in float32,
-greedy, on the automatic CPU backend (cpu_paged where its op builds, else torch_sdpa).
+shapes) and Whisper (test_whisper's five clips), tiny random checkpoints, and the shipped
+demo Whisper (trained) on twelve clips of its tone speech; float32 compute, greedy, on the
+automatic CPU backend (cpu_paged where its op builds, else torch_sdpa).
 
 The oracle is the same engine with ``kv_cache_dtype="auto"`` (a float32 cache). What an
 fp8 cache changes is each cached K/V element by at most its format's unit roundoff
@@ -29,6 +30,7 @@ values by a few flips.
 from __future__ import annotations
 
 import importlib.util
+import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +42,8 @@ sys.path.insert(0, str(TESTS))
 
 from helpers import make_bart, make_t5, make_whisper, synth_audio  # noqa: E402
 from tandem import LLM, SamplingParams  # noqa: E402
+from tandem.demo_whisper import PATH as DEMO_PATH  # noqa: E402
+from tandem.demo_whisper import SAMPLE_RATE, WORDS, synthesize  # noqa: E402
 
 TOP = 5  # logprobs per step asked of both runs
 MAX_TOKENS = 24
@@ -73,13 +77,20 @@ def _models(root: Path, calm: bool = True) -> dict[str, tuple[Path, list]]:
     t5_prompts = _suite("test_t5_parity")._prompts(0, 12)
     clips = [{"audio": synth_audio(s, seed=i), "sampling_rate": 16000} for i, s in
              enumerate(_suite("test_whisper").LENGTHS)]
-    return {
+    models = {
         "bart": (bart, _suite("test_bart_parity")._prompts(0, 24)),
         "t5-small": (make_t5("t5-small", root / "t5-small", seed=0, calm=calm), t5_prompts),
         "flan-t5-base": (make_t5("flan-t5-base", root / "flan-t5-base", seed=0, calm=calm), t5_prompts),
         "whisper": (make_whisper(root / "whisper", num_mel_bins=80, seed=80, **({"weight_std": std} if calm else {})),
                     clips),
     }
+    if calm:  # the shipped demo Whisper: trained weights, its own tone speech (12 clips of 2-6 words)
+        rng = random.Random(0)
+        words = [w for w in WORDS if w.isalpha()]
+        models["demo whisper (trained)"] = (DEMO_PATH, [
+            {"audio": synthesize(" ".join(rng.choice(words) for _ in range(rng.randint(2, 6))), seed=i),
+             "sampling_rate": SAMPLE_RATE} for i in range(12)])
+    return models
 
 
 def _run(path: Path, prompts, kv_cache_dtype: str, **kwargs):
@@ -137,7 +148,7 @@ def references(models):
 
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("model", ["bart", "t5-small", "flan-t5-base", "whisper"])
+@pytest.mark.parametrize("model", ["bart", "t5-small", "flan-t5-base", "whisper", "demo whisper (trained)"])
 def test_fp8_outputs_stay_within_the_measured_bounds(models, references, model, kv):
     path, prompts = models[model]
     got, llm = _run(path, prompts, kv)
