@@ -2,9 +2,9 @@
 
 The same calls as vLLM's examples/offline_inference/whisper.py; the import (``vllm`` ->
 ``tandem``), the model (the shipped demo Whisper), its audio (tone speech the demo was
-trained on, in place of vLLM's AudioAsset clips) and two values differ: ``max_model_len``
-is the demo's 64 decoder positions (whisper-large's is 448), and ``kv_cache_dtype`` is
-"auto" (tandem has no fp8 KV cache; "fp8" is refused saying so). The demo was trained on
+trained on, in place of vLLM's AudioAsset clips) and one value differs: ``max_model_len``
+is the demo's 64 decoder positions (whisper-large's is 448). ``kv_cache_dtype="fp8"`` is
+vLLM's: an fp8 KV cache with per-tensor scales (docs/backends.md). The demo was trained on
 the full Whisper prompt only, so the prompts spell it; a real Whisper continues from
 ``<|startoftranscript|>`` alone.
 """
@@ -27,7 +27,7 @@ def main(copies=4):
         max_model_len=64,
         max_num_seqs=400,
         limit_mm_per_prompt={"audio": 1},
-        kv_cache_dtype="auto",
+        kv_cache_dtype="fp8",
     )
     prompts = [
         {

@@ -231,6 +231,8 @@ class FlashAttnBackend(AttentionBackend):
                             note="FA4 on sm100: 8..128 and 256, else the next source"),
         requires=("flash-attn-4 (sm90/sm100)", "or flash-attn (sm80+)", "or torch's varlen_attn (sm80+)"),
         notes="kernel chosen in that order; float32 is not served (FlashAttention is 16-bit only)",
+        no_fp8_kv_reason="FlashAttention's paged kernels take K/V in the query's dtype (float16/bfloat16) and "
+        "have no per-tensor fp8 descaling here; use attention_backend='triton' for an fp8 cache on GPU",
     )
 
     @staticmethod

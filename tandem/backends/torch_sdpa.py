@@ -6,6 +6,12 @@ their keys gathered from the paged cache and padded under a length mask.
 On a CPU with avx512_bf16, bfloat16 encoder runs without a bias take tandem's
 flash op instead (``tandem/backends/cpu_flash``; ``cpu_paged`` shares this path).
 
+An fp8 cache (``kv_cache_dtype="fp8"``, ``tandem/core/kv/fp8.py``) is read by
+dequantizing what each SDPA call reads (a sequence's cross view, its gathered blocks,
+the decode batch's gathered blocks) into the query's dtype: one more pass and
+a temporary of that size per layer, on top of the gathers (cpu_paged's decodes
+convert in their inner loop instead).
+
 Serves the ``"relative_position_bias"`` feature (T5): the bias of each encoder run,
 prefill and the decode batch becomes SDPA's additive mask, computed from positions
 once per stack (:meth:`RelativePositionBias.memo`) and read by every layer.
@@ -29,7 +35,7 @@ from tandem.core.attention import (
     AttentionType,
     BackendCapabilities,
 )
-from tandem.core.kv import cross_per_head
+from tandem.core.kv import cross_per_head, fp8
 from tandem.core.kv.cache_ops import GatherWorkspace, gather_from_paged_cache
 from tandem.core.relative_position import FEATURE as RELATIVE_POSITION_BIAS
 from tandem.core.kv_compress_config import FEATURE as CROSS_KV_COMPRESS
@@ -215,6 +221,13 @@ class SDPAImplBase(AttentionImpl):
         md = attn_metadata
         pb = position_bias
         self.write_new_kv(key, value, kv_cache, md, attn_type)
+        if attn_type is AttentionType.DECODER and fp8.is_fp8(kv_cache.dtype) and key.shape[0]:
+            # Prefills attend to the new K/V as the cache holds them, as decodes and a cached
+            # prefix do: a request's tokens then do not depend on a prefix-cache hit or a
+            # recompute (one quantize-dequantize pass over the new tokens).
+            s, dt = self.kv_scales, kv_cache.dtype
+            key, value = self.dequantized(fp8.quantize(key, s.k_scale, dt), fp8.quantize(value, s.v_scale, dt),
+                                          key.dtype)
         gqa = self.num_kv_heads != self.num_heads
         if attn_type is AttentionType.ENCODER and pb is None and not gqa:
             # bfloat16 on an avx512_bf16 CPU: a flash kernel on bf16 dot products (SDPA's CPU
@@ -244,6 +257,7 @@ class SDPAImplBase(AttentionImpl):
         is_cross = attn_type is AttentionType.ENCODER_DECODER
         tables = md.cross_block_tables if is_cross else md.block_tables
         block_size = kv_cache.shape[2]
+        quantized = fp8.is_fp8(kv_cache.dtype)
         prefills = self._prefills_grouped(query, key, value, kv_cache, md, is_cross, gqa, out) if grouped \
             else md.prefills
         for start, q_len, seq_len, i in prefills:
@@ -258,6 +272,8 @@ class SDPAImplBase(AttentionImpl):
                     k, v = self._view(kv_cache, first, md.cross_seq_lens[i])
                 else:
                     k, v = self._cached(kv_cache, tables[i], md.cross_seq_lens[i], block_size)
+                if quantized:
+                    k, v = self.dequantized(k, v, query.dtype)
                 mask, causal = None, False
             elif seq_len == q_len:
                 # Nothing cached before these tokens: top-left causal is bottom-right.
@@ -265,6 +281,8 @@ class SDPAImplBase(AttentionImpl):
                 mask, causal = None, True
             else:
                 k, v = self._cached(kv_cache, tables[i], seq_len, block_size)
+                if quantized:
+                    k, v = self.dequantized(k, v, query.dtype)
                 # Bottom-right causal: query j sits at position seq_len - q_len + j.
                 key_pos = torch.arange(seq_len, device=query.device)
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
@@ -297,9 +315,11 @@ class SDPAImplBase(AttentionImpl):
         cross: a contiguous cross table) through :func:`attend_runs`, runs of one shape
         in one call; returns the prefills left for the per-sequence loop."""
         runs, rest = [], []
+        # An fp8 cache: cross prefills read it dequantized, in the per-sequence loop.
+        cross_in_place = is_cross and not fp8.is_fp8(kv_cache.dtype)
         for p in md.prefills:
             start, q_len, seq_len, i = p
-            if is_cross and i not in md.cross_head_index and md.cross_view_start[i] >= 0:
+            if cross_in_place and i not in md.cross_head_index and md.cross_view_start[i] >= 0:
                 runs.append((start, q_len, md.cross_view_start[i], md.cross_seq_lens[i]))
             elif not is_cross and seq_len == q_len:
                 runs.append((start, q_len, start, q_len))
@@ -344,6 +364,11 @@ class SDPAImplBase(AttentionImpl):
         """Write ``out`` rows ``md.decode_rows``: single-token queries over the self
         (or, ``is_cross``, the cross) cache, whose new K/V is already written."""
 
+    def dequantized(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp8 ``k``/``v`` read from the cache, in ``dtype`` with this impl's scales."""
+        s = self.kv_scales
+        return fp8.dequantize(k, s.k_scale, dtype), fp8.dequantize(v, s.v_scale, dtype)
+
     @staticmethod
     def _view(kv_cache, first_slot, length):
         """K and V ``[length, H, Dh]`` of a contiguous run of slots, without a copy."""
@@ -363,6 +388,8 @@ class TorchSDPAImpl(SDPAImplBase):
         if is_cross:
             for row, first, n in md.decode_cross_views:
                 k, v = self._view(kv_cache, first, n)
+                if fp8.is_fp8(kv_cache.dtype):
+                    k, v = self.dequantized(k, v, query.dtype)
                 o = F.scaled_dot_product_attention(
                     _heads_first(query[row : row + 1]), _heads_first(k), _heads_first(v),
                     scale=self.scale, enable_gqa=gqa,
@@ -392,6 +419,8 @@ class TorchSDPAImpl(SDPAImplBase):
     def _batched_decode(self, query, kv_cache, tables, mask, rows, out, gqa, workspace) -> None:
         """One SDPA call for single-token queries over keys gathered and padded."""
         k, v = gather_from_paged_cache(kv_cache, tables, workspace)  # [B, L, H, Dh]
+        if fp8.is_fp8(kv_cache.dtype):
+            k, v = self.dequantized(k, v, query.dtype)
         q = query.index_select(0, rows).unsqueeze(2)  # [B, H, 1, Dh]
         o = F.scaled_dot_product_attention(
             q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=self.scale, enable_gqa=gqa
@@ -406,7 +435,9 @@ class TorchSDPABackend(AttentionBackend):
         devices=("cpu", "cuda"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         attn_features=frozenset({RELATIVE_POSITION_BIAS, CROSS_KV_COMPRESS, CROSS_KV_COMPRESS_PER_HEAD}),
-        notes="prefills one SDPA call per sequence; decodes batched over gathered, padded K/V",
+        notes="prefills one SDPA call per sequence; decodes batched over gathered, padded K/V; an fp8 cache "
+        "is dequantized as it is read",
+        fp8_kv_dtypes=(torch.float8_e4m3fn, torch.float8_e5m2),
     )
 
     @staticmethod

@@ -287,6 +287,8 @@ class XFormersBackend(AttentionBackend):
         head_sizes=SizeRule(multiple_of=HEAD_ALIGN, max=MAX_HEAD_SIZE),
         requires=("xformers",),
         notes="float32 runs on xFormers' CUTLASS kernel; float16/bfloat16 on flash where it applies",
+        no_fp8_kv_reason="xFormers' memory-efficient attention takes gathered K/V in the query's dtype and reads "
+        "no fp8; use attention_backend='triton' for an fp8 cache on GPU",
     )
 
     @staticmethod

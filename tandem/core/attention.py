@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from tandem.core.kv import fp8
 from tandem.core.kv.cache_ops import write_to_paged_cache
 
 if TYPE_CHECKING:
@@ -195,13 +196,20 @@ class AttentionImpl(ABC):
         # worker sets where kv_compress reads cross tables per head
         # (``AttentionMetadata.cross_head_offsets``); None elsewhere.
         self.layer_index: int | None = None
+        # An fp8 cache's per-tensor k_scale / v_scale for what this impl writes and reads
+        # (``tandem/core/kv/fp8.py``); unused by a cache in the model's dtype.
+        self.kv_scales = fp8.KVScales()
 
     def write_kv_cache(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """Put ``key``/``value`` rows at flat slots ``block * block_size + offset``.
+        """Put ``key``/``value`` rows at flat slots ``block * block_size + offset``
+        (an fp8 cache: quantized with :attr:`kv_scales`, calibrated on the first write).
         The default serves the default layout; a backend with its own overrides it."""
-        write_to_paged_cache(key, value, kv_cache, slot_mapping)
+        if fp8.is_fp8(kv_cache.dtype):
+            fp8.write_fp8(key, value, kv_cache, slot_mapping, self.kv_scales)
+        else:
+            write_to_paged_cache(key, value, kv_cache, slot_mapping)
 
     def write_new_kv(
         self,
@@ -320,6 +328,11 @@ class BackendCapabilities:
     notes: str = ""
     # KV-cache dtypes; None: the model's dtype only.
     kv_cache_dtypes: tuple[torch.dtype, ...] | None = None
+    # fp8 KV-cache dtypes (kv_cache_dtype fp8, fp8_e4m3, fp8_e5m2) served with any model dtype:
+    # the impl writes through ``AttentionImpl.write_kv_cache`` and reads fp8 * its kv_scales.
+    fp8_kv_dtypes: tuple[torch.dtype, ...] = ()
+    # Why an fp8 cache is not served, where ``fp8_kv_dtypes`` leaves it out.
+    no_fp8_kv_reason: str = "its kernels read the KV cache in the model's dtype only"
     # Attention features beyond scaled dot-product attention over the three kinds,
     # by name, e.g. "relative_position_bias" (T5); a model asks for those it needs.
     attn_features: frozenset[str] = frozenset()
@@ -346,7 +359,13 @@ class BackendCapabilities:
             reasons.append(f"device {device.type!r} is not {_one_of(self.devices)}")
         if dtype not in self.dtypes:
             reasons.append(f"dtype {dtype} is not {_one_of(map(_dtype_name, self.dtypes))}")
-        if self.kv_cache_dtypes is not None:
+        if fp8.is_fp8(kv_cache_dtype):
+            if kv_cache_dtype not in self.fp8_kv_dtypes and kv_cache_dtype not in (self.kv_cache_dtypes or ()):
+                served = (f" (it serves {_one_of(map(_dtype_name, self.fp8_kv_dtypes))})"
+                          if self.fp8_kv_dtypes else "")
+                reasons.append(f"an fp8 KV cache ({_dtype_name(kv_cache_dtype)}) is not served{served}: "
+                               f"{self.no_fp8_kv_reason}")
+        elif self.kv_cache_dtypes is not None:
             if kv_cache_dtype not in self.kv_cache_dtypes:
                 reasons.append(f"KV-cache dtype {kv_cache_dtype} is not "
                                f"{_one_of(map(_dtype_name, self.kv_cache_dtypes))}")
@@ -381,6 +400,8 @@ class BackendCapabilities:
             return rule.describe() if isinstance(rule, SizeRule) else rule
 
         kv = "the model's dtype" if self.kv_cache_dtypes is None else ", ".join(map(_dtype_name, self.kv_cache_dtypes))
+        if self.fp8_kv_dtypes:
+            kv += ", " + ", ".join(map(_dtype_name, self.fp8_kv_dtypes)) + " (kv_cache_dtype fp8, per-tensor scales)"
         return {
             "devices": ", ".join(self.devices),
             "dtypes": ", ".join(map(_dtype_name, self.dtypes)),
@@ -465,6 +486,7 @@ class AttentionBackend(ABC):
         """Copy blocks ``src_ids`` of one layer's cache ``src`` into blocks ``dst_ids``
         of ``dst``, which may be on another device (swap out and swap in)."""
         dim = cls.kv_cache_block_dim
+        src, dst = fp8.raw(src), fp8.raw(dst)  # fp8 blocks move as bytes (no float8 index_copy_ on CPU)
         moved = src.index_select(dim, src_ids.to(src.device)).to(dst.device)
         dst.index_copy_(dim, dst_ids.to(dst.device), moved)
 
@@ -474,6 +496,7 @@ class AttentionBackend(ABC):
         Reads all sources before writing (a destination may be another pair's source)."""
         dim = cls.kv_cache_block_dim
         for cache in kv_caches:
+            cache = fp8.raw(cache)  # fp8 blocks move as bytes
             cache.index_copy_(dim, dst_ids, cache.index_select(dim, src_ids))
 
     @classmethod

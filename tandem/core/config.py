@@ -17,6 +17,13 @@ _DTYPES = {
 }
 
 
+# kv_cache_dtype: vLLM's names for an fp8 cache (core/kv/fp8.py); "auto" is the model dtype.
+FP8_KV_DTYPES: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
 DEFAULT_KV_CACHE_GIB = 1.0
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 16384
@@ -84,6 +91,13 @@ class EngineConfig:
     kv_cache_memory: float | None = option(
         None, "GiB for the device KV pool (default: none, sized from memory: what `max_num_seqs` full-length "
         f"requests need, at most {DEFAULT_KV_CACHE_GIB:g} GiB)"
+    )
+    kv_cache_dtype: str = option(
+        "auto", "KV-cache storage: auto, the compute dtype (`dtype`); fp8 or fp8_e4m3 (float8 e4m3, unit roundoff "
+        "2^-4) or fp8_e5m2 (float8 e5m2, 2^-3): one byte per element, each layer's self and cross keys and values "
+        "with their own per-tensor scale, calibrated on the first write (docs/backends.md, \"fp8 KV cache\"); "
+        "served by cpu_paged, torch_sdpa and triton",
+        choices=("auto", *FP8_KV_DTYPES),
     )
     swap_space: float = option(1.0, "GiB of CPU memory for swapped-out KV blocks, committed only as blocks are swapped")
     # core/kv/encoder_cache.py
@@ -370,12 +384,19 @@ class EngineConfig:
         from tandem.core.kv_compress_config import KVCompressConfig
 
         self.kv_compress_config = KVCompressConfig.parse(self.kv_compress)
+        if self.kv_cache_dtype != "auto" and self.kv_compress_config is not None:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} with kv_compress: kv_compress reads and re-packs cross "
+                "K/V in the compute dtype; use kv_cache_dtype='auto' with kv_compress, or drop kv_compress"
+            )
         _check_scheduler_limits(self)
         self._resolve_checkpoints()
         if self.dtype == "auto":
             self.torch_dtype, self.dtype_reason = resolve_auto_dtype(
                 self.model_path, self.torch_device, self.quantization
             )
+        # The KV cache tensors' dtype: the compute dtype, or an fp8 format.
+        self.kv_cache_torch_dtype = FP8_KV_DTYPES.get(self.kv_cache_dtype, self.torch_dtype)
 
     def _check_lora(self) -> None:
         if not isinstance(self.enable_lora, bool):

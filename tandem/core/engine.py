@@ -77,7 +77,7 @@ class LLMEngine:
         spec = self.model_cls.kv_cache_spec(self.hf_config)
         selection = backend_registry.select(
             config.attention_backend, device=device, dtype=dtype, head_size=spec.head_size,
-            attn_types=frozenset(AttentionType), block_size=config.block_size, kv_cache_dtype=dtype,
+            attn_types=frozenset(AttentionType), block_size=config.block_size, kv_cache_dtype=config.kv_cache_torch_dtype,
             attn_features=self.model_cls.attn_features(self.hf_config) | (
                 {KV_COMPRESS_FEATURE} if config.kv_compress_config is not None else set()),
         )
@@ -151,18 +151,22 @@ class LLMEngine:
         # One line at INFO; the details at DEBUG ($TANDEM_LOGGING_LEVEL=DEBUG): one record
         # (never interleaved with another thread's), one fact per line, the backends passed
         # over one per line too.
-        logger.info("engine ready in %.1f s: %s, %s on %s, attention %s, KV pool %d blocks (%.1f MiB)",
+        logger.info("engine ready in %.1f s: %s, %s on %s, attention %s, KV pool %d blocks (%.1f MiB%s)",
                     time.perf_counter() - started, self.architecture, str(dtype).removeprefix("torch."), device,
-                    self.attn_backend.name, num_blocks, num_blocks * block_bytes / (1 << 20))
+                    self.attn_backend.name, num_blocks, num_blocks * block_bytes / (1 << 20),
+                    "" if config.kv_cache_dtype == "auto" else f", kv_cache_dtype={config.kv_cache_dtype}")
         backend_reason = self._backend_reason.replace(" | ", "\n      | ")
         logger.debug(
             "engine details: %s for %s\n  dtype and device: %s (%s) on %s\n  %s\n  %s\n  attention backend %s (%s)"
-            "\n  KV pool %d blocks x %d tokens = %.1f MiB\n  swap space %d blocks = %.2f GiB, committed as used"
+            "\n  KV pool %d blocks x %d tokens = %.1f MiB%s\n  swap space %d blocks = %.2f GiB, committed as used"
             "\n  executor %s, tensor_parallel_size=%d (KV sizes are per rank)",
             self.model_cls.__name__, self.architecture, str(dtype).removeprefix("torch."), config.dtype_reason,
             device, facts["linear_kernels"], facts["host_malloc"],
             self.attn_backend.name, backend_reason, num_blocks, config.block_size,
-            num_blocks * block_bytes / (1 << 20), num_cpu_blocks, num_cpu_blocks * block_bytes / GiB,
+            num_blocks * block_bytes / (1 << 20),
+            "" if config.kv_cache_dtype == "auto" else
+            f" in {str(config.kv_cache_torch_dtype).removeprefix('torch.')} (kv_cache_dtype={config.kv_cache_dtype})",
+            num_cpu_blocks, num_cpu_blocks * block_bytes / GiB,
             type(self.executor).__name__, config.tensor_parallel_size,
         )
 

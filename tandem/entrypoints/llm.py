@@ -35,7 +35,7 @@ class LLM:
     """
 
     def __init__(self, model: str, **engine_args) -> None:
-        # vLLM's keywords (max_model_len, kv_cache_dtype, limit_mm_per_prompt, ...): entrypoints/vllm_compat.py
+        # vLLM's keywords (max_model_len, limit_mm_per_prompt, ...): entrypoints/vllm_compat.py
         engine_args, vllm_options = split_vllm_options(engine_args)
         check_kwargs("LLM", engine_args)
         config = EngineConfig(model=model, **engine_args)

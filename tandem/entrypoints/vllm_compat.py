@@ -21,7 +21,6 @@ from tandem.core.vllm_prompts import MAX_AUDIO_PER_PROMPT
 VLLM_OPTIONS: dict[str, tuple[Any, str]] = {
     "max_model_len": (None, "the model's decoder positions (prompt + output); the only value accepted is the "
                             "model's own limit (max_target_positions / max_position_embeddings)"),
-    "kv_cache_dtype": ("auto", "'auto' only: the KV cache is kept in the compute dtype (`dtype`)"),
     "limit_mm_per_prompt": (None, "{'audio': 0 or 1} (image and video 0): one encoder input per prompt"),
     "gpu_memory_utilization": (None, "accepted, no effect on results: the KV pool is sized by kv_cache_memory "
                                      "(GiB) or num_kv_blocks"),
@@ -59,12 +58,6 @@ def split_vllm_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], VllmOpti
     n = given.get("max_model_len")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         raise ValueError(f"max_model_len={n!r}: must be None or an integer >= 1")
-    kv = given.get("kv_cache_dtype", "auto")
-    if kv != "auto":
-        raise ValueError(
-            f"kv_cache_dtype={kv!r} is not supported: tandem keeps the KV cache in the compute dtype (`dtype`); pass "
-            "kv_cache_dtype='auto', and dtype='bfloat16' or 'float16' for a smaller cache"
-        )
     _check_mm_limits(given.get("limit_mm_per_prompt"))
     g = given.get("gpu_memory_utilization")
     if g is not None and (not isinstance(g, (int, float)) or isinstance(g, bool) or not 0 < g <= 1):

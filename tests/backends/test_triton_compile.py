@@ -120,6 +120,22 @@ def test_the_check_catches_the_old_encoder_launch(tmp_path):
     assert {k["dynamic_shared"] for k in report["kernels"] if k["problems"]} >= {282688}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [90, 89])
+def test_fp8_kv_cache_variants_compile_and_fit(tmp_path, arch):
+    """kv_cache_dtype fp8: the KV_FP8 kernels (e4m3 and e5m2 tiles upcast to the query's
+    dtype) for Hopper and Ada, the targets with native float8e4nv."""
+    report = _compile(tmp_path, arch, "--matrix", "fp8")
+    assert not report["errors"], "\n".join(f"{e['case']}: {e['error']}" for e in report["errors"][:20])
+    fp8 = [k for k in report["kernels"] if k["consts"].get("KV_FP8")]
+    assert {k["kernel"] for k in fp8} >= {"_varlen_attn", "_decode_attn"}
+    assert {c.split("/")[-1] for k in fp8 for c in k["cases"]} == {"fp8_e4m3", "fp8_e5m2"}
+    over = [f"{_describe(k)}: {'; '.join(k['problems'])}" for k in report["kernels"] if k["problems"]]
+    assert not over, "\n".join(over[:20])
+    spilled = [_describe(k) for k in report["kernels"] if k["stack"] > MAX_STACK_BYTES or k["local"]]
+    assert not spilled, "\n".join(spilled[:20])
+
+
 @pytest.mark.aot_full
 @pytest.mark.parametrize("arch", [80, 86, 89, 90, 100])
 def test_full_matrix(tmp_path, arch):

@@ -47,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layouts import Seq, random_layout, step_inputs  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# kv_cache_dtype's fp8 formats (the KV_FP8 kernel variants); "" is the model's dtype.
+KV_DTYPES = {"": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,13 @@ class Case:
     block_size: int
     layout: str  # see LAYOUTS
     bias: bool = False  # the relative position bias (T5) in self-attention: the HAS_BIAS variants
+    kv: str = ""  # an fp8 cache (KV_DTYPES): the KV_FP8 variants
 
     @property
     def label(self) -> str:
         return (f"{self.dtype}/d{self.head_size}/h{self.num_heads}:{self.num_kv_heads}/"
-                f"b{self.block_size}/{self.layout}" + ("/bias" if self.bias else ""))
+                f"b{self.block_size}/{self.layout}" + ("/bias" if self.bias else "") +
+                (f"/{self.kv}" if self.kv else ""))
 
 
 def _layout(name: str, block_size: int) -> tuple[list[Seq], int, int | None]:
@@ -97,6 +101,12 @@ def matrix(kind: str) -> list[Case]:
                   ("bfloat16", 128)]
         # Each with and without the relative position bias (its own kernel variants).
         return [Case(dt, d, 8, 2, 16, lay, bias) for bias in (False, True) for dt, d in combos for lay in LAYOUTS]
+    if kind == "fp8":
+        # The KV_FP8 variants: each fp8 format under each query dtype, every layout (and the
+        # bias once), at the head sizes that stress registers (256) and padding (80).
+        combos = [("float32", 64), ("float16", 80), ("float16", 256), ("bfloat16", 128)]
+        return [Case(dt, d, 8, 2, 16, lay, bias, kv) for kv in ("fp8_e4m3", "fp8_e5m2") for dt, d in combos
+                for lay in LAYOUTS for bias in ((False, True) if lay == "mixed" else (False,))]
     if kind == "full":
         heads = [(8, 8), (8, 2), (32, 1)]
         return [Case(dt, d, h, kv, bs, lay, bias)
@@ -192,7 +202,7 @@ def run_case(case: Case, arch: int, force_varlen=None) -> list[tuple[object, dic
     later = builder.build(step_inputs([replace(s, run_encoder=False) for s in seqs], case.block_size))
     impl = tb.TritonImpl(case.num_heads, case.head_size, case.head_size ** -0.5, case.num_kv_heads)
     cache = tb.TritonBackend.allocate_kv_cache(num_blocks, case.block_size, case.num_kv_heads, case.head_size,
-                                               dtype, torch.device("cpu"))
+                                               KV_DTYPES[case.kv] or dtype, torch.device("cpu"))
     t, e = sum(inputs.query_lens), sum(inputs.encoder_seq_lens)
 
     def rand(n, h):
@@ -280,7 +290,7 @@ def check(kernel, consts: dict, arch: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, required=True, help="compute capability as major*10+minor, e.g. 90")
-    ap.add_argument("--matrix", default="ci", choices=("ci", "full"))
+    ap.add_argument("--matrix", default="ci", choices=("ci", "full", "fp8"))
     ap.add_argument("--only", help="cases whose label contains this text")
     ap.add_argument("--force-varlen", help="block_m,block_n,num_warps,num_stages for every varlen launch")
     ap.add_argument("--out", help="write the JSON report here (default: stdout)")

@@ -113,7 +113,7 @@ def test_audio_forms_refused_clearly(whisper):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'"),
+    ({"kv_cache_dtype": "fp4"}, "kv_cache_dtype='fp4'"),
     ({"max_model_len": 448}, "max_model_len=448 is more than the model's 64"),
     ({"max_model_len": 32}, "max_model_len=32 is less than the model's 64"),
     ({"limit_mm_per_prompt": {"audio": 2}}, "'audio': 2"),

@@ -18,7 +18,9 @@ it as torch_sdpa does (SDPA's additive mask); decodes hand the op one float32 ro
 query-to-key distance), added inside the op's softmax.
 
 Uses the default KV layout ``[2, num_blocks, block_size, H_kv, D]`` and core's
-write/swap/copy ops. Chosen automatically on CPU (priority 15, above
+write/swap/copy ops. An fp8 cache (``kv_cache_dtype="fp8"``): decodes read the bytes in
+place (converted to float32 in vectors, the scales folded into the query scale and
+the softmax's normalizer); prefills read it dequantized as torch_sdpa does. Chosen automatically on CPU (priority 15, above
 torch_sdpa) when the op builds; if it cannot (no C++ compiler or ninja), the
 reason is reported and torch_sdpa serves.
 """
@@ -37,6 +39,7 @@ from tandem.core.attention import (
     AttentionMetadataBuilder,
     BackendCapabilities,
 )
+from tandem.core.kv import fp8
 from tandem.core.relative_position import FEATURE as RELATIVE_POSITION_BIAS
 from tandem.core.kv_compress_config import FEATURE as CROSS_KV_COMPRESS
 from tandem.core.kv_compress_config import PER_HEAD_FEATURE as CROSS_KV_COMPRESS_PER_HEAD
@@ -102,17 +105,20 @@ class CPUPagedImpl(SDPAImplBase):
     def forward_decodes(self, query, kv_cache, md: CPUPagedMetadata, is_cross, out, position_bias=None) -> None:
         if query.stride(-1) != 1:
             query = query.contiguous()
+        # An fp8 cache: the op converts each byte in its inner loop and applies the scales.
+        scales = (self.kv_scales.k_scale, self.kv_scales.v_scale) if fp8.is_fp8(kv_cache.dtype) else (1.0, 1.0)
         if is_cross:
             if md.cross_decode_seqs.numel():
                 self._op(query, kv_cache, out, md.cross_decode_rows, md.cross_decode_seqs, md.cross_seq_lens_t,
-                         md.cross_block_tables, self.scale, None, md.cross_groups)
+                         md.cross_block_tables, self.scale, None, md.cross_groups, *scales)
         elif position_bias is None:
-            self._op(query, kv_cache, out, md.decode_rows, md.decode_seqs, md.seq_lens_t, md.block_tables, self.scale)
+            self._op(query, kv_cache, out, md.decode_rows, md.decode_seqs, md.seq_lens_t, md.block_tables, self.scale,
+                     None, None, *scales)
         else:
             pb = position_bias
             row = pb.memo(("cpu_paged decode",), lambda: self._decode_bias(pb, md.max_seq_len))
             self._op(query, kv_cache, out, md.decode_rows, md.decode_seqs, md.seq_lens_t, md.block_tables,
-                     self.scale, row)
+                     self.scale, row, None, *scales)
 
     @staticmethod
     def _decode_bias(pb: RelativePositionBias, width: int) -> torch.Tensor:
@@ -130,8 +136,9 @@ class CPUPagedBackend(AttentionBackend):
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         attn_features=frozenset({RELATIVE_POSITION_BIAS, CROSS_KV_COMPRESS, CROSS_KV_COMPRESS_PER_HEAD}),
         requires=("a C++ compiler and ninja (the op builds on first use, then loads from torch's cache)",),
-        notes="decodes: one C++ op per layer reading paged K/V in place (float32 arithmetic); "
-        "encoder and prefills: SDPA as torch_sdpa; relative position bias in both",
+        notes="decodes: one C++ op per layer reading paged K/V in place (float32 arithmetic; an fp8 cache "
+        "converted in its inner loop); encoder and prefills: SDPA as torch_sdpa; relative position bias in both",
+        fp8_kv_dtypes=(torch.float8_e4m3fn, torch.float8_e5m2),
     )
 
     @staticmethod

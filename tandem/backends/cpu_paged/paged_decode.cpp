@@ -17,10 +17,21 @@
 // float32 row [H, W] serves every sequence: the bias of a query at position
 // W - 1 over keys 0..W-1. A sequence of length L adds its right-aligned tail,
 // row[h, W - L + n] for key n; no bias, no extra pass.
+//
+// The cache may also be fp8 (float8 e4m3fn or e5m2, kv_cache_dtype="fp8") under a
+// float32/float16/bfloat16 query: where the vector passes serve, 8 or 16 bytes at a time
+// become float32 through float16's conversion (F16C; a table gather on AVX2 without it),
+// in the score pass and the value pass alike; elsewhere each byte through a 256-entry
+// table. The per-tensor scales are folded in where they cost
+// nothing: k_scale into the query's softmax scale (q . (s k) = (s q) . k), v_scale
+// into the softmax's 1 / sum. With scales 1.0 every other path is bit for bit as
+// before.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -34,18 +45,34 @@
 
 namespace {
 
+// Every fp8 byte's float32 value (the format's NaN bytes are never written: writes saturate).
+template <typename F>
+struct Fp8Table {
+  alignas(64) float v[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(F(static_cast<uint8_t>(i), F::from_bits()));
+  }
+};
+const Fp8Table<c10::Float8_e4m3fn> kE4M3;
+const Fp8Table<c10::Float8_e5m2> kE5M2;
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+inline float to_float(c10::Float8_e4m3fn x) { return kE4M3.v[x.x]; }
+inline float to_float(c10::Float8_e5m2 x) { return kE5M2.v[x.x]; }
+
 template <typename T>
 inline float dot(const float* __restrict q, const T* __restrict k, int64_t d) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
+  for (int64_t i = 0; i < d; ++i) s += q[i] * to_float(k[i]);
   return s;
 }
 
 template <typename T>
 inline void axpy(float a, const T* __restrict v, float* __restrict acc, int64_t d) {
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) acc[i] += a * static_cast<float>(v[i]);
+  for (int64_t i = 0; i < d; ++i) acc[i] += a * to_float(v[i]);
 }
 
 // The score pass in vectors (float32 arithmetic whatever the storage): the scores
@@ -65,6 +92,7 @@ inline void axpy(float a, const T* __restrict v, float* __restrict acc, int64_t 
 constexpr int64_t kLanes = 16;
 using vec = __m512;
 inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float a) { return _mm512_set1_ps(a); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vloadf(const float* p) { return _mm512_loadu_ps(p); }
@@ -75,6 +103,19 @@ inline vec vload(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline vec vload(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// fp8 through float16's conversion: an e5m2 byte is the top byte of the float16 of the
+// same value; an e4m3 byte's exponent and mantissa, shifted into a float16, are its value
+// times 2^-8 (subnormals included), so one multiply by 256 restores it.
+inline vec vload(const c10::Float8_e5m2* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+}
+inline vec vload(const c10::Float8_e4m3fn* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
 template <typename T> constexpr bool kVectorLoads = true;
 // p[0..15]: one partial-sum vector per key -> lane i holds the sum of p[i].
 inline vec reduce_keys(vec* p) {
@@ -95,6 +136,7 @@ inline vec reduce_keys(vec* p) {
 constexpr int64_t kLanes = 8;
 using vec = __m256;
 inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset1(float a) { return _mm256_set1_ps(a); }
 inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vloadf(const float* p) { return _mm256_loadu_ps(p); }
@@ -104,6 +146,26 @@ inline vec vload(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+#if defined(__F16C__)
+// fp8 through float16's conversion (as in the AVX-512 build).
+inline vec vload(const c10::Float8_e5m2* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(b, 8));
+}
+inline vec vload(const c10::Float8_e4m3fn* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+}
+#else
+// Without F16C: a gather of the bytes' table entries.
+inline vec vload_fp8(const void* p, const float* table) {
+  return _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 4);
+}
+inline vec vload(const c10::Float8_e4m3fn* p) { return vload_fp8(p, kE4M3.v); }
+inline vec vload(const c10::Float8_e5m2* p) { return vload_fp8(p, kE5M2.v); }
+#endif
 #if defined(__F16C__)
 inline vec vload(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 template <typename T> constexpr bool kVectorLoads = true;
@@ -121,6 +183,16 @@ inline vec reduce_keys(vec* p) {
   return _mm256_add_ps(_mm256_shuffle_ps(v0, v1, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(v0, v1, _MM_SHUFFLE(3, 2, 3, 2)));
 }
 #endif
+
+template <typename T>
+constexpr bool kIsFp8 = std::is_same<T, c10::Float8_e4m3fn>::value || std::is_same<T, c10::Float8_e5m2>::value;
+
+// acc += a * v in vectors, for fp8 storage (whose scalar loop is a table lookup per element).
+template <typename T>
+inline void axpy_vectors(float a, const T* __restrict v, float* __restrict acc, int64_t d) {
+  const vec va = vset1(a);
+  for (int64_t i = 0; i < d; i += kLanes) vstoref(acc + i, vfma(va, vload(v + i), vloadf(acc + i)));
+}
 
 // Whether the vector passes serve this storage type and head size.
 template <typename T>
@@ -180,11 +252,12 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.f : p * scale;
 }
 
-template <typename T>
+// T: the query's and output's type; C: the cache's (T, or an fp8 type).
+template <typename T, typename C>
 void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out,
             const at::Tensor& q_rows, const at::Tensor& seqs, const at::Tensor& kv_lens,
             const at::Tensor& block_tables, double scale, const float* bias, int64_t bias_sh, int64_t bias_w,
-            const int64_t* groups, int64_t num_groups) {
+            const int64_t* groups, int64_t num_groups, double k_scale, double v_scale) {
   const int64_t num_heads = query.size(1);
   const int64_t head_size = query.size(2);
   const int64_t block_size = kv_cache.size(2);
@@ -192,8 +265,8 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
   const int64_t group = num_heads / num_kv_heads;
 
   const T* q_ptr = query.data_ptr<T>();
-  const T* k_ptr = kv_cache.data_ptr<T>();
-  const T* v_ptr = k_ptr + kv_cache.stride(0);
+  const C* k_ptr = kv_cache.data_ptr<C>();
+  const C* v_ptr = k_ptr + kv_cache.stride(0);
   T* o_ptr = out.data_ptr<T>();
   const int64_t q_st = query.stride(0), q_sh = query.stride(1);
   const int64_t o_st = out.stride(0), o_sh = out.stride(1);
@@ -203,9 +276,10 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
   const int64_t* lens = kv_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t tab_st = block_tables.stride(0);
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale * k_scale);
+  const float fvscale = static_cast<float>(v_scale);
 #ifdef TANDEM_SIMD
-  const bool vectors = vector_path<T>(head_size);
+  const bool vectors = vector_path<C>(head_size);
 #else
   const bool vectors = false;
 #endif
@@ -285,7 +359,7 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
         // Scores: block by block, each head's run of slots for every row (the block's
         // K is read from memory once and from cache for the other rows and heads).
         for (int64_t n0 = 0, blk = 0; n0 < len; n0 += block_size, ++blk) {
-          const T* kb = k_ptr + table[blk] * c_sb + h0 * c_sh;
+          const C* kb = k_ptr + table[blk] * c_sb + h0 * c_sh;
           const int64_t m = std::min(block_size, len - n0);
           for (int64_t h = 0; h < nq; ++h)
             for (int64_t r = 0; r < nr; ++r) {
@@ -297,11 +371,11 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
 #endif
       // Scores: one pass over the keys, slot by slot, each slot's heads for every row.
       for (int64_t n0 = 0, blk = 0; !vectors && n0 < len; n0 += block_size, ++blk) {
-        const T* kb = k_ptr + table[blk] * c_sb + h0 * c_sh;
+        const C* kb = k_ptr + table[blk] * c_sb + h0 * c_sh;
         const int64_t m = std::min(block_size, len - n0);
         for (int64_t j = 0; j < m; ++j)
           for (int64_t h = 0; h < nq; ++h) {
-            const T* kh = kb + j * c_ss + (h / group) * c_sh;
+            const C* kh = kb + j * c_ss + (h / group) * c_sh;
             for (int64_t r = 0; r < nr; ++r) {
               const int64_t v = r * nq + h;
               scores[v * len + n0 + j] = dot(&qf[v * head_size], kh, head_size);
@@ -329,18 +403,24 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
           s[n] = exp_nonpositive(s[n] - mx);
           sum += s[n];
         }
-        inv[v] = sum > 0.f ? 1.f / sum : 0.f;
+        inv[v] = (sum > 0.f ? 1.f / sum : 0.f) * fvscale;
       }
       // Weighted values: one pass, slot by slot, each slot's heads for every row.
       std::fill(acc.begin(), acc.begin() + nv * head_size, 0.f);
       for (int64_t n0 = 0, blk = 0; n0 < len; n0 += block_size, ++blk) {
-        const T* vb = v_ptr + table[blk] * c_sb + h0 * c_sh;
+        const C* vb = v_ptr + table[blk] * c_sb + h0 * c_sh;
         const int64_t m = std::min(block_size, len - n0);
         for (int64_t j = 0; j < m; ++j)
           for (int64_t h = 0; h < nq; ++h) {
-            const T* vh = vb + j * c_ss + (h / group) * c_sh;
+            const C* vh = vb + j * c_ss + (h / group) * c_sh;
             for (int64_t r = 0; r < nr; ++r) {
               const int64_t v = r * nq + h;
+#ifdef TANDEM_SIMD
+              if (kIsFp8<C> && vectors) {
+                axpy_vectors(scores[v * len + n0 + j], vh, &acc[v * head_size], head_size);
+                continue;
+              }
+#endif
               axpy(scores[v * len + n0 + j], vh, &acc[v * head_size], head_size);
             }
           }
@@ -355,20 +435,42 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
   });
 }
 
+// The cache's type: the query's, or fp8.
+template <typename T>
+void decode_as(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out, const at::Tensor& q_rows,
+               const at::Tensor& seqs, const at::Tensor& kv_lens, const at::Tensor& block_tables, double scale,
+               const float* bias, int64_t bias_sh, int64_t bias_w, const int64_t* groups, int64_t num_groups,
+               double k_scale, double v_scale) {
+  switch (kv_cache.scalar_type()) {
+    case at::kFloat8_e4m3fn:
+      return decode<T, c10::Float8_e4m3fn>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias,
+                                           bias_sh, bias_w, groups, num_groups, k_scale, v_scale);
+    case at::kFloat8_e5m2:
+      return decode<T, c10::Float8_e5m2>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias,
+                                         bias_sh, bias_w, groups, num_groups, k_scale, v_scale);
+    default:
+      return decode<T, T>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias, bias_sh, bias_w,
+                          groups, num_groups, k_scale, v_scale);
+  }
+}
+
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out,
                             const at::Tensor& q_rows, const at::Tensor& seqs, const at::Tensor& kv_lens,
                             const at::Tensor& block_tables, double scale,
                             const c10::optional<at::Tensor>& position_bias,
-                            const c10::optional<at::Tensor>& kv_groups) {
+                            const c10::optional<at::Tensor>& kv_groups, double k_scale, double v_scale) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && out.device().is_cpu(),
               "paged_decode_attention: tensors must be on cpu");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "paged_decode_attention: query and out must be [T, H, D]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
               "paged_decode_attention: kv_cache must be [2, num_blocks, block_size, H_kv, D], got ",
               kv_cache.sizes());
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn || kv_cache.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK((query.scalar_type() == kv_cache.scalar_type() || fp8) && out.scalar_type() == query.scalar_type(),
               "paged_decode_attention: query ", query.scalar_type(), ", kv_cache ", kv_cache.scalar_type(),
-              " and out ", out.scalar_type(), " must share one dtype");
+              " and out ", out.scalar_type(), " must share one dtype (or kv_cache be float8_e4m3fn / float8_e5m2)");
+  TORCH_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0),
+              "paged_decode_attention: k_scale and v_scale apply to an fp8 cache only");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && kv_cache.stride(4) == 1,
               "paged_decode_attention: the head dimension must be contiguous");
   TORCH_CHECK(query.size(2) == kv_cache.size(4) && out.sizes() == query.sizes(),
@@ -420,15 +522,9 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                   groups[g], " then ", groups[g + 1]);
   }
   switch (query.scalar_type()) {
-    case at::kFloat:
-      decode<float>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias, bias_sh, bias_w, groups, num_groups);
-      break;
-    case at::kBFloat16:
-      decode<c10::BFloat16>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias, bias_sh, bias_w, groups, num_groups);
-      break;
-    case at::kHalf:
-      decode<c10::Half>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias, bias_sh, bias_w, groups, num_groups);
-      break;
+    case at::kFloat: return decode_as<float>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias, bias_sh, bias_w, groups, num_groups, k_scale, v_scale);
+    case at::kBFloat16: return decode_as<c10::BFloat16>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias, bias_sh, bias_w, groups, num_groups, k_scale, v_scale);
+    case at::kHalf: return decode_as<c10::Half>(query, kv_cache, out, q_rows, seqs, kv_lens, block_tables, scale, bias, bias_sh, bias_w, groups, num_groups, k_scale, v_scale);
     default: TORCH_CHECK(false, "paged_decode_attention: dtype ", query.scalar_type(), " is not float32, float16 or bfloat16");
   }
 }
@@ -438,7 +534,7 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 TORCH_LIBRARY(tandem_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor kv_cache, Tensor(a!) out, Tensor q_rows, Tensor seqs, "
         "Tensor kv_lens, Tensor block_tables, float scale, Tensor? position_bias=None, "
-        "Tensor? kv_groups=None) -> ()");
+        "Tensor? kv_groups=None, float k_scale=1.0, float v_scale=1.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

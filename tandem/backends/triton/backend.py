@@ -32,6 +32,7 @@ from tandem.core.attention import (
     SizeRule,
 )
 from tandem.backends.triton import configs
+from tandem.core.kv import fp8
 from tandem.core.kv_compress_config import FEATURE as CROSS_KV_COMPRESS
 from tandem.core.relative_position import FEATURE as RELATIVE_POSITION_BIAS
 from tandem.core.relative_position import RelativePositionBias
@@ -178,18 +179,23 @@ class TritonImpl(AttentionImpl):
         bias = None if position_bias is None else relative_bias(position_bias, md.max_seq_len, query.device)
         lens = md.cross_seq_lens_i32 if cross else md.seq_lens_i32
         tables = md.cross_block_tables if cross else md.block_tables
+        # An fp8 cache: the kernels upcast its tiles and take the scales (as floats:
+        # fixed once calibrated, so no device read per step).
+        scales = (self.kv_scales.k_scale, self.kv_scales.v_scale) if fp8.is_fp8(kv_cache.dtype) else None
         if md.decode_only:
-            cfg = configs.decode(arch, query.dtype, self.head_size, self.num_heads // self.num_kv_heads)
+            cfg = configs.decode(arch, query.dtype, self.head_size, self.num_heads // self.num_kv_heads,
+                                 kv_fp8=scales is not None)
             self._k.decode_attention(
                 query, kv_cache, out, md.query_start_loc_i32[:-1], lens, tables, scale=self.scale,
-                num_splits=md.cross_splits if cross else md.self_splits, config=cfg, bias=bias,
+                num_splits=md.cross_splits if cross else md.self_splits, config=cfg, bias=bias, kv_scales=scales,
             )
         else:
-            cfg = configs.varlen(arch, query.dtype, self.head_size, md.max_query_len, bias=bias is not None)
+            cfg = configs.varlen(arch, query.dtype, self.head_size, md.max_query_len, bias=bias is not None,
+                                 kv_fp8=scales is not None)
             tile_seq, tile_row = md.tiles(False, cfg.block_m)
             self._k.varlen_attention(
                 query, kv_cache, None, out, tile_seq, tile_row, md.query_start_loc_i32, lens,
-                scale=self.scale, causal=not cross, config=cfg, block_table=tables, bias=bias,
+                scale=self.scale, causal=not cross, config=cfg, block_table=tables, bias=bias, kv_scales=scales,
             )
         return out
 
@@ -227,7 +233,9 @@ class TritonBackend(AttentionBackend):
         requires=("triton",),
         attn_features=frozenset({RELATIVE_POSITION_BIAS, CROSS_KV_COMPRESS}),
         notes="cpu only in Triton's interpreter (TRITON_INTERPRET=1 before first use): "
-        "exact but slow, for tests; chosen automatically on cuda only",
+        "exact but slow, for tests; chosen automatically on cuda only; an fp8 cache is upcast tile by tile "
+        "(float8_e4m3fn on compute capability 8.9+)",
+        fp8_kv_dtypes=(torch.float8_e4m3fn, torch.float8_e5m2),
     )
 
     @staticmethod
@@ -257,4 +265,9 @@ class TritonBackend(AttentionBackend):
         elif device.type == "cuda" and _interpreting():
             reasons.append("TRITON_INTERPRET=1 was set when the kernels loaded: they run interpreted, "
                            "not compiled for cuda")
+        if kv_cache_dtype == torch.float8_e4m3fn and device.type == "cuda" and torch.cuda.is_available():
+            cap = torch.cuda.get_device_capability(device)
+            if cap < (8, 9):
+                reasons.append(f"an fp8 e4m3 KV cache needs compute capability 8.9+ for Triton's float8e4nv "
+                               f"(this GPU is {cap[0]}.{cap[1]}); kv_cache_dtype='fp8_e5m2' is served here")
         return reasons

@@ -87,9 +87,11 @@ WIDE_TILE_MIN_ROWS = 64
 _FLOAT32_BUDGET = 512
 
 
-def _float32(rows: int, head_size: int) -> LaunchConfig:
+def _float32(rows: int, head_size: int, kv_fp8: bool = False) -> LaunchConfig:
     d = block_d(head_size)
     budget = _FLOAT32_BUDGET if d == head_size else _FLOAT32_BUDGET // 2
+    if kv_fp8:  # the fp8 tiles' upcasts hold their own registers: 4 warps x 64 keys at d = 64 kept 160-200 B of stack
+        budget //= 2
     for warps, n in ((4, 64), (8, 64), (8, 32), (8, 16)):
         if rows * n * d <= budget * 32 * warps:
             return LaunchConfig(block_m=rows, block_n=n, num_warps=warps, num_stages=2)
@@ -109,12 +111,13 @@ def block_d(head_size: int) -> int:
     return max(16, 1 << (head_size - 1).bit_length())
 
 
-def varlen(arch: int, dtype: torch.dtype, head_size: int, longest_query: int, bias: bool = False) -> LaunchConfig:
+def varlen(arch: int, dtype: torch.dtype, head_size: int, longest_query: int, bias: bool = False,
+           kv_fp8: bool = False) -> LaunchConfig:
     """The ``_varlen_attn`` launch (prefill, chunks, mixed steps, cross attention of
     a mixed step, the encoder) for a step whose longest query run is ``longest_query``;
-    ``bias``: with the relative position bias (``HAS_BIAS``)."""
+    ``bias``: with the relative position bias (``HAS_BIAS``); ``kv_fp8``: over an fp8 cache."""
     if dtype == torch.float32:
-        return _float32(16, head_size)
+        return _float32(16, head_size, kv_fp8)
     block_n = _key_tile_16bit(head_size)
     if longest_query < WIDE_TILE_MIN_ROWS:
         return LaunchConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=2)
@@ -124,14 +127,16 @@ def varlen(arch: int, dtype: torch.dtype, head_size: int, longest_query: int, bi
     # The bias tile (64 x block_n float32 and its addresses) on top of a 64 x 256
     # accumulator: mma.sync's causal tile went to 144 B of stack at 255 registers on
     # 4 warps (sm80); on 8 warps it takes 196, no stack. wgmma's fits on 4 (254).
-    warps = 8 if (bias and arch < 90 and block_d(head_size) > 128) else 4
+    # The same for an fp8 cache's upcast K/V tiles (sm89, d = 256: spilled on 4 warps).
+    warps = 8 if ((bias or kv_fp8) and arch < 90 and block_d(head_size) > 128) else 4
     return LaunchConfig(block_m=64, block_n=block_n, num_warps=warps, num_stages=stages)
 
 
-def decode(arch: int, dtype: torch.dtype, head_size: int, queries_per_kv: int) -> LaunchConfig:
+def decode(arch: int, dtype: torch.dtype, head_size: int, queries_per_kv: int, kv_fp8: bool = False) -> LaunchConfig:
     """The ``_decode_attn`` launch (one query token per sequence, split-K): the rows are
-    the query heads that share one KV head, at least 16 (the smallest dot tile)."""
+    the query heads that share one KV head, at least 16 (the smallest dot tile);
+    ``kv_fp8``: over an fp8 cache."""
     rows = max(16, 1 << (queries_per_kv - 1).bit_length())
     if dtype == torch.float32:
-        return _float32(rows, head_size)
+        return _float32(rows, head_size, kv_fp8)
     return LaunchConfig(block_m=rows, block_n=_key_tile_16bit(head_size), num_warps=4, num_stages=2)

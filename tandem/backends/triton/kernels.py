@@ -24,6 +24,12 @@ by the model's own rule (``backend.relative_bias``), so a bucket here is the
 bucket the model defines, to the last boundary, whatever a GPU's ``log`` would
 round to. Split-K needs nothing more: each slice's log-sum-exp includes its bias.
 
+An fp8 cache (``KV_FP8``: float8 e4m3fn or e5m2, ``kv_cache_dtype="fp8"``) is loaded
+as bytes and upcast tile by tile to the query's dtype (exact: every fp8 value is a
+float16 / bfloat16 / float32 one); its per-tensor scales cost nothing per element:
+``k_scale`` is folded into the launch's softmax scale (q . (s k) = (s q) . k) and
+``v_scale`` multiplies each output row once.
+
 Whether the kernels run compiled (CUDA) or in Triton's interpreter (CPU, for
 tests) is fixed when this module is imported, from ``TRITON_INTERPRET``. Launch
 configurations (tiles, warps, stages) come from ``configs`` per target.
@@ -88,11 +94,11 @@ def _varlen_attn(
     bias_ptr,  # [H, 2 * bias_center + 1] float32 bias per relative position (HAS_BIAS only)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_slot, stride_kvh, stride_tab, stride_bias, bias_center,
-    scale_log2,
+    scale_log2, v_scale,  # v_scale: an fp8 cache's (KV_FP8 only; its k_scale is in scale_log2)
     QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -129,6 +135,9 @@ def _varlen_attn(
                           stride_tab, stride_slot, stride_kvh, kvh, PAGE, PAGED)
         v = _load_kv_tile(v_ptr, offs_n, n_mask, offs_d, d_mask, seq, kv_start_ptr, table_ptr,
                           stride_tab, stride_slot, stride_kvh, kvh, PAGE, PAGED)
+        if KV_FP8:  # upcast (exact) to the dtype the dots take
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if DOT_F32:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
@@ -144,6 +153,8 @@ def _varlen_attn(
         m_i, l_i, acc = _online_softmax_step(qk, valid, m_i, l_i, acc, v, DOT_F32, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * v_scale
     tl.store(o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
@@ -157,11 +168,11 @@ def _decode_attn(
     bias_ptr,  # [H, 2 * bias_center + 1] float32 bias per relative position (HAS_BIAS only)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kv, stride_slot, stride_kvh, stride_tab, stride_bias, bias_center,
-    scale_log2, num_heads,
+    scale_log2, num_heads, v_scale,  # v_scale: an fp8 cache's (KV_FP8 only; its k_scale is in scale_log2)
     QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -194,6 +205,9 @@ def _decode_attn(
                           stride_tab, stride_slot, stride_kvh, kvh, PAGE, True)
         v = _load_kv_tile(kv_ptr + stride_kv, offs_n, n_mask, offs_d, d_mask, seq, kv_len_ptr, table_ptr,
                           stride_tab, stride_slot, stride_kvh, kvh, PAGE, True)
+        if KV_FP8:  # upcast (exact) to the dtype the dots take
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if DOT_F32:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
@@ -204,6 +218,8 @@ def _decode_attn(
         m_i, l_i, acc = _online_softmax_step(qk, n_mask[None, :], m_i, l_i, acc, v, DOT_F32, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:  # before the split-K merge, which is linear in each part
+        out = out * v_scale
     if NUM_SPLITS == 1:
         tl.store(o_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
@@ -280,6 +296,7 @@ def varlen_attention(
     block_table: torch.Tensor | None = None,
     kv_start: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,  # [H, 2 * c + 1] float32, base 2: position k - q at column c + k - q
+    kv_scales: tuple[float, float] | None = None,  # an fp8 cache's (k_scale, v_scale)
 ) -> None:
     num_tiles = tile_seq.shape[0]
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -297,15 +314,16 @@ def varlen_attention(
         stride_slot, stride_kvh = key.stride(0), key.stride(1)
         num_kv_heads, page, table, stride_tab, starts = key.shape[1], 1, kv_lens, 0, kv_start
     bias_t, stride_bias, center = _bias_args(bias, query)
+    k_scale, v_scale = kv_scales if kv_scales is not None else (1.0, 1.0)
     _varlen_attn[(num_tiles, num_heads)](
         query, k_src, v_src, out, tile_seq, tile_row, q_start, kv_lens, starts, table, bias_t,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         stride_slot, stride_kvh, stride_tab, stride_bias, center,
-        scale * LOG2E,
+        scale * k_scale * LOG2E, v_scale,
         QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_SIZE=head_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d(head_size),
         PAGE=page, PAGED=block_table is not None, CAUSAL=causal, HAS_BIAS=bias is not None,
-        DOT_F32=dot_f32, PRECISION=precision,
+        DOT_F32=dot_f32, PRECISION=precision, KV_FP8=kv_scales is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -322,6 +340,7 @@ def decode_attention(
     num_splits: int,
     config: LaunchConfig,
     bias: torch.Tensor | None = None,  # as varlen_attention's
+    kv_scales: tuple[float, float] | None = None,  # as varlen_attention's
 ) -> None:
     batch = q_rows.shape[0]
     if batch == 0:
@@ -339,14 +358,16 @@ def decode_attention(
     else:
         part_o = part_lse = out  # unused
     bias_t, stride_bias, center = _bias_args(bias, query)
+    k_scale, v_scale = kv_scales if kv_scales is not None else (1.0, 1.0)
     _decode_attn[(batch, num_kv_heads, num_splits)](
         query, kv_cache, out, part_o, part_lse, q_rows, kv_lens, block_table, bias_t,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0), stride_bias, center,
-        scale * LOG2E, num_heads,
+        scale * k_scale * LOG2E, num_heads, v_scale,
         QUERIES_PER_KV=per_kv, HEAD_SIZE=head_size,
         BLOCK_H=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d(head_size),
         PAGE=page, NUM_SPLITS=num_splits, HAS_BIAS=bias is not None, DOT_F32=dot_f32, PRECISION=precision,
+        KV_FP8=kv_scales is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:

@@ -80,6 +80,7 @@ class Worker:
         self.backend = attn_backend
         self.tp = tp or TensorParallelGroup()
         self.device, self.dtype = device or config.torch_device, config.torch_dtype
+        self.kv_dtype = config.kv_cache_torch_dtype  # the compute dtype, or fp8 (kv_cache_dtype)
         self.block_size = config.block_size
         spec = model_cls.kv_cache_spec(hf_config)
         if self.tp.size > 1:  # this rank's heads (a KV head is replicated where there are fewer than ranks)
@@ -104,7 +105,7 @@ class Worker:
     def block_bytes(self) -> int:
         """Bytes one block takes across every layer, in the backend's own layout."""
         s = self.kv_spec
-        return s.num_layers * self.backend.kv_cache_block_bytes(self.block_size, s.num_kv_heads, s.head_size, self.dtype)
+        return s.num_layers * self.backend.kv_cache_block_bytes(self.block_size, s.num_kv_heads, s.head_size, self.kv_dtype)
 
     def load_model(self) -> None:
         # Before the weights: loading allocates them, and every step's tensors follow.
@@ -136,7 +137,7 @@ class Worker:
         """Allocate the device pool (one tensor per decoder layer) and build the runner."""
         s = self.kv_spec
         self.kv_caches = [
-            self.backend.allocate_kv_cache(num_blocks, self.block_size, s.num_kv_heads, s.head_size, self.dtype, self.device)
+            self.backend.allocate_kv_cache(num_blocks, self.block_size, s.num_kv_heads, s.head_size, self.kv_dtype, self.device)
             for _ in range(s.num_layers)
         ]
         self.num_cpu_blocks = num_cpu_blocks
@@ -372,7 +373,7 @@ class Worker:
             # first lands on it, so swap_space costs memory only as it is used.
             self.swap_caches = [
                 self.backend.allocate_kv_cache(
-                    self.num_cpu_blocks, self.block_size, s.num_kv_heads, s.head_size, self.dtype, "cpu", zeroed=False
+                    self.num_cpu_blocks, self.block_size, s.num_kv_heads, s.head_size, self.kv_dtype, "cpu", zeroed=False
                 )
                 for _ in range(s.num_layers)
             ]

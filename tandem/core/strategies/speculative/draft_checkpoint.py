@@ -95,7 +95,7 @@ def load_draft(config: EngineConfig, target_cls, target_hf, target_tokenizer, mo
     kv = draft_cls.kv_cache_spec(draft_hf)
     backend = backend_registry.select(
         config.attention_backend, device=config.torch_device, dtype=config.torch_dtype, head_size=kv.head_size,
-        attn_types=frozenset(AttentionType), block_size=config.block_size, kv_cache_dtype=config.torch_dtype,
+        attn_types=frozenset(AttentionType), block_size=config.block_size, kv_cache_dtype=config.kv_cache_torch_dtype,
         attn_features=draft_cls.attn_features(draft_hf),
     ).backend
     worker = Worker(dconfig, draft_hf, draft_cls, backend, eos_token_ids)
