@@ -37,6 +37,11 @@ class BlockTableRows:
         """The keys held (a live view: membership tests cost no Python call)."""
         return self._row.keys()
 
+    def lengths(self, keys) -> list[int]:
+        """Ids held by each key's row, -1 for a key not held (one call per step)."""
+        row, width = self._row, self.width
+        return [width[row[k]] if k in row else -1 for k in keys]
+
     def num_blocks(self, key: object) -> int:
         return self.width[self._row[key]]
 

@@ -268,7 +268,8 @@ class LogitsProcessors:
         by_n: dict[int, list[int]] = {}
         for p, g in groups:
             if p.no_repeat_ngram_size:
-                by_n.setdefault(p.no_repeat_ngram_size, []).extend(i for i in g if rows.seq_lens[i] >= p.no_repeat_ngram_size)
+                by_n.setdefault(p.no_repeat_ngram_size, []).extend(
+                    [i for i in g if rows.seq_lens[i] >= p.no_repeat_ngram_size])
         for n, idx in by_n.items():
             if not idx:
                 continue

@@ -317,8 +317,8 @@ class Worker:
         the rest (new, forked, recomputed) one by one."""
         h = self.histories
         keys, ids = [], []
-        for seq in seqs:
-            if seq.prefix_token_ids is None and seq.seq_id in h and h.num_blocks(seq.seq_id) == seq.num_computed_tokens:
+        for seq, held in zip(seqs, h.lengths([seq.seq_id for seq in seqs])):
+            if seq.prefix_token_ids is None and held == seq.num_computed_tokens:
                 keys.append(seq.seq_id)
                 ids.append(seq.token_ids)
             else:
@@ -342,7 +342,7 @@ class Worker:
         """The rows' decoder tokens, each row's first ``lengths[i]`` (a verified draft
         position sees the tokens before it, not the drafts after)."""
         h = self.histories
-        rows = torch.tensor([h.row(s) for s in seq_ids], dtype=torch.long)
+        rows = torch.tensor(h.rows(seq_ids), dtype=torch.long)
         lengths = torch.tensor(lengths, dtype=torch.long)
         return h.gather(rows, int(lengths.max())), lengths
 

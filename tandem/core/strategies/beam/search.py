@@ -157,15 +157,17 @@ class BeamSearchState:
                     else:
                         c = m - num_beams
                         j, t = cands.parents[c], tokens[c]
-                        top = st._top(cands, j, t, c)
+                        top = st._top(cands, j, t, c) if cands.top_logprobs is not None else None
                         logprobs = parents_logprobs[j] + [top] if top is not None else []
                         new_hyps.append(Hypothesis(parents_out[j] + [t], logprobs, t in st.stop_ids))
                 st.scores, st.is_finished, st.hyps, st.running = new_scores[n], new_finished[n], new_hyps, new_running[n]
                 st.improvable = st.improvable and better[n]
                 all_full = all_finished[n] and st.params.early_stopping is True
                 st.done = not (st.improvable and not all_full and not all_ended[n])
+                tops = cands.top_logprobs is not None
                 out[i] = [NextBeam(cands.parents[c], tokens[c], runs[n][c], cands.token_logprobs[c],
-                                   st._top(cands, cands.parents[c], tokens[c], c)) for c in nexts[n]]
+                                   st._top(cands, cands.parents[c], tokens[c], c) if tops else None)
+                          for c in nexts[n]]
         return out
 
     def _top(self, cands: BeamCandidates, parent: int, token: int, c: int) -> dict[int, float] | None:
