@@ -80,18 +80,19 @@ def test_an_interrupt_while_adding_leaves_nothing_queued(llm, expected, monkeypa
 
 @pytest.mark.parametrize("fail_at", [1, 3, 9])
 def test_an_exception_inside_schedule_frees_every_block(llm, expected, monkeypatch, fail_at):
-    # append_in_place (each running group's decode step) runs while the scheduler holds
-    # running groups in a local queue: failing there strands groups outside every queue.
+    # append_in_place_all (the running groups' decode steps, all at once, then group by
+    # group on the general path) runs while the scheduler holds running groups in a local
+    # queue: failing there strands groups outside every queue.
     bm = llm.engine.block_manager
-    real, calls = bm.append_in_place, []
+    real, calls = bm.append_in_place_all, []
 
-    def append_in_place(group):
+    def append_in_place_all(groups):
         calls.append(1)
         if len(calls) == fail_at:
             raise KeyboardInterrupt
-        return real(group)
+        return real(groups)
 
-    monkeypatch.setattr(bm, "append_in_place", append_in_place)
+    monkeypatch.setattr(bm, "append_in_place_all", append_in_place_all)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     monkeypatch.undo()
