@@ -114,8 +114,8 @@ def test_audio_forms_refused_clearly(whisper):
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"kv_cache_dtype": "fp4"}, "kv_cache_dtype='fp4'"),
-    ({"max_model_len": 448}, "max_model_len=448 is more than the model's 64"),
-    ({"max_model_len": 32}, "max_model_len=32 is less than the model's 64"),
+    ({"max_model_len": 1000}, "max_model_len=1000 is more than the model's 448"),
+    ({"max_model_len": 32}, "max_model_len=32 is less than the model's 448"),
     ({"limit_mm_per_prompt": {"audio": 2}}, "'audio': 2"),
     ({"limit_mm_per_prompt": {"image": 1}}, "'image'"),
 ])
@@ -131,7 +131,7 @@ def test_vllm_only_keyword_refused_by_name():
 
 
 def test_engine_args_round_trip():
-    args = EngineArgs(model=str(WHISPER), max_model_len=64, max_num_seqs=3)
+    args = EngineArgs(model=str(WHISPER), max_model_len=448, max_num_seqs=3)
     d = dataclasses.asdict(args)
     assert d["max_num_seqs"] == 3 and d["kv_cache_dtype"] == "auto" and d["block_size"] == 16
     assert args.create_engine_config().max_num_seqs == 3

@@ -27,11 +27,11 @@ def test_flags_take_underscores_as_vllms_parser_does():
 def test_engine_args_add_cli_args_and_from_cli_args():
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     parser.set_defaults(model=str(WHISPER))
-    args = parser.parse_args(["--max_model_len", "64", "--max-num-seqs", "3", "--limit-mm-per-prompt",
+    args = parser.parse_args(["--max_model_len", "448", "--max-num-seqs", "3", "--limit-mm-per-prompt",
                               '{"audio": 1}', "--kv-cache-dtype", "auto", "--seed", "5"])
     engine_args = EngineArgs.from_cli_args(args)
     assert (engine_args.model, engine_args.max_model_len, engine_args.max_num_seqs, engine_args.seed) == \
-        (str(WHISPER), 64, 3, 5)
+        (str(WHISPER), 448, 3, 5)
     assert engine_args.limit_mm_per_prompt == {"audio": 1}
     assert vars(args) == dataclasses.asdict(engine_args)  # so LLM(**vars(args)), as vLLM's scripts call it
     llm = LLM(**vars(args))
