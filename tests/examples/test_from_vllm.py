@@ -198,6 +198,9 @@ def test_vllm_keywords_refused_naming_the_value(kwargs, words):
 def test_vllm_only_keyword_refused_by_name():
     with pytest.raises(TypeError, match="'enable_prompt_embeds'"):
         LLM(str(WHISPER), enable_prompt_embeds=True)
+    # docs/from_vllm.md: a quantization method tandem lacks is a ValueError naming the value
+    with pytest.raises(ValueError, match="quantization='awq': must be None or 'int8'"):
+        LLM(str(WHISPER), quantization="awq")
 
 
 def test_engine_args_round_trip():
