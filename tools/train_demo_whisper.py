@@ -147,9 +147,11 @@ def features(waves: list[np.ndarray], samples: int):
     return log_mel_spectrogram(batch, 80, any_length=True)
 
 
-def make_example(rng: random.Random, sentence: str, seed: int, tok, ids):
+def make_example(rng: random.Random, sentence: str, seed: int, tok, ids, predict_prompt: bool = False):
     """Audio, decoder input ids, labels (-100 where the prompt is given, not predicted)
-    and each word's (start, end) in seconds."""
+    and each word's (start, end) in seconds. ``predict_prompt``: the task and
+    ``<|notimestamps|>`` (or the first timestamp) are predicted too, as a real Whisper
+    continues from ``<|startoftranscript|>`` alone (tools/finetune_demo_whisper_prompt.py)."""
     audio, spans = synthesize(sentence, seed=seed, plan=True)
     text = tok(" " + sentence, add_special_tokens=False)["input_ids"]
     prefix: list[int] = []
@@ -166,7 +168,8 @@ def make_example(rng: random.Random, sentence: str, seed: int, tok, ids):
         given += 1
         seq += text + [ids["endoftext"]]
     dec_in, labels = seq[:-1], seq[1:]
-    labels = [-100 if i < given - 1 and not (labels[i] == ids["en"]) else t for i, t in enumerate(labels)]
+    if not predict_prompt:
+        labels = [-100 if i < given - 1 and not (labels[i] == ids["en"]) else t for i, t in enumerate(labels)]
     return audio, dec_in, labels, spans
 
 
@@ -381,6 +384,9 @@ def main(argv=None) -> int:
     from extend_demo_whisper_positions import extend  # this folder's (sys.path[0])
 
     extend(out_dir)  # trained on 64 decoder positions; saved with Whisper's 448
+    from finetune_demo_whisper_prompt import finetune  # this folder's
+
+    finetune(out_dir)  # then on from <|startoftranscript|> alone, as a real Whisper (TRAINING.md)
     from tandem.audio import load_audio
 
     demo_rows = []

@@ -5,8 +5,7 @@ shipped in the package, in place of openai/whisper-large-v3-turbo), and ``--mode
 whose only choice and default is ``whisper``: vLLM's other audio models (its default,
 ``ultravox``, and the rest) are decoder-only language models, which tandem does not serve.
 The engine arguments (``max_model_len=448``, ``max_num_seqs=5``), the prompt, the flags
-and the sampling (``temperature=0.2``, ``max_tokens=64``) are vLLM's; see whisper.py for
-what the demo writes from ``<|startoftranscript|>`` alone.
+and the sampling (``temperature=0.2``, ``max_tokens=64``) are vLLM's.
 """
 
 from dataclasses import asdict

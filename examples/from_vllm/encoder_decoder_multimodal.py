@@ -5,8 +5,7 @@ Changed from vLLM's: the imports (``vllm`` -> ``tandem``), the model (the demo W
 shipped in the package, in place of openai/whisper-large-v3-turbo), and no
 ``VLLM_WORKER_MULTIPROC_METHOD`` (a vLLM worker setting; tandem runs one process here).
 ``max_model_len=448``, ``max_num_seqs=16``, ``dtype="half"``, the prompts, the seed and
-the sampling (``max_tokens=64``, ``skip_special_tokens=False``) are vLLM's; see whisper.py
-for what the demo writes from ``<|startoftranscript|>`` alone.
+the sampling (``max_tokens=64``, ``skip_special_tokens=False``) are vLLM's.
 """
 
 import time

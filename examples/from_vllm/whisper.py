@@ -6,9 +6,8 @@ shipped in the package, in place of openai/whisper-large-v3) and the prompts' re
 ``max_model_len=448``, ``max_num_seqs=400``, ``kv_cache_dtype="fp8"``, the two prompt forms
 with ``<|startoftranscript|>`` alone, ``max_tokens=200``. ``AudioAsset`` reads vLLM's
 recordings from the assets folder when they are there, else uses the demo's tone speech
-(docs/from_vllm.md). The demo Whisper was trained with the full prompt
-(``<|startoftranscript|><|en|><|transcribe|><|notimestamps|>``); from
-``<|startoftranscript|>`` alone it writes no text, where a real Whisper goes on.
+(docs/from_vllm.md). As a real Whisper, the demo goes on from ``<|startoftranscript|>``
+alone with the language, the task, ``<|notimestamps|>`` and the transcript.
 """
 
 import time

@@ -84,6 +84,20 @@ def test_whisper_decoder_length_448_as_vllms_examples_ask(llm):
     assert out[1].outputs[0].token_ids[:3] == out[0].outputs[0].token_ids[:3]
 
 
+def test_it_goes_on_from_start_of_transcript_alone_as_a_real_whisper(llm):
+    """vLLM's Whisper prompt is "<|startoftranscript|>" alone: the model writes the language,
+    the task, <|notimestamps|> and the transcript (TRAINING.md, "Continuing from ...")."""
+    from tandem import SamplingParams
+
+    prompts = [{"encoder_prompt": {"audio": str(PATH / s["file"])}, "decoder_prompt": {"prompt_token_ids": [384]}}
+               for s in SAMPLES]
+    prompts.append({"prompt": "<|startoftranscript|>",
+                    "multi_modal_data": {"audio": (synthesize("seven eight nine stop go", seed=3), 16000)}})
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    assert [o.outputs[0].text.strip() for o in outs] == [s["expected"] for s in SAMPLES] + ["seven eight nine stop go"]
+    assert all(o.outputs[0].token_ids[:3] == [385, 387, 391] for o in outs)  # <|en|><|transcribe|><|notimestamps|>
+
+
 def test_synthesized_words_transcribe(llm):
     words = "seven eight nine stop go"
     r = llm.transcribe({"audio": synthesize(words, seed=3), "sampling_rate": 16000}, use_tqdm=False)[0]

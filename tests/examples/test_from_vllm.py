@@ -56,6 +56,7 @@ def test_encoder_decoder_example_matches_native_prompts():
 
 
 SOT = [384]  # vLLM's Whisper prompt, "<|startoftranscript|>", on the demo
+MARY, WINNING = "three one four one five nine", "hello world"  # AudioAsset's stand-ins (tandem/assets/audio.py)
 
 
 def _native_sot(audio_and_rate) -> dict:
@@ -101,7 +102,10 @@ def test_whisper_example_runs_as_vllms(no_recordings):
                                  _native_sot(AudioAsset("winning_call").audio_and_sample_rate)] * ns["COPIES"],
                                 ns["sampling_params"], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in native]
-    assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outputs)
+    # the stand-ins' words, after the language, task and <|notimestamps|> the model wrote itself
+    assert [o.outputs[0].text.strip() for o in outputs] == [MARY, WINNING] * ns["COPIES"]
+    assert [o.outputs[0].token_ids[:3] for o in outputs] == [FULL_PROMPT_IDS[1:]] * len(prompts)
+    assert all(o.outputs[0].finish_reason == "stop" for o in outputs)
     if fp8_refused is not None:
         pytest.skip(f"ran with kv_cache_dtype='auto': {fp8_refused}")
 
@@ -117,6 +121,9 @@ def test_encoder_decoder_multimodal_example_runs_as_vllms(no_recordings):
         SamplingParams(temperature=0, top_p=1.0, max_tokens=64, skip_special_tokens=False), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in native]
     assert [o.outputs[0].text for o in outputs] == [o.outputs[0].text for o in native]
+    # skip_special_tokens=False, as vLLM's example: the tokens the model wrote before the transcript show
+    assert [o.outputs[0].text for o in outputs] == [f"<|en|><|transcribe|><|notimestamps|> {MARY}<|endoftext|>",
+                                                    f"<|en|><|transcribe|><|notimestamps|> {WINNING}<|endoftext|>"]
 
 
 def test_audio_language_example_matches_native_with_its_seed(no_recordings):
@@ -131,6 +138,7 @@ def test_audio_language_example_matches_native_with_its_seed(no_recordings):
         [_native_sot(a.audio_and_sample_rate) for a in example.audio_assets],
         SamplingParams(temperature=0.2, max_tokens=64), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in native]
+    assert [o.outputs[0].text.strip() for o in outputs] == [MARY, WINNING]
 
 
 def test_whisper_multilora_example_runs_the_base_and_each_adapter_that_exists(no_recordings, tmp_path, capsys):
@@ -140,7 +148,7 @@ def test_whisper_multilora_example_runs_the_base_and_each_adapter_that_exists(no
     example = _load("whisper_multilora_inference")
     results = example.main()  # vLLM's placeholder paths: the base model only
     assert list(results) == ["base"] and results["base"][0].error is None
-    assert results["base"][0].outputs[0].text.strip() == "three one four one five nine"  # mary_had_lamb's stand-in
+    assert results["base"][0].outputs[0].text.strip() == MARY
     assert "Skipping lora_adapter_1: path does not exist (/path/to/your/lora_adapter_1)" in capsys.readouterr().out
     adapter = make_adapter(WHISPER, tmp_path / "adapter", ["q_proj", "v_proj"], r=8)
     results = example.main([("mine", str(adapter)), ("missing", str(tmp_path / "nothing"))])
