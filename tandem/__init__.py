@@ -26,7 +26,7 @@ if TYPE_CHECKING:
         StepInputs,
     )
     from tandem.core.engine import LLMEngine
-    from tandem.core.inputs import ExplicitEncoderDecoderPrompt, TextPrompt, TokensPrompt
+    from tandem.core.inputs import ExplicitEncoderDecoderPrompt, PromptType, TextPrompt, TokensPrompt
     from tandem.core.layers import Attention
     from tandem.core.model import EncoderDecoderModel, KVCacheSpec, ModelContext
     from tandem.core.outputs import CompletionOutput, RequestOutput
@@ -49,6 +49,7 @@ _LAZY = {
     "SizeRule": "tandem.core.attention",
     "StepInputs": "tandem.core.attention",
     "ExplicitEncoderDecoderPrompt": "tandem.core.inputs",
+    "PromptType": "tandem.core.inputs",
     "TextPrompt": "tandem.core.inputs",
     "TokensPrompt": "tandem.core.inputs",
     "Attention": "tandem.core.layers",
@@ -108,6 +109,7 @@ __all__ = [
     "CompletionOutput",
     "EncoderDecoderModel",
     "ExplicitEncoderDecoderPrompt",
+    "PromptType",
     "KVCacheSpec",
     "ModelContext",
     "RequestOutput",

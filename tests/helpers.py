@@ -9,6 +9,11 @@ import torch
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
+# Seconds a test waits for a child process (a fresh interpreter that imports torch and
+# builds an engine, a server becoming healthy): seconds alone, minutes on a 2-core machine
+# other work shares. The bound only turns a hang into a failure, so it is generous.
+SUBPROCESS_TIMEOUT = 600.0
+
 WORDS = (
     "the rain in spain falls mainly on plain a cat sat mat dog ran fast over hill "
     "red blue green small big old new time day night sun moon star sea river tree "

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from helpers import SUBPROCESS_TIMEOUT
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "gpu_plan.sh"
 BENCH = ROOT / "benchmarks" / "attention_kernels.py"
@@ -23,7 +25,7 @@ BENCH = ROOT / "benchmarks" / "attention_kernels.py"
 
 def _plan(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, **(env or {})}, timeout=60)
+                          env={**os.environ, **(env or {})}, timeout=SUBPROCESS_TIMEOUT)
 
 
 def _commands(stdout: str) -> list[list[str]]:
@@ -66,8 +68,8 @@ def test_the_dry_run_names_paths_that_exist_and_tests_that_collect(tmp_path):
                                 "--collect-only", "-q", "-m", "gpu", *paths], cwd=ROOT, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     usage = subprocess.run([sys.executable, str(BENCH), "--help"], cwd=ROOT, env=env, capture_output=True,
-                           text=True, timeout=60)
-    listing, _ = collect.communicate(timeout=120)
+                           text=True, timeout=SUBPROCESS_TIMEOUT)
+    listing, _ = collect.communicate(timeout=SUBPROCESS_TIMEOUT)
     assert usage.returncode == 0, usage.stderr
     for c in bench:
         for flag in (a for a in c[2:] if a.startswith("--")):

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from helpers import SUBPROCESS_TIMEOUT
+
 SCRIPT = """
 import io, sys
 import tandem
@@ -22,7 +24,7 @@ print(repr(swapped_text))
 
 
 def test_the_handler_writes_to_the_current_stderr_never_a_closed_one():
-    res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
+    res = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
                          env={**os.environ, "TANDEM_LOGGING_LEVEL": "INFO"})
     assert res.returncode == 0, res.stderr
     assert "into the swap" in res.stdout  # the record went to the stderr of its moment

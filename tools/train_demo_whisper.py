@@ -147,9 +147,11 @@ def features(waves: list[np.ndarray], samples: int):
     return log_mel_spectrogram(batch, 80, any_length=True)
 
 
-def make_example(rng: random.Random, sentence: str, seed: int, tok, ids):
+def make_example(rng: random.Random, sentence: str, seed: int, tok, ids, predict_prompt: bool = False):
     """Audio, decoder input ids, labels (-100 where the prompt is given, not predicted)
-    and each word's (start, end) in seconds."""
+    and each word's (start, end) in seconds. ``predict_prompt``: the task and
+    ``<|notimestamps|>`` (or the first timestamp) are predicted too, as a real Whisper
+    continues from ``<|startoftranscript|>`` alone (tools/finetune_demo_whisper_prompt.py)."""
     audio, spans = synthesize(sentence, seed=seed, plan=True)
     text = tok(" " + sentence, add_special_tokens=False)["input_ids"]
     prefix: list[int] = []
@@ -166,7 +168,8 @@ def make_example(rng: random.Random, sentence: str, seed: int, tok, ids):
         given += 1
         seq += text + [ids["endoftext"]]
     dec_in, labels = seq[:-1], seq[1:]
-    labels = [-100 if i < given - 1 and not (labels[i] == ids["en"]) else t for i, t in enumerate(labels)]
+    if not predict_prompt:
+        labels = [-100 if i < given - 1 and not (labels[i] == ids["en"]) else t for i, t in enumerate(labels)]
     return audio, dec_in, labels, spans
 
 
@@ -378,6 +381,12 @@ def main(argv=None) -> int:
     from transformers import WhisperFeatureExtractor
 
     WhisperFeatureExtractor(feature_size=80).save_pretrained(out_dir)
+    from extend_demo_whisper_positions import extend  # this folder's (sys.path[0])
+
+    extend(out_dir)  # trained on 64 decoder positions; saved with Whisper's 448
+    from finetune_demo_whisper_prompt import finetune  # this folder's
+
+    finetune(out_dir)  # then on from <|startoftranscript|> alone, as a real Whisper (TRAINING.md)
     from tandem.audio import load_audio
 
     demo_rows = []
@@ -410,6 +419,8 @@ def main(argv=None) -> int:
 
 def write_training_md(out_dir, args, command, n_params, vocab_size, train_time, acc, ts_acc, n_heldout,
                       demo_rows, total_bytes, torch_version, tf_version) -> None:
+    from extend_demo_whisper_positions import POSITIONS  # this folder's (sys.path[0])
+
     tones = "\n".join(f"| `{w}` | {lo:.0f} | {hi:.0f} |" for w, (lo, hi) in TONES.items())
     demo = "\n".join(f"| `{r['file']}` | `{r['expected']}` | `{r['output']}` |" for r in demo_rows)
     md = f"""# tandem demo Whisper model
@@ -447,8 +458,11 @@ Command (from the repository root):
 | torch / transformers | {torch_version} / {tf_version} |
 
 Model: Whisper, d_model {args.d_model}, {args.layers} encoder + {args.layers} decoder layers, {args.heads} heads,
-ffn {args.ffn}, 80 mel bins, max_source_positions 1500, max_target_positions 64,
-tied output projection, {n_params:,} parameters, float32 safetensors.
+ffn {args.ffn}, 80 mel bins, max_source_positions 1500, max_target_positions {POSITIONS} (trained on 64:
+positions 64..{POSITIONS - 1} copy the last trained one, `tools/extend_demo_whisper_positions.py`, so
+vLLM's `max_model_len=448` runs as written; `max_length` in generation_config.json, the length of an
+output that asks none, stays 64), tied output projection, {n_params:,} parameters as trained,
+float32 safetensors.
 Files in this folder total {total_bytes / 1e6:.2f} MB.
 
 ## Words and tones

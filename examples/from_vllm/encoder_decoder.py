@@ -1,7 +1,10 @@
 """Every way to prompt a text encoder/decoder model, written against vLLM's API.
 
-The same calls as vLLM's examples/offline_inference/encoder_decoder.py; only the import
-(``vllm`` -> ``tandem``) and the model (the shipped demo BART) differ.
+The same calls as vLLM's examples/offline_inference/encoder_decoder.py, with the import
+(``vllm`` -> ``tandem``) and the model (the shipped demo BART) changed, and the prompts'
+sentences: the demo BART is a toy that reverses sentences of its small lowercase vocabulary,
+so each of vLLM's prompt forms here holds a sentence of its words (``max_tokens=20`` and the
+other sampling arguments are vLLM's).
 """
 
 from pathlib import Path

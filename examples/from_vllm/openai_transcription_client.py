@@ -1,30 +1,28 @@
-"""Transcription through ``tandem serve`` with the ``openai`` client.
+"""vLLM's examples/online_serving/openai_transcription_client.py against ``tandem serve``: one
+transcription with the ``openai`` client, then one streamed: with ``AsyncOpenAI`` when the
+served model's name has "openai" in it (read from each chunk's ``choices``), else through
+a plain HTTP request (needs ``requests``), each with vLLM's extra sampling fields.
 
-The same calls as vLLM's examples/online_serving/openai_transcription_client.py: one
-transcription with ``OpenAI``, then one streamed with ``AsyncOpenAI``, each with vLLM's
-extra sampling fields in ``extra_body``, the streamed text read from each chunk's
-``choices`` as vLLM's client reads it. What differs: the server (``tandem serve`` in
-place of ``vllm serve``) and the audio (the demo Whisper's own clips, in place of
-vLLM's ``AudioAsset`` downloads).
+Changed from vLLM's: the import (``vllm.assets`` -> ``tandem.assets``) and one flag,
+``--base-url``, defaulting to vLLM's ``http://localhost:8000/v1``. Serve the demo Whisper
+(under vLLM's model name for the ``AsyncOpenAI`` stream), then run this script:
 
-Start a server on the shipped demo Whisper, then run this script:
+    tandem serve "$(tandem demo --whisper --path)" --served-model-name openai/whisper-large-v3
+    python examples/from_vllm/openai_transcription_client.py
 
-    tandem serve "$(tandem demo --whisper --path)" --port 8000
-    python examples/from_vllm/openai_transcription_client.py --base-url http://localhost:8000/v1
-
-Needs the ``openai`` package.
+``AudioAsset`` gives vLLM's recordings when they are in the assets folder, else the demo's
+tone speech (docs/from_vllm.md). Needs the ``openai`` package.
 """
 
 import argparse
 import asyncio
-from pathlib import Path
 
 from openai import AsyncOpenAI, OpenAI
 
-from tandem.demo_whisper import PATH as DEMO_WHISPER
+from tandem.assets.audio import AudioAsset
 
 
-def sync_openai(audio_path, model, client):
+def sync_openai(audio_path: str, client: OpenAI, model: str):
     """One transcription, answered whole."""
     with open(audio_path, "rb") as f:
         transcription = client.audio.transcriptions.create(
@@ -36,13 +34,13 @@ def sync_openai(audio_path, model, client):
             # vLLM's sampling fields, beyond OpenAI's API
             extra_body=dict(seed=4419, repetition_penalty=1.3),
         )
-    print("transcription result:", transcription.text)
+        print("transcription result [sync]:", transcription.text)
     return transcription.text
 
 
-async def stream_openai_response(audio_path, model, client):
-    """One transcription, streamed: the text arrives window by window."""
-    print("\ntranscription result:", end=" ")
+async def stream_openai_response(audio_path: str, client: AsyncOpenAI, model: str):
+    """One transcription, streamed through the ``openai`` client."""
+    print("\ntranscription result [stream]:", end=" ")
     pieces = []
     with open(audio_path, "rb") as f:
         transcription = await client.audio.transcriptions.create(
@@ -63,42 +61,60 @@ async def stream_openai_response(audio_path, model, client):
     return "".join(pieces)
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="OpenAI-compatible transcription client for tandem serve.")
-    parser.add_argument("--base-url", default="http://localhost:8000/v1",
-                        help="the server's API root (default: http://localhost:8000/v1)")
-    parser.add_argument("--api-key", default="EMPTY", help="the server's --api-key, if it has one")
-    parser.add_argument("--model", default=None,
-                        help="the served model's name; by default the first one /v1/models lists")
-    return parser.parse_args(argv)
+def stream_api_response(audio_path: str, model: str, openai_api_base: str):
+    """One transcription, streamed through a plain HTTP request: each line's JSON, until a
+    chunk with a finish reason."""
+    import json
+    import os
+
+    import requests
+
+    api_url = f"{openai_api_base}/audio/transcriptions"
+    headers = {"User-Agent": "Transcription-Client"}
+    pieces = []
+    with open(audio_path, "rb") as f:
+        files = {"file": (os.path.basename(audio_path), f)}
+        data = {"stream": "true", "model": model, "language": "en", "response_format": "json"}
+        print("\ntranscription result [stream]:", end=" ")
+        response = requests.post(api_url, headers=headers, files=files, data=data, stream=True)
+        for chunk in response.iter_lines(chunk_size=8192, decode_unicode=False, delimiter=b"\n"):
+            if chunk:
+                data = json.loads(chunk[len("data: "):].decode("utf-8"))
+                data = data["choices"][0]
+                delta = data["delta"]["content"]
+                print(delta, end="", flush=True)
+                pieces.append(delta)
+                finish_reason = data.get("finish_reason")
+                if finish_reason is not None:
+                    print(f"\n[Stream finished reason: {finish_reason}]")
+                    break
+    return "".join(pieces)
 
 
-def resolve_model(client, user_model):
-    if user_model:
-        return user_model
-    try:
-        models = client.models.list()
-        if not getattr(models, "data", None):
-            raise RuntimeError("/v1/models listed no model")
-        model = models.data[0].id
-    except Exception as exc:
-        raise RuntimeError("could not read the served model from /v1/models; give --model") from exc
-    print(f"Using the model /v1/models lists: {model}")
-    return model
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    three_one_four = str(Path(DEMO_WHISPER) / "three_one_four.wav")
-    hello_world = str(Path(DEMO_WHISPER) / "hello_world.wav")
-
-    client = OpenAI(api_key=args.api_key, base_url=args.base_url)
-    model = resolve_model(client, args.model)
-    plain = sync_openai(three_one_four, model, client)
-    async_client = AsyncOpenAI(api_key=args.api_key, base_url=args.base_url)
-    streamed = asyncio.run(stream_openai_response(hello_world, model, async_client))
+def main(args):
+    mary_had_lamb = str(AudioAsset("mary_had_lamb").get_local_path())
+    winning_call = str(AudioAsset("winning_call").get_local_path())
+    openai_api_key = "EMPTY"
+    openai_api_base = args.base_url
+    client = OpenAI(api_key=openai_api_key, base_url=openai_api_base)
+    model = client.models.list().data[0].id
+    print(f"Using model: {model}")
+    plain = sync_openai(args.audio_path if args.audio_path else mary_had_lamb, client, model)
+    if "openai" in model:
+        client = AsyncOpenAI(api_key=openai_api_key, base_url=openai_api_base)
+        streamed = asyncio.run(stream_openai_response(args.audio_path if args.audio_path else winning_call,
+                                                      client, model))
+    else:
+        streamed = stream_api_response(args.audio_path if args.audio_path else winning_call, model, openai_api_base)
     return plain, streamed
 
 
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="OpenAI transcription client for tandem serve")
+    parser.add_argument("--audio_path", type=str, default=None, help="The path to the audio file to transcribe.")
+    parser.add_argument("--base-url", default="http://localhost:8000/v1", help="the server's API root")
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
-    main()
+    main(parse_args())

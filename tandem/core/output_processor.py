@@ -25,7 +25,7 @@ from typing import Any
 
 from tandem.core.core_outputs import OutputShape, RequestInfo, RequestResult
 from tandem.core.faults import describe
-from tandem.core.outputs import CompletionOutput, RequestOutput
+from tandem.core.outputs import CompletionOutput, RequestOutput, with_error
 from tandem.core.sampling_params import RequestOutputKind
 
 
@@ -210,6 +210,8 @@ class RequestState:
                 logprobs=list(logprobs) if logprobs is not None else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
             ))
+        if self.error is not None:
+            outs = with_error(outs, self.shape.num_completions, self.error)
         info = self.info
         return RequestOutput(
             request_id=info.request_id, encoder_prompt=info.encoder_prompt,
@@ -272,7 +274,8 @@ class OutputProcessor:
             except Exception as e:  # noqa: BLE001 - detokenizing this request's output
                 self.requests.pop(rid, None)
                 failed[rid] = f"building its output failed: {describe(e)}"
-                errors.append((state, RequestOutput(rid, None, [], None, [], [], True, error=failed[rid])))
+                outs = with_error([], state.shape.num_completions, failed[rid])
+                errors.append((state, RequestOutput(rid, None, [], None, [], outs, True, error=failed[rid])))
                 continue
             if hits:
                 stops[rid] = hits

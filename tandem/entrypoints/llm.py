@@ -16,7 +16,7 @@ from tandem.core.engine_args import check_kwargs, describe_options, signature as
 from tandem.core.engine import LLMEngine
 from tandem.core.faults import EngineDeadError, describe
 from tandem.core.inputs import PromptType, preview
-from tandem.core.outputs import RequestOutput
+from tandem.core.outputs import RequestOutput, with_error
 from tandem.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from tandem.entrypoints.vllm_compat import split_vllm_options
 from tandem.lora.request import LoRARequest, lora_list
@@ -223,7 +223,7 @@ class LLM:
                     except EngineDeadError:
                         raise
                     except Exception as e:  # noqa: BLE001 - this prompt alone cannot be served
-                        results[rid] = _rejected(rid, prompt, e)
+                        results[rid] = _rejected(rid, prompt, e, p)
             bar.update(len(results))
             while engine.has_unfinished_requests():
                 for out in engine.step():
@@ -332,15 +332,17 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     return params.replace(output_kind=RequestOutputKind.FINAL_ONLY)
 
 
-def _rejected(rid: str, prompt, error: Exception) -> RequestOutput:
+def _rejected(rid: str, prompt, error: Exception, params) -> RequestOutput:
     text = prompt if isinstance(prompt, str) else None
+    why = str(error) if isinstance(error, (ValueError, TypeError)) else describe(error)
+    n = getattr(params, "n", None) or getattr(params, "beam_width", None) or 1
     return RequestOutput(
         request_id=rid,
         encoder_prompt=text,
         encoder_prompt_token_ids=[],
         prompt=None,
         prompt_token_ids=[],
-        outputs=[],
+        outputs=with_error([], n, why),  # one empty "error" output per requested one, as vLLM's loops read
         finished=True,
-        error=str(error) if isinstance(error, (ValueError, TypeError)) else describe(error),
+        error=why,
     )

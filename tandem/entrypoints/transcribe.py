@@ -132,7 +132,8 @@ def transcribe(
             if vad is None:
                 jobs[i] = _Job([waveform])
             else:
-                chunks = vad.chunks(waveform)
+                what = repr(str(item)) if isinstance(item, (str, Path)) else f"audio input {i}"
+                chunks = vad.chunks(waveform, what)
                 jobs[i] = _Job([c.waveform for c in chunks], chunks, [None] * len(chunks),
                                list(range(1, len(chunks))) if detect else [])
         except (ValueError, TypeError) as e:
@@ -247,7 +248,7 @@ async def transcribe_async(engine, waveform, request_id: str, *, vad_filter: Any
         return
     from tandem.entrypoints.vad_batched import chunk_segments, merge
 
-    chunks = await asyncio.to_thread(vad.chunks, waveform)  # the VAD is CPU work: off the event loop
+    chunks = await asyncio.to_thread(vad.chunks, waveform, f"request {request_id}")  # CPU work: off the event loop
 
     async def run(k: int, s: TranscriptionSession) -> Transcription:
         last = None

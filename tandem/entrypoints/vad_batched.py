@@ -21,12 +21,15 @@ once per input, over its first 30 s of speech, as faster-whisper does).
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from tandem.core.transcription import Transcription
+
+logger = logging.getLogger("tandem.transcribe")
 
 #: A caller's own detector: ``(waveform [n] float32 numpy, sample_rate) -> [(start, end), ...]``
 #: speech regions in samples, ``end`` exclusive, in order, not overlapping.
@@ -148,11 +151,17 @@ class VadPlan:
         vad = SileroVad()
         return cls(lambda wave: vad(wave, options), sample_rate, window_seconds)
 
-    def chunks(self, waveform: torch.Tensor) -> list[Chunk]:
-        """The input's chunks (none when it has no speech); ``ValueError`` names what failed."""
+    def chunks(self, waveform: torch.Tensor, what: str = "the audio") -> list[Chunk]:
+        """The input's chunks (none when it has no speech, with a warning naming ``what``:
+        its transcript is then empty); ``ValueError`` names what failed."""
         wave = waveform.detach().to(torch.float32).cpu().reshape(-1)
         regions = check_regions(self.detect(wave.numpy()), wave.numel())
-        return collect_chunks(wave, regions, self.max_samples, self.sample_rate)
+        chunks = collect_chunks(wave, regions, self.max_samples, self.sample_rate)
+        if not chunks:
+            logger.warning("vad_filter found no speech in %s (%.1f s): its transcript is empty; lower the VAD's "
+                           "threshold (vad_parameters) or transcribe without vad_filter to decode it all", what,
+                           wave.numel() / self.sample_rate)
+        return chunks
 
 
 def merge(chunks: list[Chunk], results: list[Transcription], *, timestamps: bool, word_timestamps: bool,

@@ -10,11 +10,14 @@ keyword and what tandem does instead. Any other vLLM keyword is refused by
 
 from __future__ import annotations
 
+import argparse
+import json
 import secrets
 from dataclasses import MISSING, asdict, dataclass, field, fields, make_dataclass
 from typing import Any
 
 from tandem.core.config import EngineConfig
+from tandem.core.engine_args import GROUP_TITLE, add_cli_args
 from tandem.core.vllm_prompts import MAX_AUDIO_PER_PROMPT
 
 # name -> (default, what it means here). The default is "not given".
@@ -98,6 +101,41 @@ def _create_engine_config(self) -> EngineConfig:
     return EngineConfig(model=self.model, **engine_kwargs)
 
 
+# The vLLM keywords' flags, as vLLM spells them (``--limit-mm-per-prompt '{"audio": 1}'``).
+_VLLM_FLAG_TYPES = {"max_model_len": int, "kv_cache_dtype": str, "gpu_memory_utilization": float}
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object such as '{{\"audio\": 1}}'")
+    return value
+
+
+def _add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """vLLM's ``EngineArgs.add_cli_args(parser)``: ``--model``, every engine option's flag
+    (``tandem.core.engine_args``) and the vLLM keywords' flags. ``vars(parser.parse_args())``
+    are ``LLM`` keywords; ``EngineArgs.from_cli_args(args)`` makes an ``EngineArgs``."""
+    parser.add_argument("--model", default=None, help="local checkpoint directory or Hugging Face Hub repo id")
+    add_cli_args(parser)
+    group = next(g for g in parser._action_groups if g.title == GROUP_TITLE)
+    for name, (default, help) in VLLM_OPTIONS.items():
+        kind = _json_dict if name == "limit_mm_per_prompt" else _VLLM_FLAG_TYPES[name]
+        group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=default,
+                           help=help.replace("`dtype`", "--dtype"))
+    return parser
+
+
+def _from_cli_args(cls, args: argparse.Namespace):
+    """vLLM's ``EngineArgs.from_cli_args(args)``: the ``EngineArgs`` that ``add_cli_args``'s flags parsed."""
+    if getattr(args, "model", None) is None:
+        raise ValueError("EngineArgs.from_cli_args: no model: pass --model (or parser.set_defaults(model=...))")
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
 # vLLM's ``EngineArgs``: ``LLM(**dataclasses.asdict(EngineArgs(model=..., ...)))``.
 EngineArgs = make_dataclass(
     "EngineArgs",
@@ -107,5 +145,7 @@ EngineArgs = make_dataclass(
         "__doc__": "Engine options as vLLM's ``EngineArgs``: every ``EngineConfig`` field plus vLLM's keywords "
                    "(``VLLM_OPTIONS``); values are checked when an engine is built from them.",
         "create_engine_config": _create_engine_config,
+        "add_cli_args": staticmethod(_add_cli_args),
+        "from_cli_args": classmethod(_from_cli_args),
     },
 )

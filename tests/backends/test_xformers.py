@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from layouts import MIXES, NUM_HEADS, check_backend, random_layout, step_inputs
+from helpers import SUBPROCESS_TIMEOUT
 from tandem.core.attention import AttentionType, KVCacheSpec
 from tandem.plugins import default_backend_registry
 from tandem.registry import BackendUnavailableError
@@ -442,7 +443,7 @@ def test_x1_in_a_fresh_interpreter(tmp_path):
     """)
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{root}"}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     lines = dict(line.split(": ", 1) for line in out.stdout.splitlines() if line.startswith(("xformers:", "tandem:")))
     assert lines.get("xformers") == "Requires Flash-Attention version >=2.7.1,<=2.8.4 but got 2.6.3.", out
     assert lines.get("tandem", "").startswith(

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import SUBPROCESS_TIMEOUT
 from tandem import LLM, SamplingParams
 from tandem.core.loader import check_model_config, load_hf_config
 from tandem.core.checkpoint import WeightLoadError, checkpoint_files
@@ -250,7 +251,7 @@ def run_llm(model_dir: Path, tmp_path: Path, trust: bool = False) -> subprocess.
     )
     env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1")
     return subprocess.run(
-        [sys.executable, "-c", script], input="y\n", capture_output=True, text=True, timeout=60, env=env
+        [sys.executable, "-c", script], input="y\n", capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, env=env
     )
 
 

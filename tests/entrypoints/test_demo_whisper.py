@@ -59,6 +59,45 @@ def test_samples_transcribe_to_their_text_as_hf_generate_does(llm):
         assert r.token_ids == ref
 
 
+def test_whisper_decoder_length_448_as_vllms_examples_ask(llm):
+    """Whisper's real 448 decoder positions (trained on 64; TRAINING.md), so vLLM's
+    ``max_model_len=448`` and ``max_tokens=200`` run as written, outputs within the
+    trained 64 unchanged; an output may run on to the last position."""
+    from safetensors import safe_open
+    from transformers import WhisperConfig
+
+    from tandem import SamplingParams
+
+    assert WhisperConfig.from_pretrained(PATH).max_target_positions == 448
+    with safe_open(str(PATH / "model.safetensors"), "pt") as f:
+        table = f.get_tensor("model.decoder.embed_positions.weight")
+    assert table.shape == (448, 64) and torch.equal(table[64:], table[63:64].expand(384, -1))
+    vllm_style = LLM(model=str(PATH), dtype="float32", device="cpu", max_model_len=448)
+    audio = {"audio": (synthesize("hello world", seed=1), 16000)}
+    prompts = [{"prompt": "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>", "multi_modal_data": audio}]
+    out = vllm_style.generate(prompts * 2, [SamplingParams(temperature=0, max_tokens=200),
+                                            SamplingParams(temperature=0, max_tokens=444, ignore_eos=True)],
+                              use_tqdm=False)
+    assert [o.error for o in out] == [None, None]
+    assert out[0].outputs[0].text.strip() == "hello world" and out[0].outputs[0].finish_reason == "stop"
+    assert len(out[1].outputs[0].token_ids) == 444 and out[1].outputs[0].finish_reason == "length"
+    assert out[1].outputs[0].token_ids[:3] == out[0].outputs[0].token_ids[:3]
+
+
+def test_it_goes_on_from_start_of_transcript_alone_as_a_real_whisper(llm):
+    """vLLM's Whisper prompt is "<|startoftranscript|>" alone: the model writes the language,
+    the task, <|notimestamps|> and the transcript (TRAINING.md, "Continuing from ...")."""
+    from tandem import SamplingParams
+
+    prompts = [{"encoder_prompt": {"audio": str(PATH / s["file"])}, "decoder_prompt": {"prompt_token_ids": [384]}}
+               for s in SAMPLES]
+    prompts.append({"prompt": "<|startoftranscript|>",
+                    "multi_modal_data": {"audio": (synthesize("seven eight nine stop go", seed=3), 16000)}})
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    assert [o.outputs[0].text.strip() for o in outs] == [s["expected"] for s in SAMPLES] + ["seven eight nine stop go"]
+    assert all(o.outputs[0].token_ids[:3] == [385, 387, 391] for o in outs)  # <|en|><|transcribe|><|notimestamps|>
+
+
 def test_synthesized_words_transcribe(llm):
     words = "seven eight nine stop go"
     r = llm.transcribe({"audio": synthesize(words, seed=3), "sampling_rate": 16000}, use_tqdm=False)[0]

@@ -31,7 +31,11 @@ def test_bad_prompts_are_reported_alone_and_the_rest_are_served(llm, bart_dir):
     assert len(outs) == len(prompts)
     first, *rejected, last = outs
     messages = [o.error for o in rejected]
-    assert all(m for m in messages) and all(o.outputs == [] for o in rejected)
+    assert all(m for m in messages)
+    # one output per requested one, empty, saying why: vLLM's `o.outputs[0].text` reads "" (docs/from_vllm.md)
+    for o in rejected:
+        assert [(c.index, c.text, c.token_ids, c.finish_reason, c.error) for c in o.outputs] == \
+            [(0, "", [], "error", o.error)]
     assert "99999" in messages[0] and "vocabulary" in messages[0]
     assert "202 tokens" in messages[1] and "128" in messages[1]
     assert "empty" in messages[2] and "empty" in messages[3]
@@ -42,6 +46,14 @@ def test_bad_prompts_are_reported_alone_and_the_rest_are_served(llm, bart_dir):
         assert o.error is None
         ref = hf_greedy(bart_dir, o.encoder_prompt_token_ids, o.prompt_token_ids, 8)
         assert o.outputs[0].token_ids == ref
+
+
+def test_a_refused_request_has_an_error_output_per_requested_output(llm):
+    out = llm.generate({"prompt_token_ids": [0, 99999, 2]}, SamplingParams(n=3, temperature=1.0, max_tokens=4),
+                       use_tqdm=False)[0]
+    assert "99999" in out.error
+    assert [(c.index, c.text, c.finish_reason, c.error) for c in out.outputs] == \
+        [(i, "", "error", out.error) for i in range(3)]
 
 
 def test_decoder_budget_and_sampling_params_errors(llm):

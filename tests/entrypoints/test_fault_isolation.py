@@ -64,6 +64,9 @@ def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(bart_dir, cle
     assert failed == [0, 1]  # the two decoding in step 2
     for i in failed:
         assert "InjectedFault: injected fault at step 2" in outs[i].error
+        # one output per requested one, as vLLM's loops read outputs[0] (docs/from_vllm.md)
+        [c] = outs[i].outputs
+        assert (c.finish_reason, c.error) == ("error", outs[i].error)
     for i, o in enumerate(outs):
         if i not in failed:
             assert o.outputs[0].token_ids == clean["greedy"][i]
@@ -149,6 +152,7 @@ def test_one_requests_output_fault_fails_it_alone(bart_dir, clean, monkeypatch):
     monkeypatch.setattr(RequestState, "update", raising_for_request_1)
     outs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
     assert "building its output failed: UnicodeDecodeError" in outs[1].error
+    assert [(c.text, c.finish_reason, c.error) for c in outs[1].outputs] == [("", "error", outs[1].error)]
     assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == [clean["greedy"][0], clean["greedy"][2]]
     assert _all_blocks_free(llm)
 

@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from helpers import SUBPROCESS_TIMEOUT
 from tandem import LLM, SamplingParams
 
 KEY = "test-key"
@@ -39,7 +40,8 @@ def _start(model_dir, *extra, log_path=None):
     if log is not None:
         log.close()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):  # up to 60 s
+    deadline = time.monotonic() + SUBPROCESS_TIMEOUT
+    while time.monotonic() < deadline:
         if proc.poll() is not None:
             output = open(log_path).read() if log_path is not None else proc.stdout.read()
             raise RuntimeError(f"server exited: {output}")
@@ -50,13 +52,13 @@ def _start(model_dir, *extra, log_path=None):
             pass
         time.sleep(0.1)
     proc.kill()
-    raise RuntimeError("server did not become healthy in 60 s")
+    raise RuntimeError(f"server did not become healthy in {SUBPROCESS_TIMEOUT:.0f} s")
 
 
 def _stop(proc):
     proc.send_signal(signal.SIGTERM)
     try:
-        return proc.wait(timeout=TIMEOUT)
+        return proc.wait(timeout=SUBPROCESS_TIMEOUT)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise

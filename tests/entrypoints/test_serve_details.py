@@ -8,7 +8,7 @@
 - a streamed transcription sends a ``transcript.text.delta`` for a clip of one window
   too, and its deltas join to the done event's text (several windows too);
 - each stream event carries vLLM's chunk shape beside OpenAI's (``choices[0].delta.content``
-  joining to the text, a done chunk with no choices), and its usage with vLLM's
+  joining to the text, a done chunk with one empty choice), and its usage with vLLM's
   ``stream_include_usage`` / ``stream_continuous_usage_stats``, as the server counted it.
 """
 
@@ -234,11 +234,12 @@ async def test_a_stream_carries_vllms_chunk_shape_and_its_usage_when_asked(whisp
         assert e["object"] == obj and e["model"] == "m" and isinstance(e["created"], int)
         assert e["id"] == events[0]["id"]
     # vLLM's reading: each chunk's choices[0].delta.content, joined; a finish reason per chunk
-    # (each is whole windows); the last chunk has no choices and the usage
-    assert "".join(e["choices"][0]["delta"]["content"] for e in events if e["choices"]) == text
-    assert all(len(d["choices"]) == 1 and d["choices"][0]["finish_reason"] in ("stop", "length") for d in deltas)
+    # (each is whole windows); the last chunk has one choice too (vLLM's translation client reads
+    # choices[0] of every chunk), with no new text, and the usage
+    assert "".join(e["choices"][0]["delta"]["content"] for e in events) == text
+    assert all(len(e["choices"]) == 1 and e["choices"][0]["finish_reason"] in ("stop", "length") for e in events)
     assert [d["choices"][0]["delta"]["content"] for d in deltas] == [d["delta"] for d in deltas]
-    assert done["choices"] == [] and done["text"] == text
+    assert done["choices"][0]["delta"] == {"content": ""} and done["text"] == text
     # usage: what the server's own counters counted for this request
     prompt = _metric(after, "tandem:prompt_tokens_total") - _metric(before, "tandem:prompt_tokens_total")
     generated = _metric(after, "tandem:generation_tokens_total") - _metric(before, "tandem:generation_tokens_total")
@@ -254,3 +255,28 @@ async def test_a_stream_carries_vllms_chunk_shape_and_its_usage_when_asked(whisp
     for other in (bare, alone):
         assert other.status_code == 200 and not any("usage" in e for e in _events(other))
         assert _events(other)[-1]["text"] == text
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("route", ROUTES)
+async def test_every_stream_event_reads_as_vllms_translation_client_reads_it(whisper, tmp_path, route):
+    """vLLM's examples/online_serving/openai_translation_client.py reads a stream line by line:
+    ``data: `` stripped, ``[DONE]`` ends it, every other line is JSON whose ``choices[0]`` it
+    reads; the contents printed are the whole text. (Its done event had ``choices: []``, an
+    IndexError in that client.)"""
+    audio = _wav("hello world", tmp_path, "e.wav")
+    async with _client(whisper) as c:
+        text = (await _post_audio(c, route, audio, {"language": "en"})).json()["text"]
+        r = await _post_audio(c, route, audio, {"language": "en", "stream": "true", "model": "m"})
+    assert r.status_code == 200, r.text
+    printed, ended = [], False
+    for line in r.text.splitlines():  # vLLM's loop, as its client writes it
+        if line:
+            if line.startswith("data: "):
+                line = line[len("data: "):]
+            if line.strip() == "[DONE]":
+                ended = True
+                break
+            chunk = json.loads(line)
+            printed.append(chunk["choices"][0].get("delta", {}).get("content"))
+    assert ended and "".join(printed) == text == "hello world"

@@ -31,6 +31,7 @@ import httpx
 import pytest
 import uvicorn
 
+from helpers import SUBPROCESS_TIMEOUT
 from tandem import AsyncLLM
 from tandem.entrypoints.cli import _build_parser
 from tandem.entrypoints.openai.api_server import build_app
@@ -267,4 +268,4 @@ def test_tandem_serve_takes_the_timeout_flags(bart_dir):
         assert httpx.get(f"{url}/health", timeout=WAIT).status_code == 200
     finally:
         proc.terminate()
-        proc.wait(timeout=60)
+        proc.wait(timeout=SUBPROCESS_TIMEOUT)

@@ -104,3 +104,21 @@ def test_bad_regions_are_named(regions, message):
     with pytest.raises(ValueError, match=message):
         check_regions(regions, 100)
     assert check_regions([{"start": 1, "end": 5}, (5, 9)], 100) == [(1, 5), (5, 9)]
+
+
+def test_a_vad_that_finds_no_speech_warns_naming_the_input(caplog):
+    import logging
+
+    from tandem.entrypoints.vad_batched import VadPlan
+
+    plan = VadPlan(lambda wave: [], 16000, 30.0)
+    with caplog.at_level(logging.WARNING, logger="tandem.transcribe"):
+        assert plan.chunks(torch.zeros(2 * 16000), "'talk.wav'") == []
+        assert len(plan.chunks(torch.ones(16000), "x")) == 0
+    assert [r.getMessage().split(";")[0] for r in caplog.records] == [
+        "vad_filter found no speech in 'talk.wav' (2.0 s): its transcript is empty",
+        "vad_filter found no speech in x (1.0 s): its transcript is empty"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tandem.transcribe"):
+        assert len(VadPlan(lambda wave: [(0, 8000)], 16000, 30.0).chunks(torch.ones(16000))) == 1
+    assert caplog.records == []  # speech found: nothing to say

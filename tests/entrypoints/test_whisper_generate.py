@@ -108,8 +108,10 @@ def test_timestamp_tokens_stay_in_token_ids_and_out_of_the_text(demo, skip_speci
     llm, tok, hf = demo
     clip = synthesize("three one four", seed=0)
     gen = hf.generation_config
-    # Without the task token the demo model opens with a timestamp, as HF's generate shows.
-    prompt = [gen.decoder_start_token_id, gen.lang_to_id["<|en|>"], gen.no_timestamps_token_id]
+    # A timestamped transcript begun (its first timestamp, the first word's onset, given): the demo
+    # model ends the segment with a timestamp, as HF's generate shows.
+    prompt = [gen.decoder_start_token_id, gen.lang_to_id["<|en|>"], gen.task_to_id["transcribe"],
+              tok.convert_tokens_to_ids("<|0.14|>")]
     params = SamplingParams(temperature=0.0, skip_special_tokens=skip_special_tokens)
     outs = llm.generate({"encoder_prompt": {"audio": clip, "sampling_rate": 16000},
                          "decoder_prompt": {"prompt_token_ids": prompt}}, params, use_tqdm=False)

@@ -232,6 +232,34 @@ def test_cli_vad_flags(whisper_ts, tmp_path, capsys, monkeypatch):
     assert "must be a JSON object" in capsys.readouterr().err
 
 
+def test_vad_that_removes_all_audio_warns(whisper_ts, tmp_path, capsys, caplog, monkeypatch):
+    """Silero's --vad-filter on audio with no speech: the transcript is empty, and a warning
+    names the input and says why (before, nothing said the audio had all been dropped)."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("silero_vad")
+    import logging
+
+    import soundfile as sf
+
+    from tandem.entrypoints import cli
+
+    path, llm = whisper_ts
+    monkeypatch.setattr(cli, "_llm", lambda args, model: llm)
+    wav = tmp_path / "quiet.wav"
+    sf.write(wav, np.zeros(4 * SR, np.float32), SR, subtype="FLOAT")
+    said = f"vad_filter found no speech in {str(wav)!r} (4.0 s): its transcript is empty"
+    with caplog.at_level(logging.WARNING, logger="tandem.transcribe"):
+        r = llm.transcribe(str(wav), language="en", vad_filter=True, use_tqdm=False)[0]
+    assert r.error is None and r.text == "" and r.windows == 0
+    warnings = [rec.getMessage() for rec in caplog.records if rec.name == "tandem.transcribe"]
+    assert len(warnings) == 1 and said in warnings[0]
+    capsys.readouterr()
+    assert cli.main(["transcribe", str(path), str(wav), "--language", "en", "--no-progress", "--vad-filter",
+                     "--dtype", "float32", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{wav}\t\n" and said in err  # the CLI's log line, on stderr
+
+
 @pytest.mark.asyncio
 async def test_server_vad_filter_field(whisper_ts):
     import httpx

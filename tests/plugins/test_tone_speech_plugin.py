@@ -198,6 +198,6 @@ def test_audio_transcriptions_endpoint(installed, checkpoint, clips):
     deltas = [e for e in events if e["type"] == "transcript.text.delta"]
     assert [d["segments"][0]["token_ids"] for d in deltas] == full
     assert (events[-1]["type"], events[-1]["text"]) == ("transcript.text.done", body["text"])  # OpenAI's keys
-    assert events[-1]["choices"] == []  # vLLM's chunk shape beside them (docs/from_vllm.md)
+    assert events[-1]["choices"][0]["delta"] == {"content": ""}  # vLLM's chunk shape beside them (docs/from_vllm.md)
     assert streamed.text.rstrip().endswith("data: [DONE]")
     assert translated.status_code == 400 and "tone speech only transcribes" in translated.json()["error"]["message"]

@@ -10,7 +10,8 @@ shape and vLLM's at once, each under its own keys.
   from ``chunk.choices``): ``id``, ``object`` (``transcription.chunk`` or
   ``translation.chunk``), ``created``, ``model`` and ``choices``: in a delta event
   ``[{"delta": {"content": <the delta>}, "finish_reason", "stop_reason": null}]``, in
-  the done event ``[]``, as vLLM's last chunk; ``usage``
+  the done event the same with ``"content": ""`` (never ``[]``: vLLM's translation client
+  reads ``chunk["choices"][0]`` of every event up to ``[DONE]``); ``usage``
   (``{"prompt_tokens", "completion_tokens", "total_tokens"}``) on the done event with
   ``stream_include_usage=true``, and on every delta event too with
   ``stream_continuous_usage_stats=true`` beside it.
@@ -51,20 +52,22 @@ class StreamEvents:
         self.meter, self.include_usage, self.continuous_usage = meter, include_usage, continuous_usage
 
     def delta(self, text: str, segments: list) -> str:
-        # Every delta is whole windows (never part of one): each ends as its last window did.
-        choice = {"delta": {"content": text}, "finish_reason": self.meter.finish_reason or "stop",
-                  "stop_reason": None}
         event = {"type": "transcript.text.delta", "delta": text, "segments": segments, **self.head,
-                 "choices": [choice]}
+                 "choices": [self._choice(text)]}
         if self.continuous_usage:
             event["usage"] = self._usage()
         return _sse(event)
 
     def done(self, text: str) -> str:
-        event = {"type": "transcript.text.done", "text": text, **self.head, "choices": []}
+        # No new text, but a choice all the same: a client that reads choices[0] of every event reads this one.
+        event = {"type": "transcript.text.done", "text": text, **self.head, "choices": [self._choice("")]}
         if self.include_usage:
             event["usage"] = self._usage()
         return _sse(event)
+
+    def _choice(self, content: str) -> dict:
+        # Every event is whole windows (never part of one): each ends as its last window did.
+        return {"delta": {"content": content}, "finish_reason": self.meter.finish_reason or "stop", "stop_reason": None}
 
     def _usage(self) -> dict:
         m = self.meter
