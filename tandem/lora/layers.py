@@ -1,21 +1,29 @@
 """The low-rank update of one linear layer, for every resident adapter at once.
 
-A layer's adapters live in stacked buffers, one pair per checkpoint shard of the
-layer (``q``/``k``/``v`` of a fused ``QKVParallelLinear``, the halves of a
-``MergedColumnParallelLinear``, or the whole layer), with ``max_loras`` slots of
-``max_lora_rank`` rows each; a slot's adapter of rank ``r`` fills its first ``r`` rows:
+A layer's adapters live in two stacked buffers with ``max_loras`` slots. A layer
+has ``S`` checkpoint shards (``q``/``k``/``v`` of a fused ``QKVParallelLinear``, the
+halves of a ``MergedColumnParallelLinear``, or the whole layer: ``S = 1``); slot
+``s``, shard ``k`` owns rows ``(s S + k) R ... + R`` (``R = max_lora_rank``; an
+adapter of rank ``r`` fills the first ``r``, zeros after):
 
-    a[k]: [slots * R, in]      b[k]: [slots * R, out_k]     (scaling folded into b)
+    a: [slots * S * R, in]     its A
+    b: [slots * S * R, out]    its (scaled) B^T, in the shard's output columns only
+
+so a slot's rows of both are contiguous: ``w = S R`` rows, ``a_s`` and ``b_s``.
 
 **Each row meets its own adapter only.** :class:`LoRAStep` sorts a step's tokens
 that have an adapter by slot, once per step and side (encoder or decoder tokens):
 ``rows`` (their indices, slot by slot) and ``segments`` (``(slot, start, end)`` in
-that order). A layer gathers those rows of ``x`` once, and per segment and shard
-runs two GEMMs with that slot's own ``r`` rows of ``a`` and ``b`` only::
+that order). A layer gathers those rows of ``x`` once, and per segment runs GEMMs
+with that slot's own rows of ``a`` and ``b`` only::
 
-    t = xs[start:end] @ a[k][slot rows]^T              # [n, r]
-    d[start:end] = t @ b[k][slot rows]                 # [n, out_k]
-    y[rows, shard k] += d                               # one index_add_ per shard
+    t[start:end] = xs[start:end] @ a_s^T             # [n, S R]: every shard's x A^T
+    d[start:end] = t[start:end] @ b_s                # [n, out] (block-diagonal b_s)
+    y[rows] += d                                      # one index_add_
+
+(with more than ``FEW_ROWS`` rows, one GEMM per shard instead of the block-diagonal
+one, so a large step multiplies no zeros; with the rows already in order, each
+segment adds into its rows of ``y`` directly).
 
 No token is ever multiplied by another slot's weights, so whatever an adapter
 holds (even values that overflow to inf) reaches only its own rows; a masked

@@ -7,9 +7,8 @@ when it is not resident. The engine fills the CPU cache off the step
 :meth:`LoRAManager.add` maps it and cuts this rank's part) and evicts from it
 (:meth:`LoRAManager.drop`); only an adapter the cache lacks, when a worker is
 driven without the engine, is read from its directory inside the step. A new
-adapter takes the lowest free slot (so a step's adapters stay in the low slots,
-which bounds the width of the layers' low-rank GEMMs: ``tandem.lora.layers``),
-else the least recently used slot that this step does not use. An adapter that
+adapter takes the lowest free slot, else the least recently used slot that this
+step does not use. An adapter that
 cannot be served fails only the requests naming it
 ("LoRA adapter 'NAME' (PATH): reason"); the others run. So does an adapter whose
 update turns out not finite in a step (``tandem.lora.layers``): the forward pass

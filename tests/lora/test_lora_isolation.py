@@ -110,3 +110,35 @@ def test_an_overflowing_adapter_fails_alone_and_never_a_step(setup, guard, monke
     health = llm.llm_engine.health()
     assert (health.status, health.failed_steps) == ("ok", 0), health
     llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("n", [300, 5000])
+def test_many_rows_take_the_per_shard_path_with_the_same_result(n):
+    """Past FEW_ROWS (256) rows a fused layer runs one GEMM per shard, and past 4096 the step
+    sorts its rows with tensor ops: every row still gets its own adapter's merged update."""
+    torch.manual_seed(n)
+    layer = QKVParallelLinear(8, 2, 4, 2).to(f64)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    step = LoRAStep(4, f64, torch.device("cpu"))
+    layer.lora = LinearLoRA(step, DECODER, shards_of(layer), 8, 4, f64, torch.device("cpu"))
+    deltas = {}
+    for slot, rank in ((0, 4), (1, 2), (3, 3)):
+        parts = [(torch.randn(rank, 8, dtype=f64), torch.randn(size, rank, dtype=f64)) for _, size in shards_of(layer)]
+        if slot == 1:  # adapts q and v only
+            parts[1] = None
+        for k, part in enumerate(parts):
+            if part is not None:
+                layer.lora.set_slot(slot, k, *part)
+        deltas[slot] = torch.cat([torch.zeros(size, 8, dtype=f64) if p is None else p[1] @ p[0]
+                                  for p, (_, size) in zip(parts, shards_of(layer))])
+    slots = torch.tensor([-1, 0, 1, 3])[torch.randint(0, 4, (n,))]
+    x = torch.randn(n, 8, dtype=f64)
+    base = layer(x)
+    with step.active(slots, torch.empty(0, dtype=torch.long)):
+        got = layer(x)
+    want = base.clone()
+    for slot, delta in deltas.items():
+        rows = slots == slot
+        want[rows] += x[rows] @ delta.t()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
