@@ -213,12 +213,14 @@ class Scalings:
     def __init__(self, config: dict) -> None:
         self.config = config
         self.patterns = {field: _compile_patterns(config, field) for field in ("rank_pattern", "alpha_pattern")}
-        self.deadline = time.monotonic() + PATTERN_BUDGET_S
+        self.deadline: float | None = None  # set by the first match
 
     def _value(self, field: str, module: str, default):
         import regex
 
         for key, compiled, value in self.patterns[field]:
+            if self.deadline is None:
+                self.deadline = time.monotonic() + PATTERN_BUDGET_S
             left = self.deadline - time.monotonic()
             try:
                 if left <= 0:
@@ -330,12 +332,12 @@ def read_adapter(folder: str | Path, max_rank: int, fits: Fits | None = None) ->
                 if set(ab) != {"A", "B"}:
                     missing = ({"A", "B"} - set(ab)).pop()
                     raise AdapterError(f"module {module!r} has no lora_{missing}.weight")
+                if fits is not None:  # first: the patterns below are then matched against real module names
+                    fits(module, ab["A"], ab["B"])
                 r, scaling[module] = scalings.of(module)
                 if ab["A"][0] != ab["B"][1] or ab["A"][0] != r:
                     raise AdapterError(f"module {module!r}: lora_A {ab['A']} and lora_B {ab['B']} do not "
                                        f"have the config's rank r={r}")
-                if fits is not None:
-                    fits(module, ab["A"], ab["B"])
             tensors: dict[str, dict[str, torch.Tensor]] = {}
             for name in names:
                 module, kind = _split(name)

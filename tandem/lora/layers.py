@@ -23,7 +23,7 @@ with that slot's own rows of ``a`` and ``b`` only::
 
 (with more than ``FEW_ROWS`` rows, one GEMM per shard instead of the block-diagonal
 one, so a large step multiplies no zeros; with the rows already in order, each
-segment adds into its rows of ``y`` directly).
+segment adds into its rows of ``y`` directly, with no gather or scatter).
 
 No token is ever multiplied by another slot's weights, so whatever an adapter
 holds (even values that overflow to inf) reaches only its own rows; a masked
@@ -71,7 +71,6 @@ class SideRows:
 
     rows: torch.Tensor | None
     segments: list[tuple[int, int, int]]
-    m: int
     bad: torch.Tensor | None = None
 
 
@@ -79,8 +78,8 @@ class LoRAStep:
     """What every adapted layer reads during one forward pass: per side (encoder /
     decoder tokens) a :class:`SideRows`, or None when no token of that side has an
     adapter. Set only inside :meth:`active`, which does not nest. ``on_faults``, when
-    set, is called after a forward pass with ``{slot: why}`` for the slots whose
-    update was not finite (never with an empty dict)."""
+    set, is called after a forward pass with ``{slot: why}`` for the slots some of
+    whose tokens' updates the guard zeroed (never with an empty dict)."""
 
     def __init__(self, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
         self.rank = max_rank
@@ -117,7 +116,7 @@ class LoRAStep:
                 segments.append((sorted_slots[start], start, i))
                 start = i
         rows = None if identity else torch.as_tensor(order, dtype=torch.long).to(self.device)
-        return SideRows(rows, segments, len(sorted_slots))
+        return SideRows(rows, segments)
 
     @contextmanager
     def active(self, decoder_slots: torch.Tensor, encoder_slots: torch.Tensor):
@@ -232,11 +231,12 @@ class LinearLoRA:
         for slot, start, end in segments:
             torch.mm(xs[start:end], a[slot * w: (slot + 1) * w].t(), out=t[start:end])
         self.step.guard(t, side)
-        if rows is None:  # in order: each segment adds into its own rows of y
-            for slot, start, end in segments:
-                y2[start:end].addmm_(t[start:end], b[slot * w: (slot + 1) * w])
-            return
-        if m <= FEW_ROWS or len(self.shards) == 1:
+        n_shards = len(self.shards)
+        if m <= FEW_ROWS or n_shards == 1:  # one GEMM per segment over every shard
+            if rows is None:  # in order: each segment adds into its own rows of y
+                for slot, start, end in segments:
+                    y2[start:end].addmm_(t[start:end], b[slot * w: (slot + 1) * w])
+                return
             d = (torch.empty if every else torch.zeros)(m, y2.shape[1], dtype=y.dtype, device=y.device)
             for slot, start, end in segments:
                 torch.mm(t[start:end], b[slot * w: (slot + 1) * w], out=d[start:end])
@@ -247,10 +247,17 @@ class LinearLoRA:
             own = [seg for seg in segments if self.ranks[k][seg[0]]]
             if not own:
                 continue
+            out = y2.narrow(1, offset, size)
+            if rows is None:
+                for slot, start, end in own:
+                    first = (slot * n_shards + k) * rank
+                    out[start:end] += torch.mm(t[start:end, k * rank: (k + 1) * rank],
+                                               b[first: first + rank, offset: offset + size])
+                continue
             d = (torch.empty if len(own) == len(side.segments) else torch.zeros)(
                 m, size, dtype=y.dtype, device=y.device)  # [M, size]
             for slot, start, end in own:
-                first = (slot * len(self.shards) + k) * rank
+                first = (slot * n_shards + k) * rank
                 torch.mm(t[start:end, k * rank: (k + 1) * rank], b[first: first + rank, offset: offset + size],
                          out=d[start:end])
-            y2.narrow(1, offset, size).index_add_(0, rows, d)
+            out.index_add_(0, rows, d)

@@ -112,10 +112,11 @@ def test_an_overflowing_adapter_fails_alone_and_never_a_step(setup, guard, monke
     llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("n", [300, 5000])
-def test_many_rows_take_the_per_shard_path_with_the_same_result(n):
+@pytest.mark.parametrize("n, in_order", [(300, False), (5000, False), (300, True), (40, True)])
+def test_many_rows_take_the_per_shard_path_with_the_same_result(n, in_order):
     """Past FEW_ROWS (256) rows a fused layer runs one GEMM per shard, and past 4096 the step
-    sorts its rows with tensor ops: every row still gets its own adapter's merged update."""
+    sorts its rows with tensor ops; rows already in slot order (every token with an adapter)
+    are updated in place, without a gather: every row still gets its own adapter's merged update."""
     torch.manual_seed(n)
     layer = QKVParallelLinear(8, 2, 4, 2).to(f64)
     layer.weight.data.normal_()
@@ -133,6 +134,8 @@ def test_many_rows_take_the_per_shard_path_with_the_same_result(n):
         deltas[slot] = torch.cat([torch.zeros(size, 8, dtype=f64) if p is None else p[1] @ p[0]
                                   for p, (_, size) in zip(parts, shards_of(layer))])
     slots = torch.tensor([-1, 0, 1, 3])[torch.randint(0, 4, (n,))]
+    if in_order:
+        slots = torch.tensor([0, 1, 3])[torch.randint(0, 3, (n,))].sort().values
     x = torch.randn(n, 8, dtype=f64)
     base = layer(x)
     with step.active(slots, torch.empty(0, dtype=torch.long)):
