@@ -41,7 +41,9 @@ reaches a per-tensor quantized GEMM downstream (``quantization="int8"``, the LM
 head's int8 screen), which reads every row's range at once. After the forward pass
 the slots with a marked row are reported to ``LoRAStep.on_faults``
 (``tandem.lora.manager`` fails those adapters' requests with the reason); the step,
-and every other request in it, goes on.
+and every other request in it, goes on. So does an exception in a layer's update:
+only the adapters' rows of its output can have been written, and every slot of that
+side in the step is reported with the cause.
 
 Tensor parallelism: a column-parallel layer keeps all of ``A`` and its rows of
 ``B``; a row-parallel one its columns of ``A`` and all of ``B``, so each rank's
@@ -53,7 +55,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,11 +69,13 @@ class SideRows:
     ``rows``: ``[M]`` their indices in the side's tokens (None: all of them, in order,
     so no gather or scatter is needed); ``segments``: ``(slot, start, end)`` ranges of
     the sorted rows; ``bad``: ``[M]`` bool, the rows whose update was zeroed so far
-    (None until the guard finds one, or first looks on a GPU)."""
+    (None until the guard finds one, or first looks on a GPU); ``errors``: why per
+    slot whose update raised."""
 
     rows: torch.Tensor | None
     segments: list[tuple[int, int, int]]
     bad: torch.Tensor | None = None
+    errors: dict[int, str] = field(default_factory=dict)  # slot -> why, for an exception in a layer
 
 
 class LoRAStep:
@@ -153,11 +157,13 @@ class LoRAStep:
         """The slots some of whose rows' updates were zeroed (one check per side)."""
         faults = {}
         for side, rows in self.sides.items():
+            if rows is not None:
+                faults.update(rows.errors)
             if rows is None or rows.bad is None or not bool(rows.bad.any()):
                 continue
             bad = rows.bad.cpu()
             for slot, start, end in rows.segments:
-                if bool(bad[start:end].any()):
+                if bool(bad[start:end].any()) and slot not in faults:
                     faults[slot] = (f"its low-rank update of the {side} tokens overflows "
                                     f"{str(self.dtype).removeprefix('torch.')} on this input (x A^T above "
                                     f"{self.limit:.3g}, or NaN)")
@@ -216,6 +222,15 @@ class LinearLoRA:
         side = self.step.sides[self.side]
         if side is None:
             return
+        try:
+            self._apply(y, x, side)
+        except Exception as e:  # noqa: BLE001 - the adapters' fault: their requests fail, the step goes on
+            # Only the adapters' rows of y can have been written; they fail with the cause.
+            why = f"its low-rank update failed: {type(e).__name__}: {e}"
+            for slot, _, _ in side.segments:
+                side.errors.setdefault(slot, why)
+
+    def _apply(self, y: torch.Tensor, x: torch.Tensor, side: SideRows) -> None:
         adapted = self.adapted
         segments = [seg for seg in side.segments if adapted[seg[0]]]
         if not segments:

@@ -145,3 +145,26 @@ def test_many_rows_take_the_per_shard_path_with_the_same_result(n, in_order):
         rows = slots == slot
         want[rows] += x[rows] @ delta.t()
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_an_exception_in_an_update_fails_the_adapters_rows_not_the_step():
+    """Whatever raises inside the adapters' update (here a slot buffer of the wrong dtype),
+    the layer returns the base output for the rows without an adapter and reports every
+    slot in use with the cause, instead of failing the step."""
+    torch.manual_seed(2)
+    layer = ColumnParallelLinear(8, 6).to(f64)
+    layer.weight.data.normal_()
+    step = LoRAStep(4, f64, torch.device("cpu"))
+    faults = []
+    step.on_faults = faults.append
+    layer.lora = LinearLoRA(step, DECODER, shards_of(layer), 8, 2, f64, torch.device("cpu"))
+    layer.lora.set_slot(1, 0, torch.randn(4, 8, dtype=f64), torch.randn(6, 4, dtype=f64))
+    layer.lora.a = layer.lora.a.float()  # torch.mm raises: float64 rows times float32 weights
+    slots = torch.tensor([-1, 1, -1, 1])
+    x = torch.randn(4, 8, dtype=f64)
+    base = layer(x)
+    with step.active(slots, torch.empty(0, dtype=torch.long)):
+        got = layer(x)
+    torch.testing.assert_close(got[[0, 2]], base[[0, 2]], rtol=0, atol=0)
+    assert len(faults) == 1 and set(faults[0]) == {1}
+    assert faults[0][1].startswith("its low-rank update failed: RuntimeError: ")
