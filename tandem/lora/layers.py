@@ -21,9 +21,13 @@ with that slot's own rows of ``a`` and ``b`` only::
     d[start:end] = t[start:end] @ b_s                # [n, out] (block-diagonal b_s)
     y[rows] += d                                      # one index_add_
 
-(with more than ``FEW_ROWS`` rows, one GEMM per shard instead of the block-diagonal
-one, so a large step multiplies no zeros; with the rows already in order, each
-segment adds into its rows of ``y`` directly, with no gather or scatter).
+With at most ``FEW_ROWS`` rows (decode steps) the segments run at once: padded to
+the longest into ``G`` groups of ``L`` rows (padding rows zero, not another request's
+row times zero), two batched GEMMs with each group's own ``a_s`` and ``b_s`` (views
+when the step's slots are consecutive), one ``index_add_``: a handful of ops whatever
+the number of adapters or shards. With more rows, one GEMM per segment (per shard and
+segment for a fused layer, so a large step multiplies no zeros); rows already in slot
+order are added into ``y`` directly, with no gather or scatter.
 
 No token is ever multiplied by another slot's weights, so whatever an adapter
 holds (even values that overflow to inf) reaches only its own rows; a masked
@@ -76,6 +80,17 @@ class SideRows:
     segments: list[tuple[int, int, int]]
     bad: torch.Tensor | None = None
     errors: dict[int, str] = field(default_factory=dict)  # slot -> why, for an exception in a layer
+    # Few rows (at most FEW_ROWS): the segments as G groups of L rows, padded, for batched
+    # GEMMs. ``index``: [G * L] each position's row of x (a padding position names a row of
+    # its own group and is zeroed by ``pad``, [G * L, 1], None without padding); ``slots``:
+    # [G] the groups' slots, or None when they are consecutive (a view of the buffers).
+    groups: int = 0
+    length: int = 0
+    index: torch.Tensor | None = None
+    pad: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    # (slot, start, end) of each segment in the layout ``bad`` is kept in.
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class LoRAStep:
@@ -120,7 +135,22 @@ class LoRAStep:
                 segments.append((sorted_slots[start], start, i))
                 start = i
         rows = None if identity else torch.as_tensor(order, dtype=torch.long).to(self.device)
-        return SideRows(rows, segments)
+        side = SideRows(rows, segments, spans=segments)
+        if len(sorted_slots) <= FEW_ROWS and not (identity and len(segments) == 1):
+            order = order.tolist() if isinstance(order, torch.Tensor) else order
+            g, length = len(segments), max(end - start for _, start, end in segments)
+            index, pad, spans = [], [], []
+            for k, (slot, start, end) in enumerate(segments):
+                index += order[start:end] + [order[start]] * (length - (end - start))
+                pad += [False] * (end - start) + [True] * (length - (end - start))
+                spans.append((slot, k * length, k * length + end - start))
+            side.groups, side.length, side.spans = g, length, spans
+            side.index = torch.tensor(index, dtype=torch.long).to(self.device)
+            side.pad = torch.tensor(pad).unsqueeze(1).to(self.device) if any(pad) else None
+            first = segments[0][0]
+            if [slot for slot, _, _ in segments] != list(range(first, first + g)):
+                side.slots = torch.tensor([slot for slot, _, _ in segments], dtype=torch.long).to(self.device)
+        return side
 
     @contextmanager
     def active(self, decoder_slots: torch.Tensor, encoder_slots: torch.Tensor):
@@ -162,7 +192,7 @@ class LoRAStep:
             if rows is None or rows.bad is None or not bool(rows.bad.any()):
                 continue
             bad = rows.bad.cpu()
-            for slot, start, end in rows.segments:
+            for slot, start, end in rows.spans:
                 if bool(bad[start:end].any()) and slot not in faults:
                     faults[slot] = (f"its low-rank update of the {side} tokens overflows "
                                     f"{str(self.dtype).removeprefix('torch.')} on this input (x A^T above "
@@ -170,10 +200,10 @@ class LoRAStep:
         return faults
 
 
-# Up to this many rows (a decode step's), a segment's update of every shard is one GEMM
-# with the slot's block-diagonal B (zeros off the shard blocks cost little at few rows,
-# and the GEMM calls of a fused QKV layer drop from 3 to 1 per slot); above it, one
-# GEMM per shard, so large steps do no work on zeros.
+# Up to this many rows with an adapter (a decode step's), the update runs as batched
+# GEMMs over padded groups, with each slot's block-diagonal B (zeros off the shard
+# blocks cost little at few rows; the op count is what costs there); above it, one
+# GEMM per segment and shard, so large steps do no work on zeros or padding.
 FEW_ROWS = 256
 
 
@@ -230,6 +260,25 @@ class LinearLoRA:
             for slot, _, _ in side.segments:
                 side.errors.setdefault(slot, why)
 
+    def _apply_batched(self, y2: torch.Tensor, x2: torch.Tensor, side: SideRows) -> None:
+        """Few rows: every segment at once, as G padded groups of L rows, in two batched
+        GEMMs with each group's own slot (a handful of ops whatever the adapters)."""
+        g, length, w = side.groups, side.length, len(self.shards) * self.step.rank
+        xs = x2.index_select(0, side.index)  # [G * L, in]
+        if side.pad is not None:
+            xs.masked_fill_(side.pad, 0.0)  # zero rows, not another request's row times zero
+        a3 = self.a.view(-1, w, self.a.shape[1])  # [slots, w, in]
+        b3 = self.b.view(-1, w, self.b.shape[1])  # [slots, w, out]
+        if side.slots is None:
+            first = side.segments[0][0]
+            a_g, b_g = a3[first: first + g], b3[first: first + g]
+        else:
+            a_g, b_g = a3.index_select(0, side.slots), b3.index_select(0, side.slots)
+        t = torch.bmm(xs.view(g, length, -1), a_g.transpose(1, 2))  # [G, L, w]
+        self.step.guard(t.view(g * length, w), side)
+        d = torch.bmm(t, b_g)  # [G, L, out]; a padding row's is zero
+        y2.index_add_(0, side.index, d.view(g * length, -1))
+
     def _apply(self, y: torch.Tensor, x: torch.Tensor, side: SideRows) -> None:
         adapted = self.adapted
         segments = [seg for seg in side.segments if adapted[seg[0]]]
@@ -237,6 +286,9 @@ class LinearLoRA:
             return
         x2 = x.reshape(-1, x.shape[-1])
         y2 = y.view(-1, y.shape[-1])
+        if side.index is not None:
+            self._apply_batched(y2, x2, side)
+            return
         rows = side.rows
         xs = x2 if rows is None else x2.index_select(0, rows)  # [M, in], slot by slot
         m, w = xs.shape[0], len(self.shards) * self.step.rank
@@ -247,7 +299,7 @@ class LinearLoRA:
             torch.mm(xs[start:end], a[slot * w: (slot + 1) * w].t(), out=t[start:end])
         self.step.guard(t, side)
         n_shards = len(self.shards)
-        if m <= FEW_ROWS or n_shards == 1:  # one GEMM per segment over every shard
+        if m <= FEW_ROWS or n_shards == 1:  # one GEMM per segment over every shard (block-diagonal b)
             if rows is None:  # in order: each segment adds into its own rows of y
                 for slot, start, end in segments:
                     y2[start:end].addmm_(t[start:end], b[slot * w: (slot + 1) * w])
