@@ -45,8 +45,8 @@ def parse_lora_module(text: str) -> tuple[str, str]:
         except json.JSONDecodeError as e:
             raise ValueError(f"--lora-modules {text!r}: not valid JSON ({e})") from None
         except RecursionError:  # nested past the parser's recursion limit
-            raise ValueError(f"--lora-modules {shown(text, MAX_SHOWN_CHARS)}: a JSON module is {{\"name\": ..., \"path\": ...}}, "
-                             "not nested arrays or objects") from None
+            raise ValueError(f"--lora-modules {shown(text, MAX_SHOWN_CHARS)}: a JSON module is "
+                             "{\"name\": ..., \"path\": ...}, not nested arrays or objects") from None
         if not isinstance(value, dict) or set(value) - {"name", "path", "base_model_name"}:
             raise ValueError(f"--lora-modules {text!r}: a JSON module is {{\"name\": ..., \"path\": ...}}")
         name, path = value.get("name"), value.get("path")
