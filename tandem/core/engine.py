@@ -134,7 +134,8 @@ class LLMEngine:
             self.lora_loads = AdapterLoads(self.executor, max_cpu_loras=config.max_cpu_loras,
                                            max_rank=config.max_lora_rank,
                                            live_ids=lambda: {g.lora_id for g in self.scheduler.groups.values()},
-                                           prepare=None if worker is None else worker.lora.prepare)
+                                           prepare=None if worker is None else worker.lora.prepare,
+                                           fits=None if worker is None else worker.lora.fits)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.eos_token_ids, self._seq_ids,
                                    modes=self.modes,
                                    cross_compress=CrossCompressor(compress, self.block_manager) if compress else None,

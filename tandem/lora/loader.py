@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from tandem.lora.adapter import PeftLoRA, read_adapter, why_failed
+from tandem.lora.adapter import Fits, PeftLoRA, read_adapter, why_failed
 from tandem.lora.request import LoRARequest
 from tandem.lora.source import resolve_adapter
 
@@ -45,10 +45,12 @@ logger = logging.getLogger(__name__)
 READ_THREADS = 2
 
 
-def read_lora(req: LoRARequest, max_rank: int, prepare: Callable[[PeftLoRA], Any] | None = None):
+def read_lora(req: LoRARequest, max_rank: int, prepare: Callable[[PeftLoRA], Any] | None = None,
+              fits: Fits | None = None):
     """Everything about loading ``req``'s adapter that needs no model: find it, read it,
-    check it; then ``prepare`` (the in-process worker's mapping), when given."""
-    adapter = read_adapter(resolve_adapter(req.lora_path), max_rank)
+    check it (its shapes against the model by ``fits`` before reading, when given); then
+    ``prepare`` (the in-process worker's mapping), when given."""
+    adapter = read_adapter(resolve_adapter(req.lora_path), max_rank, fits)
     return adapter if prepare is None else prepare(adapter)
 
 
@@ -57,12 +59,15 @@ class AdapterLoads:
 
     ``workers``: the executor (``collective_rpc("add_lora" | "drop_lora", ...)`` on
     every rank); ``live_ids``: the adapter ids that live requests name (the pins);
-    ``prepare``: the in-process worker's mapping of an adapter (None: each rank maps)."""
+    ``prepare``: the in-process worker's mapping of an adapter (None: each rank maps);
+    ``fits``: its check of an adapter's shapes from the header (``LoRAManager.fits``)."""
 
     def __init__(self, workers, *, max_cpu_loras: int, max_rank: int,
-                 live_ids: Callable[[], Iterable[int]], prepare: Callable[[PeftLoRA], Any] | None = None) -> None:
+                 live_ids: Callable[[], Iterable[int]], prepare: Callable[[PeftLoRA], Any] | None = None,
+                 fits: Fits | None = None) -> None:
         self.workers = workers
         self.prepare = prepare
+        self.fits = fits
         self.capacity = max(1, max_cpu_loras)
         self.max_rank = max_rank
         self.live_ids = live_ids
@@ -86,7 +91,8 @@ class AdapterLoads:
         if lora_id not in self.reading and self._make_room():
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tandem-lora-read")
-            self.reading[lora_id] = (req, self._pool.submit(read_lora, req, self.max_rank, self.prepare))
+            self.reading[lora_id] = (req, self._pool.submit(read_lora, req, self.max_rank, self.prepare,
+                                                                      self.fits))
         return False
 
     def _make_room(self) -> bool:

@@ -7,11 +7,13 @@ when it is not resident. The engine fills the CPU cache off the step
 :meth:`LoRAManager.add` maps it and cuts this rank's part) and evicts from it
 (:meth:`LoRAManager.drop`); only an adapter the cache lacks, when a worker is
 driven without the engine, is read from its directory inside the step. A new
-adapter takes the lowest free slot (so a step's adapters stay in the low slots,
-which bounds the width of the layers' low-rank GEMMs: ``tandem.lora.layers``),
-else the least recently used slot that this step does not use. An adapter that
+adapter takes the lowest free slot, else the least recently used slot that this
+step does not use. An adapter that
 cannot be served fails only the requests naming it
-("LoRA adapter 'NAME' (PATH): reason"); the others run.
+("LoRA adapter 'NAME' (PATH): reason"); the others run. So does an adapter whose
+update turns out not finite in a step (``tandem.lora.layers``): the forward pass
+reports its slot, and the failures :meth:`LoRAManager.assign` returned for the step
+gain its requests, which the worker reads after the forward pass.
 
 Adapters are keyed by ``lora_int_id`` (as vLLM does): two requests with the same
 id share the loaded adapter.
@@ -29,7 +31,7 @@ from torch import nn
 from tandem.core.layers.linear import LinearBase
 from tandem.lora.adapter import AdapterError, PeftLoRA, read_adapter, why_failed
 from tandem.lora.layers import LinearLoRA, LoRAStep
-from tandem.lora.mapping import LayerLoRA, map_adapter, shards_of, side_of
+from tandem.lora.mapping import LayerLoRA, map_adapter, model_fits, shards_of, side_of
 from tandem.lora.source import resolve_adapter
 
 logger = logging.getLogger(__name__)
@@ -43,12 +45,19 @@ class LoRAManager:
         self.max_cpu_loras = max(max_cpu_loras or max_loras, 1)
         self.dtype = dtype
         self.step = LoRAStep(max_rank, dtype, device)
+        self.step.on_faults = self._on_faults
+        # The step's assignment, for _on_faults: the failures assign returned (filled
+        # further when a slot's update is not finite) and the requests of each slot.
+        self._step_failed: dict[str, str] = {}
+        self._step_slots: dict[int, list[tuple[str, object]]] = {}
         self.layers: dict[str, LinearLoRA] = {}
         for name, module in model.named_modules():
             if isinstance(module, LinearBase):
                 module.lora = self.layers[name] = LinearLoRA(
                     self.step, side_of(model, name), shards_of(module), module.input_size, max_loras, dtype, device
                 )
+        # Checks an adapter's shapes against this model from its safetensors header (read_adapter).
+        self.fits = model_fits(model)
         self.slots: list[int | None] = [None] * max_loras  # lora_int_id per slot
         self._slot_parts: list[list[tuple[str, int]]] = [[] for _ in range(max_loras)]
         self._last_used = [0] * max_loras
@@ -58,7 +67,9 @@ class LoRAManager:
 
     def assign(self, groups: Iterable) -> tuple[dict[str, int], dict[str, str]]:
         """For the step's groups (``ScheduledGroup``s): the slot of each request that
-        has an adapter, and why for each request whose adapter cannot be served."""
+        has an adapter, and why for each request whose adapter cannot be served. The
+        second dict is the step's: the forward pass adds to it the requests whose
+        adapter's update was not finite, so read it after the forward pass."""
         self._clock += 1
         wanted: dict[int, object] = {}
         for g in groups:
@@ -74,15 +85,27 @@ class LoRAManager:
                 why_of_id[lora_id] = why_failed(req, e)
                 logger.warning("%s", why_of_id[lora_id])
         slots, failed = {}, {}
+        by_slot: dict[int, list[tuple[str, object]]] = {}
         for g in groups:
             if g.lora_request is None:
                 continue
             lora_id = g.lora_request.lora_int_id
             if lora_id in slot_of_id:
                 slots[g.request_id] = slot_of_id[lora_id]
+                by_slot.setdefault(slot_of_id[lora_id], []).append((g.request_id, g.lora_request))
             else:
                 failed[g.request_id] = why_of_id[lora_id]
+        self._step_failed, self._step_slots = failed, by_slot
         return slots, failed
+
+    def _on_faults(self, faults: dict[int, str]) -> None:
+        """A forward pass's slots whose update was not finite: their requests fail
+        (the other requests of the step are served; the engine's health is untouched)."""
+        for slot, why in faults.items():
+            for request_id, req in self._step_slots.get(slot, []):
+                self._step_failed[request_id] = why_failed(req, why)
+            if self._step_slots.get(slot):
+                logger.warning("%s", why_failed(self._step_slots[slot][0][1], why))
 
     def _resident(self, req, busy: set[int]) -> int:
         lora_id = req.lora_int_id
@@ -109,7 +132,7 @@ class LoRAManager:
             self.cpu.move_to_end(lora_id)
             return self.cpu[lora_id]
         folder = resolve_adapter(req.lora_path)
-        parts = self.prepare(read_adapter(folder, self.max_rank))
+        parts = self.prepare(read_adapter(folder, self.max_rank, self.fits))
         self.loads += 1
         self.cpu[lora_id] = parts
         while len(self.cpu) > self.max_cpu_loras:

@@ -239,3 +239,21 @@ def test_the_screen_steps_aside_where_it_does_not_pay():
     for _ in range(8):
         step(sharp)
     assert stats.full_share < 0.5 and all(step(sharp) for _ in range(10))
+
+
+@pytest.mark.parametrize("rows, cols, bad", [(3, slice(0, 16), float("nan")), (1, slice(None), float("nan")),
+                                             (3, slice(None), float("inf"))])
+def test_a_row_of_nan_or_inf_activations_fails_no_other_row(rows, cols, bad):
+    """The int8 kernel quantizes every row at once (one range per tensor): a row partly NaN,
+    or a step of one NaN row (an overflow upstream, e.g. a LoRA adapter's), made it raise,
+    failing every row of the step. Now that row's logits are NaN; the others' tokens are exact."""
+    torch.manual_seed(3)
+    weight = torch.randn(500, 32) * 0.05
+    hidden = torch.randn(rows, 32)
+    hidden[0, cols] = bad
+    screen, tokens, logits = _screen(weight, hidden, None, torch.zeros(rows, 500, dtype=torch.bool))
+    assert bool(torch.isnan(logits[0]).all())
+    exact = hidden @ weight.t()
+    for r in range(rows):
+        if r != 0:
+            assert _oracle_ok(exact[r], tokens.tolist()[r])

@@ -57,14 +57,14 @@ def _block_reads_of(monkeypatch, folder, release: threading.Event, fail: str | N
     started = threading.Event()
     real = tandem.lora.adapter.read_adapter
 
-    def read(path, max_rank):
+    def read(path, max_rank, fits=None):
         if str(path) == str(folder):
             started.set()
             if not release.wait(BLOCK_S):
                 raise RuntimeError("the slow read was never released")
             if fail is not None:
                 raise tandem.lora.adapter.AdapterError(fail)
-        return real(path, max_rank)
+        return real(path, max_rank, fits)
 
     for name in ("tandem.lora.loader", "tandem.lora.manager"):
         try:

@@ -158,6 +158,11 @@ class ScreenedHead:
         ``[R, 3]`` float64 columns ``||h||``, ``||h - hq||`` and the rounding term, so that
         ``|L_j - Lq_j| <= ||h|| err_norm[j] + ||h - hq|| q_norm[j] + rounding`` (:meth:`bound`)."""
         h = h.float()
+        broken = ~torch.isfinite(h).all(dim=1)
+        if bool(broken.any()):
+            # The kernel quantizes all rows per tensor: a NaN/inf row would fail every row's
+            # step. Such a row is quantized as zeros; its logits are NaN below.
+            h = h.masked_fill(broken[:, None], 0.0)
         a = h.abs().amax(dim=1, keepdim=True) / 63.0
         a = torch.where(a > 0, a, torch.ones_like(a))  # a zero row: q1 = q2 = 0, exact
         q1 = torch.round(h / a).clamp_(-63, 63)
@@ -168,8 +173,7 @@ class ScreenedHead:
         approx = y[:rows].mul_(a).addcmul_(y[rows:], b)  # a y1 + b y2
         if bias is not None:
             approx.add_(bias)
-        broken = ~torch.isfinite(h).all(dim=1)
-        if bool(broken.any()):  # quantizing NaN/inf gives finite garbage: say NaN, as the float32 logits would
+        if bool(broken.any()):  # say NaN, as the float32 logits would
             approx[broken] = float("nan")
         h64, hi, lo = h.double(), a.double() * q1.double(), b.double() * q2.double()
         residual = (h64 - hi - lo).norm(dim=1)  # ||h - hq||

@@ -27,6 +27,7 @@ from typing import Any
 from tandem.entrypoints.openai.media import _inside
 from tandem.core.param_errors import shown
 from tandem.entrypoints.openai.protocol import HTTPError, MAX_SHOWN_CHARS
+from tandem.lora.adapter import AdapterError, parse_config
 from tandem.lora.request import LoRARequest
 
 # adapter_config.json is a few hundred bytes; anything this big is not one.
@@ -43,6 +44,9 @@ def parse_lora_module(text: str) -> tuple[str, str]:
             value = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"--lora-modules {text!r}: not valid JSON ({e})") from None
+        except RecursionError:  # nested past the parser's recursion limit
+            raise ValueError(f"--lora-modules {shown(text, MAX_SHOWN_CHARS)}: a JSON module is "
+                             "{\"name\": ..., \"path\": ...}, not nested arrays or objects") from None
         if not isinstance(value, dict) or set(value) - {"name", "path", "base_model_name"}:
             raise ValueError(f"--lora-modules {text!r}: a JSON module is {{\"name\": ..., \"path\": ...}}")
         name, path = value.get("name"), value.get("path")
@@ -65,13 +69,15 @@ def check_adapter_dir(path: str, max_rank: int) -> None:
         if os.path.getsize(config) > MAX_ADAPTER_CONFIG_BYTES:
             raise ValueError(f"{config!r} is over {MAX_ADAPTER_CONFIG_BYTES} bytes: not a PEFT adapter config")
         with open(config, encoding="utf-8") as f:
-            value = json.load(f)
+            text = f.read()
     except FileNotFoundError:
         raise ValueError(f"{path!r} has no adapter_config.json: not a PEFT adapter directory") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{config!r} cannot be read as JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{config!r} is not a JSON object")
+    try:
+        value = parse_config(text)  # a JSON object, its nesting bounded
+    except AdapterError as e:
+        raise ValueError(f"{config!r}: {e}") from None
     kind = value.get("peft_type", "LORA")
     if kind != "LORA":
         raise ValueError(f"{config!r}: peft_type={kind!r}; only LoRA adapters (peft_type 'LORA') are served")
