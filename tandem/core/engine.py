@@ -152,10 +152,11 @@ class LLMEngine:
         # One line at INFO; the details at DEBUG ($TANDEM_LOGGING_LEVEL=DEBUG): one record
         # (never interleaved with another thread's), one fact per line, the backends passed
         # over one per line too.
-        logger.info("engine ready in %.1f s: %s, %s on %s, attention %s, KV pool %d blocks (%.1f MiB%s)",
+        logger.info("engine ready in %.1f s: %s, %s on %s, attention %s, KV pool %d blocks (%.1f MiB%s)%s",
                     time.perf_counter() - started, self.architecture, str(dtype).removeprefix("torch."), device,
                     self.attn_backend.name, num_blocks, num_blocks * block_bytes / (1 << 20),
-                    "" if config.kv_cache_dtype == "auto" else f", kv_cache_dtype={config.kv_cache_dtype}")
+                    "" if config.kv_cache_dtype == "auto" else f", kv_cache_dtype={config.kv_cache_dtype}",
+                    self._features_line())
         backend_reason = self._backend_reason.replace(" | ", "\n      | ")
         logger.debug(
             "engine details: %s for %s\n  dtype and device: %s (%s) on %s\n  %s\n  %s\n  attention backend %s (%s)"
@@ -170,6 +171,20 @@ class LLMEngine:
             num_cpu_blocks, num_cpu_blocks * block_bytes / GiB,
             type(self.executor).__name__, config.tensor_parallel_size,
         )
+
+    def _features_line(self) -> str:
+        """The optional features this engine runs with, for its start-up line (each
+        counted in ``get_stats()`` and ``/metrics``); empty when none is on."""
+        c, on = self.config, []
+        if c.kv_compress_config is not None:
+            on.append("kv_compress (cross KV compressed after its observation window)")
+        if getattr(self.executor.worker, "has_lm_head_screen", False):
+            on.append("LM-head int8 screen")
+        if not c.structured_outputs_disable_jump_forward:
+            on.append("structured-output jump-forward")
+        if c.enable_lora:
+            on.append(f"LoRA (max_loras={c.max_loras})")
+        return "; with " + ", ".join(on) if on else ""
 
     @property
     def worker(self):

@@ -65,6 +65,14 @@ class EngineStats:
     num_requests_waiting: int = 0
     num_requests_running: int = 0
     num_requests_swapped: int = 0
+    # kv_compress: requests whose cross table was compressed, and the device blocks that freed.
+    kv_compress_requests: int = 0
+    kv_compress_blocks_freed: int = 0
+    # LoRA: distinct adapters among the requests of the last step.
+    lora_adapters_running: int = 0
+    # The int8 LM-head screen (in-process worker): rows it decided, rows it sent to float32.
+    lm_head_screen_rows: int = 0
+    lm_head_screen_full_rows: int = 0
     # The ids of the requests the core holds, and the sampling params of those that
     # wait or are swapped out (an admission limit counts their sequences; params are
     # immutable, so reading them from another thread is safe).
@@ -269,7 +277,14 @@ class EngineCore:
 
     def _publish(self) -> None:
         bm, sch, w = self.block_manager, self.scheduler, self.executor
+        compress = sch.cross_compress
+        screened, screened_full = w.lm_head_screen_rows()
         self.stats = EngineStats(
+            kv_compress_requests=0 if compress is None else compress.num_compressed,
+            kv_compress_blocks_freed=0 if compress is None else compress.blocks_freed,
+            lora_adapters_running=len(sch.lora_slots.active),
+            lm_head_screen_rows=screened,
+            lm_head_screen_full_rows=screened_full,
             encoder_tokens_computed=sch.encoder_tokens_computed,
             encoder_tokens_reused=sch.encoder_tokens_reused,
             encoder_runs=bm.encoder_runs,

@@ -105,6 +105,14 @@ class Executor(ABC):
     def swapped_in_blocks(self) -> int:
         return self._swapped[1]
 
+    def lm_head_screen_rows(self) -> tuple[int, int]:
+        """(rows whose token the int8 LM-head screen decided, rows that needed their
+        whole float32 row) so far, where the worker runs in this process; (0, 0) where
+        it does not (its counters stay with the rank)."""
+        worker = getattr(self, "worker", None)
+        stats = getattr(worker, "screen_stats", None)
+        return (0, 0) if stats is None else (stats.rows_screened, stats.rows_full)
+
     def check_request(self, params) -> None:
         """``ValueError`` naming the field when a request's ``SamplingParams`` cannot reach
         the workers: out of process they are pickled with the step (a ``lambda`` or a
