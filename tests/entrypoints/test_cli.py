@@ -73,7 +73,8 @@ def test_generate_on_the_demo_model_works_with_no_flags():
     assert re.fullmatch(rf"INFO tandem.core.engine: loading BartForConditionalGeneration from {DEMO_MODEL} "
                         rf"\(\w+ on \w+, attention {chosen}\)", engine[0]), engine
     assert re.fullmatch(rf"INFO tandem.core.engine: engine ready in [\d.]+ s: BartForConditionalGeneration, \w+ on "
-                        rf"\w+, attention {chosen}, KV pool \d+ blocks \([\d.]+ MiB\)", engine[1]), engine
+                        rf"\w+, attention {chosen}, KV pool \d+ blocks \([\d.]+ MiB\)"
+                        r"(; with structured-output jump-forward)?", engine[1]), engine
     assert "  dtype and device" not in res.stderr
     # At DEBUG the details: a short head and one fact per indented line (the backends passed
     # over each on a "|" line of their own).
