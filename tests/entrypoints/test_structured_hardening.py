@@ -88,12 +88,12 @@ def test_counts_within_the_limits_are_served(llm):
 
 
 def test_a_slow_jump_forward_search_fails_only_its_request(model_dir):
-    """``(a{0,30}a{30}){31}`` is within every bound, but its nested counts (930) make
+    """``(a{0,30}a{30}){30}`` is within every bound, but its nested counts (900) make
     finding its forced text take a tenth of a second of CPU a call (17 s for
     ``((a{0,10}a{10}){10}){10}``): the search runs under the CPU budget, and past it
     the request fails, naming it, while a plain request beside it is served."""
     llm = LLM(model=str(model_dir), dtype="float32", device="cpu", structured_outputs_jump_timeout=0.02)
-    slow = SamplingParams(temperature=0, max_tokens=16, structured_outputs=SO(regex="(a{0,30}a{30}){31}"))
+    slow = SamplingParams(temperature=0, max_tokens=16, structured_outputs=SO(regex="(a{0,30}a{30}){30}"))
     plain = SamplingParams(temperature=0, max_tokens=16)
     t0 = time.monotonic()
     bad, good = llm.generate([PROMPT, PROMPT], [slow, plain], use_tqdm=False)
