@@ -112,6 +112,16 @@ def test_a_search_past_its_cpu_budget_fails_and_is_abandoned():
     assert search.forced(Spinning(0.0)) == "x"
 
 
+def test_a_search_that_ends_past_its_budget_between_polls_fails_too():
+    """A search that spends more CPU than its budget fails its request whenever it ends:
+    before the first poll (10 ms of CPU, polls every 20 ms, budget 1 ms) as after one.
+    Which one it is depends on how the threads are scheduled, so the rule must not."""
+    search = JumpSearch(budget=0.001)
+    for _ in range(3):
+        with pytest.raises(JumpBudgetError, match="took more than 0.001 s of CPU time"):
+            search.forced(Spinning(0.01))
+
+
 def test_a_search_waiting_for_the_cpu_is_not_failed():
     """The budget is the search thread's CPU time: a search that only waits (a loaded
     machine) is not failed by the wall clock."""

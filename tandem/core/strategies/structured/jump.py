@@ -126,14 +126,23 @@ class JumpSearch:
         future = searcher.submit(matcher)
         while True:
             try:
-                return future.result(timeout=_POLL_S)
+                text = future.result(timeout=_POLL_S)
             except cf.TimeoutError:
                 if searcher.cpu() - start > self.budget or time.monotonic() - wall > _WALL_LIMIT_S:
                     break
+                continue
+            # A search that ended past its budget fails as one abandoned would: on a loaded
+            # machine this thread may poll late, and the rule must not depend on when it does.
+            if searcher.cpu() - start > self.budget:
+                raise self._over_budget()
+            return text
         searcher.retire()
         self._abandoned.append(searcher)
         self._searcher = None
-        raise JumpBudgetError(
+        raise self._over_budget()
+
+    def _over_budget(self) -> JumpBudgetError:
+        return JumpBudgetError(
             f"finding the text its grammar forces next took more than {self.budget:g} s of CPU time (engine option "
             "structured_outputs_jump_timeout); the engine option structured_outputs_disable_jump_forward decodes "
             "such grammars a token at a time")
