@@ -103,7 +103,7 @@ class EngineCore:
         self.faults = StepFaults(max_consecutive_step_failures)
         self.num_requests_finished = 0
         self.stats = EngineStats()
-        self._adding = self._unpublished = False  # inside adding(): adds publish at its end
+        self._adding = False  # inside adding(): adds publish once, at its end
         self._publish()
 
     # -- requests ------------------------------------------------------------------
@@ -112,9 +112,7 @@ class EngineCore:
         self.scheduler.add(group)
         if self.lora_loads is not None:
             self.lora_loads.ready(group.lora_request)  # its adapter's read starts now if it must
-        if self._adding:
-            self._unpublished = True
-        else:
+        if not self._adding:
             self._publish()
 
     @contextmanager
@@ -124,13 +122,12 @@ class EngineCore:
         (``LLM.generate`` over 20,000 prompts). Not to be nested."""
         if self._adding:
             raise RuntimeError("EngineCore.adding() is already open")
-        self._adding, self._unpublished = True, False
+        self._adding = True
         try:
             yield
         finally:
             self._adding = False
-            if self._unpublished:
-                self._publish()
+            self._publish()
 
     def abort(self, request_ids: set[str]) -> list[RequestResult]:
         """Drop the requests and free their blocks; returns their final (aborted) results."""

@@ -81,7 +81,6 @@ class SamplingStrategy(RequestStrategy):
         # A sequence that goes on keeps the group going (no need to look at the others).
         return RequestResult(group.request_id, deltas, False if going else group.is_finished)
 
-
     @classmethod
     def update_all(
         cls, ops: SchedulerOps, items: "list[tuple[SequenceGroup, ScheduledGroup]]", result: "ModelRunnerOutput",

@@ -42,9 +42,6 @@ class BlockTableRows:
         row, width = self._row, self.width
         return [width[row[k]] if k in row else -1 for k in keys]
 
-    def num_blocks(self, key: object) -> int:
-        return self.width[self._row[key]]
-
     def _grow(self, rows: int, width: int) -> None:
         old_rows, old_width = self.table.shape
         new_rows, new_width = max(old_rows, rows), max(old_width, width)

@@ -326,11 +326,10 @@ class Worker:
         h.extend_many(keys, ids)
 
     def _record_history(self, seq) -> None:
+        """A sequence ``_record_histories`` could not extend: new, forked or recomputed."""
         h = self.histories
         if seq.prefix_token_ids is not None:
             h.set(seq.seq_id, list(seq.prefix_token_ids) + list(seq.token_ids))
-        elif seq.seq_id in h and h.num_blocks(seq.seq_id) == seq.num_computed_tokens:
-            h.extend(seq.seq_id, list(seq.token_ids))
         elif seq.num_computed_tokens == 0:
             h.set(seq.seq_id, list(seq.token_ids))
         elif seq.seq_id in h:  # recomputed part of the way (kept tokens beyond)

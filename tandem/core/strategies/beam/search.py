@@ -75,26 +75,18 @@ class BeamSearchState:
     def running_scores(self) -> list[float]:
         return self.running.tolist()
 
-    def step(
-        self,
-        cands: BeamCandidates,
-        parents_out: list[list[int]],
-        parents_logprobs: list[list[dict[int, float]]],
-        num_out: int,
-    ) -> list[NextBeam]:
-        """Advance by one token. ``parents_out[j]`` / ``parents_logprobs[j]`` are the
-        output tokens / logprobs of parent beam ``j``; ``num_out`` their (common)
-        count before this step. Returns the next running beams, in HF's order."""
-        return self.step_all([(self, cands, parents_out, parents_logprobs, num_out)])[0]
-
     @staticmethod
     def step_all(items: list[tuple["BeamSearchState", BeamCandidates, list, list, int]]) -> list[list[NextBeam]]:
-        """:meth:`step` for many requests: ``(state, cands, parents_out, parents_logprobs,
-        num_out)`` each. Requests with the same beam count and candidate count are
-        stacked, one tensor op per stage for all of them (HF's own batched arithmetic:
-        each row's values are those of a step alone, which ``tests/core/test_beam_step.py``
-        checks against HF's ``_beam_search`` pieces); only the finished hypotheses and
-        the next beams' records are built per request."""
+        """Advance each request by one token: ``(state, cands, parents_out,
+        parents_logprobs, num_out)`` each, where ``parents_out[j]`` / ``parents_logprobs[j]``
+        are the output tokens / logprobs of parent beam ``j`` and ``num_out`` their
+        (common) count before this step. Returns each request's next running beams, in
+        HF's order. Requests with the same beam count and candidate count are stacked,
+        one tensor op per stage for all of them (HF's own batched arithmetic: each row's
+        values are those of the request stepped alone, which
+        ``tests/core/test_beam_step.py`` checks bit for bit; the HF beam parity suites
+        check the search itself); only the finished hypotheses and the next beams'
+        records are built per request."""
         buckets: dict[tuple[int, int], list[int]] = {}
         for i, (state, cands, *_) in enumerate(items):
             buckets.setdefault((state.num_beams, len(cands.scores)), []).append(i)
