@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_demo_whisper import (  # noqa: E402
-    DEFAULT_OUT, DEMO_SAMPLES, WINDOW_SAMPLES, evaluate, features, greedy, make_example, sample_sentence, special_ids,
+    DEFAULT_OUT, DEMO_SAMPLES, WINDOW_SAMPLES, evaluate, features, greedy, make_example, pad_batch,
+    sample_sentence, special_ids,
 )
 
 
@@ -59,12 +60,7 @@ def finetune(folder: Path, steps: int = 120, batch: int = 4, lr: float = 3e-4, s
             waves.append(a)
             dec.append(d)
             labs.append(lab)
-        width = max(len(d) for d in dec)
-        dec_t = torch.full((batch, width), ids["endoftext"])
-        lab_t = torch.full((batch, width), -100)
-        for i, (d, lab) in enumerate(zip(dec, labs)):
-            dec_t[i, : len(d)] = torch.tensor(d)
-            lab_t[i, : len(lab)] = torch.tensor(lab)
+        dec_t, lab_t = pad_batch(dec, labs, ids["endoftext"])
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 10)
         loss = model(input_features=features(waves, WINDOW_SAMPLES), decoder_input_ids=dec_t, labels=lab_t).loss

@@ -147,6 +147,20 @@ def features(waves: list[np.ndarray], samples: int):
     return log_mel_spectrogram(batch, 80, any_length=True)
 
 
+def pad_batch(dec: list[list[int]], labs: list[list[int]], pad_id: int):
+    """Decoder inputs padded with ``pad_id`` and labels with -100 (ignored by the loss),
+    ``[B, longest]`` each."""
+    import torch
+
+    width = max(len(d) for d in dec)
+    dec_t = torch.full((len(dec), width), pad_id)
+    lab_t = torch.full((len(dec), width), -100)
+    for i, (d, lab) in enumerate(zip(dec, labs)):
+        dec_t[i, : len(d)] = torch.tensor(d)
+        lab_t[i, : len(lab)] = torch.tensor(lab)
+    return dec_t, lab_t
+
+
 def make_example(rng: random.Random, sentence: str, seed: int, tok, ids, predict_prompt: bool = False):
     """Audio, decoder input ids, labels (-100 where the prompt is given, not predicted)
     and each word's (start, end) in seconds. ``predict_prompt``: the task and
@@ -323,12 +337,7 @@ def main(argv=None) -> int:
             frames.append(frame_labels(s, spans, args.short_positions if short else 1500))
             dec.append(d)
             labs.append(lab)
-        width = max(len(d) for d in dec)
-        dec_t = torch.full((bs, width), ids["endoftext"])
-        lab_t = torch.full((bs, width), -100)
-        for i, (d, lab) in enumerate(zip(dec, labs)):
-            dec_t[i, : len(d)] = torch.tensor(d)
-            lab_t[i, : len(lab)] = torch.tensor(lab)
+        dec_t, lab_t = pad_batch(dec, labs, ids["endoftext"])
         feats = features(waves, short_samples if short else WINDOW_SAMPLES)
         for g in opt.param_groups:
             g["lr"] = (lr_at(step, args.short_steps, args.lr, args.warmup) if short
