@@ -61,6 +61,8 @@ from tandem.core.sampling_params import SamplingParams
 NEG_INF = -float("inf")
 # Requests whose compiled bad words are kept between steps (then the cache starts over).
 _BAD_WORDS_CACHE_SIZE = 1024
+# Distinct suppress_tokens lists kept as tensors between steps (then the cache starts over).
+_TOKEN_TENSORS_CACHE_SIZE = 1024
 
 
 @dataclass
@@ -194,7 +196,7 @@ class LogitsProcessors:
         for token_ids, idx in by_value.items():
             tokens = self._token_tensors.get(token_ids)
             if tokens is None or tokens.device != dev:
-                if len(self._token_tensors) >= _BAD_WORDS_CACHE_SIZE:
+                if len(self._token_tensors) >= _TOKEN_TENSORS_CACHE_SIZE:
                     self._token_tensors.clear()
                 tokens = self._token_tensors[token_ids] = torch.tensor(token_ids, dtype=torch.long, device=dev)
             rows = torch.tensor(idx, dtype=torch.long, device=dev)
