@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from tandem.core.inputs import EncoderInputs
 from tandem.core.kv.block_manager import BlockManager
+from tandem.core.kv.block_pool import Device
 from tandem.core.sampling_params import RequestOutputKind, SamplingParams
 from tandem.core.sched.scheduler import Scheduler, SchedulerConfig
 from tandem.core.scheduler_output import ModelRunnerOutput
@@ -61,18 +62,33 @@ def test_steady_records_equal_the_general_ones(block_size, requests, steps, pref
     for _ in range(steps):
         out = sched.schedule()
         sched.update_from_output(out, _sample_all(sched, out))
+    sent_before = {sid: list(table) for sid, table in sched._sent_tables.items()}
+    free_before = bm.num_free_blocks()
     records, in_place = sched._steady(deque(sched.running))
     assert not set(records) & set(in_place)
+    opened = 0
     for group in sched.running:
         rid = group.request_id
-        seqs = bm.append_in_place(group)
+        seqs = bm.append_in_place(group)  # passes now for a sequence _steady gave a block
         if rid in records:
+            # _metadata as the general path would have called it: against the worker's
+            # tables as they were before _steady (which records the blocks it opened).
+            for s in group.seqs:
+                if s.seq_id in sent_before:
+                    sched._sent_tables[s.seq_id] = list(sent_before[s.seq_id])
             assert records[rid] == sched._metadata(group, False, seqs)
-            assert records[rid].seqs and all(s.block_ids == [] and not s.replace_blocks for s in records[rid].seqs)
+            assert records[rid].seqs and not any(s.replace_blocks for s in records[rid].seqs)
+            for s, rec in zip(seqs, records[rid].seqs):
+                table = bm.get_block_table(s)
+                if rec.block_ids:  # its token opened the table's last block, which it alone holds
+                    assert rec.block_ids == table[-1:] and s.num_computed_tokens == (len(table) - 1) * block_size
+                    assert bm.refcount(Device.DEVICE, table[-1]) == 1
+                    opened += 1
         elif rid in in_place:
             assert [s.seq_id for s in in_place[rid]] == [s.seq_id for s in seqs]
-        else:  # left to the general path: a block to open (or a table to send)
+        else:  # left to the general path (a block to copy, or one to open where the step cannot give it)
             assert seqs is None
+    assert bm.num_free_blocks() == free_before - opened  # the opened blocks, and nothing else, were taken
 
 
 def test_mid_block_decode_steps_are_all_steady():

@@ -32,6 +32,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 SWAPPING = dict(block_size=4, num_kv_blocks=20, preemption_mode="swap", max_num_seqs=4)
 SWAP_PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2)
 SMALL_BLOCKS = dict(block_size=4)
+TWO_SEQS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, n=2)
 BEAMS = SamplingParams(num_beams=2, max_tokens=6, temperature=0.0)
 
 
@@ -79,11 +80,12 @@ BLOCK_FAULTS = {
     "allocate": (BlockManager, {}, GREEDY),
     # A decode step whose token goes into a block it holds alone takes append_in_place_all
     # (the scheduler's steady pass over every running group, then, after a fault there,
-    # append_in_place group by group, which asks it for one group); 4-token blocks make
-    # decode steps open new blocks, which take the general path.
+    # append_in_place group by group, which asks it for one group). Two sequences of a
+    # request share its prompt's block, so their first decode step copies it: that takes
+    # the general path (a block to open no longer does, while the free blocks cover it).
     "append_in_place_all": (BlockManager, {}, GREEDY),
-    "can_append_slots": (BlockManager, SMALL_BLOCKS, GREEDY),
-    "append_slots": (BlockManager, SMALL_BLOCKS, GREEDY),
+    "can_append_slots": (BlockManager, SMALL_BLOCKS, TWO_SEQS),
+    "append_slots": (BlockManager, SMALL_BLOCKS, TWO_SEQS),
     "swap_out": (BlockManager, SWAPPING, SWAP_PARAMS),
     "can_swap_in": (BlockManager, SWAPPING, SWAP_PARAMS),
     "swap_in": (BlockManager, SWAPPING, SWAP_PARAMS),

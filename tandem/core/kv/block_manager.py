@@ -442,20 +442,27 @@ class BlockManager:
         hit = self.append_in_place_all([group]).get(group.request_id)
         return None if hit is None else hit[1]
 
-    def append_in_place_all(self, groups: list[SequenceGroup]) -> dict[str, tuple]:
+    def append_in_place_all(self, groups: list[SequenceGroup],
+                            openers: dict[str, list[Sequence]] | None = None) -> dict[str, tuple]:
         """``append_in_place`` for many groups in one call, with what a step record of
         each needs from here, so the scheduler's usual decode step costs no Python call
         per group: request id -> ``(group, running sequences, their self tables, cross
         positions, cross blocks)`` for each group that passes (tables as live lists, not
         to be changed; the cross fields None when the group holds no cross table). The
         others are left out, nothing done for them. A plain tuple: building a named one
-        is a Python call per group."""
+        is a Python call per group.
+
+        ``openers``: when given, a sequence whose one new token opens a block (its table's
+        blocks are all full) does not keep its group out: the group passes, and its
+        opening sequences are listed under its request id, for the caller to give each a
+        block (:meth:`open_blocks`) or to send the group down the general path. Nothing
+        is allocated here."""
         refs, bs, tables, cross_of = self.pools[Device.DEVICE].refcounts, self.block_size, self._self, self._cross
         running_status = SequenceStatus.RUNNING
         out: dict[str, tuple] = {}
         registered = self.prefix_cache.max_blocks  # enabled: full prompt blocks to register
         for group in groups:
-            running, held = [], []
+            running, held, opening = [], [], None
             for seq in group.seqs:
                 table = tables.get(seq.seq_id)
                 if seq.status is not running_status:
@@ -466,11 +473,19 @@ class BlockManager:
                 if table is None or seq.lookahead_token_ids or len(seq.token_ids) - computed != 1:
                     break
                 i = computed // bs
-                if i >= len(table) or refs[table[i]] != 1:
+                if i >= len(table):
+                    if openers is None or i != len(table):
+                        break
+                    if opening is None:
+                        opening = []
+                    opening.append(seq)
+                elif refs[table[i]] != 1:
                     break
                 running.append(seq)
                 held.append(table)
             else:
+                if opening is not None:
+                    openers[group.request_id] = opening
                 cross = cross_of.get(group.request_id)
                 if cross is None:
                     out[group.request_id] = (group, running, held, None, None)
@@ -482,6 +497,20 @@ class BlockManager:
                         if seq.num_computed_tokens >= bs and len(seq.prompt_token_ids) >= bs:
                             self._register_prompt(seq, table)
         return out
+
+    def open_blocks(self, seqs: list[Sequence]) -> list[int]:
+        """One new device block at the end of each sequence's self table, in order, for
+        sequences whose next token opens a block (``append_in_place_all``'s openers):
+        what ``append_slots`` would do for them, block for block (a kept block is
+        evicted only when none is free). Returns the new blocks."""
+        pool, tables, make_room = self.pools[Device.DEVICE], self._self, self._make_room
+        new = []
+        for seq in seqs:
+            make_room(1)
+            block = pool.allocate(1)[0]
+            tables[seq.seq_id].append(block)
+            new.append(block)
+        return new
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Make the sequence's self table hold all its tokens and its draft tokens

@@ -366,8 +366,10 @@ class Scheduler:
 
     def _steady(self, queue: deque[SequenceGroup]) -> tuple[dict[str, ScheduledGroup], dict[str, list[Sequence]]]:
         """The running groups whose step is the usual decode step (``append_in_place``
-        holds) and that have no drafts and no step mode: request id -> the group's step
-        record, for those whose tables the worker holds as they are; request id -> its
+        holds, or a sequence's token opens a block and the step can give it one without
+        changing what else the step does: see below) and that have no drafts and no
+        step mode: request id -> the group's step record, for those whose tables the
+        worker holds as they are (or less the block just opened); request id -> its
         running sequences, for the others (``_metadata`` records them). Built inline,
         as ``_metadata`` would build them (``tests/core/test_steady_records.py`` checks
         that they are equal): this runs for every running row every step."""
@@ -375,25 +377,51 @@ class Scheduler:
             return {}, {}
         candidates = [g for g in queue
                       if type(g.strategy).lookahead is _NO_LOOKAHEAD and type(g.strategy).step_mode is _NO_STEP_MODE]
-        found = self.block_manager.append_in_place_all(candidates)
+        bm, openers = self.block_manager, {}
+        found = bm.append_in_place_all(candidates, openers)
+        opened: dict[int, int] = {}  # seq id -> the block its token opens
+        if openers:
+            # Sequences whose token opens a block get it here only when every running group
+            # is on this path and the free blocks cover them all: then nothing of the step
+            # can preempt, and the general loop would allocate the same blocks in the same
+            # (queue) order. Otherwise their groups take the general path.
+            if (len(found) == len(queue) and sum([len(v) for v in openers.values()]) <= bm.num_free_blocks()):
+                for seqs in openers.values():
+                    opened.update(zip([s.seq_id for s in seqs], bm.open_blocks(seqs)))
+            else:
+                for rid in openers:
+                    del found[rid]
         new, sent_tables = object.__new__, self._sent_tables
         records, in_place = {}, {}
         for rid, (group, seqs, tables, positions, cross_blocks) in found.items():
             if cross_blocks is None:
                 in_place[rid] = seqs
                 continue
-            rows = []
+            rows, sent_opened = [], None
             for seq, table in zip(seqs, tables):
-                if sent_tables.get(seq.seq_id) != table:  # the worker's table differs: _metadata sends it
-                    in_place[rid] = seqs
-                    break
+                sent = sent_tables.get(seq.seq_id)
+                block = opened.get(seq.seq_id) if opened else None
+                if block is None:
+                    if sent != table:  # the worker's table differs: _metadata sends it
+                        in_place[rid] = seqs
+                        break
+                    block_ids = []
+                else:  # the worker's table is this one less the opened block: send that block
+                    if sent is None or len(sent) + 1 != len(table) or sent != table[:-1]:
+                        in_place[rid] = seqs
+                        break
+                    block_ids = [block]
+                    sent_opened = [(sent, block)] if sent_opened is None else sent_opened + [(sent, block)]
                 computed = seq.num_computed_tokens
                 ss = new(ScheduledSequence)
                 ss.seq_id, ss.token_ids, ss.num_computed_tokens = seq.seq_id, seq.token_ids[computed:], computed
-                ss.block_ids, ss.replace_blocks, ss.num_output_tokens = [], False, len(seq.output_token_ids)
+                ss.block_ids, ss.replace_blocks, ss.num_output_tokens = block_ids, False, len(seq.output_token_ids)
                 ss.prefix_token_ids, ss.num_logits = None, 1
                 rows.append(ss)
             else:
+                if sent_opened is not None:  # the group is recorded here: the worker will hold them
+                    for sent, block in sent_opened:
+                        sent.append(block)
                 sg = new(ScheduledGroup)
                 sg.request_id, sg.seqs, sg.encoder_inputs, sg.num_encoder_positions = rid, rows, None, positions
                 sg.cross_block_table, sg.mode, sg.lora_request = list(cross_blocks), None, group.lora_request
