@@ -1,7 +1,8 @@
 """``python -m tandem.backends.build_ops``: build (or load) tandem's C++ CPU ops for this
 machine ahead of the first engine start (a Dockerfile step, a CI cache warm-up) and
-print where each library is, or why it is not built. Exit 1 where cpu_paged's op,
-which every CPU with a compiler can run, is unavailable.
+print where each library is, or why it is not built: cpu_paged's decode attention,
+cpu_flash's bf16 encoder attention and cpu_sampling's argmax. Exit 1 where cpu_paged's
+op, which every CPU with a compiler can run, is unavailable.
 
 The build is the one an engine start runs (``cpp_build``: one directory per source,
 flags and torch version, under a lock that dies with its holder), so a later start
@@ -25,12 +26,14 @@ def _library(prefix: str) -> str:
 def main() -> int:
     from tandem.backends.cpu_flash import ops as flash_ops
     from tandem.backends.cpu_paged import ops as paged_ops
+    from tandem.backends.cpu_sampling import ops as sampling_ops
     from tandem.logger import configure_cli_logging
 
     configure_cli_logging()  # the build's start and done lines, at INFO
     status = 0
     for name, module, prefix in (("cpu_paged", paged_ops, paged_ops.library_name()),
-                                 ("cpu_flash", flash_ops, flash_ops.NAME)):
+                                 ("cpu_flash", flash_ops, flash_ops.NAME),
+                                 ("cpu_sampling", sampling_ops, sampling_ops.library_name())):
         started = time.perf_counter()
         try:
             module.load()

@@ -52,6 +52,22 @@ LOCK_FILE = "tandem.lock"
 STAMP_FILE = "built"
 
 
+# Vector-ISA flags per torch CPU capability. Only ISAs every CPU reporting that
+# capability has: torch reports AVX512 for AVX512F+BW+VL+DQ, AVX2 for AVX2+FMA.
+ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+
+def isa(capability: str | None = None) -> str:
+    """The build variant for a torch CPU capability (this process's by default):
+    ``avx512``, ``avx2`` or ``generic``. ``ATEN_CPU_CAPABILITY=avx2`` lowers torch's
+    capability, and with it this variant, on an AVX-512 CPU."""
+    capability = cpu_capability() if capability is None else capability
+    return (capability if capability in ISA_FLAGS else "generic").lower()
+
+
 class BuildLockTimeout(RuntimeError):
     """Another process held the build lock past the timeout; the message names the lock."""
 
@@ -221,7 +237,8 @@ def build(name: str, source: Path, isa_flags: list[str], logger: logging.Logger,
                  time.perf_counter() - started)
 
 
-def attempt(build_op, reason: str | None = None, logger: logging.Logger | None = None):
+def attempt(build_op, reason: str | None = None, logger: logging.Logger | None = None,
+            consequence: str = "backends that need it are passed over"):
     """``(op, None)`` from ``build_op()``, or ``(None, why)``: ``reason`` where the caller
     already knows the op cannot run here, the missing tools, or the build's failure in
     one line (compiler errors arrive as long RuntimeErrors). Where this machine could run
@@ -241,6 +258,5 @@ def attempt(build_op, reason: str | None = None, logger: logging.Logger | None =
             text = str(e).strip().splitlines()
             why = f"building the C++ op failed: {text[-1] if text else type(e).__name__}"
     if logger is not None:
-        logger.info("%s: C++ op unavailable, backends that need it are passed over: %s",
-                    logger.name.rsplit(".", 1)[-1], why)
+        logger.info("%s: C++ op unavailable, %s: %s", logger.name.rsplit(".", 1)[-1], consequence, why)
     return None, why

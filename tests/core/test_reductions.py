@@ -1,9 +1,27 @@
-"""argmax_rows against torch.argmax: the same index in every case, ties and NaN included."""
+"""argmax_rows against torch.argmax: the same index in every case, ties and NaN included,
+by both of its paths: torch's ops over chunks, and the C++ op a CPU worker loads
+(``tandem/backends/cpu_sampling``; skipped where it cannot be built)."""
 
 import pytest
 import torch
 
+from tandem.core.worker import reductions
 from tandem.core.worker.reductions import ARGMAX_CHUNK, argmax_rows
+
+
+@pytest.fixture(autouse=True, params=["chunks", "cpp"])
+def path(request, monkeypatch):
+    """Every test runs on each path; ``reductions._cpu_op`` is what ``use_cpu_op`` sets."""
+    if request.param == "cpp":
+        from tandem.backends.cpu_sampling import ops
+
+        try:
+            monkeypatch.setattr(reductions, "_cpu_op", ops.load())
+        except ops.CPUOpUnavailable as e:
+            pytest.skip(f"the C++ argmax cannot be built here: {e}")
+    else:
+        monkeypatch.setattr(reductions, "_cpu_op", None)
+    return request.param
 
 
 @pytest.mark.parametrize("vocab", [50265, 4 * ARGMAX_CHUNK, 4 * ARGMAX_CHUNK + 1, 10 * ARGMAX_CHUNK - 1, 97])
@@ -68,3 +86,31 @@ def test_small_vocabularies_take_small_chunks_with_ties_and_nan(vocab):
     x[4] = 1.0
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert argmax_rows(x)[:3].tolist() == [chunk - 1, 3 * chunk, vocab - 1]
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 15, 16, 17, 31, 63, 64, 65, 127, 128, 129, 2000])
+def test_short_rows_every_vector_tail(vocab, path):
+    """Lengths around the vector widths (8 and 16 lanes, 4 accumulators): ties, NaN,
+    +-inf and all -inf rows at each boundary, against torch's argmax."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-3, 3, (40, vocab), generator=g).float()  # many ties
+    if vocab > 1:
+        x[0, vocab // 2] = float("nan")
+        x[1, vocab - 1] = float("nan")
+        x[2, 0] = float("inf")
+        x[3, vocab - 1] = float("inf")
+        x[4] = -float("inf")
+        x[5, [vocab - 1, 0]] = float("nan")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_the_op_is_built_for_the_capability_torch_reports(path):
+    """Its library is named (and flagged) for torch's capability, so an AVX-512 build is
+    never handed to an AVX2 CPU through a shared cache."""
+    from tandem.backends import cpp_build
+    from tandem.backends.cpu_sampling import ops
+
+    assert ops.library_name("AVX512") == "tandem_cpu_sampling_avx512"
+    assert ops.library_name("AVX2") == "tandem_cpu_sampling_avx2"
+    assert ops.library_name("DEFAULT") == "tandem_cpu_sampling_generic"
+    assert cpp_build.ISA_FLAGS["AVX2"] == ["-mavx2", "-mfma"]

@@ -28,12 +28,7 @@ logger = logging.getLogger("tandem.backends.cpu_paged")
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 
-# Vector-ISA flags per torch CPU capability. Only ISAs every CPU reporting that
-# capability has: torch reports AVX512 for AVX512F+BW+VL+DQ, AVX2 for AVX2+FMA.
-_ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
-}
+_ISA_FLAGS = cpp_build.ISA_FLAGS
 
 
 class CPUOpUnavailable(RuntimeError):
@@ -50,11 +45,8 @@ def cpu_capability() -> str:
 
 
 def isa(capability: str | None = None) -> str:
-    """The build variant for a torch CPU capability (this process's by default):
-    ``avx512``, ``avx2`` or ``generic``. ``ATEN_CPU_CAPABILITY=avx2`` lowers torch's
-    capability, and with it this variant, on an AVX-512 CPU."""
-    capability = cpu_capability() if capability is None else capability
-    return (capability if capability in _ISA_FLAGS else "generic").lower()
+    """The build variant for a torch CPU capability, this process's by default (``cpp_build.isa``)."""
+    return cpp_build.isa(cpu_capability() if capability is None else capability)
 
 
 def library_name(capability: str | None = None) -> str:

@@ -1,0 +1,58 @@
+"""Builds and loads ``torch.ops.tandem_cpu_sampling.argmax_rows`` (row_argmax.cpp), the
+greedy rows' argmax over the vocabulary.
+
+Built on first use (a C++ compiler and ninja are needed) and cached under
+``$TORCH_EXTENSIONS_DIR``, keyed by source, flags and torch version, for the CPU's
+vector ISA as torch reports it (``cpp_build.isa``), as cpu_paged's op is. The sampler
+loads it when its worker starts on a CPU (never in the middle of a step);
+:func:`load` returns the op or raises :class:`CPUOpUnavailable` with the reason, and
+the outcome is remembered for the process, so a failed build is not retried (the
+sampler then takes torch's ops: ``tandem.core.worker.reductions``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from tandem.backends import cpp_build
+
+logger = logging.getLogger("tandem.backends.cpu_sampling")
+
+SOURCE = Path(__file__).with_name("row_argmax.cpp")
+
+
+class CPUOpUnavailable(RuntimeError):
+    """The op cannot be built or loaded here; the message says why."""
+
+
+_lock = threading.Lock()
+_op = None
+_error: str | None = None
+
+
+def library_name(capability: str | None = None) -> str:
+    """The extension's name for this CPU's variant (``tandem_cpu_sampling_avx512``, ...)."""
+    return f"tandem_cpu_sampling_{cpp_build.isa(capability)}"
+
+
+def _build():
+    capability = cpp_build.cpu_capability()
+    cpp_build.build(library_name(capability), SOURCE, cpp_build.ISA_FLAGS.get(capability, []), logger,
+                    f"the sampler's C++ argmax op for {cpp_build.isa(capability)}")
+    return torch.ops.tandem_cpu_sampling.argmax_rows
+
+
+def load():
+    """The compiled op; builds it on first use. Raises :class:`CPUOpUnavailable`."""
+    global _op, _error
+    with _lock:
+        if _op is None and _error is None:
+            _op, _error = cpp_build.attempt(_build, logger=logger,
+                                            consequence="the sampler takes torch's ops")
+        if _op is None:
+            raise CPUOpUnavailable(_error)
+        return _op

@@ -1,0 +1,136 @@
+// tandem's CPU row argmax for the sampler's greedy rows: out[r] = argmax(x[r, :]) for a
+// float32 [rows, vocab] tensor whose rows are contiguous, with torch.argmax's answer bit
+// for bit: the first index of the row's maximum, or the first NaN's where the row has one
+// (torch counts NaN as the maximum).
+//
+// Why not torch.argmax: on CPU its reduction carries an (index, value) pair per lane and
+// runs several times slower than a plain max over the same data. Here each row takes two
+// passes in vectors (AVX-512 or AVX2, by the build's ISA; scalar otherwise): the maximum,
+// with a NaN check on the side, then the first position holding it, which stops at the
+// answer and reads the row from cache. (GCC does not vectorize an "omp simd" float max
+// reduction without -ffast-math, so the passes are written with intrinsics.) Rows are
+// spread over torch's intra-op threads; a row's answer does not depend on which thread
+// runs it.
+
+#include <ATen/Parallel.h>
+#include <ATen/Functions.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using vec = __m512;
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vset1(float a) { return _mm512_set1_ps(a); }
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline float hmax(vec a) { return _mm512_reduce_max_ps(a); }
+inline uint32_t unordered(vec a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }  // lanes holding NaN
+inline uint32_t equal(vec a, vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+#define TANDEM_SIMD 1
+#elif defined(__AVX2__)
+constexpr int64_t kLanes = 8;
+using vec = __m256;
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vset1(float a) { return _mm256_set1_ps(a); }
+inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline float hmax(vec a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+inline uint32_t unordered(vec a) { return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q))); }
+inline uint32_t equal(vec a, vec b) { return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ))); }
+#define TANDEM_SIMD 1
+#endif
+
+// The row's maximum ignoring NaN, and whether it holds a NaN. (A vector max returns its
+// second operand where either is NaN: the NaN lanes are counted apart, so the maximum of
+// a row with NaN is never used.)
+inline float row_max(const float* x, int64_t n, bool& nan) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  uint32_t bad = 0;
+#ifdef TANDEM_SIMD
+  if (n >= 4 * kLanes) {
+    // Four accumulators: the max's latency is not a chain through every vector.
+    vec a0 = vset1(m), a1 = a0, a2 = a0, a3 = a0;
+    for (; i + 4 * kLanes <= n; i += 4 * kLanes) {
+      const vec v0 = vload(x + i), v1 = vload(x + i + kLanes), v2 = vload(x + i + 2 * kLanes),
+                v3 = vload(x + i + 3 * kLanes);
+      bad |= unordered(v0) | unordered(v1) | unordered(v2) | unordered(v3);
+      a0 = vmax(v0, a0);
+      a1 = vmax(v1, a1);
+      a2 = vmax(v2, a2);
+      a3 = vmax(v3, a3);
+    }
+    m = hmax(vmax(vmax(a0, a1), vmax(a2, a3)));
+  }
+#endif
+  for (; i < n; ++i) {
+    if (x[i] != x[i]) bad = 1;
+    else if (x[i] > m) m = x[i];
+  }
+  nan = bad != 0;
+  return m;
+}
+
+inline int64_t first_nan(const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] != x[i]) return i;
+  return 0;  // not reached: the caller saw a NaN
+}
+
+inline int64_t first_equal(const float* x, int64_t n, float m) {
+  int64_t i = 0;
+#ifdef TANDEM_SIMD
+  const vec vm = vset1(m);
+  for (; i + kLanes <= n; i += kLanes) {
+    const uint32_t hit = equal(vload(x + i), vm);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#endif
+  for (; i < n; ++i)
+    if (x[i] == m) return i;
+  return 0;  // not reached: m is an element of the row
+}
+
+inline int64_t row_argmax(const float* x, int64_t n) {
+  bool nan = false;
+  const float m = row_max(x, n, nan);
+  return nan ? first_nan(x, n) : first_equal(x, n, m);
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "argmax_rows: x must be a float32 [rows, vocab] cpu tensor, got ", x.scalar_type(), " ", x.sizes(),
+              " on ", x.device());
+  TORCH_CHECK(x.size(1) > 0, "argmax_rows: the rows are empty (vocab 0)");
+  TORCH_CHECK(x.stride(1) == 1, "argmax_rows: each row must be contiguous, got strides ", x.strides());
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* base = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  // At least ~32K elements a task: below that a thread's start costs more than the rows.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / n);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) o[r] = row_argmax(base + r * stride, n);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tandem_cpu_sampling, m) { m.def("argmax_rows(Tensor x) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(tandem_cpu_sampling, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
