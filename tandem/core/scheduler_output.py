@@ -45,7 +45,7 @@ class ScheduledSequence:
     # Output tokens so far, for processors that depend on it (min_tokens).
     num_output_tokens: int
     # The tokens already computed, sent when the worker has not seen this
-    # sequence before although it has computed tokens (a beam forked from
+    # sequence before although it has computed tokens (a sequence forked from
     # another), so processors that read the past have it.
     prefix_token_ids: list[int] | None = None
     # Positions whose logits the step returns: the last ``num_logits`` of
