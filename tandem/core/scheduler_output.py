@@ -45,7 +45,7 @@ class ScheduledSequence:
     # Output tokens so far, for processors that depend on it (min_tokens).
     num_output_tokens: int
     # The tokens already computed, sent when the worker has not seen this
-    # sequence before although it has computed tokens (a beam forked from
+    # sequence before although it has computed tokens (a sequence forked from
     # another), so processors that read the past have it.
     prefix_token_ids: list[int] | None = None
     # Positions whose logits the step returns: the last ``num_logits`` of
@@ -123,6 +123,17 @@ class SchedulerOutput:
     finished_seq_ids: list[int] = field(default_factory=list)
     # kv_compress: cross tables to re-pack, first of all (``CrossRepack``).
     cross_repacks: list[CrossRepack] = field(default_factory=list)
+    # Sequences that took another's place after the last step (a beam continuing another
+    # beam's hypothesis keeps its own id: ``Scheduler.take_over``), each ``(src seq id,
+    # dst seq id, n, block ids)``: before anything else, the worker's state of dst becomes
+    # src's as the last step left it: its token history, and its block table the first
+    # ``n`` ids of src's followed by ``block ids``. Applied before the step's forgets, so a
+    # dst or src finished since is copied, then forgotten.
+    seq_copies: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
+    # (src_block, dst_block) device pairs copied first of all, before re-packs, swaps and
+    # ``blocks_to_copy``: the partly filled blocks of those sequences, their K/V as the last
+    # step left them (whatever this step does to a block afterwards comes after).
+    blocks_to_copy_first: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

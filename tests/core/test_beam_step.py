@@ -116,12 +116,12 @@ def test_search_steps_stacked_over_requests_equal_each_alone():
         stacked = BeamSearchState.step_all(items)
         singles = [BeamSearchState.step_all([it])[0] for it in items_alone]
         for (a, *_), (b, *_), x, y in zip(items, items_alone, stacked, singles):
-            assert [(nb.parent, nb.token_id, nb.score) for nb in x] == [(nb.parent, nb.token_id, nb.score) for nb in y]
+            assert (x.parents, x.token_ids, x.scores) == (y.parents, y.token_ids, y.scores)
             assert torch.equal(a.scores, b.scores) and torch.equal(a.is_finished, b.is_finished)
             assert torch.equal(a.running, b.running)
             assert (a.done, a.improvable) == (b.done, b.improvable)
             assert [h and (h.output_token_ids, h.finished_by_stop) for h in a.hyps] == \
                 [h and (h.output_token_ids, h.finished_by_stop) for h in b.hyps]
-            outs[id(a)] = [outs[id(a)][nb.parent] + [nb.token_id] for nb in x]
-            outs_alone[id(b)] = [outs_alone[id(b)][nb.parent] + [nb.token_id] for nb in y]
+            outs[id(a)] = [outs[id(a)][p] + [t] for p, t in zip(x.parents, x.token_ids)]
+            outs_alone[id(b)] = [outs_alone[id(b)][p] + [t] for p, t in zip(y.parents, y.token_ids)]
     assert any(st.done for st in together)

@@ -324,6 +324,43 @@ class BlockManagerMachine(KVMachine):
         assert bm.get_block_table(child) == bm.get_block_table(parent)
         assert bm.num_free_blocks(bm.device_of(g)) == free
 
+    @precondition(lambda self: any(live_seqs(g, self.bm) for g in self._where(self._on(DEV))))
+    @rule(idx=st.integers(0, 1000), src_idx=st.integers(0, 4), dst_idx=st.integers(0, 4), new=st.booleans())
+    def take_over(self, idx, src_idx, dst_idx, new):
+        """A beam continuing another's hypothesis: one of the group's sequences (or a new
+        one) takes another's place. The K/V copies it returns are applied at once: the
+        worker runs them before anything else of the next step."""
+        bm = self.bm
+        g = self._pick(idx, lambda g: self.bm.device_of(g) is DEV and live_seqs(g, self.bm))
+        live = live_seqs(g, bm)
+        src = live[src_idx % len(live)]
+        others = [s for s in live if s is not src]
+        if new or not others:
+            if len(g.seqs) >= 5:
+                return
+            dst = Sequence(next(_ids), src.prompt_token_ids)
+            g.seqs.append(dst)
+        else:
+            dst = others[dst_idx % len(others)]
+        src_table = list(bm.get_block_table(src))
+        dst_old = list(bm.get_block_table(dst)) if bm.has_block_table(dst) else []
+        free = bm.num_free_blocks()
+        own = sum(bm.refcount(DEV, b) == dst_old.count(b) for b in set(dst_old))  # freed with dst's table
+        [(table, n)], copies = bm.take_over([(src, dst)])
+        dst.token_ids, dst.output_token_ids = list(src.token_ids), list(src.output_token_ids)
+        dst.num_computed_tokens, dst.status = src.num_computed_tokens, src.status
+        self._copy(copies, DEV, DEV)
+        assert bm.get_block_table(src) == src_table  # the source is left as it was
+        assert bm.get_block_table(dst) == table and len(table) == len(src_table)
+        assert table[:n] == src_table[:n] and n >= min(src.num_computed_tokens // self.bs, len(src_table))
+        if copies:  # the blocks past the shared ones are copies, dst's alone
+            assert copies == list(zip(src_table[n:], table[n:]))
+            assert all(bm.refcount(DEV, b) == 1 for b in table[n:])
+        else:  # no partly filled block, or no room for its copy: shared
+            assert table == src_table
+        # Blocks: those only dst held are free again, one new block per copy.
+        assert bm.num_free_blocks() == free + own - len(copies)
+
     def _swap(self, g: SequenceGroup, src: Device, dst: Device) -> None:
         bm = self.bm
         old_tables = {s.seq_id: list(bm.get_block_table(s)) for s in live_seqs(g, bm)}

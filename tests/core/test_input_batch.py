@@ -10,7 +10,7 @@ from tandem.core.worker.input_batch import BlockTableRows
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["set", "extend", "remove"]),
+        st.sampled_from(["set", "extend", "remove", "copy"]),
         st.integers(0, 9),  # key
         st.lists(st.integers(0, 10_000), max_size=12),  # block ids
     ),
@@ -32,6 +32,16 @@ def test_rows_hold_exactly_what_was_set_and_appended(operations, rows, width):
         elif op == "remove":
             table.remove(key)
             oracle.pop(key, None)
+        elif op == "copy" and oracle:
+            # Held rows into other keys (held or new), each as it was before the copy;
+            # cut to its first half when ``ids`` is not empty.
+            srcs = sorted(oracle)[:3]
+            dsts = [k for k in range(10) if k not in srcs and (k + key) % 3 == 0][: len(srcs)]
+            srcs = srcs[: len(dsts)]
+            lengths = [len(oracle[k]) // 2 for k in srcs] if ids else None
+            table.copy_rows(srcs, dsts, lengths)
+            for i, (src, dst) in enumerate(zip(srcs, dsts)):
+                oracle[dst] = oracle[src][: lengths[i]] if lengths else list(oracle[src])
         assert {k: table.get(k) for k in oracle} == oracle
         assert all((k in table) == (k in oracle) for k in range(10))
     if oracle:  # one gather returns every row's leading ids, in the order asked

@@ -285,6 +285,30 @@ class PrefixCacheMachine(KVMachine):
         self.bm.fork(parent, child)
         g.seqs.append(child)
 
+    @precondition(lambda self: self.bm is not None and any(self._on(DEV)(g) for g in self.groups))
+    @rule(idx=st.integers(0, 1000), new=st.booleans())
+    def take_over(self, idx, new):
+        """A beam continuing another's hypothesis in its own sequence: it drops its
+        table (registered blocks losing their last holder are kept) and shares the
+        other's, the partly filled block copied (applied at once: the worker copies it
+        before anything else of the next step)."""
+        g = self._pick(idx, self._on(DEV))
+        live = [s for s in live_seqs(g, self.bm) if not s.finished]
+        if not live:
+            return
+        src = live[-1]
+        if new or len(live) < 2:
+            if len(g.seqs) >= 3:
+                return
+            dst = Sequence(next(_ids), src.prompt_token_ids)
+            g.seqs.append(dst)
+        else:
+            dst = live[0]
+        _, copies = self.bm.take_over([(src, dst)])
+        dst.token_ids, dst.output_token_ids = list(src.token_ids), list(src.output_token_ids)
+        dst.num_computed_tokens, dst.status = src.num_computed_tokens, src.status
+        self._copy(copies, DEV, DEV)
+
     @precondition(lambda self: self.bm is not None and any(self.bm.device_of(g) for g in self.groups))
     @rule(idx=st.integers(0, 1000), how=st.sampled_from(["finish", "abort", "recompute", "one"]))
     def leave(self, idx, how):

@@ -150,6 +150,82 @@ def test_beams_hold_no_more_blocks_than_beams_times_their_length(bart_dir):
     assert bm.num_free_blocks() == bm.num_total_blocks()
 
 
+def test_beams_keep_their_sequences_and_the_worker_copies_their_rows(bart_dir):
+    """No fork after the first step: a beam request's sequence ids stay the same from its
+    second step to its end, and a beam that continues another's hypothesis takes its
+    place (``take_over``). After every step: each block's refcount is the number of tables
+    holding it; the block each beam writes next is its own (the partly filled one was
+    copied when it took a place, so nothing is copied on write: the next step is an
+    in-place one); the worker's block table and token history of every beam equal the
+    scheduler's, though no beam's table or history is sent whole again. A request aborted
+    right after its beams moved leaves nothing behind, on either side."""
+    bs = 4
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=bs)
+    engine, bm, sched = llm.llm_engine, llm.llm_engine.block_manager, llm.llm_engine.scheduler
+    worker = engine.executor.worker
+    prompts = _encoder_prompts(9, 4)
+    params = [SamplingParams(num_beams=4, max_tokens=22, ignore_eos=True, no_repeat_ngram_size=2),  # a history
+              SamplingParams(num_beams=3, n=2, max_tokens=18, length_penalty=0.5, logprobs=1),
+              SamplingParams(num_beams=5, max_tokens=24, ignore_eos=True),
+              SamplingParams(num_beams=2, max_tokens=20, early_stopping=True)]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), {"prompt_token_ids": p}, sp)
+
+    outs, checked = [], []
+    schedule, execute = sched.schedule, worker.execute_model
+
+    def schedule_and_keep():
+        outs.append(schedule())
+        return outs[-1]
+
+    def execute_and_check(out, sampling=None):
+        result = execute(out, sampling)
+        # The block manager's tables are as schedule() left them until the update.
+        for sg in out.scheduled:
+            for ss in sg.seqs:
+                seq = next(s for s in sched.groups[sg.request_id].seqs if s.seq_id == ss.seq_id)
+                assert worker.runner.tables.get(ss.seq_id) == bm.get_block_table(seq)
+                if sg.request_id == "0":
+                    assert worker.histories.get(ss.seq_id) == seq.token_ids
+                checked.append(ss.seq_id)
+        return result
+
+    sched.schedule, worker.execute_model = schedule_and_keep, execute_and_check
+    ids: dict[str, set[int]] = {}
+    moved = copied_first = 0
+    aborted = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        out = outs[-1]
+        assert out.blocks_to_copy == []  # beams write into blocks of their own
+        moved += len(out.seq_copies)
+        copied_first += len(out.blocks_to_copy_first)
+        for sg in out.scheduled:
+            if len(sg.seqs) > 1:  # past its first step
+                assert ids.setdefault(sg.request_id, {ss.seq_id for ss in sg.seqs}) == {ss.seq_id for ss in sg.seqs}
+                assert all(not ss.replace_blocks and ss.prefix_token_ids is None for ss in sg.seqs)
+        counts: dict[int, int] = {}
+        for t in bm.tables(Device.DEVICE):
+            for b in t:
+                counts[b] = counts.get(b, 0) + 1
+        assert all(bm.refcount(Device.DEVICE, b) == c for b, c in counts.items())
+        assert len(counts) + bm.num_free_blocks() == bm.num_total_blocks()
+        for group in sched.running:
+            for seq in group.seqs:
+                table, i = bm.get_block_table(seq), seq.num_computed_tokens // bs
+                assert i >= len(table) or bm.refcount(Device.DEVICE, table[i]) == 1
+        if aborted is None and "2" in ids and sched._seq_copies:
+            group = sched.groups["2"]
+            aborted = {s.seq_id for s in group.seqs}
+            if any(d in aborted for _, d, _, _ in sched._seq_copies):
+                engine.abort_request(["2"])
+            else:
+                aborted = None
+    assert moved > 0 and copied_first > 0 and len(ids) == 4 and checked
+    assert aborted and not aborted & worker.runner.tables.keys()
+    assert bm.num_free_blocks() == bm.num_total_blocks() and not bm.accounting_errors()
+
+
 def test_beam_search_params_entry_point(bart_dir):
     llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
     prompt = _encoder_prompts(3, 1)[0]

@@ -118,14 +118,14 @@ def test_one_requests_beam_update_fault_fails_it_alone(bart_dir, clean, monkeypa
     llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
     # The per-request part of beam search's update (after the search step stacked over
     # the step's beam requests: BeamSearchStrategy.update_all).
-    original = BeamSearchStrategy._apply
+    original = BeamSearchStrategy._place
 
-    def raising_for_three_beams(self, ops, group, running, next_beams):
+    def raising_for_three_beams(ops, group, running, beams):
         if group.sampling_params.num_beams == 3:
             raise ArithmeticError("this request's beams")
-        return original(self, ops, group, running, next_beams)
+        return original(ops, group, running, beams)
 
-    monkeypatch.setattr(BeamSearchStrategy, "_apply", raising_for_three_beams)
+    monkeypatch.setattr(BeamSearchStrategy, "_place", staticmethod(raising_for_three_beams))
     beams = SamplingParams(num_beams=2, max_tokens=6, temperature=0.0)
     bad = SamplingParams(num_beams=3, max_tokens=6, temperature=0.0)
     params = [beams, GREEDY, bad, beams, GREEDY, beams]
@@ -136,6 +136,38 @@ def test_one_requests_beam_update_fault_fails_it_alone(bart_dir, clean, monkeypa
             assert o.error is None
             assert o.outputs[0].token_ids == clean["beams" if p is beams else "greedy"][i]
     assert _all_blocks_free(llm)
+
+
+def test_a_fault_in_the_beams_stacked_take_over_fails_the_requests_in_it(bart_dir, clean, monkeypatch):
+    """The block work of a step's moved beams is one call for the step's beam requests
+    (``Scheduler.take_over``): a fault there fails the requests whose beams moved, the
+    pool is checked, and the other requests and the engine go on."""
+    from tandem.core.kv.block_manager import BlockManager
+
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
+    original, calls = BlockManager.take_over, []
+
+    def raising_on_the_third_call(self, pairs):
+        calls.append({s.seq_id for s, _ in pairs})
+        if len(calls) == 3:
+            raise ArithmeticError("injected in take_over")
+        return original(self, pairs)
+
+    monkeypatch.setattr(BlockManager, "take_over", raising_on_the_third_call)
+    beams = SamplingParams(num_beams=2, max_tokens=6, temperature=0.0)
+    params = [beams, GREEDY, beams, GREEDY]
+    outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    assert len(calls) >= 3
+    failed = [i for i, o in enumerate(outs) if o.error is not None]
+    assert failed and set(failed) <= {0, 2}
+    assert all("ArithmeticError: injected in take_over" in outs[i].error for i in failed)
+    for i, o in enumerate(outs):
+        if i not in failed:
+            assert o.outputs[0].token_ids == clean["beams" if params[i] is beams else "greedy"][i]
+    assert _all_blocks_free(llm)
+    monkeypatch.undo()
+    again = llm.generate(PROMPTS[:1], beams, use_tqdm=False)[0]  # the engine serves on
+    assert again.error is None and again.outputs[0].token_ids == clean["beams"][0]
 
 
 def test_one_requests_output_fault_fails_it_alone(bart_dir, clean, monkeypatch):

@@ -397,6 +397,71 @@ class BlockManager:
         self._owner[child.seq_id] = rid
         self.prefix_cache.fork(parent.seq_id, child.seq_id)
 
+    def take_over(self, pairs: list[tuple[Sequence, Sequence]]) -> tuple[list[tuple[list[int], int]], list[tuple[int, int]]]:
+        """Each ``(src, dst)``: ``dst``, a sequence of ``src``'s group on the device (one
+        of its tables, or a new one holding none), drops its own table and takes a copy
+        of ``src``'s as its last step left it: ``src``'s full computed blocks shared, the
+        blocks past them (the partly filled last one) copied into new blocks. A beam that
+        continues another beam's hypothesis keeps its sequence this way, and its next
+        step writes into a block it alone holds (no copy-on-write then). Sources are not
+        destinations; a ``src`` as it was before the call is meant.
+
+        Returns each dst's table (the live list) with the count of its leading blocks
+        shared with ``src``'s, and the ``(src, dst)`` device blocks to copy before
+        anything else writes or moves a block (``SchedulerOutput.blocks_to_copy_first``:
+        their K/V as the last step left them). Blocks are released before the copies are
+        allocated, so a dst's own last block makes room for its copy; when the pool has
+        no room even so, the blocks past the full ones are shared too (copied on write
+        by ``append_slots``, as a fork's)."""
+        pool, bs, tables, owner = self.pools[Device.DEVICE], self.block_size, self._self, self._owner
+        location, prefix = self._location, self.prefix_cache
+        released: list[int] = []
+        shared: list[int] = []
+        tails: list[int] = []
+        plan = []
+        for src, dst in pairs:
+            sid, did = src.seq_id, dst.seq_id
+            table, rid = tables[sid], owner[sid]
+            if location[rid] is not Device.DEVICE:
+                raise RuntimeError(f"request {rid!r}: a sequence takes over another only on the device")
+            old = tables.get(did)
+            if old is not None:
+                if owner[did] != rid:
+                    raise RuntimeError(f"sequences {sid} and {did} are not of one request")
+                released += old
+            n = min(src.num_computed_tokens // bs, len(table))
+            shared += table[:n]
+            tails += table[n:]
+            plan.append((sid, did, rid, table, n))
+        if prefix.enabled:
+            for sid, did, *_ in plan:
+                prefix.forget(did)
+                prefix.fork(sid, did)
+        # The shared blocks gain their references first; the release then frees only
+        # blocks no src holds (src's blocks are never freed here).
+        pool.incref(shared)
+        self._release(Device.DEVICE, released)
+        copies: list[tuple[int, int]] = []
+        out = []
+        self._make_room(len(tails))
+        if len(tails) <= pool.num_free:
+            new = pool.allocate(len(tails))
+            copies = list(zip(tails, new))
+            i = 0
+            for sid, did, rid, table, n in plan:
+                k = len(table) - n
+                t = tables[did] = table[:n] + new[i:i + k]
+                i += k
+                owner[did] = rid
+                out.append((t, n))
+        else:
+            pool.incref(tails)
+            for sid, did, rid, table, n in plan:
+                t = tables[did] = table[:]
+                owner[did] = rid
+                out.append((t, len(t)))
+        return out, copies
+
     def _written(self, seq: Sequence, table: list[int]) -> range:
         """Indices of the existing table blocks the next forward writes into (its
         draft tokens' slots included)."""

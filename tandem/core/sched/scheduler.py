@@ -87,6 +87,10 @@ class Scheduler:
         self._announced: set[str] = set()
         self._finished_requests: list[str] = []
         self._finished_seqs: list[int] = []
+        # Sequences that took another's place since the last step (``take_over``): what
+        # the worker copies first (``SchedulerOutput.seq_copies``, ``blocks_to_copy_first``).
+        self._seq_copies: list[tuple[int, int, int, list[int]]] = []
+        self._copies_first: list[tuple[int, int]] = []
         self._failures: dict[str, str] = {}  # request id -> why it cannot run
         # Set when the block manager raised while scheduling: the engine checks the
         # pool's accounting once the failed requests are freed (and clears it).
@@ -170,6 +174,8 @@ class Scheduler:
         self.groups.clear()
         self._sent_tables.clear()
         self._announced.clear()
+        self._seq_copies.clear()
+        self._copies_first.clear()
 
     def finish(self, group: SequenceGroup) -> None:
         """Remove a finished group from the running queue and free its blocks."""
@@ -351,6 +357,8 @@ class Scheduler:
                 new_requests.append(NewRequestData(g.request_id, self.groups[g.request_id].sampling_params))
         finished_requests, self._finished_requests = self._finished_requests, []
         finished_seqs, self._finished_seqs = self._finished_seqs, []
+        seq_copies, self._seq_copies = self._seq_copies, []
+        copies_first, self._copies_first = self._copies_first, []
         return SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
@@ -362,6 +370,8 @@ class Scheduler:
             finished_request_ids=finished_requests,
             finished_seq_ids=finished_seqs,
             cross_repacks=repacks,
+            seq_copies=seq_copies,
+            blocks_to_copy_first=copies_first,
         )
 
     def _steady(self, queue: deque[SequenceGroup]) -> tuple[dict[str, ScheduledGroup], dict[str, list[Sequence]]]:
@@ -607,6 +617,40 @@ class Scheduler:
         child = parent.fork(next(self.seq_ids))
         self.block_manager.fork(parent, child)
         return child
+
+    def take_over(self, pairs: list[tuple[Sequence, Sequence]]) -> None:
+        """Each ``(src, dst)`` (``dst`` a running sequence of ``src``'s group, or a new
+        one of it): ``dst`` becomes a copy of ``src`` as the step left it, under its own
+        id: tokens, logprobs, computed count and status; its blocks
+        (``BlockManager.take_over``: shared, the partly filled last one copied); and the
+        worker's state of it (its block table and token history), which the worker
+        copies from ``src``'s before the next step (``SchedulerOutput.seq_copies``), so
+        nothing is sent again whole. Sources are not destinations. A fault in the block
+        manager's work marks the pool for a check (``block_fault``) and raises."""
+        sent, seq_copies = self._sent_tables, self._seq_copies
+        for src, _ in pairs:
+            if src.seq_id not in sent:  # cannot happen for a sequence that ran the step
+                raise RuntimeError(f"sequence {src.seq_id}: the worker holds no table to copy from")
+        try:
+            tables, copies = self.block_manager.take_over(pairs)
+        except Exception:
+            self.block_fault = True
+            raise
+        self._copies_first += copies
+        for (src, dst), (table, n) in zip(pairs, tables):
+            sid, did = src.seq_id, dst.seq_id
+            # The worker's copy: the first n ids of src's row (as it was sent them), then the rest.
+            if sent[sid][:n] != table[:n]:
+                n = 0
+            seq_copies.append((sid, did, n, table[n:]))
+            sent[did] = table[:]
+            dst.token_ids = src.token_ids[:]
+            dst.output_token_ids = src.output_token_ids[:]
+            dst.output_logprobs = src.output_logprobs[:]
+            dst.num_computed_tokens = src.num_computed_tokens
+            dst.cumulative_logprob = src.cumulative_logprob
+            dst.status = src.status
+            dst.lookahead_token_ids = []
 
     def drop(self, group: SequenceGroup, seq: Sequence) -> None:
         self.block_manager.free(seq, group)

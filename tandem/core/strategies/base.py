@@ -53,6 +53,13 @@ class SchedulerOps(Protocol):
         """Free a sequence's blocks (it leaves the group)."""
         ...
 
+    def take_over(self, pairs: "list[tuple[Sequence, Sequence]]") -> None:
+        """Each ``(src, dst)``, ``dst`` a sequence of ``src``'s group (or a new one for
+        it): ``dst`` becomes a copy of ``src`` under its own id, blocks shared (the partly
+        filled one copied), the worker's state of it copied from ``src``'s, nothing sent
+        again whole. Sources are not destinations."""
+        ...
+
     def check_stop(self, seq: "Sequence", group: "SequenceGroup") -> None:
         """Finish ``seq`` on EOS, a stop token id or its length."""
         ...

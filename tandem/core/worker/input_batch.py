@@ -99,6 +99,22 @@ class BlockTableRows:
             self._grow(0, max(end_max, 2 * self.table.shape[1]))
         self.table[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(values, dtype=torch.long)
 
+    def copy_rows(self, src_keys: list, dst_keys: list, lengths: list[int] | None = None) -> None:
+        """Each ``dst_keys[i]``'s row (added if new) becomes ``src_keys[i]``'s as it was
+        before the call, its first ``lengths[i]`` ids (None: all), in one tensor copy."""
+        row_of, width = self._row, self.width
+        src_rows = [row_of[k] for k in src_keys]
+        src_widths = [width[r] for r in src_rows]
+        for key in dst_keys:
+            if key not in row_of:
+                if not self._free_rows:
+                    self._grow(2 * self.table.shape[0], 0)
+                row_of[key] = self._free_rows.pop()
+        dst_rows = [row_of[k] for k in dst_keys]
+        self.table[torch.tensor(dst_rows, dtype=torch.long)] = self.table[torch.tensor(src_rows, dtype=torch.long)]
+        for r, w in zip(dst_rows, src_widths if lengths is None else lengths):
+            width[r] = w
+
     def get(self, key: object) -> list[int]:
         row = self._row[key]
         return self.table[row, : self.width[row]].tolist()

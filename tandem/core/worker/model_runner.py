@@ -60,6 +60,13 @@ class ModelRunner:
         for seq_id in seq_ids:
             self.tables.remove(seq_id)
 
+    def copy_seqs(self, copies: list[tuple[int, int, int, list[int]]]) -> None:
+        """``SchedulerOutput.seq_copies``: each dst's table becomes the first ``n`` ids of
+        its src's, then the ids given (a row copy and one write for all)."""
+        src, dst, kept, tails = zip(*copies)
+        self.tables.copy_rows(src, dst, kept)
+        self.tables.extend_many(dst, tails)
+
     def forget_request(self, request_id: str) -> None:
         self.cross_tables.remove(request_id)
         self._cross_lists.pop(request_id, None)

@@ -193,6 +193,11 @@ class Worker:
         """Apply the step's swaps and copies, run the scheduled sequences, sample.
         ``sampling``: the modes' logits transforms, applied to the raw logits first.
         Returns None when nothing was scheduled."""
+        if out.blocks_to_copy_first:  # first of all: the K/V as the last step left it
+            src, dst = self._ids(out.blocks_to_copy_first, self.device)
+            self.backend.copy_blocks(self.kv_caches, src, dst)
+        if out.seq_copies:  # before the forgets: a copied sequence may be finished since
+            self._copy_seqs(out.seq_copies)
         self._update_states(out)
         # First: a re-pack reads blocks the step's swaps, copies or forward may reuse.
         for repack in out.cross_repacks:
@@ -339,6 +344,17 @@ class Worker:
             h.set(seq.seq_id, h.get(seq.seq_id)[: seq.num_computed_tokens] + list(seq.token_ids))
         else:
             raise RuntimeError(f"sequence {seq.seq_id}: no token history and no prefix to start one")
+
+    def _copy_seqs(self, copies: list[tuple[int, int, int, list[int]]]) -> None:
+        """Sequences that took another's place (``SchedulerOutput.seq_copies``): their
+        block tables, and the token histories of those whose source keeps one."""
+        self.runner.copy_seqs(copies)
+        h = self.histories
+        held = h.keys()
+        pairs = [(c[0], c[1]) for c in copies if c[0] in held]
+        if pairs:
+            src, dst = zip(*pairs)
+            h.copy_rows(src, dst)
 
     def _histories(self, seq_ids: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' decoder tokens, each row's first ``lengths[i]`` (a verified draft

@@ -1,19 +1,24 @@
 """Beam search as a mode: HF ``generate``'s beam search, in the engine, with
-copy-on-write blocks.
+shared blocks.
 
 Worker side (``BeamStep``): the group's rows become log-probabilities before the
 processors; after them, each beam's running score is added and the best
 ``beams_to_keep`` (beam, token) continuations over all its beams are the step's
 result. Scheduler side (``BeamSearchStrategy``): ``BeamSearchState`` picks the
-next running beams and the finished hypotheses from those; a beam continued more
-than once forks (its blocks shared, copied on write), a beam not continued is
-freed, and a finished search leaves the best ``n`` hypotheses as the request's
-completions.
+next running beams and the finished hypotheses from those. The request's
+``num_beams`` sequences keep their ids from step to step: a beam's first
+continuation stays in its sequence, and a further one takes the place of a beam
+that was not continued (``SchedulerOps.take_over``: the parent's full blocks
+shared, its partly filled one copied, the worker's row copied), so no ``Sequence``
+is forked and no table or history is sent again whole. Only the first step, where
+one sequence stood for every beam, makes the others. A finished search leaves the
+best ``n`` hypotheses as the request's completions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from operator import attrgetter, ne
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,8 +27,12 @@ from tandem.core.core_outputs import CompletionDelta, OutputShape, RequestResult
 from tandem.core.kv.block_pool import blocks_for
 from tandem.core.sequence import SequenceStatus
 from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode, update_failure
-from tandem.core.strategies.beam.search import BeamCandidates, BeamSearchState
+from tandem.core.strategies.beam.search import BeamCandidates, BeamSearchState, NextBeams
 from tandem.core.strategies.modes import Mode, RequestContext
+
+# Attribute readers for map(): no Python call per sequence.
+_seq_id, _output_ids, _output_logprobs = (attrgetter("seq_id"), attrgetter("output_token_ids"),
+                                          attrgetter("output_logprobs"))
 
 if TYPE_CHECKING:
     from tandem.core.sampling_params import SamplingParams
@@ -131,16 +140,26 @@ class BeamSearchStrategy(RequestStrategy):
         )
 
     def step_mode(self, group: "SequenceGroup") -> BeamStep:
-        return BeamStep(self.state.running_scores(), self.state.num_beams, self.beams_to_keep)
+        state = self.state
+        return BeamStep(state.running.tolist(), state.num_beams, self.beams_to_keep)  # running_scores(), inline
 
     def update(
         self, ops: SchedulerOps, group: "SequenceGroup", sg: "ScheduledGroup", result: "ModelRunnerOutput",
         rows: dict[int, int],
     ) -> RequestResult | None:
-        """One beam step: the next running beams reuse, fork or drop this step's;
-        a finished search leaves the best hypotheses as the group's sequences."""
+        """One beam step: each next running beam continues in its parent's sequence, or
+        in a sequence whose beam was not continued, which takes its parent's place
+        (``SchedulerOps.take_over``); a finished search leaves the best hypotheses as
+        the group's sequences."""
         running, step = self._step_input(group, sg, result)
-        return self._apply(ops, group, running, self.state.step_all([step])[0])
+        beams = BeamSearchState.step_all([step])[0]
+        if self.state.done:
+            return self._finish(ops, group, running)
+        seqs, moves = self._place(ops, group, running, beams)
+        if moves:
+            ops.take_over(moves)
+        self._advance(group, seqs, beams)
+        return None
 
     @classmethod
     def update_all(
@@ -148,9 +167,11 @@ class BeamSearchStrategy(RequestStrategy):
         rows: dict[int, int],
     ) -> list[RequestResult | None]:
         """:meth:`update` for a run of beam requests: their search steps stacked into
-        one set of tensor ops (``BeamSearchState.step_all``), then each request's forks
-        and drops. A request whose update raises fails alone; a fault in the stacked
-        arithmetic fails the requests stacked with it."""
+        one set of tensor ops (``BeamSearchState.step_all``), the places their beams
+        take found per request, one ``take_over`` for every request's moved beams, then
+        each request's tokens appended. A request whose update raises fails alone; a
+        fault in the stacked arithmetic, or in the stacked ``take_over``, fails the
+        requests stacked in it."""
         out: list[RequestResult | None] = [None] * len(items)
         ready, steps = [], []
         for n, (group, sg) in enumerate(items):
@@ -167,45 +188,91 @@ class BeamSearchStrategy(RequestStrategy):
             for _, _, sg, _ in ready:
                 result.failed_requests[sg.request_id] = update_failure(e)
             return out
+        placed, moves, moved = [], [], []
         for (n, group, sg, running), beams in zip(ready, next_beams):
+            strategy = group.strategy
             try:
-                out[n] = group.strategy._apply(ops, group, running, beams)
-            except Exception as e:  # noqa: BLE001 - this request's own forks and drops
+                if strategy.state.done:
+                    out[n] = strategy._finish(ops, group, running)
+                    continue
+                seqs, own = strategy._place(ops, group, running, beams)
+            except Exception as e:  # noqa: BLE001 - this request's own places and drops
                 result.failed_requests[sg.request_id] = update_failure(e)
+                continue
+            if own:
+                moves += own
+                moved.append((group, running, seqs))
+            placed.append((group, seqs, beams))
+        if moves:
+            try:
+                ops.take_over(moves)
+            except Exception as e:  # noqa: BLE001 - the stacked block work: the requests in it fail
+                why = update_failure(e)
+                for group, running, seqs in moved:
+                    result.failed_requests[group.request_id] = why
+                    # Every sequence that may hold blocks now, so the abort frees them all.
+                    group.seqs = running + [s for s in seqs if s not in running]
+        failed = result.failed_requests
+        for group, seqs, beams in placed:
+            if group.request_id not in failed:
+                cls._advance(group, seqs, beams)
         return out
 
     def _step_input(self, group: "SequenceGroup", sg: "ScheduledGroup", result: "ModelRunnerOutput"):
         """The group's running beams (their computed tokens counted) and its search
         step's input (``BeamSearchState.step_all``)."""
         cands = result.mode_outputs[group.request_id]
-        by_id = {s.seq_id: s for s in group.seqs}
-        running = [by_id[ss.seq_id] for ss in sg.seqs]
+        running = group.seqs  # the usual case: the rows ran in the group's order (_place's)
+        if len(running) != len(sg.seqs) or any(map(ne, map(_seq_id, running), map(_seq_id, sg.seqs))):
+            by_id = {s.seq_id: s for s in group.seqs}
+            running = [by_id[ss.seq_id] for ss in sg.seqs]
         for ss, seq in zip(sg.seqs, running):
             seq.num_computed_tokens = ss.num_computed_tokens + len(ss.token_ids)
         num_out = len(running[0].output_token_ids)
-        return running, (self.state, cands, [s.output_token_ids for s in running],
-                         [s.output_logprobs for s in running], num_out)
+        return running, (self.state, cands, list(map(_output_ids, running)), list(map(_output_logprobs, running)),
+                         num_out)
 
-    def _apply(self, ops: SchedulerOps, group: "SequenceGroup", running: list, next_beams: list) -> RequestResult | None:
-        if self.state.done:
-            return self._finish(ops, group, running)
-        claimed: set[int] = set()
-        plan = []
-        for nb in next_beams:  # forks first, from the parents as they are
-            parent = running[nb.parent]
-            if nb.parent in claimed:
-                plan.append((ops.fork(group, parent), nb))
-            else:
-                claimed.add(nb.parent)
-                plan.append((parent, nb))
+    @staticmethod
+    def _place(ops: SchedulerOps, group: "SequenceGroup", running: list, beams: NextBeams) -> tuple[list, list]:
+        """The sequence each next beam continues in, in the beams' order: a parent's own
+        for its first continuation, else one whose beam was not continued (or, on the
+        first step, when one sequence stood for every beam, a new one), which is to take
+        the parent's place; and those moves, ``(parent, sequence)`` pairs for
+        ``take_over``. No ``Sequence`` forks and no new ids after the first step: the
+        worker keeps each row's table and history, and only a moved beam's is copied."""
+        parents = beams.parents
+        continued = set(parents)
+        free = []
         for j, seq in enumerate(running):
-            if j not in claimed:
-                ops.drop(group, seq)
-        for seq, nb in plan:
-            seq.append_token(nb.token_id, nb.token_logprob, nb.top_logprobs)
-            seq.cumulative_logprob = nb.score
-        group.seqs = [seq for seq, _ in plan]
-        return None  # beams change until the end: nothing to show (the frontend does nothing)
+            if j not in continued:
+                free.append(seq)
+        seqs, seen, moves = [], set(), []
+        for p in parents:
+            if p in seen:
+                seq = free.pop() if free else ops.new_sequence(group, group.seqs[0].prompt_token_ids)
+                moves.append((running[p], seq))
+            else:
+                seen.add(p)
+                seq = running[p]
+            seqs.append(seq)
+        for seq in free:  # more sequences than beams: none, unless beams were dropped
+            ops.drop(group, seq)
+        return seqs, moves
+
+    @staticmethod
+    def _advance(group: "SequenceGroup", seqs: list, beams: NextBeams) -> None:
+        """Append each beam's token to its sequence (``Sequence.append_token`` written
+        out, the score its cumulative log-probability); the beams become the group's
+        sequences, in order."""
+        tops = beams.top_logprobs
+        for seq, token, score in zip(seqs, beams.token_ids, beams.scores):
+            seq.output_token_ids.append(token)
+            seq.token_ids.append(token)
+            seq.cumulative_logprob = score
+        if tops is not None:
+            for seq, top in zip(seqs, tops):
+                seq.output_logprobs.append(top)
+        group.seqs = seqs
 
     def _finish(self, ops: SchedulerOps, group: "SequenceGroup", running: list) -> RequestResult:
         for seq in running:

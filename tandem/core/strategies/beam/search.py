@@ -18,6 +18,7 @@ The finished hypotheses are token lists; only running beams hold KV blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -39,20 +40,26 @@ class BeamCandidates:
     top_logprobs: list[dict[int, float]] | None = None  # per parent row, when asked for
 
 
-@dataclass
-class Hypothesis:
+class Hypothesis(NamedTuple):
+    """Up to ``num_beams`` are made per request every step: ``step_all`` builds them
+    with ``tuple.__new__(Hypothesis, fields)``, which is no Python call."""
+
     output_token_ids: list[int]
     output_logprobs: list[dict[int, float]]
     finished_by_stop: bool  # ended on an EOS / stop token (else on length)
 
 
-@dataclass
-class NextBeam:
-    parent: int  # index into the step's running beams
-    token_id: int
-    score: float
-    token_logprob: float
-    top_logprobs: dict[int, float] | None
+@dataclass(slots=True)
+class NextBeams:
+    """One request's next running beams, in HF's order: beam ``i`` continues running
+    beam ``parents[i]`` (an index into the step's running beams) with ``token_ids[i]``.
+    Lists, one object per request: built without a Python call per beam."""
+
+    parents: list[int]
+    token_ids: list[int]
+    scores: list[float]  # the accumulated scores (float32 values)
+    token_logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None  # None unless the request asks for logprobs
 
 
 class BeamSearchState:
@@ -76,7 +83,7 @@ class BeamSearchState:
         return self.running.tolist()
 
     @staticmethod
-    def step_all(items: list[tuple["BeamSearchState", BeamCandidates, list, list, int]]) -> list[list[NextBeam]]:
+    def step_all(items: list[tuple["BeamSearchState", BeamCandidates, list, list, int]]) -> list[NextBeams]:
         """Advance each request by one token: ``(state, cands, parents_out,
         parents_logprobs, num_out)`` each, where ``parents_out[j]`` / ``parents_logprobs[j]``
         are the output tokens / logprobs of parent beam ``j`` and ``num_out`` their
@@ -90,15 +97,18 @@ class BeamSearchState:
         buckets: dict[tuple[int, int], list[int]] = {}
         for i, (state, cands, *_) in enumerate(items):
             buckets.setdefault((state.num_beams, len(cands.scores)), []).append(i)
-        out: list[list[NextBeam]] = [[] for _ in items]
+        out: list = [None] * len(items)
         for (num_beams, k), idx in buckets.items():
             group = [items[i] for i in idx]
             states = [it[0] for it in group]
             cur = [st.prompt_len + it[4] for st, it in zip(states, group)]
             topk = torch.tensor([it[1].scores for it in group], dtype=torch.float32)  # [G, k]
-            ended = torch.tensor(
-                [[t in st.stop_ids or c + 1 >= st.max_length for t in it[1].token_ids]
-                 for st, it, c in zip(states, group, cur)], dtype=torch.bool)
+            ended_rows = []  # per candidate: a stop id, or the length limit (a loop: no call per request)
+            for st, it, c in zip(states, group, cur):
+                tokens = it[1].token_ids
+                ended_rows.append([True] * len(tokens) if c + 1 >= st.max_length
+                                  else list(map(st.stop_ids.__contains__, tokens)))
+            ended = torch.tensor(ended_rows, dtype=torch.bool)
 
             # e. The next running beams: the best that did not end.
             running_cands = topk + ended.to(torch.float32) * _NEG
@@ -139,6 +149,7 @@ class BeamSearchState:
             all_ended = ended.all(dim=1).tolist()
 
             keeps, nexts, runs = keep_t.tolist(), next_idx.tolist(), running_cands.tolist()
+            new_hyp = tuple.__new__  # Hypothesis(*fields) without a Python call
             for n, (i, st, it) in enumerate(zip(idx, states, group)):
                 _, cands, parents_out, parents_logprobs, _ = it
                 tokens = cands.token_ids
@@ -151,15 +162,19 @@ class BeamSearchState:
                         j, t = cands.parents[c], tokens[c]
                         top = st._top(cands, j, t, c) if cands.top_logprobs is not None else None
                         logprobs = parents_logprobs[j] + [top] if top is not None else []
-                        new_hyps.append(Hypothesis(parents_out[j] + [t], logprobs, t in st.stop_ids))
+                        new_hyps.append(new_hyp(Hypothesis, (parents_out[j] + [t], logprobs, t in st.stop_ids)))
                 st.scores, st.is_finished, st.hyps, st.running = new_scores[n], new_finished[n], new_hyps, new_running[n]
                 st.improvable = st.improvable and better[n]
                 all_full = all_finished[n] and st.params.early_stopping is True
                 st.done = not (st.improvable and not all_full and not all_ended[n])
-                tops = cands.top_logprobs is not None
-                out[i] = [NextBeam(cands.parents[c], tokens[c], runs[n][c], cands.token_logprobs[c],
-                                   st._top(cands, cands.parents[c], tokens[c], c) if tops else None)
-                          for c in nexts[n]]
+                nx = nexts[n]
+                parents = list(map(cands.parents.__getitem__, nx))
+                next_tokens = list(map(tokens.__getitem__, nx))
+                tops = None
+                if cands.top_logprobs is not None:
+                    tops = [st._top(cands, p, t, c) for p, t, c in zip(parents, next_tokens, nx)]
+                out[i] = NextBeams(parents, next_tokens, list(map(runs[n].__getitem__, nx)),
+                                   list(map(cands.token_logprobs.__getitem__, nx)), tops)
         return out
 
     def _top(self, cands: BeamCandidates, parent: int, token: int, c: int) -> dict[int, float] | None:
