@@ -89,7 +89,8 @@ BLOCK_FAULTS = {
     "swap_out": (BlockManager, SWAPPING, SWAP_PARAMS),
     "can_swap_in": (BlockManager, SWAPPING, SWAP_PARAMS),
     "swap_in": (BlockManager, SWAPPING, SWAP_PARAMS),
-    "fork": (BlockManager, {}, BEAMS),  # beams fork in their update
+    # Beams no longer fork: their moves are one take_over for the step's beam requests,
+    # faulted in tests/entrypoints/test_fault_isolation.py.
 }
 STRATEGY_HOOKS = ["ready", "lookahead", "batch_items", "step_mode", "update"]
 # update: plain sampling applies a one-sequence group's token inline (update_all), so
