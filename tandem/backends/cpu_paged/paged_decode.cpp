@@ -500,22 +500,36 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
   const int64_t chunks = (num_kv_heads + heads_per_task - 1) / heads_per_task;
 
   // Tasks differ in cost (a 512-key cross table against a 64-key one, groups of 4 rows
-  // against 1), so contiguous ranges of them can leave one thread with twice another's
-  // work. Each thread gets a list instead: tasks by cost, largest first, each to the
-  // thread with the least so far. Which thread runs a task does not change its result.
+  // against 1). Where none is large (each at most an eighth of a thread's share: a
+  // batch of many short sequences), each thread takes a contiguous run of tasks of
+  // about equal cost (off by at most one task). Elsewhere contiguous runs could leave
+  // one thread with twice another's work, and each thread gets a list instead: tasks
+  // by cost, largest first, each to the thread with the least so far. Which thread
+  // runs a task does not change its result.
   const int64_t num_tasks = num_groups * chunks;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
-  std::vector<int64_t> order(num_tasks), cost(num_tasks), assigned(num_tasks), starts(threads + 1, 0);
-  for (int64_t task = 0; task < num_tasks; ++task) {
-    const int64_t g = task / chunks, h0 = (task % chunks) * heads_per_task;
-    const int64_t nh = std::min(heads_per_task, num_kv_heads - h0);
-    // Per query vector: its keys plus a fixed share for the task's setup and softmax.
-    cost[task] = (first(g + 1) - first(g)) * nh * (lens[seq_of[first(g)]] + 16);
-    order[task] = task;
-  }
-  if (threads > 1) {
+  std::vector<int64_t> cost(num_tasks), assigned(num_tasks), starts(threads + 1, 0);
+  int64_t total = 0, largest = 0;
+  for (int64_t g = 0, task = 0; g < num_groups; ++g)
+    for (int64_t c = 0; c < chunks; ++c, ++task) {
+      const int64_t nh = std::min(heads_per_task, num_kv_heads - c * heads_per_task);
+      // Per query vector: its keys plus a fixed share for the task's setup and softmax.
+      cost[task] = (first(g + 1) - first(g)) * nh * (lens[seq_of[first(g)]] + 16);
+      total += cost[task];
+      largest = std::max(largest, cost[task]);
+    }
+  if (largest * threads * 8 <= total || threads == 1) {
+    for (int64_t task = 0; task < num_tasks; ++task) assigned[task] = task;
+    starts[threads] = num_tasks;
+    // starts[t]: the first task whose preceding tasks cost at least t / threads of the total.
+    int64_t t = 1, before = 0;
+    for (int64_t task = 0; task < num_tasks && t < threads; before += cost[task++])
+      while (t < threads && before * threads >= t * total) starts[t++] = task;
+    for (; t < threads; ++t) starts[t] = num_tasks;
+  } else {
+    std::vector<int64_t> order(num_tasks), load(threads, 0), thread_of(num_tasks);
+    for (int64_t task = 0; task < num_tasks; ++task) order[task] = task;
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
-    std::vector<int64_t> load(threads, 0), thread_of(num_tasks);
     for (int64_t task : order) {
       const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
       thread_of[task] = t;
@@ -525,9 +539,6 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
     for (int64_t t = 0; t < threads; ++t) starts[t + 1] += starts[t];
     std::vector<int64_t> fill(starts.begin(), starts.end() - 1);
     for (int64_t task = 0; task < num_tasks; ++task) assigned[fill[thread_of[task]]++] = task;
-  } else {
-    starts[1] = num_tasks;
-    for (int64_t task = 0; task < num_tasks; ++task) assigned[task] = task;
   }
 
   at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
@@ -537,9 +548,9 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
     std::vector<int64_t> slots, voff(width), vord(width);
     for (int64_t i = starts[t_begin]; i < starts[t_end]; ++i) {
       const int64_t task = assigned[i];
-      const int64_t g = task / chunks;
+      const int64_t g = chunks == 1 ? task : task / chunks;
       const int64_t b0 = first(g), nr = first(g + 1) - b0;
-      const int64_t h0 = (task % chunks) * heads_per_task;
+      const int64_t h0 = chunks == 1 ? 0 : (task % chunks) * heads_per_task;
       const int64_t nh = std::min(heads_per_task, num_kv_heads - h0);
       const int64_t nq = nh * group;  // query heads of this task, [h0 * group, h0 * group + nq)
       const int64_t nv = nr * nq;     // query vectors: row r's head h is r * nq + h
