@@ -395,31 +395,40 @@ inline vec vexp_nonpositive(vec x) {
 // keys [0, len), then the pad to lenp, whole vectors: -inf, the caller's, so that it adds
 // e^-inf = 0), and inv[v] = vscale / the row's sum of exponentials (0 for no keys). The
 // bias row of query head h, if any, at bias0 + h * bias_sh, is added first. Each row's
-// maximum and sum: lane-wise over its vectors, then one horizontal reduction.
+// maximum and sum: lane-wise over its vectors, then one horizontal reduction. The rows'
+// maxima are found first, then their exponentials: a short row is mostly a chain of
+// dependent steps, and the rows' chains overlap where each pass's loop body is short.
 inline void softmax_rows(float* __restrict scores, int64_t nr, int64_t nq, int64_t len, int64_t lenp,
-                         const float* bias0, int64_t bias_sh, float vscale, float* __restrict inv) {
-  for (int64_t r = 0; r < nr; ++r)
-    for (int64_t h = 0; h < nq; ++h) {
-      const int64_t v = r * nq + h;
-      float* s = scores + v * lenp;
-      if (bias0 != nullptr) {
+                         const float* bias0, int64_t bias_sh, float vscale, float* __restrict mx,
+                         float* __restrict inv) {
+  const int64_t nv = nr * nq;
+  if (bias0 != nullptr)
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t h = 0; h < nq; ++h) {
+        float* s = scores + (r * nq + h) * lenp;
         const float* bh = bias0 + h * bias_sh;
         int64_t n = 0;
         for (; n + kLanes <= len; n += kLanes) vstoref(s + n, vadd(vloadf(s + n), vloadf(bh + n)));
         for (; n < len; ++n) s[n] += bh[n];
       }
-      vec mv = vloadf(s);
-      for (int64_t n = kLanes; n < lenp; n += kLanes) mv = vmax(mv, vloadf(s + n));
-      const vec mx = vset1(hmax(mv));
-      vec sum = vzero();
-      for (int64_t n = 0; n < lenp; n += kLanes) {
-        const vec e = vexp_nonpositive(vsub(vloadf(s + n), mx));
-        vstoref(s + n, e);
-        sum = vadd(sum, e);
-      }
-      const float total = hsum(sum);
-      inv[v] = (total > 0.f ? 1.f / total : 0.f) * vscale;
+  for (int64_t v = 0; v < nv; ++v) {
+    const float* s = scores + v * lenp;
+    vec m = vloadf(s);
+    for (int64_t n = kLanes; n < lenp; n += kLanes) m = vmax(m, vloadf(s + n));
+    mx[v] = hmax(m);
+  }
+  for (int64_t v = 0; v < nv; ++v) {
+    float* s = scores + v * lenp;
+    const vec m = vset1(mx[v]);
+    vec sum = vzero();
+    for (int64_t n = 0; n < lenp; n += kLanes) {
+      const vec e = vexp_nonpositive(vsub(vloadf(s + n), m));
+      vstoref(s + n, e);
+      sum = vadd(sum, e);
     }
+    const float total = hsum(sum);
+    inv[v] = (total > 0.f ? 1.f / total : 0.f) * vscale;
+  }
 }
 
 #endif
@@ -544,7 +553,7 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
   at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
     const int64_t width = max_rows * heads_per_task * group;  // query vectors of a task at most
     std::vector<float> qf(width * head_size), acc(width * head_size), scores;
-    std::vector<float> inv(width);
+    std::vector<float> inv(width), row_max(width);
     std::vector<int64_t> slots, voff(width), vord(width);
     for (int64_t i = starts[t_begin]; i < starts[t_end]; ++i) {
       const int64_t task = assigned[i];
@@ -612,7 +621,7 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
       // Softmax per query vector (the bias, if any, added before the max is found).
       const float* bias0 = bias == nullptr ? nullptr : bias + h0 * group * bias_sh + (bias_w - len);
 #ifdef TANDEM_SIMD
-      if (len > 0) softmax_rows(scores.data(), nr, nq, len, lenp, bias0, bias_sh, fvscale, inv.data());
+      if (len > 0) softmax_rows(scores.data(), nr, nq, len, lenp, bias0, bias_sh, fvscale, row_max.data(), inv.data());
       else std::fill(inv.begin(), inv.begin() + nv, 0.f);
 #else
       for (int64_t v = 0; v < nv; ++v) {
