@@ -171,6 +171,31 @@ def test_tasks_of_unequal_cost_give_the_same_result_on_any_thread_count():
 
 
 @needs_op
+def test_many_short_tasks_in_contiguous_runs_give_the_same_result_on_any_thread_count():
+    """Where no task is large (a batch of many short sequences), threads take
+    contiguous runs of about equal cost instead of the sorted lists: every row bit
+    for bit as on one thread (tiny heads, 1-40 keys), and against float64."""
+    lens = [1 + (13 * i) % 40 for i in range(96)]
+    cache, tables = _layout(lens, 4, 16, 16, torch.float32, seed=31)
+    q = torch.randn(len(lens), 4, 16, generator=torch.Generator().manual_seed(32))
+    rows = seqs = torch.arange(len(lens))
+    threads = torch.get_num_threads()
+    results = {}
+    try:
+        for n in (1, 2, 3, 5, 8):
+            torch.set_num_threads(n)
+            out = torch.full_like(q, float("nan"))
+            OP(q, cache, out, rows, seqs, torch.tensor(lens), tables, 0.25)
+            results[n] = out
+    finally:
+        torch.set_num_threads(threads)
+    for n, out in results.items():
+        assert torch.equal(out, results[1]), f"threads = {n}"
+    ref = _reference(q, cache, tables, lens, 0.25, 1)
+    torch.testing.assert_close(results[1].double(), ref, atol=5e-5, rtol=1e-4)
+
+
+@needs_op
 def test_bfloat16_storage_with_float32_arithmetic():
     lens = [3, 90, 200]
     cache, tables = _layout(lens, 2, 64, 16, torch.bfloat16, seed=5)

@@ -3,15 +3,31 @@
 // through each sequence's block table; nothing is gathered into a padded batch.
 //
 // One task per sequence (or per sequence and run of KV heads when the batch is
-// small): scores for every key in one pass over the keys (the query heads that
-// share a KV head, GQA, read it once), a softmax in float32, then one pass over
-// the values. Rows that read the same K/V (a request's beams or n > 1 samples over
-// its one cross table) may be passed as a group (kv_groups: offsets into the rows):
-// one task then serves all of them, a multi-query attention that reads each key
-// and value once for the group instead of once per row; each row's arithmetic is
-// the same as alone, so its result is bit for bit the ungrouped one. Storage may be float32, float16 or bfloat16;
-// all arithmetic is float32. Tasks are spread over torch's intra-op threads.
+// small). Rows that read the same K/V (a request's beams or n > 1 samples over its
+// one cross table) may be passed as a group (kv_groups: offsets into the rows): one
+// task then serves all of them, a multi-query attention that reads each key and
+// value once for the group instead of once per row; each row's arithmetic is the
+// same as alone, so its result is bit for bit the ungrouped one. Storage may be
+// float32, float16 or bfloat16; all arithmetic is float32. Tasks are spread over
+// torch's intra-op threads.
 //
+// A task, where the head size is a whole number of vectors (kLanes floats: 16 on
+// AVX-512, 8 on AVX2) and the storage has a vector load here (the vector path):
+//   - each key's slot offset, once (the same for K and V);
+//   - scores: keys kLanes at a time, each query vector of the task in turn (the run's
+//     slots, all heads, come from memory once), one vector of partial sums a key,
+//     reduced kLanes keys at a time by a transposing tree. A sequence's last, partial
+//     run of every query vector is queued together (40 keys x 4 heads: 10 trees, not
+//     12; tiny heads' short sequences are mostly such tails);
+//   - the softmax in vectors over score rows padded to whole vectors with -inf;
+//   - values: the query vectors in tiles whose accumulators stay in registers over
+//     all the keys (one fused multiply-add a key and vector of the head), heads wider
+//     than the registers allow in column slices.
+// Every query vector's score of a key, its softmax and its weighted sum over the keys
+// (in key order) depend only on its own data, never on which vectors share its run,
+// queue, tile or task: groups, GQA splits and thread counts change no bit. Other head
+// sizes and storage take scalar loops over the keys for the scores and values.
+
 // An optional additive bias (T5's relative position bias) depends only on the
 // distance from the query (the sequence's last position) to each key, so one
 // float32 row [H, W] serves every sequence: the bias of a query at position
@@ -97,6 +113,21 @@ inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vloadf(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstoref(float* p, vec x) { _mm512_storeu_ps(p, x); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline vec vfms(vec a, vec b, vec c) { return _mm512_fmsub_ps(a, b, c); }
+inline vec vfloor(vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+// 2^n for integral n in float32's normal range, built in the exponent bits.
+inline vec vexp2i(vec n) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+// y where x >= lo (or x is NaN), else 0.
+inline vec vzero_below(vec x, float lo, vec y) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset1(lo), _CMP_NLT_UQ), y); }
+inline float hsum(vec a) { return _mm512_reduce_add_ps(a); }
+inline float hmax(vec a) { return _mm512_reduce_max_ps(a); }
+// Accumulators the value pass keeps in registers (of 32).
+constexpr int kAccRegs = 16;
 inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vec vload(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -141,6 +172,27 @@ inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vloadf(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstoref(float* p, vec x) { _mm256_storeu_ps(p, x); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline vec vfms(vec a, vec b, vec c) { return _mm256_fmsub_ps(a, b, c); }
+inline vec vfloor(vec a) { return _mm256_floor_ps(a); }
+inline vec vexp2i(vec n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline vec vzero_below(vec x, float lo, vec y) { return _mm256_and_ps(_mm256_cmp_ps(x, vset1(lo), _CMP_NLT_UQ), y); }
+inline float hsum(vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float hmax(vec a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+// Accumulators the value pass keeps in registers (of 16).
+constexpr int kAccRegs = 8;
 inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vec vload(const c10::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -184,47 +236,198 @@ inline vec reduce_keys(vec* p) {
 }
 #endif
 
-template <typename T>
-constexpr bool kIsFp8 = std::is_same<T, c10::Float8_e4m3fn>::value || std::is_same<T, c10::Float8_e5m2>::value;
-
-// acc += a * v in vectors, for fp8 storage (whose scalar loop is a table lookup per element).
-template <typename T>
-inline void axpy_vectors(float a, const T* __restrict v, float* __restrict acc, int64_t d) {
-  const vec va = vset1(a);
-  for (int64_t i = 0; i < d; i += kLanes) vstoref(acc + i, vfma(va, vload(v + i), vloadf(acc + i)));
-}
-
 // Whether the vector passes serve this storage type and head size.
 template <typename T>
 inline bool vector_path(int64_t head_size) {
   return kVectorLoads<T> && head_size % kLanes == 0;
 }
 
-// out[j] = q . k_j for the m keys k_j = k + j * k_stride (head_size floats each).
-template <typename T>
-inline void key_scores(const float* __restrict q, const T* __restrict k, int64_t k_stride, int64_t m,
-                       int64_t head_size, float* __restrict out) {
+// The partial-sum vector of q . k over a head of CH vectors (CH = 0: `chunks`, known
+// at run time): the products of the first vector, then one fused multiply-add per
+// further vector, in order.
+template <int CH, typename C>
+inline vec partial_dot(const float* __restrict q, const C* __restrict k, int64_t chunks) {
+  const int64_t nc = CH > 0 ? CH : chunks;
+  vec acc = vmul(vloadf(q), vload(k));
+  for (int64_t c = 1; c < nc; ++c) acc = vfma(vloadf(q + c * kLanes), vload(k + c * kLanes), acc);
+  return acc;
+}
+
+// The score pass: scores[v * lenp + n] = q_v . k_n for the task's nv query vectors
+// (q_v at qf + v * head_size, its K head at offset voff[v] from each key slot) and keys
+// n < len (slot n at k_base + slots[n]). Keys go kLanes at a time, every query vector
+// of the run in turn (the run's slots, all heads, are read from memory once); a full
+// run of one vector is one transposing reduce and one store. The runs shorter than
+// kLanes (a sequence's last keys) of all vectors are queued together and reduced
+// kLanes dots at a time (40 keys x 4 heads: 10 reduces, not 12), each lane stored to
+// its own place. A dot's value depends only on its own partial sums, never on the
+// dots it is reduced with.
+template <int CH, typename C>
+void score_pass(const float* __restrict qf, int64_t head_size, int64_t nv, const int64_t* __restrict voff,
+                const C* __restrict k_base, const int64_t* __restrict slots, int64_t len, int64_t lenp,
+                float* __restrict scores) {
+  const int64_t chunks = head_size / kLanes;
   vec p[kLanes];
-  for (int64_t j0 = 0; j0 < m; j0 += kLanes) {
-    const int64_t n = std::min(kLanes, m - j0);
-    for (int64_t j = 0; j < kLanes; ++j) {
-      if (j >= n) {
-        p[j] = vzero();
+  float* dst[kLanes];
+  int64_t queued = 0;
+  auto flush = [&]() {
+#pragma GCC unroll 16
+    for (int j = 0; j < kLanes; ++j)  // (unrolled: as a loop from `queued` it becomes a slow rep stos)
+      if (j >= queued) p[j] = vzero();
+    alignas(64) float tmp[kLanes];
+    vstoref(tmp, reduce_keys(p));
+    for (int64_t j = 0; j < queued; ++j) *dst[j] = tmp[j];
+    queued = 0;
+  };
+  for (int64_t n0 = 0; n0 < len; n0 += kLanes) {
+    const int64_t m = std::min(kLanes, len - n0);
+    const int64_t* sl = slots + n0;
+    for (int64_t v = 0; v < nv; ++v) {
+      const float* q = qf + v * head_size;
+      const C* k = k_base + voff[v];
+      float* out = scores + v * lenp + n0;
+      if (m == kLanes) {
+        vec full[kLanes];
+        for (int64_t j = 0; j < kLanes; ++j) full[j] = partial_dot<CH>(q, k + sl[j], chunks);
+        vstoref(out, reduce_keys(full));
         continue;
       }
-      const T* kj = k + (j0 + j) * k_stride;
-      vec acc = vmul(vloadf(q), vload(kj));
-      for (int64_t c = kLanes; c < head_size; c += kLanes) acc = vfma(vloadf(q + c), vload(kj + c), acc);
-      p[j] = acc;
+      for (int64_t j = 0; j < m; ++j) {
+        p[queued] = partial_dot<CH>(q, k + sl[j], chunks);
+        dst[queued] = out + j;
+        if (++queued == kLanes) flush();
+      }
     }
-    const vec s = reduce_keys(p);
-    if (n == kLanes) {
-      vstoref(out + j0, s);
-    } else {
-      alignas(64) float tmp[kLanes];
-      vstoref(tmp, s);
-      for (int64_t j = 0; j < n; ++j) out[j0 + j] = tmp[j];
+  }
+  if (queued > 0) flush();
+}
+
+// The value pass for a tile of T query vectors and CS vectors of their heads (from
+// column `col`): acc_t = sum over keys n, in order, of p_t[n] * v_n, one fused
+// multiply-add per key into accumulators held in registers for the whole sequence
+// (vector t's V head at offset off[t] from each slot, its weights at s[t]).
+template <int CS, int T, typename C>
+void value_tile(const C* __restrict v_base, const int64_t* __restrict slots, int64_t len, const int64_t* off,
+                const float* const* s, float* const* acc, int64_t col) {
+  vec a[T][CS];
+  int64_t o[T];
+  const float* w[T];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) {
+    o[t] = off[t] + col;
+    w[t] = s[t];
+#pragma GCC unroll 8
+    for (int c = 0; c < CS; ++c) a[t][c] = vzero();
+  }
+  for (int64_t n = 0; n < len; ++n) {
+    const C* base = v_base + slots[n];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const vec p = vset1(w[t][n]);
+#pragma GCC unroll 8
+      for (int c = 0; c < CS; ++c) a[t][c] = vfma(p, vload(base + o[t] + c * kLanes), a[t][c]);
     }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+    for (int c = 0; c < CS; ++c) vstoref(acc[t] + col + c * kLanes, a[t][c]);
+}
+
+// The value pass of a task: its query vectors in tiles (in the order `vord`, which puts
+// the vectors that read one KV head next to each other), each tile as many vectors as
+// leave its accumulators in registers (kAccRegs), heads wider than that in column
+// slices. Every vector's sum runs over the keys in order whatever its tile or slice.
+template <typename C>
+void value_pass(const C* __restrict v_base, const int64_t* __restrict slots, int64_t len, int64_t head_size,
+                int64_t nv, const int64_t* vord, const int64_t* voff, const float* scores, int64_t lenp,
+                float* acc) {
+  const int64_t chunks = head_size / kLanes;
+  for (int64_t c0 = 0; c0 < chunks;) {
+    const int64_t left = chunks - c0;
+    const int cs = left >= 8 && kAccRegs >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    const int tmax = std::min<int>(8, kAccRegs / cs);
+    for (int64_t i = 0; i < nv;) {
+      int t = tmax;
+      while (t > nv - i) t /= 2;
+      int64_t off[8];
+      const float* s[8];
+      float* a[8];
+      for (int u = 0; u < t; ++u) {
+        const int64_t v = vord[i + u];
+        off[u] = voff[v];
+        s[u] = scores + v * lenp;
+        a[u] = acc + v * head_size;
+      }
+      const int64_t col = c0 * kLanes;
+#define TANDEM_TILE(CS_, T_)                                                 \
+  if (cs == CS_ && t == T_) {                                                \
+    if constexpr (CS_ * T_ <= kAccRegs) value_tile<CS_, T_>(v_base, slots, len, off, s, a, col); \
+  } else
+#define TANDEM_TILES(CS_) TANDEM_TILE(CS_, 1) TANDEM_TILE(CS_, 2) TANDEM_TILE(CS_, 4) TANDEM_TILE(CS_, 8)
+      TANDEM_TILES(1) TANDEM_TILES(2) TANDEM_TILES(4) TANDEM_TILES(8) {}
+#undef TANDEM_TILES
+#undef TANDEM_TILE
+      i += t;
+    }
+    c0 += cs;
+  }
+}
+
+// exp(x) for x <= 0 in vectors, the scalar exp_nonpositive's method (below): x = n ln2 + r,
+// e^r by its degree-7 Taylor polynomial, times 2^n built in the exponent bits; 0 below -87.
+inline vec vexp_nonpositive(vec x) {
+  const vec xc = vmax(x, vset1(-87.0f));
+  const vec n = vfloor(vfma(xc, vset1(1.44269504088896341f), vset1(0.5f)));
+  const vec r = vmul(vfms(xc, vset1(1.44269504088896341f), n), vset1(0.693147180559945309f));
+  vec p = vset1(1.f / 5040.f);
+  p = vfma(p, r, vset1(1.f / 720.f));
+  p = vfma(p, r, vset1(1.f / 120.f));
+  p = vfma(p, r, vset1(1.f / 24.f));
+  p = vfma(p, r, vset1(1.f / 6.f));
+  p = vfma(p, r, vset1(0.5f));
+  p = vfma(p, r, vset1(1.f));
+  p = vfma(p, r, vset1(1.f));
+  return vzero_below(x, -87.0f, vmul(p, vexp2i(n)));
+}
+
+// The softmax of a task's nv = nr * nq score rows in place (row v at scores + v * lenp,
+// keys [0, len), then the pad to lenp, whole vectors: -inf, the caller's, so that it adds
+// e^-inf = 0), and inv[v] = vscale / the row's sum of exponentials (0 for no keys). The
+// bias row of query head h, if any, at bias0 + h * bias_sh, is added first. Each row's
+// maximum and sum: lane-wise over its vectors, then one horizontal reduction. The rows'
+// maxima are found first, then their exponentials: a short row is mostly a chain of
+// dependent steps, and the rows' chains overlap where each pass's loop body is short.
+inline void softmax_rows(float* __restrict scores, int64_t nr, int64_t nq, int64_t len, int64_t lenp,
+                         const float* bias0, int64_t bias_sh, float vscale, float* __restrict mx,
+                         float* __restrict inv) {
+  const int64_t nv = nr * nq;
+  if (bias0 != nullptr)
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t h = 0; h < nq; ++h) {
+        float* s = scores + (r * nq + h) * lenp;
+        const float* bh = bias0 + h * bias_sh;
+        int64_t n = 0;
+        for (; n + kLanes <= len; n += kLanes) vstoref(s + n, vadd(vloadf(s + n), vloadf(bh + n)));
+        for (; n < len; ++n) s[n] += bh[n];
+      }
+  for (int64_t v = 0; v < nv; ++v) {
+    const float* s = scores + v * lenp;
+    vec m = vloadf(s);
+    for (int64_t n = kLanes; n < lenp; n += kLanes) m = vmax(m, vloadf(s + n));
+    mx[v] = hmax(m);
+  }
+  for (int64_t v = 0; v < nv; ++v) {
+    float* s = scores + v * lenp;
+    const vec m = vset1(mx[v]);
+    vec sum = vzero();
+    for (int64_t n = 0; n < lenp; n += kLanes) {
+      const vec e = vexp_nonpositive(vsub(vloadf(s + n), m));
+      vstoref(s + n, e);
+      sum = vadd(sum, e);
+    }
+    const float total = hsum(sum);
+    inv[v] = (total > 0.f ? 1.f / total : 0.f) * vscale;
   }
 }
 
@@ -234,6 +437,7 @@ inline void key_scores(const float* __restrict q, const T* __restrict k, int64_t
 // x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial
 // (truncation < 5e-9 relative, below float32's 6e-8 unit roundoff), times 2^n
 // built in the exponent bits. Below -87 the result is 0 as in float32's expf.
+// (The builds without vectors; vexp_nonpositive above is the same in vectors.)
 inline float exp_nonpositive(float x) {
   const float t = std::max(x, -87.0f) * 1.44269504088896341f;
   const float n = std::floor(t + 0.5f);
@@ -280,8 +484,10 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
   const float fvscale = static_cast<float>(v_scale);
 #ifdef TANDEM_SIMD
   const bool vectors = vector_path<C>(head_size);
+  constexpr int64_t kPad = kLanes;  // score rows are padded to whole vectors
 #else
   const bool vectors = false;
+  constexpr int64_t kPad = 1;
 #endif
   // Rows [first(g), first(g + 1)) share the K/V of sequence seq_of[first(g)] (the beams
   // or n > 1 samples of one request over its one cross table): each key slot is read
@@ -303,22 +509,36 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
   const int64_t chunks = (num_kv_heads + heads_per_task - 1) / heads_per_task;
 
   // Tasks differ in cost (a 512-key cross table against a 64-key one, groups of 4 rows
-  // against 1), so contiguous ranges of them can leave one thread with twice another's
-  // work. Each thread gets a list instead: tasks by cost, largest first, each to the
-  // thread with the least so far. Which thread runs a task does not change its result.
+  // against 1). Where none is large (each at most an eighth of a thread's share: a
+  // batch of many short sequences), each thread takes a contiguous run of tasks of
+  // about equal cost (off by at most one task). Elsewhere contiguous runs could leave
+  // one thread with twice another's work, and each thread gets a list instead: tasks
+  // by cost, largest first, each to the thread with the least so far. Which thread
+  // runs a task does not change its result.
   const int64_t num_tasks = num_groups * chunks;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
-  std::vector<int64_t> order(num_tasks), cost(num_tasks), assigned(num_tasks), starts(threads + 1, 0);
-  for (int64_t task = 0; task < num_tasks; ++task) {
-    const int64_t g = task / chunks, h0 = (task % chunks) * heads_per_task;
-    const int64_t nh = std::min(heads_per_task, num_kv_heads - h0);
-    // Per query vector: its keys plus a fixed share for the task's setup and softmax.
-    cost[task] = (first(g + 1) - first(g)) * nh * (lens[seq_of[first(g)]] + 16);
-    order[task] = task;
-  }
-  if (threads > 1) {
+  std::vector<int64_t> cost(num_tasks), assigned(num_tasks), starts(threads + 1, 0);
+  int64_t total = 0, largest = 0;
+  for (int64_t g = 0, task = 0; g < num_groups; ++g)
+    for (int64_t c = 0; c < chunks; ++c, ++task) {
+      const int64_t nh = std::min(heads_per_task, num_kv_heads - c * heads_per_task);
+      // Per query vector: its keys plus a fixed share for the task's setup and softmax.
+      cost[task] = (first(g + 1) - first(g)) * nh * (lens[seq_of[first(g)]] + 16);
+      total += cost[task];
+      largest = std::max(largest, cost[task]);
+    }
+  if (largest * threads * 8 <= total || threads == 1) {
+    for (int64_t task = 0; task < num_tasks; ++task) assigned[task] = task;
+    starts[threads] = num_tasks;
+    // starts[t]: the first task whose preceding tasks cost at least t / threads of the total.
+    int64_t t = 1, before = 0;
+    for (int64_t task = 0; task < num_tasks && t < threads; before += cost[task++])
+      while (t < threads && before * threads >= t * total) starts[t++] = task;
+    for (; t < threads; ++t) starts[t] = num_tasks;
+  } else {
+    std::vector<int64_t> order(num_tasks), load(threads, 0), thread_of(num_tasks);
+    for (int64_t task = 0; task < num_tasks; ++task) order[task] = task;
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
-    std::vector<int64_t> load(threads, 0), thread_of(num_tasks);
     for (int64_t task : order) {
       const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
       thread_of[task] = t;
@@ -328,24 +548,23 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
     for (int64_t t = 0; t < threads; ++t) starts[t + 1] += starts[t];
     std::vector<int64_t> fill(starts.begin(), starts.end() - 1);
     for (int64_t task = 0; task < num_tasks; ++task) assigned[fill[thread_of[task]]++] = task;
-  } else {
-    starts[1] = num_tasks;
-    for (int64_t task = 0; task < num_tasks; ++task) assigned[task] = task;
   }
 
   at::parallel_for(0, threads, 1, [&](int64_t t_begin, int64_t t_end) {
     const int64_t width = max_rows * heads_per_task * group;  // query vectors of a task at most
     std::vector<float> qf(width * head_size), acc(width * head_size), scores;
-    std::vector<float> inv(width);
+    std::vector<float> inv(width), row_max(width);
+    std::vector<int64_t> slots, voff(width), vord(width);
     for (int64_t i = starts[t_begin]; i < starts[t_end]; ++i) {
       const int64_t task = assigned[i];
-      const int64_t g = task / chunks;
+      const int64_t g = chunks == 1 ? task : task / chunks;
       const int64_t b0 = first(g), nr = first(g + 1) - b0;
-      const int64_t h0 = (task % chunks) * heads_per_task;
+      const int64_t h0 = chunks == 1 ? 0 : (task % chunks) * heads_per_task;
       const int64_t nh = std::min(heads_per_task, num_kv_heads - h0);
       const int64_t nq = nh * group;  // query heads of this task, [h0 * group, h0 * group + nq)
       const int64_t nv = nr * nq;     // query vectors: row r's head h is r * nq + h
       const int64_t seq = seq_of[b0], len = lens[seq];
+      const int64_t lenp = (len + kPad - 1) / kPad * kPad;
       const int64_t* table = tables + seq * tab_st;
       for (int64_t r = 0; r < nr; ++r)
         for (int64_t h = 0; h < nq; ++h) {
@@ -353,19 +572,36 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
           float* qv = &qf[(r * nq + h) * head_size];
           for (int64_t i = 0; i < head_size; ++i) qv[i] = static_cast<float>(qh[i]) * fscale;
         }
-      scores.resize(nv * std::max<int64_t>(len, 1));
+      if (scores.size() < static_cast<size_t>(nv * lenp)) scores.resize(nv * lenp);
 #ifdef TANDEM_SIMD
+      // The rows' pads (keys len..lenp) are -inf, stored first as whole vectors (the score
+      // pass then fills the keys below len): scalar stores just before the softmax's
+      // vector loads would stall them.
+      if (len < lenp)
+        for (int64_t v = 0; v < nv; ++v)
+          vstoref(&scores[v * lenp + lenp - kLanes], vset1(-std::numeric_limits<float>::infinity()));
       if (vectors) {
-        // Scores: block by block, each head's run of slots for every row (the block's
-        // K is read from memory once and from cache for the other rows and heads).
+        // Key n's slot (its first head of the task's run) from the cache's start, the same
+        // for K and V; each query vector's KV head from there.
+        if (slots.size() < static_cast<size_t>(len)) slots.resize(len);
         for (int64_t n0 = 0, blk = 0; n0 < len; n0 += block_size, ++blk) {
-          const C* kb = k_ptr + table[blk] * c_sb + h0 * c_sh;
-          const int64_t m = std::min(block_size, len - n0);
-          for (int64_t h = 0; h < nq; ++h)
-            for (int64_t r = 0; r < nr; ++r) {
-              const int64_t v = r * nq + h;
-              key_scores(&qf[v * head_size], kb + (h / group) * c_sh, c_ss, m, head_size, &scores[v * len + n0]);
+          const int64_t base = table[blk] * c_sb + h0 * c_sh, m = std::min(block_size, len - n0);
+          for (int64_t j = 0; j < m; ++j) slots[n0 + j] = base + j * c_ss;
+        }
+        // Tiles of the value pass: the vectors of one KV head (every row, every query head
+        // of its GQA group) next to each other.
+        for (int64_t kh = 0, i = 0; kh < nh; ++kh)
+          for (int64_t r = 0; r < nr; ++r)
+            for (int64_t q = 0; q < group; ++q) {
+              vord[i++] = r * nq + kh * group + q;
+              voff[r * nq + kh * group + q] = kh * c_sh;
             }
+        switch (head_size / kLanes) {
+          case 1: score_pass<1>(qf.data(), head_size, nv, voff.data(), k_ptr, slots.data(), len, lenp, scores.data()); break;
+          case 2: score_pass<2>(qf.data(), head_size, nv, voff.data(), k_ptr, slots.data(), len, lenp, scores.data()); break;
+          case 4: score_pass<4>(qf.data(), head_size, nv, voff.data(), k_ptr, slots.data(), len, lenp, scores.data()); break;
+          case 8: score_pass<8>(qf.data(), head_size, nv, voff.data(), k_ptr, slots.data(), len, lenp, scores.data()); break;
+          default: score_pass<0>(qf.data(), head_size, nv, voff.data(), k_ptr, slots.data(), len, lenp, scores.data());
         }
       }
 #endif
@@ -378,36 +614,39 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
             const C* kh = kb + j * c_ss + (h / group) * c_sh;
             for (int64_t r = 0; r < nr; ++r) {
               const int64_t v = r * nq + h;
-              scores[v * len + n0 + j] = dot(&qf[v * head_size], kh, head_size);
+              scores[v * lenp + n0 + j] = dot(&qf[v * head_size], kh, head_size);
             }
           }
       }
-      // Softmax per query vector (the bias, if any, added as the max is found).
+      // Softmax per query vector (the bias, if any, added before the max is found).
+      const float* bias0 = bias == nullptr ? nullptr : bias + h0 * group * bias_sh + (bias_w - len);
+#ifdef TANDEM_SIMD
+      if (len > 0) softmax_rows(scores.data(), nr, nq, len, lenp, bias0, bias_sh, fvscale, row_max.data(), inv.data());
+      else std::fill(inv.begin(), inv.begin() + nv, 0.f);
+#else
       for (int64_t v = 0; v < nv; ++v) {
-        const int64_t h = v % nq;
-        float* s = scores.data() + v * len;
+        float* s = scores.data() + v * lenp;
+        const float* bh = bias0 == nullptr ? nullptr : bias0 + (v % nq) * bias_sh;
         float mx = -std::numeric_limits<float>::infinity();
-        if (bias == nullptr) {
-          for (int64_t n = 0; n < len; ++n) mx = std::max(mx, s[n]);
-        } else {
-          const float* bh = bias + (h0 * group + h) * bias_sh + (bias_w - len);
-#pragma omp simd reduction(max : mx)
-          for (int64_t n = 0; n < len; ++n) {
-            s[n] += bh[n];
-            mx = std::max(mx, s[n]);
-          }
+        for (int64_t n = 0; n < len; ++n) {
+          if (bh != nullptr) s[n] += bh[n];
+          mx = std::max(mx, s[n]);
         }
         float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
         for (int64_t n = 0; n < len; ++n) {
           s[n] = exp_nonpositive(s[n] - mx);
           sum += s[n];
         }
         inv[v] = (sum > 0.f ? 1.f / sum : 0.f) * fvscale;
       }
+#endif
+#ifdef TANDEM_SIMD
+      if (vectors)
+        value_pass(v_ptr, slots.data(), len, head_size, nv, vord.data(), voff.data(), scores.data(), lenp, acc.data());
+#endif
       // Weighted values: one pass, slot by slot, each slot's heads for every row.
-      std::fill(acc.begin(), acc.begin() + nv * head_size, 0.f);
-      for (int64_t n0 = 0, blk = 0; n0 < len; n0 += block_size, ++blk) {
+      if (!vectors) std::fill(acc.begin(), acc.begin() + nv * head_size, 0.f);
+      for (int64_t n0 = 0, blk = 0; !vectors && n0 < len; n0 += block_size, ++blk) {
         const C* vb = v_ptr + table[blk] * c_sb + h0 * c_sh;
         const int64_t m = std::min(block_size, len - n0);
         for (int64_t j = 0; j < m; ++j)
@@ -415,13 +654,7 @@ void decode(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out
             const C* vh = vb + j * c_ss + (h / group) * c_sh;
             for (int64_t r = 0; r < nr; ++r) {
               const int64_t v = r * nq + h;
-#ifdef TANDEM_SIMD
-              if (kIsFp8<C> && vectors) {
-                axpy_vectors(scores[v * len + n0 + j], vh, &acc[v * head_size], head_size);
-                continue;
-              }
-#endif
-              axpy(scores[v * len + n0 + j], vh, &acc[v * head_size], head_size);
+              axpy(scores[v * lenp + n0 + j], vh, &acc[v * head_size], head_size);
             }
           }
       }
