@@ -71,8 +71,8 @@ def test_a_plain_engine_counts_nothing_and_names_no_feature(caplog):
 
 
 def test_lora_is_named_at_start_and_the_step_adapters_counted(tmp_path, caplog):
-    """Two adapters and the base model in one run of equal-length requests: every step
-    runs both adapters, so the last step's count is 2."""
+    """Two adapters and the base model in one run of equal-length requests: the steps
+    that run both adapters count 2, and no step counts more."""
     from tandem import LoRARequest
 
     import lora_adapters
@@ -90,6 +90,13 @@ def test_lora_is_named_at_start_and_the_step_adapters_counted(tmp_path, caplog):
     loras = [LoRARequest(f"a{i}", i, str(p)) for i, p in enumerate(adapters, start=1)]
     params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6, ignore_eos=True)
     prompts = [{"prompt_token_ids": [0, 5 + i, 6, 2]} for i in range(3)]
-    outs = llm.generate(prompts, params, lora_request=[loras[0], None, loras[1]], use_tqdm=False)
-    assert all(o.error is None for o in outs)
-    assert llm.get_stats()["lora_adapters_running"] == 2
+    # Adapters are read in the background: a request waits until its adapter is in, so
+    # the steps before both are in run one (or none). Once both are, a step runs both.
+    engine, seen, outs = llm.llm_engine, [], []
+    for i, (prompt, lora) in enumerate(zip(prompts, [loras[0], None, loras[1]])):
+        engine.add_request(str(i), prompt, params, lora_request=lora)
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+        seen.append(engine.get_stats()["lora_adapters_running"])
+    assert len(outs) == 3 and all(o.error is None for o in outs)
+    assert max(seen) == 2 and set(seen) <= {0, 1, 2}, seen
