@@ -140,8 +140,9 @@ class EngineConfig:
     )
     # core/layers/linear_kernels.py
     cpu_gemm: str = option(
-        "auto", "CPU linear layers: oneDNN pre-packed weights (auto: where they run; packed: an error where they "
-        "cannot) or plain F.linear (dense)",
+        "auto", "CPU linear layers: oneDNN pre-packed weights (auto: where they run, for float32 layers of more "
+        "than 65,536 weights, smaller ones F.linear; packed: every layer, an error where they cannot) or plain "
+        "F.linear (dense)",
         choices=("auto", "packed", "dense"),
     )
     # core/worker/host_malloc.py: glibc keeps freed memory for reuse instead of re-mmapping

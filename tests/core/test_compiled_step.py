@@ -86,15 +86,26 @@ def _check_against_eager(model_dir, prompts, params, tmp_path, record_steps, row
         scale = want.abs().max().item()
         torch.testing.assert_close(got, want, rtol=REL_TOL, atol=REL_TOL * scale)
     assert step.compiled_buckets == {step.bucket(r) for r in rows if r <= 4}
+    return step
 
 
 def test_bart_traced_step_matches_eager(tmp_path, record_steps, monkeypatch):
     """The default suite's case: Dynamo and AOTAutograd without inductor's code generation
     (the opaque ops, their fake impls, padding to a bucket, the fallback beyond it), one
-    bucket: 5 rows beyond the buckets (eager), then 3 padded to 4."""
+    bucket: 5 rows beyond the buckets (eager), then 3 padded to 4. The vocabulary is large
+    enough that cpu_gemm="auto" packs the LM head (an opaque op in the graph) while the tiny
+    layers stay dense (F.linear, traced as any op)."""
+    from tandem.core.layers.linear import LinearBase
+    from tandem.core.layers.linear_kernels import DENSE_MAX_WEIGHTS, DenseKernel, PackedCPUKernel, \
+        packed_gemm_unsupported
+
     monkeypatch.setattr(compiled_step, "COMPILER_BACKEND", "aot_eager")
-    model_dir = make_bart(tmp_path / "bart")
-    _check_against_eager(model_dir, _prompts(), _params(SHORT), tmp_path, record_steps, rows=(5, 3))
+    model_dir = make_bart(tmp_path / "bart", vocab_size=DENSE_MAX_WEIGHTS // 32 + 1)  # d_model 32
+    step = _check_against_eager(model_dir, _prompts(), _params(SHORT), tmp_path, record_steps, rows=(5, 3))
+    if not packed_gemm_unsupported(torch.device("cpu"), torch.float32):
+        assert [type(k) for k in step.kernels] == [PackedCPUKernel]  # the LM head, opaque
+        dense = [m.kernel for m in step.model.modules() if isinstance(m, LinearBase)]
+        assert dense and all(isinstance(k, DenseKernel) for k in dense)
 
 
 @pytest.mark.slow

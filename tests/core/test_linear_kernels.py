@@ -11,10 +11,12 @@ from tandem import LLM, SamplingParams
 from tandem.core.config import EngineConfig
 from tandem.core.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tandem.core.layers.linear_kernels import (
+    DENSE_MAX_WEIGHTS,
     DenseKernel,
     Int8DynamicKernel,
     PackedCPUKernel,
     fused_epilogues,
+    packed_beats_dense,
     packed_gemm_unsupported,
 )
 from tandem.core.layers.kernel_setup import prepare_linear_kernels
@@ -87,6 +89,85 @@ def test_row_parallel_residual_equals_adding_it_after(kernel, layout):
     assert torch.equal(r, r.clone())  # the residual itself is left alone
     if kernel != "int8":
         assert not torch.equal(layer(x, residual=r), layer(x))
+
+
+# bart-base's layers: fused QKV, attention out, FFN in and out, the LM head ([out, in] as in_features, out_features).
+BART_BASE_SHAPES = [(768, 2304), (768, 768), (768, 3072), (3072, 768), (768, 50265)]
+# The tiny BART of benchmarks/host_overhead.py (d_model 64, FFN 256): QKV, attention out,
+# cross K/V, FFN in and out; and the test suite's (d_model 32, FFN 64, vocab 96).
+TINY_SHAPES = [(64, 192), (64, 64), (64, 128), (64, 256), (256, 64), (32, 96), (32, 64), (64, 32)]
+
+
+def test_auto_packs_bart_base_layers_and_leaves_tiny_ones_dense():
+    """The rule (linear_kernels.packed_beats_dense, docs/performance.md "Small layers stay
+    dense"): float32 layers of at most DENSE_MAX_WEIGHTS weights run F.linear, bart-base's all
+    pack; bfloat16 packs whatever the size (its F.linear is a oneDNN matmul too)."""
+    for k, n in TINY_SHAPES:
+        assert not packed_beats_dense(k, n, torch.float32), (k, n)
+        assert packed_beats_dense(k, n, torch.bfloat16), (k, n)
+    for k, n in BART_BASE_SHAPES:
+        assert packed_beats_dense(k, n, torch.float32), (k, n)
+    # The tiny model's LM head (64 x 2000 vocab) is past the bar: oneDNN wins at decode batches.
+    assert packed_beats_dense(64, 2000, torch.float32)
+    assert not packed_beats_dense(256, 256, torch.float32)  # the bar itself: 256 x 256 = DENSE_MAX_WEIGHTS
+    assert packed_beats_dense(1, DENSE_MAX_WEIGHTS + 1, torch.float32)
+
+
+class _Mixed(torch.nn.Module):
+    """A tiny layer, a bart-base-sized one, and a small-vocabulary LM head."""
+
+    def __init__(self):
+        super().__init__()
+        self.tiny = ColumnParallelLinear(64, 64)
+        self.big = RowParallelLinear(768, 768)
+        self.head = VocabParallelEmbedding(96, 32)
+
+
+@needs_packed
+def test_prepare_chooses_by_shape_under_auto_and_packs_everything_when_asked():
+    model = _Mixed()
+    said = prepare_linear_kernels(model, device=CPU, dtype=torch.float32)
+    assert isinstance(model.tiny.kernel, DenseKernel) and model.tiny.weight.shape == (64, 64)
+    assert isinstance(model.big.kernel, PackedCPUKernel) and model.big.weight.numel() == 0
+    assert model.head.logits_kernel is None  # the head runs F.linear on the table
+    assert said.startswith("linear layers: 2 x dense, 1 x packed (dense: float32 layers of at most")
+    model = _Mixed()
+    said = prepare_linear_kernels(model, device=CPU, dtype=torch.float32, gemm="packed")
+    assert isinstance(model.tiny.kernel, PackedCPUKernel) and isinstance(model.head.logits_kernel, PackedCPUKernel)
+    assert said.startswith("linear layers: 3 x packed")
+    said = prepare_linear_kernels(_Mixed(), device=CPU, dtype=torch.float32, gemm="dense")
+    assert said.startswith("linear layers: dense F.linear (cpu_gemm='dense')")
+
+
+@needs_packed
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("shape", [(64, 64), (64, 256), (768, 768), (3072, 768)], ids=str)
+def test_dense_and_packed_kernels_agree_within_float32_accumulation(shape, activation, residual):
+    """The kernel the rule picks changes no result beyond float32 rounding. Each output is a
+    dot product of length K = in_features plus the bias; summed in any order (oneDNN and
+    MKL block K differently, with or without FMA), its error is at most
+    gamma_{K+1} * sum_i |x_i w_i| + |b|, gamma_n = n u / (1 - n u), u = 2^-24 (Higham,
+    Accuracy and Stability, 3.1), so two kernels differ by at most twice that. The
+    activation is 1.13-Lipschitz at worst (GELU; ReLU 1) and rounds once more, the residual
+    add once more: 4 u (|y| + |r|) covers both roundings. The bound is elementwise and
+    worst-case (no flake); a dropped bias, residual or activation is off by O(1)."""
+    n_in, n_out = shape
+    layer, g = _layer(ColumnParallelLinear, n_in, n_out, seed=n_in + n_out)
+    w, b = layer.weight.clone(), layer.bias.clone()
+    x = torch.randn(37, n_in, generator=g)
+    r = torch.randn(37, n_out, generator=g) if residual else None
+    # The kernels themselves, as a layer calls them (activation and residual in one call).
+    dense = DenseKernel()(layer, x, layer.bias, activation, residual=r)
+    packed = PackedCPUKernel(layer.weight, batch_hint=16)(layer, x, layer.bias, activation, residual=r)
+    u = 2.0 ** -24
+    gamma = (n_in + 1) * u / (1 - (n_in + 1) * u)
+    terms = x.double().abs() @ w.double().abs().T + b.double().abs()
+    bound = 2 * 1.13 * gamma * terms + 4 * u * (dense.double().abs() + (0 if r is None else r.double().abs()))
+    diff = (dense.double() - packed.double()).abs()
+    assert (diff <= bound).all(), (diff / bound).max().item()
+    ref = _reference(w, b, x, activation) + (0 if r is None else r.double())
+    assert ((dense.double() - ref).abs() <= bound).all()  # and both are that close to float64
 
 
 def test_row_parallel_residual_under_tensor_parallelism_needs_reduced_results():
@@ -274,7 +355,8 @@ def test_decoder_is_packed_for_max_num_seqs_and_the_encoder_for_whole_inputs(bar
 
     prompts = ["the rain in spain", "old king cole was a merry old soul"]
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", max_num_seqs=1)
+    # cpu_gemm="packed": under "auto" the suite's tiny layers would all stay dense.
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", max_num_seqs=1, cpu_gemm="packed")
     model = llm.llm_engine.worker.model
     hints = {}
     for name, module in model.named_modules():

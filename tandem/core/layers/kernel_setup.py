@@ -10,7 +10,14 @@ from tandem.core.config import check_choice
 from tandem.core.layers.embedding import VocabParallelEmbedding
 from tandem.core.layers.linear import LinearBase
 from tandem.core.layers.lm_head_screen import ScreenedHead, screen_unsupported
-from tandem.core.layers.linear_kernels import Int8DynamicKernel, PackedCPUKernel, int8_unsupported, packed_gemm_unsupported
+from tandem.core.layers.linear_kernels import (
+    DENSE_MAX_WEIGHTS,
+    Int8DynamicKernel,
+    PackedCPUKernel,
+    int8_unsupported,
+    packed_beats_dense,
+    packed_gemm_unsupported,
+)
 
 # Rows an encoder's GEMMs see: a source of tens to hundreds of tokens per request
 # (Whisper: 1500 frames), so the large-GEMM packing whatever max_num_seqs is.
@@ -38,8 +45,10 @@ def prepare_linear_kernels(
     """Give every linear layer of ``model`` (and each tied or untied LM head) its
     kernel; returns a one-line description for the engine's start line.
 
-    ``gemm``: "auto" (packed where :func:`packed_gemm_unsupported` is empty, else
-    dense), "packed" (an error if it can't run), "dense". ``quantization``: None
+    ``gemm``: "auto" (packed where :func:`packed_gemm_unsupported` is empty and
+    :func:`~tandem.core.layers.linear_kernels.packed_beats_dense` says so for the
+    layer's shape, else dense), "packed" (every layer; an error if it can't run),
+    "dense". ``quantization``: None
     or "int8" (every linear layer and the LM head int8, as CTranslate2's int8
     does; the embedding lookups stay in ``dtype``).
 
@@ -71,6 +80,13 @@ def prepare_linear_kernels(
         if why:
             raise ValueError("quantization='int8' cannot run here: " + "; ".join(why))
 
+    def float_kernel(weight: torch.Tensor, hint: int) -> PackedCPUKernel | None:
+        """A packed copy of this rank's ``[out, in]`` weight, or None: F.linear on it (too small
+        to pack under "auto", or no packing at all)."""
+        if packed and (gemm == "packed" or packed_beats_dense(weight.shape[1], weight.shape[0], dtype)):
+            return PackedCPUKernel(weight, hint)
+        return None
+
     check_choice("lm_head_screen", screen)
     screen_why = ["off"] if screen == "off" else (
         [f"quantization={quantization!r}"] if quantization is not None else screen_unsupported(device, dtype))
@@ -85,36 +101,39 @@ def prepare_linear_kernels(
                     if module.tp_size != 1:
                         raise ValueError("quantization='int8' runs without tensor parallelism only")
                     kernel = Int8DynamicKernel(module.weight, module.bias)
-                elif packed:
-                    kernel = PackedCPUKernel(module.weight, hint)
                 else:
-                    continue
-                module.set_kernel(kernel)
+                    kernel = float_kernel(module.weight, hint)
+                if kernel is not None:
+                    module.set_kernel(kernel)
+                name = kernel.name if kernel is not None else module.kernel.name
             elif isinstance(module, VocabParallelEmbedding):
                 if not screen_why and module.tp.size == 1:
                     module.screen_head = ScreenedHead(module.weight)
                     screens += 1
-                # The table stays for lookups (a tied head); the LM-head GEMM gets its own copy.
+                # The table stays for lookups (a tied head); the LM-head GEMM gets its own copy
+                # (or, left without one, runs F.linear on the table).
                 if quantization == "int8":
                     if module.tp.size != 1:
                         raise ValueError("quantization='int8' runs without tensor parallelism only")
                     module.logits_kernel = Int8DynamicKernel(module.weight, None)
-                elif packed:
+                else:
                     # The LM head runs in every decode step, even where the table is shared
                     # with the encoder's embedding (BART's model.shared).
-                    module.logits_kernel = PackedCPUKernel(module.weight, batch_hint)
-                else:
-                    continue
-                kernel = module.logits_kernel
+                    module.logits_kernel = float_kernel(module.weight, batch_hint)
+                name = "dense" if module.logits_kernel is None else module.logits_kernel.name
             else:
                 continue
-            counts[kernel.name] = counts.get(kernel.name, 0) + 1
+            counts[name] = counts.get(name, 0) + 1
     if screen != "off" and quantization is None:  # int8's head is int8 already: nothing to say
         counts_note = (f"; lm_head_screen: {screens} int8 LM-head cop{'y' if screens == 1 else 'ies'} for greedy steps"
                        if screens else "; lm_head_screen off: " + ("; ".join(screen_why) or "no LM head"))
     else:
         counts_note = ""
-    if not counts:
+    if not counts or (quantization is None and not packed):
         why = "; ".join(reasons) if gemm != "dense" else "cpu_gemm='dense'"
         return f"linear layers: dense F.linear ({why})" + counts_note
-    return "linear layers: " + ", ".join(f"{n} x {name}" for name, n in sorted(counts.items())) + counts_note
+    said = "linear layers: " + ", ".join(f"{n} x {name}" for name, n in sorted(counts.items()))
+    if "dense" in counts:  # chosen by shape (cpu_gemm="auto")
+        said += (f" (dense: float32 layers of at most {DENSE_MAX_WEIGHTS:,} weights, where F.linear beats "
+                 "oneDNN's fixed cost a call)")
+    return said + counts_note

@@ -19,9 +19,39 @@
   bart-base decode step's GEMM work, and int8 runs it ~1.3x faster at 128-256
   rows on a 2-core AVX2 EPYC (benchmarks/int8_quality.py has the quality cost).
 
+Which float32 layers pack (``cpu_gemm="auto"``, :func:`packed_beats_dense`):
+those with more than :data:`DENSE_MAX_WEIGHTS` (65,536) weights. oneDNN costs a
+fixed ~15-25 us a call before any arithmetic where ``F.linear`` costs
+~3-6, and that is more than a small GEMM's whole arithmetic:
+on a 2-core Xeon (2 threads), 64 -> 64 at 256 rows took 13.7 us dense against
+32.4 packed, the tiny BART's FFN (64 -> 256) 37.6 against 53.2.
+benchmarks/linear_kernels.py times both kernels over in x out in {64, ..., 1024}
+plus bart-base's shapes, rows 1-1024, 1 and 2 threads, float32 and bfloat16
+(docs/performance.md, "Small layers stay dense", has the table): every float32
+layer of at most 65,536 weights ran faster dense at every row count up to 256,
+by 1.05-7x, on AVX-512 and with torch, oneDNN and MKL capped at AVX2. Above
+the bar a Xeon's MKL stays close to the packed kernel (dense was ahead on
+most cells up to ~1M weights there), but an AVX2 EPYC's is not (bart-base's
+fc1 at 16 rows: 45-69 GFLOP/s dense against 92-114 packed) because MKL re-packs
+the weight each call, a cost that grows with the weight and that, at ~0.3 ns a
+weight there, passes oneDNN's fixed cost near 64 Ki weights: so the bar stays
+at the small layers both CPUs agree on, and bart-base's layers (590 Ki weights
+and up) keep packing. A rule, not a timing at load: the choice is the same on
+every start (the two kernels round differently, so a timed choice could change
+outputs between starts of one machine), costs nothing, and is tested. Rows do
+not enter it: they change every step while the kernel is chosen once, and for
+layers under the bar dense won at every row count. bfloat16 always packs:
+its ``F.linear`` is a oneDNN matmul too (on the unpacked weight, every call:
+``ONEDNN_VERBOSE=1`` shows it), so it pays the fixed cost as well, and the
+packed kernel was as fast or faster on almost every cell measured (not at one
+row of a 64 -> 64 layer, which torch runs without oneDNN). ``cpu_gemm="packed"`` packs every
+layer whatever its size.
+
 A kernel replaces the dense weight it was built from: after
 :func:`prepare_linear_kernels` the layer's ``weight`` parameter is an empty
-placeholder, so memory holds one copy of each weight.
+placeholder, so memory holds one copy of each weight. A layer left dense keeps
+its ``weight`` and :class:`DenseKernel` (what a compiled decode step traces as
+an ordinary ``F.linear``; the packed and int8 kernels are opaque ops there).
 """
 
 from __future__ import annotations
@@ -48,6 +78,21 @@ _FUSED = {"relu": ("relu", [], "")}
 _FUSED_AVX512 = {**_FUSED, "gelu": ("gelu", [], "none")}
 
 
+# cpu_gemm="auto": a float32 layer of at most this many weights (in x out, this rank's;
+# 256 KiB) runs F.linear, a larger one the packed kernel (the module docstring has why).
+DENSE_MAX_WEIGHTS = 1 << 16
+
+
+def packed_beats_dense(in_features: int, out_features: int, dtype: torch.dtype) -> bool:
+    """Whether ``cpu_gemm="auto"`` gives a layer whose weight is ``[out_features, in_features]``
+    the packed kernel rather than ``F.linear`` (where oneDNN runs ``dtype`` at all:
+    :func:`packed_gemm_unsupported`). float32: above :data:`DENSE_MAX_WEIGHTS` weights;
+    bfloat16: always. The module docstring has the evidence."""
+    if dtype != torch.float32:
+        return True
+    return in_features * out_features > DENSE_MAX_WEIGHTS
+
+
 def fused_epilogues(capability: str | None = None) -> dict[str, tuple[str, list, str]]:
     """The activations :class:`PackedCPUKernel` fuses into its GEMM on a CPU whose torch
     capability is ``capability`` (this process's by default)."""
@@ -62,7 +107,10 @@ class DenseKernel:
     def __call__(self, layer, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
                  residual: torch.Tensor | None = None):
         y = F.linear(x, layer.weight, bias)
-        return _add_residual(activate(y, activation), residual)
+        if activation is not None:
+            y = activate(y, activation)
+        # A layer too small to pack runs every step: no Python call that has nothing to do.
+        return y if residual is None else _add_residual(y, residual)
 
 
 def _add_residual(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
