@@ -42,6 +42,8 @@ class _Completion:
     num_tokens_sent: int = 0  # DELTA: tokens already returned
     num_chars_sent: int = 0  # DELTA: characters already returned
     num_logprobs_sent: int = 0
+    num_tokens_shown: int = 0  # tokens when the last output was built (stream_interval)
+    finish_shown: bool = False  # whether an output has shown its finish reason
 
     @property
     def finished(self) -> bool:
@@ -56,14 +58,20 @@ class RequestState:
     """One request's output state on the frontend side: everything an output shows.
 
     ``batch``: the processor's batch detokenizer, which then grows this request's text
-    (else each completion has its own ``IncrementalDetokenizer``)."""
+    (else each completion has its own ``IncrementalDetokenizer``); ``stream_interval``:
+    tokens per streamed output (the engine's option): a streaming request's output is
+    built when a completion has that many tokens not yet shown, when one finished, and
+    for its first and last step; 1, every step it advanced."""
 
-    def __init__(self, info: RequestInfo, tokenizer, queue: Any = None, *,
-                 batch: BatchDetokenizer | None = None) -> None:
+    def __init__(self, info: RequestInfo, tokenizer, queue: Any = None, *, batch: BatchDetokenizer | None = None,
+                 stream_interval: int = 1) -> None:
         p = info.params
         self.info, self.params, self.tokenizer = info, p, tokenizer
         self.queue = queue  # its outputs go here (put_nowait) instead of the step's list
         self.batch = batch if tokenizer is not None else None
+        self.interval = stream_interval
+        self.shown = False  # whether an output was built
+        self.replaced = False  # whether a completion was replaced since the last output
         self.prompt_token_ids = list(info.prompt_token_ids)
         self.probe_prob: float | None = None
         # The request's modes say how its outputs are shaped (core_outputs.OutputShape).
@@ -126,6 +134,7 @@ class RequestState:
                 continue
             if d.replace:
                 c.token_ids, c.num_detok, c.text = list(d.new_token_ids), 0, ""
+                self.replaced = True
                 if c.detok is not None:
                     c.detok = self._detokenizer()
                 if c.logprobs is not None:
@@ -189,11 +198,13 @@ class RequestState:
                 text, c.num_chars_sent = text[c.num_chars_sent:], max(c.num_chars_sent, len(text))
                 c.num_tokens_sent = len(c.token_ids)
                 c.num_logprobs_sent = len(c.logprobs) if c.logprobs is not None else 0
+            c.num_tokens_shown, c.finish_shown = len(c.token_ids), c.finish_reason is not None
             outs.append(CompletionOutput(
                 index=i, text=text, token_ids=list(tokens), cumulative_logprob=c.cumulative_logprob,
                 logprobs=list(logprobs) if logprobs is not None else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
             ))
+        self.shown, self.replaced = True, False
         if self.error is not None:
             outs = with_error(outs, self.shape.num_completions, self.error)
         info = self.info
@@ -209,9 +220,20 @@ class RequestState:
         request's :attr:`finished` when the caller knows it), or None."""
         if finished is None:
             finished = self.finished
-        if not finished and (not self.shape.streams or self.params.output_kind is RequestOutputKind.FINAL_ONLY):
-            return None
+        if not finished:
+            if not self.shape.streams or self.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                return None
+            if self.interval > 1 and self.shown and not self.replaced and not self._due():
+                return None
         return self.output(finished)
+
+    def _due(self) -> bool:
+        """Whether a completion has ``stream_interval`` tokens not yet shown, or a finish."""
+        for c in self.completions:
+            if len(c.token_ids) - c.num_tokens_shown >= self.interval or (c.finish_reason is not None
+                                                                          and not c.finish_shown):
+                return True
+        return False
 
 
 @dataclass
@@ -227,17 +249,20 @@ class OutputProcessor:
     """Every live request's ``RequestState``, for the frontend that follows them.
 
     With a fast tokenizer one ``BatchDetokenizer`` grows the text of every request a
-    step advanced at once (``tandem/core/detokenizer.py``)."""
+    step advanced at once (``tandem/core/detokenizer.py``). ``stream_interval``: tokens
+    per streamed output (:class:`RequestState`)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.batch = BatchDetokenizer(tokenizer) if BatchDetokenizer.supports(tokenizer) else None
         self.requests: dict[str, RequestState] = {}
 
     def add_request(self, info: RequestInfo, queue: Any = None) -> RequestState:
         """Follow a request the core accepted; ``queue``: where its outputs go (an
         ``asyncio.Queue``, put to from the thread that runs :meth:`process`)."""
-        state = self.requests[info.request_id] = RequestState(info, self.tokenizer, queue, batch=self.batch)
+        state = self.requests[info.request_id] = RequestState(info, self.tokenizer, queue, batch=self.batch,
+                                                              stream_interval=self.stream_interval)
         return state
 
     def forget(self, request_id: str) -> None:
