@@ -1,0 +1,136 @@
+"""Streamed completions that cost little (issue 53, frontend part):
+
+- ``stream_interval`` (``--stream-interval``): a stream of N tokens per event sends the
+  first output, one every N tokens and the last, and its events joined are the
+  every-token stream's text, tokens and usage (stop strings and ``n`` > 1 too);
+- the SSE chunks built from a template (``sse.CompletionChunks``) are the JSON
+  ``json.dumps`` writes for the chunk dict.
+
+In-process through ``httpx.ASGITransport``. Every wait is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from tandem import AsyncLLM
+from tandem.entrypoints.openai.api_server import build_app
+from tandem.entrypoints.openai.sse import CompletionChunks
+
+WAIT = 60.0
+PROMPT = "the rain in spain falls mainly"
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def engines(bart_dir):
+    """Two engines of the same model: every token an event, and 3 tokens an event."""
+    made = {k: AsyncLLM(model=str(bart_dir), dtype="float32", device="cpu", stream_interval=k) for k in (1, 3)}
+    yield made
+    for engine in made.values():
+        asyncio.run(engine.shutdown(timeout=WAIT))
+
+
+def _client(engine) -> httpx.AsyncClient:
+    app = build_app(engine, served_model_name="m")
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=WAIT)
+
+
+def _events(text: str) -> tuple[list[dict], bool]:
+    lines = [line for line in text.split("\n\n") if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    done = lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines if line != "data: [DONE]"], done
+
+
+async def _stream(engine, **fields) -> tuple[list[dict], dict]:
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "logprobs": 1, **fields}
+    async with _client(engine) as c:
+        r = await c.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    events, done = _events(r.text)
+    assert done and events[-1]["choices"] == []
+    return events[:-1], events[-1]["usage"]
+
+
+def _joined(events: list[dict], index: int) -> dict:
+    choices = [e["choices"][0] for e in events if e["choices"][0]["index"] == index]
+    lp = [c["logprobs"] for c in choices]
+    return {"text": "".join(c["text"] for c in choices), "finish": [c["finish_reason"] for c in choices][-1],
+            "stop_reason": choices[-1]["stop_reason"], "tokens": [t for x in lp for t in x["tokens"]],
+            "token_logprobs": [t for x in lp for t in x["token_logprobs"]],
+            "text_offset": [t for x in lp for t in x["text_offset"]], "events": len(choices)}
+
+
+def _expected_events(tokens: int, interval: int) -> int:
+    """The first token's event, one each time ``interval`` more are due, and the last."""
+    return len(set(range(1, tokens + 1, interval)) | {tokens})
+
+
+@pytest.mark.asyncio
+async def test_stream_interval_sends_fewer_events_that_join_to_the_same_stream(engines):
+    every, usage = await _stream(engines[1])
+    fewer, usage3 = await _stream(engines[3])
+    a, b = _joined(every, 0), _joined(fewer, 0)
+    assert a["events"] == MAX_TOKENS and b["events"] == _expected_events(MAX_TOKENS, 3) == 4
+    assert {k: v for k, v in a.items() if k != "events"} == {k: v for k, v in b.items() if k != "events"}
+    assert a["finish"] == "length" and len(a["tokens"]) == MAX_TOKENS and usage == usage3
+    # Every chunk but the last is one the every-token stream also reaches: text is never held back.
+    assert all(not e["choices"][0]["finish_reason"] for e in fewer[:-1])
+
+
+@pytest.mark.asyncio
+async def test_stream_interval_with_a_stop_string_and_several_choices(engines):
+    every, _ = await _stream(engines[1], logprobs=None)
+    text = _joined_text(every)
+    stop = text.split()[2][:2]  # inside the third word: spans no more than the text so far
+    # (Not seeded sampling with n > 1 and a stop string: when a choice's stop reaches the core
+    # decides its sibling's random draws, so two runs of it differ, every token an event or not.)
+    for fields in ({"stop": [stop]}, {"n": 2, "temperature": 1.0, "seed": 7}, {"n": 2, "stop": [stop]}):
+        every, usage = await _stream(engines[1], logprobs=None, **fields)
+        fewer, usage3 = await _stream(engines[3], logprobs=None, **fields)
+        for index in range(fields.get("n", 1)):
+            assert _joined_text(every, index) == _joined_text(fewer, index), (fields, index)
+            ends = [[e["choices"][0][k] for k in ("finish_reason", "stop_reason")] for s in (every, fewer)
+                    for e in s if e["choices"][0]["index"] == index and e["choices"][0]["finish_reason"]]
+            assert ends[0] == ends[-1] and len(ends) == 2, ends
+        assert usage == usage3
+        assert len(fewer) < len(every)
+    assert ends[0][0] in ("stop", "length")
+
+
+def _joined_text(events: list[dict], index: int = 0) -> str:
+    return "".join(e["choices"][0]["text"] for e in events if e["choices"][0]["index"] == index)
+
+
+def test_stream_interval_must_be_a_positive_integer(bart_dir):
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="stream_interval"):
+            AsyncLLM(model=str(bart_dir), dtype="float32", device="cpu", stream_interval=bad, start=False)
+
+
+# -- the chunks' bytes -------------------------------------------------------------------------
+@pytest.mark.parametrize("text,logprobs,finish,stop", [
+    (" the rain", None, None, None),
+    ("", None, "length", None),
+    ("a \"quoted\"\n\\ line\t", None, "stop", "</s>"),
+    ("ünïcødé ☂ 雨", {"tokens": ["雨"], "token_logprobs": [-0.5], "top_logprobs": [{"雨": -0.5}],
+                    "text_offset": [0]}, "stop", 2),
+])
+def test_a_template_chunk_is_the_chunk_json_dumps_writes(text, logprobs, finish, stop):
+    chunks = CompletionChunks("cmpl-1", 1700000000, "tiny/bart \"m\"")
+    got = chunks.choice(3, text, logprobs, finish, stop)
+    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "tiny/bart \"m\"",
+             "choices": [{"index": 3, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                          "stop_reason": stop}]}
+    assert got.startswith(b"data: ") and got.endswith(b"\n\n")
+    assert json.loads(got[6:]) == chunk
+    if text.isascii() and logprobs is None:  # byte for byte, spaces included
+        assert got == f"data: {json.dumps(chunk)}\n\n".encode()
+    usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    assert chunks.usage(usage) == f"data: {json.dumps({**chunk, 'choices': [], 'usage': usage})}\n\n".encode()
