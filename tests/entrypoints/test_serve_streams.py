@@ -4,14 +4,19 @@
   first output, one every N tokens and the last, and its events joined are the
   every-token stream's text, tokens and usage (stop strings and ``n`` > 1 too);
 - the SSE chunks built from a template (``sse.CompletionChunks``) are the JSON
-  ``json.dumps`` writes for the chunk dict.
+  ``json.dumps`` writes for the chunk dict;
+- a client that disconnects (mid-stream, before its stream's first output, or while a
+  plain request runs) has its request aborted in the engine within one step (a real
+  uvicorn server on 127.0.0.1, steps slowed to 0.2 s so a step is long beside the event
+  loop's reaction).
 
-In-process through ``httpx.ASGITransport``. Every wait is bounded."""
+In-process through ``httpx.ASGITransport`` but for the disconnect. Every wait is bounded."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 
 import httpx
@@ -134,3 +139,62 @@ def test_a_template_chunk_is_the_chunk_json_dumps_writes(text, logprobs, finish,
         assert got == f"data: {json.dumps(chunk)}\n\n".encode()
     usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
     assert chunks.usage(usage) == f"data: {json.dumps({**chunk, 'choices': [], 'usage': usage})}\n\n".encode()
+
+
+# -- disconnects -------------------------------------------------------------------------------
+STEP = 0.2  # seconds each engine step takes in these tests
+REACT = 0.1  # seconds the server may take to see a close and send the abort
+
+
+@pytest.mark.parametrize("stream,leave", [(True, "after three events"), (True, "before its first output"),
+                                          (False, "while it runs")])
+def test_a_client_that_leaves_has_its_request_aborted_within_one_step(engines, monkeypatch, stream, leave):
+    """Steps take 0.2 s. After the client closes its connection, no step the engine starts
+    runs the request but the one that may start before the server saw the close (within
+    ``REACT``): the abort reaches the engine before its next step. (Before issue 53, a
+    stream's request ran one more step when the client left before its first output,
+    and a plain request up to 0.25 s more: the disconnect was polled.)"""
+    from test_serve_requests import _uvicorn
+
+    engine = engines[1]
+    core = engine.engine.core
+    step = core.step
+    steps: list[tuple[float, bool]] = []  # each step's start, and whether the request ran in it
+
+    def slow():
+        steps.append((time.monotonic(), bool(core.stats.live_request_ids)))
+        time.sleep(STEP)
+        return step()
+
+    monkeypatch.setattr(core, "step", slow)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+                       "stream": stream}).encode()
+    with _uvicorn(build_app(engine, served_model_name="m")) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+                      b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            if leave == "after three events":
+                got = b""
+                while got.count(b"data: ") < 3:  # three tokens streamed: the request runs
+                    chunk = s.recv(65536)
+                    assert chunk, got
+                    got += chunk
+                assert b" 200 " in got.split(b"\r\n", 1)[0]
+            else:  # queued in the engine (its first output a step away), or running a while
+                deadline = time.monotonic() + WAIT
+                while not core.stats.live_request_ids or (leave == "while it runs"
+                                                          and sum(live for _, live in steps) < 2):
+                    assert time.monotonic() < deadline, "the request never reached the engine"
+                    time.sleep(0.005)
+        closed = time.monotonic()
+        deadline, idle_since = closed + WAIT, None
+        while idle_since is None or time.monotonic() - idle_since < 3 * STEP:  # idle for steps' time
+            assert time.monotonic() < deadline, "the request was never aborted"
+            busy = core.stats.live_request_ids or core.stats.num_requests_unfinished
+            idle_since = None if busy else idle_since or time.monotonic()
+            time.sleep(0.01)
+    after = [round(t - closed, 3) for t, live in steps if t > closed + REACT and live]
+    assert not after, f"steps ran the request {after} s after the client left"
+    assert len(steps) < 10  # never near its 100 tokens
+    stats = engine.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]

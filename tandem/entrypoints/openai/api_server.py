@@ -412,7 +412,8 @@ def build_app(
         created = int(time.time())
         if req.stream:
             try:
-                first = await first_outputs(engine, prompts, params, ids, cut, lora)  # errors: a status, not a stream
+                # Errors: a status, not a stream.
+                first = await first_outputs(engine, prompts, params, ids, cut, lora, request, metrics)
             finally:  # each has had a first output: the engine has them (no longer pending)
                 admission.done(ids)
             return StreamingResponse(

@@ -24,10 +24,12 @@ logger = logging.getLogger("tandem.serve")
 NO_TOKEN = "no_allowed_token"
 
 
-async def first_outputs(engine, prompts, params, ids, cut, lora_request=None):
+async def first_outputs(engine, prompts, params, ids, cut, lora_request=None, request=None, metrics=None):
     """Start the streams and wait for each first output, so a rejected request is
     a 400 rather than a broken stream. ``lora_request``: the adapter the request's
-    ``model`` named (None: the base model)."""
+    ``model`` named (None: the base model). A client that leaves meanwhile (``request``,
+    the Starlette request) has its requests aborted at once, counted in ``metrics``:
+    an ``HTTPError`` 499 nobody reads."""
     # One queue group per HTTP request: its prompts take turns with other clients' requests.
     gens = [engine.generate(p, params, rid, queue_group=ids[0], lora_request=lora_request)
             for p, rid in zip(prompts, ids)]
@@ -37,9 +39,14 @@ async def first_outputs(engine, prompts, params, ids, cut, lora_request=None):
 
     waiting = asyncio.ensure_future(firsts())
     try:
-        outcome = await watch([waiting], None, cut)
+        outcome = await watch([waiting], request, cut)
         if outcome == "cut":
             raise HTTPError(503, cut.message)
+        if outcome == "disconnected":  # queued, or before its first token: aborted below
+            if metrics is not None:
+                _record_aborted(metrics, params, len(gens))
+            logger.info("request %s: client disconnected before its stream started, aborted", ids[0])
+            raise HTTPError(499, "client disconnected")
         outs = waiting.result()
     except (ValueError, TypeError) as e:
         await _close(gens)
@@ -47,7 +54,7 @@ async def first_outputs(engine, prompts, params, ids, cut, lora_request=None):
     except EngineDeadError as e:
         await _close(gens)
         raise HTTPError(503, str(e)) from None
-    except BaseException:
+    except BaseException:  # a disconnect, a cut, this task's own cancellation: no request outlives it
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
         await _close(gens)
