@@ -198,3 +198,14 @@ def test_a_client_that_leaves_has_its_request_aborted_within_one_step(engines, m
     assert len(steps) < 10  # never near its 100 tokens
     stats = engine.get_stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_the_server_keeps_its_startup_heap_out_of_the_collectors_way():
+    import gc
+
+    from tandem.entrypoints.openai.api_server import frozen_heap
+
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        assert gc.get_freeze_count() > 0  # what was alive at start: never walked by a collection
+    assert gc.get_freeze_count() == 0
