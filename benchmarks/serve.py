@@ -8,7 +8,10 @@ per level, with the CPU flags.
   tandem serve /tmp/bart-base --port 8000 &
   python benchmarks/serve.py --url http://127.0.0.1:8000 --concurrency 1,4,16 --num-prompts 64
 
-``--launch MODEL`` starts (and stops) the server itself. Requests are seeded
+``--launch MODEL`` starts (and stops) the server itself, and then reports the
+server's CPU time per output token at each level (all its threads, and its main
+thread alone: the event loop's HTTP, detokenizing and SSE), which a loaded machine
+disturbs far less than throughput. Requests are seeded
 random prompts of ``--input-len`` token ids in [4, ``--vocab-max``) (or words,
 with ``--text``, for checkpoints with a tokenizer), each decoding exactly
 ``--max-tokens`` tokens (``ignore_eos``) greedily, so every level does the same work.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
 import socket
@@ -65,6 +69,18 @@ async def one_request(client, url: str, prompt, args) -> dict:
             "tokens": tokens}
 
 
+def cpu_seconds(pid: int | None) -> tuple[float, float]:
+    """CPU seconds (user + system) of process ``pid``'s threads together and of its main thread."""
+    if pid is None:
+        return float("nan"), float("nan")
+    import psutil
+
+    proc = psutil.Process(pid)
+    total = proc.cpu_times()
+    main = next((t for t in proc.threads() if t.id == pid), None)
+    return total.user + total.system, (main.user_time + main.system_time) if main else float("nan")
+
+
 async def run_level(url: str, prompts: list, args, concurrency: int | None, rate: float | None) -> dict:
     import httpx
 
@@ -79,6 +95,7 @@ async def run_level(url: str, prompts: list, args, concurrency: int | None, rate
             async with sem:
                 return await one_request(client, url, p, args)
 
+        cpu_before = cpu_seconds(args.server_pid)
         start = time.perf_counter()
         tasks = []
         for p in prompts:
@@ -87,6 +104,7 @@ async def run_level(url: str, prompts: list, args, concurrency: int | None, rate
                 await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        cpu_after = cpu_seconds(args.server_pid)
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
     ttft = [r["ttft"] for r in ok]
@@ -97,14 +115,18 @@ async def run_level(url: str, prompts: list, args, concurrency: int | None, rate
         "requests": len(ok), "errors": len(errors), "duration_s": duration, "output_tok_s": tokens / duration,
         "req_s": len(ok) / duration, "ttft_p50_ms": 1000 * percentile(ttft, 50),
         "ttft_p99_ms": 1000 * percentile(ttft, 99), "itl_p50_ms": 1000 * percentile(itl, 50),
-        "itl_p99_ms": 1000 * percentile(itl, 99), "first_error": errors[0] if errors else None,
+        "itl_p99_ms": 1000 * percentile(itl, 99),
+        "server_cpu_us_tok": 1e6 * (cpu_after[0] - cpu_before[0]) / max(1, tokens),
+        "main_cpu_us_tok": 1e6 * (cpu_after[1] - cpu_before[1]) / max(1, tokens),
+        "first_error": errors[0] if errors else None,
     }
 
 
 def table(rows: list[dict]) -> str:
     cols = [("level", "level"), ("requests", "requests"), ("errors", "errors"), ("output tok/s", "output_tok_s"),
             ("req/s", "req_s"), ("TTFT p50 ms", "ttft_p50_ms"), ("TTFT p99 ms", "ttft_p99_ms"),
-            ("ITL p50 ms", "itl_p50_ms"), ("ITL p99 ms", "itl_p99_ms")]
+            ("ITL p50 ms", "itl_p50_ms"), ("ITL p99 ms", "itl_p99_ms"), ("server CPU us/tok", "server_cpu_us_tok"),
+            ("main thread us/tok", "main_cpu_us_tok")]
     cells = [[h for h, _ in cols]]
     for r in rows:
         cells.append([f"{r[k]:.1f}" if isinstance(r[k], float) else str(r[k]) for _, k in cols])
@@ -161,9 +183,11 @@ def main(argv=None) -> int:
     else:
         prompts = [[0] + [rng.randrange(4, args.vocab_max) for _ in range(args.input_len)] + [2]
                    for _ in range(args.num_prompts)]
-    proc = None
+    load_before = "/".join(f"{x:.2f}" for x in os.getloadavg())
+    proc, args.server_pid = None, None
     if args.launch:
         proc, args.url = launch(args.launch, args.serve_args.split())
+        args.server_pid = proc.pid
     try:
         asyncio.run(run_level(args.url, prompts[:2], args, 2, None))  # warm-up
         levels = ([(None, float(r)) for r in args.request_rate.split(",")] if args.request_rate
@@ -176,11 +200,13 @@ def main(argv=None) -> int:
     import torch
 
     print(f"cpu_flags={cpu_flags()}  cpu_capability={torch.backends.cpu.get_cpu_capability()}  "
+          f"cpu_count={os.cpu_count()}  load_avg={load_before} -> {'/'.join(f'{x:.2f}' for x in os.getloadavg())}  "
           f"prompts={args.num_prompts} x {args.input_len} {'words' if args.text else 'token ids'}, "
           f"{args.max_tokens} tokens each")
     print(table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "headers"},
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
+                                                         if k not in ("headers", "server_pid")},
                                                 "rows": rows}, indent=2) + "\n")
     return 0 if all(r["errors"] == 0 for r in rows) else 1
 

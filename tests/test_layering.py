@@ -217,7 +217,7 @@ _FLOOR_NAMES = {
     3: "model interface, worker, strategies (each mode's per-request state and batch hooks)",
     4: "sched: the scheduler",
     5: "the engine core and the executors",
-    6: "the frontend path inside core: LLMEngine, request processor, output processor",
+    6: "the frontend path inside core: LLMEngine, request processor, output processor, detokenizers",
 }
 for _floor, _keys in {
     1: ("tandem.core", "tandem.core.param_errors", "tandem.core.text_checks", "tandem.core.sampling_params",
@@ -232,7 +232,8 @@ for _floor, _keys in {
         "tandem.core.worker.*", "tandem.core.strategies.*"),
     4: ("tandem.core.sched.*",),
     5: ("tandem.core.engine_core", "tandem.core.executor.*"),
-    6: ("tandem.core.engine", "tandem.core.request_processor", "tandem.core.output_processor"),
+    6: ("tandem.core.engine", "tandem.core.request_processor", "tandem.core.output_processor",
+        "tandem.core.detokenizer"),
 }.items():
     for _key in _keys:
         CORE_FLOORS[_key] = (_floor, _FLOOR_NAMES[_floor])

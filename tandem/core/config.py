@@ -217,6 +217,13 @@ class EngineConfig:
         "(across nodes, as far as possible / one rank per node)",
         choices=("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"),
     )
+    # core/output_processor.py: streamed outputs (AsyncLLM, LLMEngine.step, tandem serve's SSE events).
+    stream_interval: int = option(
+        1, "tokens per streamed output (vLLM's): a streaming request (output kind DELTA or CUMULATIVE; a server's "
+        "stream, one event per output) gets an output for its first token, then once one of its completions has "
+        "this many tokens not yet shown or has ended, and always its last; 1: an output every step; larger: fewer, "
+        "larger chunks, less serving cost per token, text arriving in bursts"
+    )
     # core/faults.py
     max_consecutive_step_failures: int = option(
         3, "failed steps in a row (no good step between) after which the engine declares itself dead (a server's "
@@ -314,6 +321,9 @@ class EngineConfig:
                     f"dtype={self.dtype!r} with quantization='int8': int8 dynamic quantization computes in "
                     "float32; use dtype='float32' or 'auto' (which means float32 with int8), or drop quantization"
                 )
+        if not is_int(self.stream_interval) or self.stream_interval < 1:
+            raise ValueError(f"stream_interval={self.stream_interval!r}: must be an integer >= 1 (tokens per streamed "
+                             "output)")
         if not is_int(self.block_size) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size={self.block_size!r}: must be an integer in [1, 1024]")
         if self.num_kv_blocks is not None and (not is_int(self.num_kv_blocks) or self.num_kv_blocks < 1):

@@ -148,7 +148,7 @@ class LLMEngine:
                                           enable_lora=config.enable_lora,
                                           draft_model=None if self.draft is None else config.speculative.model)
         self.input_processor = self.processor.input_processor
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         # One line at INFO; the details at DEBUG ($TANDEM_LOGGING_LEVEL=DEBUG): one record
         # (never interleaved with another thread's), one fact per line, the backends passed
         # over one per line too.

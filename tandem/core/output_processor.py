@@ -19,57 +19,19 @@ the frontend fails it in the core).
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.core.core_outputs import OutputShape, RequestInfo, RequestResult
+from tandem.core.detokenizer import BatchDetokenizer, DetokenizerStream, IncrementalDetokenizer
 from tandem.core.faults import describe
 from tandem.core.outputs import CompletionOutput, RequestOutput, with_error
 from tandem.core.sampling_params import RequestOutputKind
 
 
-class IncrementalDetokenizer:
-    """One sequence's output text, grown a token at a time.
-
-    Fast tokenizers use the tokenizers library's ``DecodeStream``, which keeps
-    just enough of the tail to emit complete characters. Other tokenizers fall
-    back to decoding the whole output and taking the new suffix."""
-
-    def __init__(self, tokenizer, skip_special_tokens: bool, non_text_token_ids: Collection[int] = ()) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.non_text = non_text_token_ids
-        self.text = ""
-        self._ids: list[int] = []
-        backend = getattr(tokenizer, "_tokenizer", None)
-        self._stream = None
-        if backend is not None:
-            from tokenizers.decoders import DecodeStream
-
-            self._backend = backend
-            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-
-    def add(self, token_ids: list[int]) -> str:
-        """Feed new tokens; returns the text they complete (possibly empty)."""
-        if self.non_text:
-            token_ids = [t for t in token_ids if t not in self.non_text]
-        if self._stream is not None:
-            pieces = [self._stream.step(self._backend, t) for t in token_ids]
-            new = "".join(p for p in pieces if p)
-        else:
-            self._ids.extend(token_ids)
-            full = self.tokenizer.decode(self._ids, skip_special_tokens=self.skip_special_tokens)
-            if not full.startswith(self.text):  # the tokenizer revised earlier text: start over
-                self.text = ""
-            new = full[len(self.text):]
-        self.text += new
-        return new
-
-
 @dataclass
 class _Completion:
-    detok: IncrementalDetokenizer | None
+    detok: IncrementalDetokenizer | DetokenizerStream | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = 0.0
@@ -80,19 +42,36 @@ class _Completion:
     num_tokens_sent: int = 0  # DELTA: tokens already returned
     num_chars_sent: int = 0  # DELTA: characters already returned
     num_logprobs_sent: int = 0
+    num_tokens_shown: int = 0  # tokens when the last output was built (stream_interval)
+    finish_shown: bool = False  # whether an output has shown its finish reason
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
-class RequestState:
-    """One request's output state on the frontend side: everything an output shows."""
+# (completion index, completion, its text's length before the step): what a step's text is checked for.
+Followed = list[tuple[int, _Completion, int]]
 
-    def __init__(self, info: RequestInfo, tokenizer, queue: Any = None) -> None:
+
+class RequestState:
+    """One request's output state on the frontend side: everything an output shows.
+
+    ``batch``: the processor's batch detokenizer, which then grows this request's text
+    (else each completion has its own ``IncrementalDetokenizer``); ``stream_interval``:
+    tokens per streamed output (the engine's option): a streaming request's output is
+    built when a completion has that many tokens not yet shown, when one finished, and
+    for its first and last step; 1, every step it advanced."""
+
+    def __init__(self, info: RequestInfo, tokenizer, queue: Any = None, *, batch: BatchDetokenizer | None = None,
+                 stream_interval: int = 1) -> None:
         p = info.params
         self.info, self.params, self.tokenizer = info, p, tokenizer
         self.queue = queue  # its outputs go here (put_nowait) instead of the step's list
+        self.batch = batch if tokenizer is not None else None
+        self.interval = stream_interval
+        self.shown = False  # whether an output was built
+        self.replaced = False  # whether a completion was replaced since the last output
         self.prompt_token_ids = list(info.prompt_token_ids)
         self.probe_prob: float | None = None
         # The request's modes say how its outputs are shaped (core_outputs.OutputShape).
@@ -110,9 +89,11 @@ class RequestState:
     def _new(self) -> _Completion:
         return _Completion(self._detokenizer(), logprobs=[] if self.params.logprobs is not None else None)
 
-    def _detokenizer(self) -> IncrementalDetokenizer | None:
+    def _detokenizer(self) -> IncrementalDetokenizer | DetokenizerStream | None:
         if self.tokenizer is None:
             return None
+        if self.batch is not None:
+            return self.batch.stream(self.params.skip_special_tokens, self.info.non_text_token_ids)
         return IncrementalDetokenizer(self.tokenizer, self.params.skip_special_tokens, self.info.non_text_token_ids)
 
     @property
@@ -128,7 +109,17 @@ class RequestState:
     def update(self, result: RequestResult) -> dict[int, str]:
         """Apply a step's result; returns the completions a stop string ended, by
         index (the core is to stop them)."""
-        stops: dict[int, str] = {}
+        followed = self.apply(result)
+        for _, c, _ in followed:
+            if c.detok is not None and c.num_detok < len(c.token_ids):
+                c.detok.add(c.token_ids[c.num_detok:])
+                c.num_detok = len(c.token_ids)
+        return self.find_stops(followed)
+
+    def apply(self, result: RequestResult) -> Followed:
+        """Apply a step's result but for the text: returns the completions whose text
+        is to grow now (the caller detokenizes them, then :meth:`find_stops`)."""
+        followed = []
         if result.prompt_token_ids is not None:
             self.prompt_token_ids = list(result.prompt_token_ids)
         if result.probe_prob is not None:
@@ -143,6 +134,7 @@ class RequestState:
                 continue
             if d.replace:
                 c.token_ids, c.num_detok, c.text = list(d.new_token_ids), 0, ""
+                self.replaced = True
                 if c.detok is not None:
                     c.detok = self._detokenizer()
                 if c.logprobs is not None:
@@ -154,20 +146,21 @@ class RequestState:
             c.cumulative_logprob = d.cumulative_logprob
             c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
             if self.follow or d.finish_reason is not None:
-                before = len(c.text)
-                self._detokenize(c)
-                if self.stop_strings:
-                    hit = self._check_stop_strings(c, before)
-                    if hit is not None:
-                        stops[d.index] = hit
-        return stops
+                followed.append((d.index, c, len(c.text)))
+        return followed
 
-    def _detokenize(self, c: _Completion) -> None:
-        if c.detok is None or c.num_detok == len(c.token_ids):
-            return
-        c.detok.add(c.token_ids[c.num_detok:])
-        c.num_detok = len(c.token_ids)
-        c.text = c.detok.text
+    def find_stops(self, followed: Followed) -> dict[int, str]:
+        """Take the followed completions' grown text; returns those a stop string
+        ended, by index."""
+        stops: dict[int, str] = {}
+        for index, c, before in followed:
+            if c.detok is not None:
+                c.text = c.detok.text
+            if self.stop_strings:
+                hit = self._check_stop_strings(c, before)
+                if hit is not None:
+                    stops[index] = hit
+        return stops
 
     def _check_stop_strings(self, c: _Completion, before: int) -> str | None:
         # Stop ids and EOS take precedence; a length finish still yields to a stop string.
@@ -205,11 +198,13 @@ class RequestState:
                 text, c.num_chars_sent = text[c.num_chars_sent:], max(c.num_chars_sent, len(text))
                 c.num_tokens_sent = len(c.token_ids)
                 c.num_logprobs_sent = len(c.logprobs) if c.logprobs is not None else 0
+            c.num_tokens_shown, c.finish_shown = len(c.token_ids), c.finish_reason is not None
             outs.append(CompletionOutput(
                 index=i, text=text, token_ids=list(tokens), cumulative_logprob=c.cumulative_logprob,
                 logprobs=list(logprobs) if logprobs is not None else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
             ))
+        self.shown, self.replaced = True, False
         if self.error is not None:
             outs = with_error(outs, self.shape.num_completions, self.error)
         info = self.info
@@ -225,9 +220,20 @@ class RequestState:
         request's :attr:`finished` when the caller knows it), or None."""
         if finished is None:
             finished = self.finished
-        if not finished and (not self.shape.streams or self.params.output_kind is RequestOutputKind.FINAL_ONLY):
-            return None
+        if not finished:
+            if not self.shape.streams or self.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                return None
+            if self.interval > 1 and self.shown and not self.replaced and not self._due():
+                return None
         return self.output(finished)
+
+    def _due(self) -> bool:
+        """Whether a completion has ``stream_interval`` tokens not yet shown, or a finish."""
+        for c in self.completions:
+            if len(c.token_ids) - c.num_tokens_shown >= self.interval or (c.finish_reason is not None
+                                                                          and not c.finish_shown):
+                return True
+        return False
 
 
 @dataclass
@@ -240,16 +246,23 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    """Every live request's ``RequestState``, for the frontend that follows them."""
+    """Every live request's ``RequestState``, for the frontend that follows them.
 
-    def __init__(self, tokenizer) -> None:
+    With a fast tokenizer one ``BatchDetokenizer`` grows the text of every request a
+    step advanced at once (``tandem/core/detokenizer.py``). ``stream_interval``: tokens
+    per streamed output (:class:`RequestState`)."""
+
+    def __init__(self, tokenizer, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
+        self.batch = BatchDetokenizer(tokenizer) if BatchDetokenizer.supports(tokenizer) else None
         self.requests: dict[str, RequestState] = {}
 
     def add_request(self, info: RequestInfo, queue: Any = None) -> RequestState:
         """Follow a request the core accepted; ``queue``: where its outputs go (an
         ``asyncio.Queue``, put to from the thread that runs :meth:`process`)."""
-        state = self.requests[info.request_id] = RequestState(info, self.tokenizer, queue)
+        state = self.requests[info.request_id] = RequestState(info, self.tokenizer, queue, batch=self.batch,
+                                                              stream_interval=self.stream_interval)
         return state
 
     def forget(self, request_id: str) -> None:
@@ -260,22 +273,43 @@ class OutputProcessor:
         """The step's outputs, the stop-string hits and the failed requests to report
         to the core. A result for a request no longer followed (finished here first)
         is dropped; a request whose output cannot be built fails alone, with an output
-        that says why (after the step's other outputs)."""
+        that says why (after the step's other outputs). The text of every request the
+        step advanced grows in one batch, before any stop string is looked for."""
         outputs, stops, failed, errors = [], {}, {}, []
+        applied: list[tuple[RequestState, Followed]] = []
+        batched: list[tuple[DetokenizerStream, list[int]]] = []  # for the batch detokenizer
         for result in results:
-            rid = result.request_id
-            state = self.requests.get(rid)
+            state = self.requests.get(result.request_id)
             if state is None:
                 continue
             try:
-                hits = state.update(result)
+                followed = state.apply(result)
+                for _, c, _ in followed:
+                    if c.detok is None or c.num_detok >= len(c.token_ids):
+                        continue
+                    new = c.token_ids[c.num_detok:]
+                    c.num_detok = len(c.token_ids)
+                    if c.detok.__class__ is DetokenizerStream:
+                        batched.append((c.detok, new))
+                    else:
+                        c.detok.add(new)
+            except Exception as e:  # noqa: BLE001 - this request's output
+                self._fail(state, e, failed, errors)
+                continue
+            applied.append((state, followed))
+        bad = self.batch.add(batched) if batched else None
+        for state, followed in applied:
+            rid = state.info.request_id
+            try:
+                if bad:
+                    for _, c, _ in followed:
+                        if c.detok in bad:
+                            raise bad[c.detok]
+                hits = state.find_stops(followed)
                 finished = state.finished
                 out = state.step_output(finished)
             except Exception as e:  # noqa: BLE001 - detokenizing this request's output
-                self.requests.pop(rid, None)
-                failed[rid] = f"building its output failed: {describe(e)}"
-                outs = with_error([], state.shape.num_completions, failed[rid])
-                errors.append((state, RequestOutput(rid, None, [], None, [], outs, True, error=failed[rid])))
+                self._fail(state, e, failed, errors)
                 continue
             if hits:
                 stops[rid] = hits
@@ -289,6 +323,13 @@ class OutputProcessor:
         for state, out in errors:
             self._emit(state, out, outputs)
         return ProcessedOutputs(outputs, stops, failed)
+
+    def _fail(self, state: RequestState, e: Exception, failed: dict[str, str], errors: list) -> None:
+        rid = state.info.request_id
+        self.requests.pop(rid, None)
+        failed[rid] = f"building its output failed: {describe(e)}"
+        outs = with_error([], state.shape.num_completions, failed[rid])
+        errors.append((state, RequestOutput(rid, None, [], None, [], outs, True, error=failed[rid])))
 
     @staticmethod
     def _emit(state: RequestState, out: RequestOutput, outputs: list[RequestOutput]) -> None:

@@ -123,7 +123,7 @@ def test_outputs_go_to_their_requests_queue_and_a_broken_one_fails_alone(tok):
     def fail(result):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
 
-    broken.update = fail
+    broken.apply = fail  # applying its step (its tokens, before any text) raises
     done = op.process([RequestResult(rid, [CompletionDelta(0, [7], None, None, "length")], True)
                        for rid in ("queued", "broken", "listed")])
     assert [(o.request_id, o.error) for o in done.outputs] == [
@@ -133,3 +133,18 @@ def test_outputs_go_to_their_requests_queue_and_a_broken_one_fails_alone(tok):
     out = q.get_nowait()
     assert out.request_id == "queued" and out.finished and out.outputs[0].token_ids == [7] and q.empty()
     assert op.requests == {}
+
+
+def test_a_sequence_the_batch_detokenizer_cannot_decode_fails_its_request_alone(tok):
+    """A fast tokenizer's requests are detokenized together in one batch: a token id no
+    decode takes (negative) fails its own request, the step's others get their text."""
+    op = OutputProcessor(tok)
+    assert op.batch is not None
+    for rid in ("a", "bad", "b"):
+        op.add_request(_info(rid, output_kind=RequestOutputKind.DELTA))
+    done = op.process([RequestResult(rid, [CompletionDelta(0, ids, None, None)])
+                       for rid, ids in (("a", [7, 8]), ("bad", [9, -1]), ("b", [10]))])
+    assert [o.request_id for o in done.outputs] == ["a", "b", "bad"]
+    assert [o.outputs[0].text for o in done.outputs[:2]] == [tok.decode([7, 8]), tok.decode([10])]
+    assert done.outputs[2].finished and done.outputs[2].error.startswith("building its output failed: ")
+    assert set(done.failed) == {"bad"} and set(op.requests) == {"a", "b"}

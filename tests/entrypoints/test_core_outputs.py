@@ -24,13 +24,16 @@ PROMPTS = [{"prompt_token_ids": [0, 5 + i, 9 + 2 * i, 17, 2]} for i in range(4)]
 @pytest.mark.asyncio
 async def test_async_llm_detokenizes_off_the_engine_thread_and_stops_in_the_core(bart_dir, monkeypatch):
     threads: set[str] = set()
-    original = output_processor.IncrementalDetokenizer.add
 
-    def add(self, token_ids):
-        threads.add(threading.current_thread().name)
-        return original(self, token_ids)
+    def on_thread(original):
+        def add(self, *args):
+            threads.add(threading.current_thread().name)
+            return original(self, *args)
+        return add
 
-    monkeypatch.setattr(output_processor.IncrementalDetokenizer, "add", add)
+    # Per sequence (a slow tokenizer) or every sequence of a step at once (a fast one's).
+    for cls in (output_processor.IncrementalDetokenizer, output_processor.BatchDetokenizer):
+        monkeypatch.setattr(cls, "add", on_thread(cls.add))
     offline = LLM(model=str(bart_dir), dtype="float32", device="cpu")
     plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     ref = offline.generate(PROMPTS, plain, use_tqdm=False)

@@ -172,7 +172,7 @@ def test_a_fault_in_the_beams_stacked_take_over_fails_the_requests_in_it(bart_di
 
 def test_one_requests_output_fault_fails_it_alone(bart_dir, clean, monkeypatch):
     llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
-    original = RequestState.update
+    original = RequestState.apply  # the output processor's first look at a step's result
 
     def raising_for_request_1(self, result):
         # Tokens so far, with the result's: a FINAL_ONLY request's come in one result at its end.
@@ -181,7 +181,7 @@ def test_one_requests_output_fault_fails_it_alone(bart_dir, clean, monkeypatch):
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a broken tokenizer")
         return original(self, result)
 
-    monkeypatch.setattr(RequestState, "update", raising_for_request_1)
+    monkeypatch.setattr(RequestState, "apply", raising_for_request_1)
     outs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
     assert "building its output failed: UnicodeDecodeError" in outs[1].error
     assert [(c.text, c.finish_reason, c.error) for c in outs[1].outputs] == [("", "error", outs[1].error)]

@@ -64,3 +64,22 @@ def test_generate_returns_final_outputs_whatever_kind_is_asked(llm):
         out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, output_kind=kind),
                            use_tqdm=False)[0]
         assert out.finished and len(out.outputs[0].token_ids) == 6
+
+
+def test_stream_interval_outputs_every_nth_token_and_the_same_stream(bart_dir, llm):
+    """``stream_interval=3``: an output for the first token, every 3 more and the last
+    (tokens 1, 4, 7, 10 of 10); DELTA outputs join to the every-step stream's text,
+    tokens and logprobs, CUMULATIVE ones end the same, FINAL_ONLY is unchanged."""
+    fewer = LLM(model=str(bart_dir), dtype="float32", device="cpu", stream_interval=3)
+    for ref, steps in zip(_stream(llm, Kind.DELTA), _stream(fewer, Kind.DELTA)):
+        assert [len(s.outputs[0].token_ids) for s in steps] == [1, 3, 3, 3]
+        assert [s.finished for s in steps] == [False] * 3 + [True]
+        assert "".join(s.outputs[0].text for s in steps) == "".join(s.outputs[0].text for s in ref)
+        for field in ("token_ids", "logprobs"):
+            assert sum((getattr(s.outputs[0], field) for s in steps), []) == sum(
+                (getattr(s.outputs[0], field) for s in ref), [])
+    for ref, steps in zip(_stream(llm, Kind.CUMULATIVE), _stream(fewer, Kind.CUMULATIVE)):
+        assert [len(s.outputs[0].token_ids) for s in steps] == [1, 4, 7, 10]
+        assert steps[-1].outputs[0] == ref[-1].outputs[0]
+    for ref, steps in zip(_stream(llm, Kind.FINAL_ONLY), _stream(fewer, Kind.FINAL_ONLY)):
+        assert len(steps) == 1 and steps[0].outputs[0] == ref[0].outputs[0]

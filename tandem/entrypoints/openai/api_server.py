@@ -31,11 +31,12 @@ the drain, the cut and the signals; ``metrics.py``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -412,7 +413,8 @@ def build_app(
         created = int(time.time())
         if req.stream:
             try:
-                first = await first_outputs(engine, prompts, params, ids, cut, lora)  # errors: a status, not a stream
+                # Errors: a status, not a stream.
+                first = await first_outputs(engine, prompts, params, ids, cut, lora, request, metrics)
             finally:  # each has had a first output: the engine has them (no longer pending)
                 admission.done(ids)
             return StreamingResponse(
@@ -478,8 +480,27 @@ def serve(args) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=args.drain_timeout + CUT_GRACE_SECONDS + 2,
                             **uvicorn_options(args))  # connections.py: header, body and keep-alive timeouts
-    make_server(config, cut=app.state.drain_cut, drain_timeout=args.drain_timeout).run()
+    with frozen_heap():
+        make_server(config, cut=app.state.drain_cut, drain_timeout=args.drain_timeout).run()
     return 0
+
+
+@contextmanager
+def frozen_heap():
+    """The objects alive now (the model's modules, the tokenizer, the imported code:
+    some 350,000 for a tiny BART) kept out of the garbage collector's way while the
+    block runs, as vLLM's server does: they live as long as the process, yet every
+    oldest-generation collection walked them all (130 ms, holding the GIL the engine
+    thread steps with), and the allocations of streaming (outputs, events, futures)
+    set one off often enough to take half the event loop's CPU per streamed token
+    (docs/performance.md, "Serving"). They are collectable again after it (so
+    extensions that count leaks at exit find none)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _vad_fields(form) -> dict:

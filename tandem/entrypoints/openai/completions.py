@@ -5,7 +5,6 @@ log lines."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -17,6 +16,7 @@ from tandem.entrypoints.async_llm import EngineDeadError
 from tandem.entrypoints.openai.metrics import ServerMetrics
 from tandem.entrypoints.openai.protocol import HTTPError, error_body
 from tandem.entrypoints.openai.shutdown import CUT, watch
+from tandem.entrypoints.openai.sse import DONE, CompletionChunks, event
 
 logger = logging.getLogger("tandem.serve")
 
@@ -24,10 +24,12 @@ logger = logging.getLogger("tandem.serve")
 NO_TOKEN = "no_allowed_token"
 
 
-async def first_outputs(engine, prompts, params, ids, cut, lora_request=None):
+async def first_outputs(engine, prompts, params, ids, cut, lora_request=None, request=None, metrics=None):
     """Start the streams and wait for each first output, so a rejected request is
     a 400 rather than a broken stream. ``lora_request``: the adapter the request's
-    ``model`` named (None: the base model)."""
+    ``model`` named (None: the base model). A client that leaves meanwhile (``request``,
+    the Starlette request) has its requests aborted at once, counted in ``metrics``:
+    an ``HTTPError`` 499 nobody reads."""
     # One queue group per HTTP request: its prompts take turns with other clients' requests.
     gens = [engine.generate(p, params, rid, queue_group=ids[0], lora_request=lora_request)
             for p, rid in zip(prompts, ids)]
@@ -37,9 +39,14 @@ async def first_outputs(engine, prompts, params, ids, cut, lora_request=None):
 
     waiting = asyncio.ensure_future(firsts())
     try:
-        outcome = await watch([waiting], None, cut)
+        outcome = await watch([waiting], request, cut)
         if outcome == "cut":
             raise HTTPError(503, cut.message)
+        if outcome == "disconnected":  # queued, or before its first token: aborted below
+            if metrics is not None:
+                _record_aborted(metrics, params, len(gens))
+            logger.info("request %s: client disconnected before its stream started, aborted", ids[0])
+            raise HTTPError(499, "client disconnected")
         outs = waiting.result()
     except (ValueError, TypeError) as e:
         await _close(gens)
@@ -47,7 +54,7 @@ async def first_outputs(engine, prompts, params, ids, cut, lora_request=None):
     except EngineDeadError as e:
         await _close(gens)
         raise HTTPError(503, str(e)) from None
-    except BaseException:
+    except BaseException:  # a disconnect, a cut, this task's own cancellation: no request outlives it
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
         await _close(gens)
@@ -259,27 +266,30 @@ async def complete(engine, metrics, request, params, prompts, ids, base, created
 
 async def stream_completion(engine, metrics, req, params, first, ids, base, created, model, cut):
     """Server-sent events: one chunk per new text per choice, then (with
-    ``stream_options.include_usage``) a usage chunk, then ``[DONE]``."""
+    ``stream_options.include_usage``) a usage chunk, then ``[DONE]``. What the
+    prompts' outputs make while a send is under way goes out in one send."""
     tokenizer = engine.get_tokenizer()
+    non_text = engine.engine.non_text_token_ids
+    chunks = CompletionChunks(base, created, model)
     texts: dict[tuple[int, int], TokenText] = {}  # (prompt, choice) -> its tokens' text so far: offsets go on
+    want_logprobs = params.logprobs is not None
     start = time.monotonic()
     queue: asyncio.Queue = asyncio.Queue()
-    n_per = None
 
     async def pump(i, gen, out):
         try:
-            await queue.put((i, out))
+            queue.put_nowait((i, out))
             while not out.finished:
                 out = await gen.__anext__()
-                await queue.put((i, out))
+                queue.put_nowait((i, out))
         except BaseException as e:  # noqa: BLE001 - delivered to the response loop
-            await queue.put((i, e))
+            queue.put_nowait((i, e))
         finally:
             await gen.aclose()
 
     async def on_cut():
         await cut.wait()
-        await queue.put((None, CUT))
+        queue.put_nowait((None, CUT))
 
     tasks = [asyncio.create_task(pump(i, g, o)) for i, (g, o) in enumerate(first)]
     watcher = asyncio.create_task(on_cut())
@@ -287,55 +297,59 @@ async def stream_completion(engine, metrics, req, params, first, ids, base, crea
     generated: dict[int, int] = {}
     last_token_at: dict[int, float] = {}
     first_token_at: dict[int, float] = {}
+    ended: set[tuple[int, int]] = set()  # (prompt, choice) whose finishing chunk was sent
     failed = False
     try:
         while len(finals) < len(tasks):
+            parts: list[bytes] = []
             i, out = await queue.get()
-            if out is CUT:  # logged once for all (shutdown.py)
-                logger.debug("request %s: stream cut off (%s)", base, cut.reason)
-                yield f"data: {json.dumps(error_body(503, cut.message))}\n\n"
-                return
-            if isinstance(out, BaseException):
-                failed = True
-                message = str(out) if isinstance(out, (ValueError, TypeError, EngineDeadError)) else "internal error"
-                yield f"data: {json.dumps(error_body(500, message))}\n\n"
-                return
-            unsatisfiable = cannot_be_satisfied(out, params, with_text=False)
-            if unsatisfiable is not None:  # the client has the text so far; no choice ends this way
-                failed = True
-                yield f"data: {json.dumps(error_body(400, unsatisfiable))}\n\n"
-                return
-            if out.error is not None:  # failed while being served: the stream ends with the error
-                failed = True
-                yield f"data: {json.dumps(error_body(500, f'the request failed while being served: {out.error}'))}\n\n"
-                return
-            n_per = len(out.outputs)
-            now = time.monotonic()
-            new_tokens = sum(len(c.token_ids) for c in out.outputs)
-            generated[i] = generated.get(i, 0) + new_tokens
-            if new_tokens:
-                metrics.generation_tokens.inc(new_tokens)
-                if i not in first_token_at:
-                    first_token_at[i] = now
-                elif i in last_token_at:
-                    metrics.itl.observe((now - last_token_at[i]) / new_tokens)
-                last_token_at[i] = now
-            for j, c in enumerate(out.outputs):
-                if c.text or c.token_ids or c.finish_reason:
-                    if (i, j) not in texts:
-                        texts[(i, j)] = TokenText(tokenizer, params, engine.engine.non_text_token_ids)
-                    chunk = {"id": base, "object": "text_completion", "created": created, "model": model,
-                             "choices": [_choice(i * n_per + j, c, c.text, _logprobs(c, tokenizer, texts[(i, j)]))]}
-                    yield f"data: {json.dumps(chunk)}\n\n"
-            if out.finished:
-                finals[i] = out
-                _record(metrics, ids[i], out, start, first_token_at.get(i), generated.get(i, 0))
+            while True:
+                if out is CUT:  # logged once for all (shutdown.py)
+                    logger.debug("request %s: stream cut off (%s)", base, cut.reason)
+                    yield b"".join((*parts, event(error_body(503, cut.message))))
+                    return
+                ending = _ending(out, params)
+                if ending is not None:  # the client has the text so far; the stream ends with the error
+                    failed = True
+                    yield b"".join((*parts, event(ending)))
+                    return
+                n_per = len(out.outputs)
+                new_tokens = 0
+                for c in out.outputs:
+                    new_tokens += len(c.token_ids)
+                generated[i] = generated.get(i, 0) + new_tokens
+                if new_tokens:
+                    now = time.monotonic()
+                    metrics.generation_tokens.inc(new_tokens)
+                    if i not in first_token_at:
+                        first_token_at[i] = now
+                    elif i in last_token_at:
+                        metrics.itl.observe((now - last_token_at[i]) / new_tokens)
+                    last_token_at[i] = now
+                for j, c in enumerate(out.outputs):
+                    if c.finish_reason and (i, j) in ended:
+                        continue  # its last chunk went out: a choice ends once (its request's later
+                        # outputs carry it again while the other choices run)
+                    if c.text or c.token_ids or c.finish_reason:
+                        if c.finish_reason:
+                            ended.add((i, j))
+                        logprobs = None
+                        if want_logprobs:
+                            if (i, j) not in texts:
+                                texts[(i, j)] = TokenText(tokenizer, params, non_text)
+                            logprobs = _logprobs(c, tokenizer, texts[(i, j)])
+                        parts.append(chunks.choice(i * n_per + j, c.text, logprobs, c.finish_reason, c.stop_reason))
+                if out.finished:
+                    finals[i] = out
+                    _record(metrics, ids[i], out, start, first_token_at.get(i), generated.get(i, 0))
+                if queue.empty():
+                    break
+                i, out = queue.get_nowait()
+            if parts:
+                yield b"".join(parts)
         if req.stream_options is not None and req.stream_options.include_usage:
-            usage = _final_usage(finals, generated)
-            chunk = {"id": base, "object": "text_completion", "created": created, "model": model, "choices": [],
-                     "usage": usage}
-            yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
+            yield chunks.usage(_final_usage(finals, generated))
+        yield DONE
     finally:  # a disconnect cancels this generator: stop the pumps (their requests abort)
         watcher.cancel()
         for t in tasks:
@@ -343,6 +357,27 @@ async def stream_completion(engine, metrics, req, params, first, ids, base, crea
         if not failed:
             _record_aborted(metrics, params, len(tasks) - len(finals))
         await asyncio.gather(watcher, *tasks, return_exceptions=True)
+
+
+def _ending(out, params) -> dict | None:
+    """The error body a stream ends with instead of this output, or None: the output is
+    an exception (the request failed to run), a completion left with no token to
+    sample, or an error while it was served."""
+    if isinstance(out, BaseException):
+        message = str(out) if isinstance(out, (ValueError, TypeError, EngineDeadError)) else "internal error"
+        return error_body(500, message)
+    if out.error is None:  # the usual output: only a completion with no token to sample ends the stream
+        for c in out.outputs:
+            if c.finish_reason == NO_TOKEN:
+                break
+        else:
+            return None
+    unsatisfiable = cannot_be_satisfied(out, params, with_text=False)
+    if unsatisfiable is not None:
+        return error_body(400, unsatisfiable)
+    if out.error is not None:
+        return error_body(500, f"the request failed while being served: {out.error}")
+    return None
 
 
 def _final_usage(finals, generated) -> dict:

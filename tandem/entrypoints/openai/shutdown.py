@@ -49,8 +49,11 @@ CUT = object()  # queued into a stream's queue once the cut is set
 async def watch(tasks: list[asyncio.Future], request, cut: asyncio.Event) -> str:
     """Wait until every task is done ("done"), the client disconnects
     ("disconnected"; ``request`` is the Starlette request, or None not to look)
-    or the running requests are cut ("cut")."""
+    or the running requests are cut ("cut"). The disconnect is seen when the server
+    sees it (the request's next ASGI message), so the caller aborts its engine
+    requests before the engine's next step."""
     cut_wait = asyncio.ensure_future(cut.wait())
+    gone = asyncio.ensure_future(_disconnected(request)) if request is not None else None
     try:
         while True:
             pending = [t for t in tasks if not t.done()]
@@ -58,13 +61,21 @@ async def watch(tasks: list[asyncio.Future], request, cut: asyncio.Event) -> str
                 return "done"
             if cut.is_set():
                 return "cut"
-            await asyncio.wait([*pending, cut_wait], timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
-            if cut.is_set():
-                return "cut"
-            if request is not None and await request.is_disconnected():
+            if gone is not None and gone.done():
                 return "disconnected"
+            await asyncio.wait([*pending, cut_wait, *((gone,) if gone is not None else ())],
+                               return_when=asyncio.FIRST_COMPLETED)
     finally:
         cut_wait.cancel()
+        if gone is not None:
+            gone.cancel()
+
+
+async def _disconnected(request) -> None:
+    """Returns once the client has gone: the request's body is read, so the next
+    message its ASGI server has for it is ``http.disconnect``."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _server_cls():
