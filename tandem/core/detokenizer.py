@@ -147,7 +147,6 @@ class BatchDetokenizer:
             skip = s.skip_special_tokens
             ids = s.ids
             # DecodeStream first re-decodes the window when its prefix is stale or empty.
-            a = None
             if s.window is not None:
                 a = s.window
             elif len(ids) == 1 and ids[0] in single[skip]:

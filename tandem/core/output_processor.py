@@ -6,8 +6,10 @@ The core reports plain data (``core_outputs.RequestResult``: new token ids,
 logprobs, finish reasons) and keeps no output state. The core stops sequences on
 token ids and lengths; stop strings need text, so they are found here, a token
 at a time, and reported back to the core, which frees the sequence
-(``stops``). Each sequence's text is detokenized once, incrementally: the final
-text is exactly what was streamed (DELTA chunks add up to it).
+(``stops``). Each sequence's text is detokenized once, incrementally, the
+sequences a step advanced together (``detokenizer.py``): the final text is
+exactly what was streamed (DELTA chunks add up to it). ``stream_interval``
+spaces a streaming request's outputs by tokens (the engine's option).
 
 One ``OutputProcessor`` serves both frontends, as vLLM's does: ``LLMEngine.step``
 runs it on the caller's thread and returns the outputs; ``AsyncLLM``'s output loop
