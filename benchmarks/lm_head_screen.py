@@ -39,6 +39,7 @@ import throughput  # noqa: E402
 def hidden_states(model_dir: str, rows: int, threads: int) -> tuple[torch.Tensor, object]:
     """``rows`` decoder hidden states from greedy steps of ``model_dir``, and its LM head layer."""
     from tandem import LLM, SamplingParams
+    from tandem.core.layers import VocabParallelEmbedding
 
     llm = LLM(model=model_dir, dtype="float32", seed=0, max_num_seqs=rows, lm_head_screen="off")
     torch.set_num_threads(threads)
@@ -46,7 +47,8 @@ def hidden_states(model_dir: str, rows: int, threads: int) -> tuple[torch.Tensor
     captured = []
     head = None
     for m in model.modules():
-        if getattr(m, "logits_kernel", None) is not None and m.weight.shape[0] == model.config.vocab_size:
+        # The last vocabulary-sized table (the LM head, tied or not; packed or, if small, F.linear).
+        if isinstance(m, VocabParallelEmbedding) and m.weight.shape[0] == model.config.vocab_size:
             head = m
     original = head.head_logits
 

@@ -22,30 +22,31 @@
 Which float32 layers pack (``cpu_gemm="auto"``, :func:`packed_beats_dense`):
 those with more than :data:`DENSE_MAX_WEIGHTS` (65,536) weights. oneDNN costs a
 fixed ~15-25 us a call before any arithmetic where ``F.linear`` costs
-~3-6, and that is more than a small GEMM's whole arithmetic:
-on a 2-core Xeon (2 threads), 64 -> 64 at 256 rows took 13.7 us dense against
-32.4 packed, the tiny BART's FFN (64 -> 256) 37.6 against 53.2.
+~3-6, more than a small GEMM's whole arithmetic: on a 2-core Xeon (2 threads)
+64 -> 64 at 256 rows took 13.7 us dense against 32.4 packed, the tiny BART's
+fc1 (64 -> 256) 37.6 against 53.2.
 benchmarks/linear_kernels.py times both kernels over in x out in {64, ..., 1024}
 plus bart-base's shapes, rows 1-1024, 1 and 2 threads, float32 and bfloat16
-(docs/performance.md, "Small layers stay dense", has the table): every float32
-layer of at most 65,536 weights ran faster dense at every row count up to 256,
-by 1.05-7x, on AVX-512 and with torch, oneDNN and MKL capped at AVX2. Above
-the bar a Xeon's MKL stays close to the packed kernel (dense was ahead on
-most cells up to ~1M weights there), but an AVX2 EPYC's is not (bart-base's
-fc1 at 16 rows: 45-69 GFLOP/s dense against 92-114 packed) because MKL re-packs
-the weight each call, a cost that grows with the weight and that, at ~0.3 ns a
-weight there, passes oneDNN's fixed cost near 64 Ki weights: so the bar stays
-at the small layers both CPUs agree on, and bart-base's layers (590 Ki weights
-and up) keep packing. A rule, not a timing at load: the choice is the same on
-every start (the two kernels round differently, so a timed choice could change
-outputs between starts of one machine), costs nothing, and is tested. Rows do
-not enter it: they change every step while the kernel is chosen once, and for
-layers under the bar dense won at every row count. bfloat16 always packs:
+(docs/performance.md, "Small layers stay dense", has the table): at 1-256 rows,
+on AVX-512 and with torch, oneDNN and MKL capped at AVX2, dense was faster on
+426 of the 432 cells of layers of at most 65,536 weights (1.9-6.9x at one row),
+and the other 6 (48-64 Ki weights at 256 rows) lost by at most 8%. Above the
+bar a Xeon's MKL stays close to the packed kernel (dense was ahead on most
+cells up to ~1M weights there), but an AVX2 EPYC's is not (bart-base's fc1 at
+16 rows: 45-69 GFLOP/s dense against 92-114 packed): MKL re-packs the weight
+each call, ~0.1-0.4 ns a weight there, which passes oneDNN's fixed cost
+somewhere between ~40 Ki and ~180 Ki weights. So the bar stays where both
+CPUs agree, and bart-base's layers (576 Ki weights and up) keep packing.
+A rule, not a timing at load: the choice is the same on every start (the two
+kernels round differently, so a timed choice could change outputs between
+starts on one machine), costs nothing, and is tested. Rows do not enter it:
+they change every step while the kernel is chosen once, and under the bar
+dense won at nearly every row count. bfloat16 always packs:
 its ``F.linear`` is a oneDNN matmul too (on the unpacked weight, every call:
 ``ONEDNN_VERBOSE=1`` shows it), so it pays the fixed cost as well, and the
-packed kernel was as fast or faster on almost every cell measured (not at one
-row of a 64 -> 64 layer, which torch runs without oneDNN). ``cpu_gemm="packed"`` packs every
-layer whatever its size.
+packed kernel was as fast or faster on 471 of 504 cells (it lost 4.5x at one
+row of 64 -> 64, which torch runs without oneDNN, and at most 1.32x elsewhere).
+``cpu_gemm="packed"`` packs every layer whatever its size.
 
 A kernel replaces the dense weight it was built from: after
 :func:`prepare_linear_kernels` the layer's ``weight`` parameter is an empty
