@@ -11,7 +11,7 @@ from tandem.core.worker.reductions import ARGMAX_CHUNK, argmax_rows
 
 @pytest.fixture(autouse=True, params=["chunks", "cpp"])
 def path(request, monkeypatch):
-    """Every test runs on each path; ``reductions._cpu_op`` is what ``use_cpu_op`` sets."""
+    """Every test runs on each path; ``reductions._cpu_op`` is what ``install_cpu_op`` sets."""
     if request.param == "cpp":
         from tandem.backends.cpu_sampling import ops
 
@@ -114,3 +114,19 @@ def test_the_op_is_built_for_the_capability_torch_reports(path):
     assert ops.library_name("AVX2") == "tandem_cpu_sampling_avx2"
     assert ops.library_name("DEFAULT") == "tandem_cpu_sampling_generic"
     assert cpp_build.ISA_FLAGS["AVX2"] == ["-mavx2", "-mfma"]
+
+
+def test_the_cpu_paged_backend_installs_the_op(path, monkeypatch):
+    """An attention layer on cpu_paged installs the C++ argmax for the sampler."""
+    from tandem.backends.cpu_paged import ops as paged_ops
+    from tandem.backends.cpu_paged.backend import CPUPagedImpl
+
+    if path != "cpp":
+        pytest.skip("the C++ path's wiring")
+    try:
+        paged_ops.load()
+    except paged_ops.CPUOpUnavailable as e:
+        pytest.skip(f"cpu_paged's op cannot be built here: {e}")
+    monkeypatch.setattr(reductions, "_cpu_op", None)
+    CPUPagedImpl(num_heads=2, head_size=16, scale=0.25, num_kv_heads=2)
+    assert reductions._cpu_op is torch.ops.tandem_cpu_sampling.argmax_rows

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.backends.cpu_paged import ops
+from tandem.backends.cpu_sampling import ops as sampling_ops
 from tandem.backends.torch_sdpa import SDPAImplBase, SDPAMetadata, SDPAMetadataBuilderBase
 from tandem.core.attention import (
     AttentionBackend,
@@ -101,6 +102,7 @@ class CPUPagedImpl(SDPAImplBase):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
         super().__init__(num_heads, head_size, scale, num_kv_heads)
         self._op = ops.load()
+        sampling_ops.install()  # the greedy argmax in C++ too, where it builds (worker/reductions.py)
 
     def forward_decodes(self, query, kv_cache, md: CPUPagedMetadata, is_cross, out, position_bias=None) -> None:
         if query.stride(-1) != 1:

@@ -56,3 +56,15 @@ def load():
         if _op is None:
             raise CPUOpUnavailable(_error)
         return _op
+
+
+def install() -> bool:
+    """Load the op (building it on first use) and make the sampler's ``argmax_rows`` take
+    it in this process; False where it cannot be built here (torch's ops serve)."""
+    from tandem.core.worker.reductions import install_cpu_op
+
+    try:
+        install_cpu_op(load())
+    except CPUOpUnavailable:
+        return False
+    return True

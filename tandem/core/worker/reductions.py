@@ -14,11 +14,12 @@ over that one chunk only. Ties and NaN follow: an earlier chunk holding the
 maximum (or a NaN) wins over a later one, and inside the chunk argmax's own
 first-index rule decides.
 
-On a CPU with a C++ compiler the worker loads tandem's own op instead
+On a CPU with a C++ compiler tandem's own op takes over
 (``tandem/backends/cpu_sampling``: two vector passes a row, the maximum then its
 first position, about the cost of ``amax`` alone: 256 rows x vocab 2,000 in 53 us
-where the chunks take 345) with :func:`use_cpu_op`; every :func:`argmax_rows` call on
-a float32 CPU tensor with contiguous rows then takes it, with the same answers
+where the chunks take 345), installed (:func:`install_cpu_op`) by the cpu_paged
+backend when it loads its decode op; every :func:`argmax_rows` call on a float32 CPU
+tensor with contiguous rows then takes it, with the same answers
 (``tests/core/test_reductions.py``).
 """
 
@@ -26,22 +27,16 @@ from __future__ import annotations
 
 import torch
 
-_cpu_op = None  # torch.ops.tandem_cpu_sampling.argmax_rows, once use_cpu_op() loaded it
+_cpu_op = None  # torch.ops.tandem_cpu_sampling.argmax_rows, once install_cpu_op() gave it
 
 
-def use_cpu_op() -> bool:
-    """Load the C++ argmax (building it on first use on this machine) for this
-    process's :func:`argmax_rows`; False where it cannot be built here (torch's ops
-    serve, as before). Called when a CPU worker starts, never in a step."""
+def install_cpu_op(op) -> None:
+    """Make this process's :func:`argmax_rows` take ``op`` (``torch.ops.tandem_cpu_sampling.argmax_rows``)
+    for float32 CPU rows. tandem's cpu_paged backend installs it when it loads its own
+    op (``tandem/backends/cpu_sampling/ops.py``: the core imports no backend)."""
     global _cpu_op
-    if _cpu_op is None:
-        from tandem.backends.cpu_sampling import ops
+    _cpu_op = op
 
-        try:
-            _cpu_op = ops.load()
-        except ops.CPUOpUnavailable:
-            return False
-    return True
 
 # Columns per chunk: small enough that the final per-chunk argmax is cheap, large
 # enough that the chunk-maxima tensor stays tiny (~100 chunks at vocab 50K).

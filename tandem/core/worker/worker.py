@@ -34,7 +34,6 @@ from tandem.core.worker.logits_processors import ProcessorRows, needs_history, o
 from tandem.core.worker.compiled_step import CompiledDecodeStep
 from tandem.core.worker.piecewise_backend import cuda_graph_decode_step
 from tandem.core.worker.model_runner import ModelRunner
-from tandem.core.worker.reductions import use_cpu_op
 from tandem.core.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -88,8 +87,6 @@ class Worker:
             spec = replace(spec, num_kv_heads=max(1, spec.num_kv_heads // self.tp.size))
         self.kv_spec: KVCacheSpec = spec
         self.sampler = Sampler(eos_token_ids, config.seed, self.device)
-        if self.device.type == "cpu":
-            use_cpu_op()  # the greedy rows' argmax in C++ where it builds (worker/reductions.py)
         self.requests: dict[str, _RequestState] = {}
         # Decoder tokens of the sequences whose processors read them, by seq id.
         self.histories = BlockTableRows(config.max_num_seqs, 64)
