@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import threading
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from tandem.core.faults import EngineDeadError, describe
 from tandem.core.inputs import PromptType, preview
 from tandem.core.outputs import RequestOutput, with_error
 from tandem.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from tandem.entrypoints import replicas
 from tandem.entrypoints.vllm_compat import split_vllm_options
 from tandem.lora.request import LoRARequest, lora_list
 from tandem.plugins import default_backend_registry, default_mode_registry, default_model_registry
@@ -34,16 +36,36 @@ class LLM:
     >>> llm.generate(["The rain in spain"], SamplingParams(temperature=0.0, max_tokens=32))
     """
 
-    def __init__(self, model: str, **engine_args) -> None:
+    def __init__(self, model: str, *, data_parallel_size: int = 1, **engine_args) -> None:
+        replica_args = dict(engine_args)
         # vLLM's keywords (max_model_len, limit_mm_per_prompt, ...): entrypoints/vllm_compat.py
         engine_args, vllm_options = split_vllm_options(engine_args)
         check_kwargs("LLM", engine_args)
+        size = replicas.check_size(data_parallel_size)
         config = EngineConfig(model=model, **engine_args)
-        self.llm_engine = LLMEngine(config, default_model_registry(), default_backend_registry(), default_mode_registry())
+        # Replicas 1.. start loading beside this process's engine (replica 0): entrypoints/replicas.py.
+        self._pool: replicas.ReplicaPool | None = None
+        self._threads_each = 0
+        if size > 1:
+            import torch
+
+            self._threads_each = replicas.threads_each(torch.get_num_threads(), size)
+            self._pool = replicas.ReplicaPool(model, replica_args, size, self._threads_each, config.seed)
+        try:
+            self.llm_engine = LLMEngine(config, default_model_registry(), default_backend_registry(),
+                                        default_mode_registry())
+        except BaseException:
+            if self._pool is not None:
+                self._pool.shutdown()
+            raise
         try:
             vllm_options.check_engine(self.llm_engine)
-        except ValueError:
+            if self._pool is not None:
+                self._pool.wait_ready()
+        except BaseException:
             self.llm_engine.shutdown()
+            if self._pool is not None:
+                self._pool.shutdown()
             raise
         self._ids = itertools.count()
         # The engine is single-threaded: concurrent generate() calls take turns.
@@ -51,12 +73,27 @@ class LLM:
         self._session_thread: int | None = None  # the thread inside session(), if any
 
     # The keywords are EngineConfig's fields: help(LLM) and inspect.signature show them.
-    __init__.__signature__ = engine_signature()
+    __init__.__signature__ = engine_signature(inspect.Parameter("data_parallel_size", inspect.Parameter.KEYWORD_ONLY,
+                                                                default=1, annotation=int))
     __init__.__doc__ = (
-        "Build the engine for ``model``, a checkpoint directory or a Hub repo id. Engine options (each also a flag of the "
-        "``tandem`` commands that build an engine: ``--max-num-seqs`` for ``max_num_seqs``):\n\n"
+        "Build the engine for ``model``, a checkpoint directory or a Hub repo id. ``data_parallel_size``: engine "
+        "replicas ``generate`` deals its prompts out to, each in a process of its own with its share of the torch "
+        "threads (``tandem.entrypoints.replicas``; 1: this process's engine alone). Engine options (each also a "
+        "flag of the ``tandem`` commands that build an engine: ``--max-num-seqs`` for ``max_num_seqs``):\n\n"
         + describe_options()
     )
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Engine replicas ``generate`` uses: this process's and the live ones in processes of their own."""
+        return 1 + (len(self._pool.live()) if self._pool is not None else 0)
+
+    def shutdown(self) -> None:
+        """Stop the engine's workers and the replica processes; idempotent. (Also done when the
+        ``LLM`` is collected and at interpreter exit.)"""
+        if self._pool is not None:
+            self._pool.shutdown()
+        self.llm_engine.shutdown()
 
     @property
     def engine(self) -> LLMEngine:
@@ -181,7 +218,10 @@ class LLM:
         """Counters since construction: encoder tokens computed and reused, preemptions,
         KV blocks in total and free, requests finished; with ``speculative_config``, draft
         tokens proposed and accepted, the acceptance rate and the mean accepted length."""
-        return self.llm_engine.get_stats()
+        stats = self.llm_engine.get_stats()
+        if self._pool is not None:
+            stats = replicas.combined_stats([stats, *self._pool.stats()])
+        return stats
 
     def generate(
         self,
@@ -209,6 +249,8 @@ class LLM:
 
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool,
              loras: list[LoRARequest | None]) -> list[RequestOutput]:
+        if self._pool is not None and len(prompts) > 1 and self._pool.live():
+            return self._run_replicas(prompts, params, use_tqdm, loras)
         engine = self.engine
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
@@ -223,7 +265,7 @@ class LLM:
                     except EngineDeadError:
                         raise
                     except Exception as e:  # noqa: BLE001 - this prompt alone cannot be served
-                        results[rid] = _rejected(rid, prompt, e, p)
+                        results[rid] = rejected_output(rid, prompt, e, p)
             bar.update(len(results))
             while engine.has_unfinished_requests():
                 for out in engine.step():
@@ -233,6 +275,59 @@ class LLM:
             engine.abort_request([r for r in order if r not in results])
             raise
         finally:
+            bar.close()
+        return [results[r] for r in order]
+
+    def _run_replicas(self, prompts: list, params: list[SamplingParams], use_tqdm: bool,
+                      loras: list[LoRARequest | None]) -> list[RequestOutput]:
+        """``_run`` over the replicas: prompt i to replica i mod N (replica 0 this process's
+        engine, stepped here between reads of the others' outputs)."""
+        import torch
+
+        pool, engine = self._pool, self.engine
+        ranks = [0] + [r.rank for r in pool.live()]
+        order = [str(next(self._ids)) for _ in prompts]
+        shares: dict[int, list] = {rank: [] for rank in ranks}
+        for i, item in enumerate(zip(order, prompts, params, loras)):
+            shares[ranks[i % len(ranks)]].append(item)
+        owner = {rid: rank for rank, items in shares.items() for rid, *_ in items}
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm, unit="req")
+        busy = {rank for rank in ranks[1:] if shares[rank]}
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self._threads_each)  # this process's share, for the call only
+        try:
+            pool.start(shares)
+            local = shares[0]
+            with engine.core.adding():
+                for rid, prompt, p, lora in local:
+                    try:
+                        engine.add_request(rid, prompt, p, lora_request=lora)
+                    except EngineDeadError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - this prompt alone cannot be served
+                        results[rid] = rejected_output(rid, prompt, e, p)
+            bar.update(len(results))
+            while engine.has_unfinished_requests() or busy:
+                stepping = engine.has_unfinished_requests()
+                outs = engine.step() if stepping else []
+                got, ended = pool.poll(busy, timeout=0 if stepping else None)
+                for out in itertools.chain(outs, got):
+                    results[out.request_id] = out
+                bar.update(len(outs) + len(got))
+                for rank, why in ended.items():
+                    busy.discard(rank)
+                    if why:  # the replica died: its unfinished prompts get an output saying so
+                        lost = [(rid, prompt, p) for rid, prompt, p, _ in shares[rank] if rid not in results]
+                        for rid, prompt, p in lost:
+                            results[rid] = rejected_output(rid, prompt, EngineDeadError(why), p)
+                        bar.update(len(lost))
+        except BaseException:
+            engine.abort_request([rid for rid, rank in owner.items() if rank == 0 and rid not in results])
+            pool.abort(busy)
+            raise
+        finally:
+            torch.set_num_threads(threads)
             bar.close()
         return [results[r] for r in order]
 
@@ -332,7 +427,8 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     return params.replace(output_kind=RequestOutputKind.FINAL_ONLY)
 
 
-def _rejected(rid: str, prompt, error: Exception, params) -> RequestOutput:
+def rejected_output(rid: str, prompt, error: Exception, params) -> RequestOutput:
+    """The output of a prompt refused before it was queued: ``error`` says why."""
     text = prompt if isinstance(prompt, str) else None
     why = str(error) if isinstance(error, (ValueError, TypeError)) else describe(error)
     n = getattr(params, "n", None) or getattr(params, "beam_width", None) or 1

@@ -1,0 +1,330 @@
+"""Data parallelism for ``LLM.generate``: engine replicas in processes of their own.
+
+``LLM(model, data_parallel_size=N)`` builds N whole engines on one checkpoint: the
+``LLM``'s own (replica 0, in the caller's process, which every other ``LLM`` method
+uses) and N - 1 in spawned processes (:class:`ReplicaPool`). ``generate`` deals the
+prompts out in turn (prompt i to replica i mod N) and each replica serves its share
+as one engine does, concurrently with the others; outputs come back in prompt order.
+The torch threads are split between them (``threads_each``; replica 0's for the
+length of the call only), so each replica's small ops run on a core of their own
+instead of every op being split over all of them: where a step's arithmetic is
+small (a small model, a CPU with few cores), N engines of one thread each serve more
+than one engine of N threads (CTranslate2's ``inter_threads`` is the same idea).
+Each replica keeps its own KV pool, so the memory they take is N times one engine's.
+
+Faults stay per request and per replica: a prompt a replica refuses comes back with
+``error`` set, as ``generate`` always does; a replica process that dies (killed, out
+of memory) answers each of its unfinished prompts with an output whose ``error``
+names it and how it died, and is not used again; the other replicas go on. Replicas
+never outlive the ``LLM``'s process (each watches its parent) and are stopped when
+it shuts down.
+
+The pipe protocol (pickled tuples): in ``("generate", items)`` with items ``(request
+id, prompt, params, lora)``, ``("abort", ())``, ``("stats", ())``, ``("shutdown", ())``;
+out ``("ready", pid)`` or ``("error", ...)`` once, then ``("outputs", [RequestOutput,
+...])`` after each step that finished some, ``("done", ())`` when a share is served,
+``("stats", dict)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+from tandem.core.faults import EngineDeadError
+from tandem.core.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+_START_TIMEOUT_S = 600.0  # a replica loads the checkpoint (and may build its C++ ops once)
+_GRACE_S = 5.0
+
+
+def check_size(data_parallel_size) -> int:
+    if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size={data_parallel_size!r}: must be an integer >= 1 (engine replicas)")
+    return data_parallel_size
+
+
+def threads_each(total: int, size: int) -> int:
+    """Torch threads per replica: the threads there are, shared out (at least one)."""
+    return max(1, total // size)
+
+
+# Ratios among the counters: (numerator, denominator, added), recomputed from the replicas' sums.
+_RATIOS = {
+    "prefix_cache_hit_rate": ("prefix_cache_hit_tokens", "prefix_cache_queried_tokens", 0),
+    "spec_acceptance_rate": ("spec_accepted_tokens", "spec_draft_tokens", 0),
+    "spec_mean_accepted_length": ("spec_accepted_tokens", "spec_verify_steps", 1),
+}
+
+
+def combined_stats(each: list[dict]) -> dict:
+    """The replicas' ``get_stats()`` as one engine's: counters summed, the known ratios
+    recomputed from the sums, any other float the replicas' mean."""
+    out: dict = {}
+    for name in each[0]:
+        values = [s.get(name, 0) for s in each]
+        out[name] = sum(values) if all(isinstance(v, int) for v in values) else sum(values) / len(values)
+    for name, (num, den, added) in _RATIOS.items():
+        if name in out and den in out:
+            out[name] = added + out[num] / out[den] if out[den] else 0.0
+    return out
+
+
+def _send(conn: Connection, msg) -> bool:
+    try:
+        conn.send_bytes(pickle.dumps(msg, protocol=_PROTOCOL))
+        return True
+    except (OSError, EOFError, BrokenPipeError):
+        return False
+
+
+def _watch_parent(life_fd: int) -> None:
+    """End this process the moment the parent is gone: the parent holds the write end of
+    the ``life_fd`` pipe, which reads EOF only once it has exited (however it exited)."""
+
+    def watch() -> None:
+        try:
+            os.read(life_fd, 1)
+        finally:
+            os._exit(1)
+
+    threading.Thread(target=watch, name="tandem-parent-watch", daemon=True).start()
+
+
+def replica_main(conn_fd: int, life_fd: int) -> None:
+    """The body of a replica's process: an ``LLM`` serving the parent's connection. The
+    first message is ``(rank, model, engine_args, threads)``."""
+    from tandem.core.executor.worker_proc import error_message
+
+    _watch_parent(life_fd)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent aborts and stops us
+    conn = Connection(conn_fd)
+    try:
+        rank, model, engine_args, threads = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return
+    import torch
+
+    torch.set_num_threads(threads)
+    from tandem.entrypoints.llm import LLM
+
+    try:
+        llm = LLM(model, **engine_args)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        _send(conn, error_message(e))
+        return
+    if not _send(conn, ("ready", os.getpid())):
+        return
+    engine = llm.llm_engine
+    while True:
+        try:
+            kind, body = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return
+        if kind == "shutdown":
+            os._exit(0)  # nothing here is worth tearing down piece by piece: the parent waits
+        if kind == "stats":
+            ok = _send(conn, ("stats", llm.get_stats()))
+        elif kind == "generate":
+            ok = _serve_share(engine, body, conn)
+        else:  # "abort" after its share was served: nothing left to abort
+            ok = True
+        if not ok:
+            return
+
+
+def _serve_share(engine, items: list, conn: Connection) -> bool:
+    """Serve one share of a ``generate`` call, sending each step's finished outputs."""
+    from tandem.entrypoints.llm import rejected_output
+
+    refused, live = [], set()
+    with engine.core.adding():
+        for rid, prompt, params, lora in items:
+            try:
+                engine.add_request(rid, prompt, params, lora_request=lora)
+                live.add(rid)
+            except EngineDeadError:
+                raise
+            except Exception as e:  # noqa: BLE001 - this prompt alone cannot be served
+                refused.append(rejected_output(rid, prompt, e, params))
+    if refused and not _send(conn, ("outputs", refused)):
+        return False
+    while engine.has_unfinished_requests():
+        if conn.poll():  # the parent aborts the call (an exception or Ctrl-C on its side)
+            kind, _ = pickle.loads(conn.recv_bytes())
+            if kind == "abort":
+                engine.abort_request(sorted(live))
+                break
+            if kind == "shutdown":
+                os._exit(0)
+        outs = engine.step()
+        if outs:
+            live.difference_update(o.request_id for o in outs)
+            if not _send(conn, ("outputs", outs)):
+                return False
+    return _send(conn, ("done", ()))
+
+
+class _Replica:
+    def __init__(self, rank: int, proc: subprocess.Popen, conn: Connection, life_fd: int) -> None:
+        self.rank, self.proc, self.conn, self.life_fd = rank, proc, conn, life_fd
+        self.dead: str | None = None  # why it is no longer used
+
+
+def _exit_cause(proc: subprocess.Popen) -> str:
+    try:
+        code = proc.wait(0.5)
+    except subprocess.TimeoutExpired:
+        return "stopped answering"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _stop(replicas: list[_Replica]) -> None:
+    for r in replicas:
+        _send(r.conn, ("shutdown", ()))
+    deadline = time.monotonic() + _GRACE_S
+    for r in replicas:
+        try:
+            r.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            r.proc.kill()
+            r.proc.wait()
+        r.conn.close()
+        try:
+            os.close(r.life_fd)
+        except OSError:
+            pass
+
+
+def _spawn(rank: int, threads: int) -> _Replica:
+    """A fresh interpreter running ``replica_main`` (not ``multiprocessing``'s spawn, which
+    re-imports the caller's ``__main__``: a script without an ``if __name__ ==
+    "__main__"`` guard would build its ``LLM`` again in every replica)."""
+    ours, theirs = socket.socketpair()
+    life_r, life_w = os.pipe()
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(threads)
+    root = str(Path(__file__).resolve().parents[2])  # where ``tandem`` is imported from here
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    code = f"from tandem.entrypoints.replicas import replica_main; replica_main({theirs.fileno()}, {life_r})"
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(), life_r), env=env)
+    finally:
+        theirs.close()
+        os.close(life_r)
+    return _Replica(rank, proc, Connection(ours.detach()), life_w)
+
+
+class ReplicaPool:
+    """Replicas 1 .. ``size - 1``, each an ``LLM`` of ``model`` / ``engine_args`` in a
+    process of its own with ``threads`` torch threads, replica r's engine seed ``seed ^ r``.
+    Construction starts them; :meth:`wait_ready` waits until each has built its engine and
+    raises what one raised building it."""
+
+    def __init__(self, model: str, engine_args: dict, size: int, threads: int, seed: int) -> None:
+        self.replicas: list[_Replica] = []
+        self._finalizer = weakref.finalize(self, _stop, self.replicas)
+        for rank in range(1, size):
+            r = _spawn(rank, threads)
+            self.replicas.append(r)
+            # Each replica's own random stream for requests without a seed (equal streams would
+            # draw equal samples for equal prompts served at the same step on two replicas).
+            _send(r.conn, (rank, model, {**engine_args, "seed": seed ^ rank}, threads))
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        for r in self.replicas:
+            if not r.conn.poll(max(0.0, deadline - time.monotonic())):
+                self.shutdown()
+                raise RuntimeError(f"engine replica {r.rank} failed to start: did not start in time")
+            try:
+                msg = pickle.loads(r.conn.recv_bytes())
+            except (EOFError, OSError):
+                cause = _exit_cause(r.proc)
+                self.shutdown()
+                raise RuntimeError(f"engine replica {r.rank} failed to start: {cause}") from None
+            if msg[0] == "error":
+                self.shutdown()
+                _, what, exc, tb = msg
+                if isinstance(exc, Exception):
+                    raise exc
+                raise RuntimeError(f"engine replica {r.rank} failed to start: {what}\n{tb}")
+
+    def live(self) -> list[_Replica]:
+        return [r for r in self.replicas if r.dead is None]
+
+    def start(self, shares: dict[int, list]) -> None:
+        """Send each live replica its share: ``rank -> [(request id, prompt, params, lora), ...]``."""
+        for r in self.live():
+            items = shares.get(r.rank)
+            if items and not _send(r.conn, ("generate", items)):
+                self._declare_dead(r)
+
+    def poll(self, busy: set[int], timeout: float | None) -> tuple[list[RequestOutput], dict[int, str]]:
+        """Outputs that arrived from the ``busy`` replicas (waiting up to ``timeout`` for
+        the first; None: until one arrives), and the replicas that finished (``rank ->
+        ""``) or died (``rank -> why``). Does not block when ``timeout`` is 0."""
+        outs: list[RequestOutput] = []
+        ended: dict[int, str] = {}
+        by_conn = {r.conn: r for r in self.replicas if r.rank in busy and r.dead is None}
+        # A replica that dies closes its end of the connection: it reads EOF after what it sent.
+        for conn in wait(list(by_conn), timeout=timeout) if by_conn else []:
+            r = by_conn[conn]
+            try:
+                while conn.poll():
+                    kind, body = pickle.loads(conn.recv_bytes())
+                    if kind == "outputs":
+                        outs.extend(body)
+                    elif kind == "done":
+                        ended[r.rank] = ""
+                        break
+            except (EOFError, OSError):
+                ended[r.rank] = self._declare_dead(r)
+        return outs, ended
+
+    def _declare_dead(self, r: _Replica) -> str:
+        if r.dead is None:
+            r.dead = f"engine replica {r.rank} (pid {r.proc.pid}) died: {_exit_cause(r.proc)}"
+            r.conn.close()
+            logger.error("%s; its unfinished prompts are answered with that error and it is not used again", r.dead)
+        return r.dead
+
+    def abort(self, busy: set[int]) -> None:
+        """Abort the busy replicas' shares and wait until each has said so."""
+        for r in self.live():
+            if r.rank in busy:
+                _send(r.conn, ("abort", ()))
+        while busy:
+            _, ended = self.poll(busy, timeout=_GRACE_S)
+            if not ended:
+                break
+            busy -= set(ended)
+
+    def stats(self) -> list[dict]:
+        out = []
+        for r in self.live():
+            if _send(r.conn, ("stats", ())) and r.conn.poll(_GRACE_S):
+                kind, body = pickle.loads(r.conn.recv_bytes())
+                if kind == "stats":
+                    out.append(body)
+        return out
+
+    def shutdown(self) -> None:
+        self._finalizer()
