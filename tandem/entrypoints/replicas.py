@@ -282,7 +282,8 @@ class ReplicaPool:
         the first; None: until one arrives), and the replicas that finished (``rank ->
         ""``) or died (``rank -> why``). Does not block when ``timeout`` is 0."""
         outs: list[RequestOutput] = []
-        ended: dict[int, str] = {}
+        # One that died since it was given its share (even while being sent it) has ended.
+        ended: dict[int, str] = {r.rank: r.dead for r in self.replicas if r.rank in busy and r.dead is not None}
         by_conn = {r.conn: r for r in self.replicas if r.rank in busy and r.dead is None}
         # A replica that dies closes its end of the connection: it reads EOF after what it sent.
         for conn in wait(list(by_conn), timeout=timeout) if by_conn else []:
