@@ -28,6 +28,7 @@ out ``("ready", pid)`` or ``("error", ...)`` once, then ``("outputs", [RequestOu
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import pickle
@@ -38,6 +39,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import deque
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
@@ -127,54 +129,51 @@ def replica_main(conn_fd: int, life_fd: int) -> None:
         return
     if not _send(conn, ("ready", os.getpid())):
         return
-    engine = llm.llm_engine
-    while True:
-        try:
-            kind, body = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            return
-        if kind == "shutdown":
-            os._exit(0)  # nothing here is worth tearing down piece by piece: the parent waits
-        if kind == "stats":
-            ok = _send(conn, ("stats", llm.get_stats()))
-        elif kind == "generate":
-            ok = _serve_share(engine, body, conn)
-        else:  # "abort" after its share was served: nothing left to abort
-            ok = True
-        if not ok:
-            return
+    _serve(llm, conn)
 
 
-def _serve_share(engine, items: list, conn: Connection) -> bool:
-    """Serve one share of a ``generate`` call, sending each step's finished outputs."""
+def _serve(llm, conn: Connection) -> None:
+    """Add what the parent sends whenever it sends it, step while anything is unfinished,
+    and send each step's finished outputs."""
     from tandem.entrypoints.llm import rejected_output
 
-    refused, live = [], set()
-    with engine.core.adding():
-        for rid, prompt, params, lora in items:
+    engine = llm.llm_engine
+    live: set[str] = set()
+    while True:
+        # Block for the parent while idle; between steps only read what is there already.
+        while not live or conn.poll():
             try:
-                engine.add_request(rid, prompt, params, lora_request=lora)
-                live.add(rid)
-            except EngineDeadError:
-                raise
-            except Exception as e:  # noqa: BLE001 - this prompt alone cannot be served
-                refused.append(rejected_output(rid, prompt, e, params))
-    if refused and not _send(conn, ("outputs", refused)):
-        return False
-    while engine.has_unfinished_requests():
-        if conn.poll():  # the parent aborts the call (an exception or Ctrl-C on its side)
-            kind, _ = pickle.loads(conn.recv_bytes())
-            if kind == "abort":
-                engine.abort_request(sorted(live))
-                break
+                kind, body = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                return
             if kind == "shutdown":
-                os._exit(0)
+                os._exit(0)  # nothing here is worth tearing down piece by piece: the parent waits
+            reply = None
+            if kind == "add":
+                refused = []
+                with engine.core.adding():
+                    for rid, prompt, params, lora in body:
+                        try:
+                            engine.add_request(rid, prompt, params, lora_request=lora)
+                            live.add(rid)
+                        except EngineDeadError:
+                            raise
+                        except Exception as e:  # noqa: BLE001 - this prompt alone cannot be served
+                            refused.append(rejected_output(rid, prompt, e, params))
+                reply = ("outputs", refused) if refused else None
+            elif kind == "abort":  # the call ended early (an exception or Ctrl-C in the parent)
+                engine.abort_request(sorted(live))
+                live.clear()
+                reply = ("aborted", ())
+            elif kind == "stats":
+                reply = ("stats", llm.get_stats())
+            if reply is not None and not _send(conn, reply):
+                return
         outs = engine.step()
         if outs:
-            live.difference_update(o.request_id for o in outs)
+            live.difference_update(o.request_id for o in outs if o.finished)
             if not _send(conn, ("outputs", outs)):
-                return False
-    return _send(conn, ("done", ()))
+                return
 
 
 class _Replica:
@@ -270,21 +269,18 @@ class ReplicaPool:
     def live(self) -> list[_Replica]:
         return [r for r in self.replicas if r.dead is None]
 
-    def start(self, shares: dict[int, list]) -> None:
-        """Send each live replica its share: ``rank -> [(request id, prompt, params, lora), ...]``."""
-        for r in self.live():
-            items = shares.get(r.rank)
-            if items and not _send(r.conn, ("generate", items)):
-                self._declare_dead(r)
+    def add(self, r: _Replica, items: list) -> None:
+        """Give replica ``r`` requests: ``[(request id, prompt, params, lora), ...]``."""
+        if not _send(r.conn, ("add", items)):
+            self._declare_dead(r)
 
-    def poll(self, busy: set[int], timeout: float | None) -> tuple[list[RequestOutput], dict[int, str]]:
-        """Outputs that arrived from the ``busy`` replicas (waiting up to ``timeout`` for
-        the first; None: until one arrives), and the replicas that finished (``rank ->
-        ""``) or died (``rank -> why``). Does not block when ``timeout`` is 0."""
-        outs: list[RequestOutput] = []
-        # One that died since it was given its share (even while being sent it) has ended.
-        ended: dict[int, str] = {r.rank: r.dead for r in self.replicas if r.rank in busy and r.dead is not None}
-        by_conn = {r.conn: r for r in self.replicas if r.rank in busy and r.dead is None}
+    def poll(self, timeout: float | None) -> tuple[list[tuple[int, RequestOutput]], dict[int, str]]:
+        """What the live replicas sent: ``(rank, output)`` pairs, waiting up to ``timeout``
+        for the first (None: until one comes, 0: not at all), and the replicas found dead
+        (``rank -> why``)."""
+        outs: list[tuple[int, RequestOutput]] = []
+        dead: dict[int, str] = {}
+        by_conn = {r.conn: r for r in self.live()}
         # A replica that dies closes its end of the connection: it reads EOF after what it sent.
         for conn in wait(list(by_conn), timeout=timeout) if by_conn else []:
             r = by_conn[conn]
@@ -292,13 +288,10 @@ class ReplicaPool:
                 while conn.poll():
                     kind, body = pickle.loads(conn.recv_bytes())
                     if kind == "outputs":
-                        outs.extend(body)
-                    elif kind == "done":
-                        ended[r.rank] = ""
-                        break
+                        outs.extend((r.rank, o) for o in body)
             except (EOFError, OSError):
-                ended[r.rank] = self._declare_dead(r)
-        return outs, ended
+                dead[r.rank] = self._declare_dead(r)
+        return outs, dead
 
     def _declare_dead(self, r: _Replica) -> str:
         if r.dead is None:
@@ -307,25 +300,96 @@ class ReplicaPool:
             logger.error("%s; its unfinished prompts are answered with that error and it is not used again", r.dead)
         return r.dead
 
-    def abort(self, busy: set[int]) -> None:
-        """Abort the busy replicas' shares and wait until each has said so."""
-        for r in self.live():
-            if r.rank in busy:
-                _send(r.conn, ("abort", ()))
-        while busy:
-            _, ended = self.poll(busy, timeout=_GRACE_S)
-            if not ended:
-                break
-            busy -= set(ended)
+    def abort(self) -> None:
+        """Abort every replica's requests; what they sent before is dropped."""
+        asked = [r for r in self.live() if _send(r.conn, ("abort", ()))]
+        for r in asked:
+            try:
+                while r.conn.poll(_GRACE_S):
+                    if pickle.loads(r.conn.recv_bytes())[0] == "aborted":
+                        break
+                else:
+                    self._declare_dead(r)  # no answer: it is stuck, not used again
+            except (EOFError, OSError):
+                self._declare_dead(r)
 
     def stats(self) -> list[dict]:
         out = []
         for r in self.live():
-            if _send(r.conn, ("stats", ())) and r.conn.poll(_GRACE_S):
-                kind, body = pickle.loads(r.conn.recv_bytes())
-                if kind == "stats":
-                    out.append(body)
+            try:
+                if _send(r.conn, ("stats", ())) and r.conn.poll(_GRACE_S):
+                    kind, body = pickle.loads(r.conn.recv_bytes())
+                    if kind == "stats":
+                        out.append(body)
+            except (EOFError, OSError):
+                self._declare_dead(r)
         return out
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def serve_call(pool: ReplicaPool, engine, items: list, window: int, on_output) -> None:
+    """Serve one ``generate`` call's ``items`` (``(request id, prompt, params, lora)``)
+    on replica 0 (``engine``, stepped here) and the pool's live replicas, calling
+    ``on_output(output)`` for each finished request, a refused or lost one included.
+
+    The first items are dealt out in turn (item i to replica i mod N), as many as the
+    replicas hold at once (``window`` requests each) or an equal share of all; the rest
+    wait here and each replica is topped up as its requests finish, so a replica that
+    runs slower (a loaded core) is given less. A replica that dies answers its
+    unfinished requests with an error output naming it."""
+    from tandem.entrypoints.llm import rejected_output
+
+    pending = deque(items)
+    replicas = {r.rank: r for r in pool.live()}
+    ranks = [0, *replicas]
+    held: dict[int, dict[str, tuple]] = {rank: {} for rank in ranks}  # rank -> its unfinished requests
+    refill = max(1, window // 8)  # top up in batches, not a message per finished request
+
+    def give(rank: int, batch: list) -> None:
+        for rid, prompt, params, _ in batch:
+            held[rank][rid] = (prompt, params)
+        if rank:
+            pool.add(replicas[rank], batch)
+            return
+        with engine.core.adding():
+            for rid, prompt, params, lora in batch:
+                try:
+                    engine.add_request(rid, prompt, params, lora_request=lora)
+                except EngineDeadError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - this prompt alone cannot be served
+                    del held[0][rid]
+                    on_output(rejected_output(rid, prompt, e, params))
+
+    first = min(window, -(-len(pending) // len(ranks)))
+    deal: dict[int, list] = {rank: [] for rank in ranks}
+    for i in range(min(len(pending), first * len(ranks))):
+        deal[ranks[i % len(ranks)]].append(pending.popleft())
+    for rank, batch in deal.items():
+        if batch:
+            give(rank, batch)
+    def lost(rank: int, why: str) -> None:
+        for rid, (prompt, params) in held[rank].items():
+            on_output(rejected_output(rid, prompt, EngineDeadError(why), params))
+        held[rank].clear()
+        ranks.remove(rank)
+
+    while pending or any(held.values()):
+        for rank in ranks:
+            room = window - len(held[rank])
+            if pending and room >= min(refill, len(pending)):
+                give(rank, [pending.popleft() for _ in range(min(room, len(pending)))])
+        for rank in [r for r in ranks[1:] if replicas[r].dead is not None]:  # found dead while given work
+            lost(rank, replicas[rank].dead)
+        stepping = engine.has_unfinished_requests()
+        finished = [(0, o) for o in engine.step()] if stepping else []
+        if not stepping and not any(held[r] for r in ranks[1:]):
+            continue  # nothing out there: what is left goes to replica 0
+        got, dead = pool.poll(0 if stepping else None)
+        for rank, out in itertools.chain(finished, got):
+            if out.finished and held[rank].pop(out.request_id, None) is not None:
+                on_output(out)
+        for rank, why in dead.items():
+            lost(rank, why)

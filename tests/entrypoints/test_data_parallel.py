@@ -52,6 +52,22 @@ def test_greedy_outputs_equal_one_engine_and_hf(bart_dir, single, replicated):
         assert out.outputs[0].token_ids == hf_greedy(bart_dir, out.encoder_prompt_token_ids, out.prompt_token_ids, 8, 0)
 
 
+def test_replicas_are_topped_up_as_their_requests_finish(bart_dir, single):
+    # Two requests at a time each (max_num_seqs=2): the first four are dealt out, the rest
+    # wait in the parent and go to whichever replica has room.
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", data_parallel_size=2, max_num_seqs=2)
+    try:
+        prompts = _prompts(11, seed=7)
+        params = [SamplingParams(temperature=0.0, max_tokens=1 + 3 * (i % 4)) for i in range(11)]
+        two = llm.generate(prompts, params, use_tqdm=False)
+        one = single.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+        assert [o.outputs[0].finish_reason for o in two] == [o.outputs[0].finish_reason for o in one]
+        assert llm.get_stats()["num_requests_finished"] == 11
+    finally:
+        llm.shutdown()
+
+
 def test_a_bad_prompt_is_answered_in_its_place(replicated):
     prompts = _prompts(5, seed=1)
     prompts[3] = {"prompt_token_ids": [0, 10**9, 2]}  # an id past the vocabulary: refused
