@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from tandem.core.kv.block_manager import AllocStatus, BlockManager
 from tandem.core.config import SchedulerConfig  # noqa: F401 - also imported from here
-from tandem.core.core_outputs import CompletionDelta, RequestResult
+from tandem.core.core_outputs import RequestResult
 from tandem.core.scheduler_output import (
     ModelRunnerOutput,
     NewRequestData,
@@ -137,12 +137,12 @@ class Scheduler:
 
     @staticmethod
     def _aborted_result(group: SequenceGroup) -> RequestResult:
-        want = group.sampling_params.logprobs is not None
-        deltas = [
-            CompletionDelta(i, list(seq.output_token_ids), list(seq.output_logprobs) if want else None,
-                            seq.cumulative_logprob, seq.status.value, seq.stop_reason, replace=True)
-            for i, seq in enumerate(group.seqs)
-        ]
+        try:
+            deltas = group.strategy.aborted(group)
+        except Exception:  # noqa: BLE001 - a strategy left inconsistent by a failed update: its sequences as they are
+            logger.exception("request %r: its strategy's aborted() raised; returning its sequences as they are",
+                             group.request_id)
+            deltas = RequestStrategy.aborted(group.strategy, group)
         return RequestResult(group.request_id, deltas, True)
 
     def stop_seqs(self, request_id: str, stops: dict[int, str]) -> bool:

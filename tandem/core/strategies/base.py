@@ -13,6 +13,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tandem.core.core_outputs import CompletionDelta
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
@@ -191,3 +193,16 @@ class RequestStrategy(ABC):
         """Blocks the request may hold at once with its decoder sequences ``full_len``
         tokens long, when more than its sequences sharing their prompt need (None)."""
         return None
+
+    def aborted(self, group: "SequenceGroup") -> "list[CompletionDelta]":
+        """The request's completions when it ends from outside (aborted, or failed),
+        each replacing what the frontend holds. Called after the scheduler marked its
+        unfinished sequences ``abort``; it must not raise for a strategy whose update
+        failed (the scheduler then falls back to this default). Default: every
+        sequence's output so far, with its own finish reason."""
+        want = group.sampling_params.logprobs is not None
+        return [
+            CompletionDelta(i, list(seq.output_token_ids), list(seq.output_logprobs) if want else None,
+                            seq.cumulative_logprob, seq.status.value, seq.stop_reason, replace=True)
+            for i, seq in enumerate(group.seqs)
+        ]

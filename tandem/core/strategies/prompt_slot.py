@@ -52,6 +52,9 @@ class PromptSlotStrategy(RequestStrategy):
     def blocks_needed_at_most(self, group: "SequenceGroup", full_len: int, block_size: int) -> int | None:
         return self.then.blocks_needed_at_most(group, full_len, block_size)
 
+    def aborted(self, group: "SequenceGroup"):
+        return self.then.aborted(group)
+
     def ready(self, group: "SequenceGroup") -> bool:
         return self.then.ready(group)
 

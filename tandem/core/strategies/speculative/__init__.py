@@ -88,6 +88,9 @@ class SpeculativeStrategy(RequestStrategy):
     def blocks_needed_at_most(self, group: "SequenceGroup", full_len: int, block_size: int) -> int | None:
         return self.inner.blocks_needed_at_most(group, full_len, block_size)
 
+    def aborted(self, group: "SequenceGroup"):
+        return self.inner.aborted(group)
+
     def batch_items(self, group: "SequenceGroup", sg: "ScheduledGroup | None"):
         yield from self.inner.batch_items(group, sg)
         if sg is None and self.draft is not None:
