@@ -74,8 +74,8 @@ def test_first_two_tokens_follow_the_target(draft_kind):
 
 def test_seeded_request_repeats_and_the_greedy_rule_is_argmax():
     s = _scores(5, 3)
-    a = verify(s, [0, 1, 2], [[1, 2]], PARAMS, torch.Generator().manual_seed(9), None)
-    b = verify(s, [0, 1, 2], [[1, 2]], PARAMS, torch.Generator().manual_seed(9), None)
+    a = verify(s, [0, 1, 2], [[1, 2]], PARAMS, [torch.Generator().manual_seed(9)] * 3, None)
+    b = verify(s, [0, 1, 2], [[1, 2]], PARAMS, [torch.Generator().manual_seed(9)] * 3, None)
     assert a[0].token_ids == b[0].token_ids
     greedy = SamplingParams(temperature=0)
     target = s.argmax(dim=-1).tolist()

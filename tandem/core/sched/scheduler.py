@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
     from tandem.core.strategies.modes import Modes
 
 logger = logging.getLogger(__name__)
+
+_index = operator.attrgetter("index")
 
 # The base hooks (no drafts, no step mode: plain sampling), which a strategy that keeps
 # them is not called for: once per running group every step.
@@ -354,7 +357,10 @@ class Scheduler:
         for g in scheduled:
             if g.request_id not in self._announced:
                 self._announced.add(g.request_id)
-                new_requests.append(NewRequestData(g.request_id, self.groups[g.request_id].sampling_params))
+                group = self.groups[g.request_id]
+                p = group.sampling_params
+                seq_ids = () if p.seed is None else tuple(s.seq_id for s in sorted(group.seqs, key=_index))
+                new_requests.append(NewRequestData(g.request_id, p, seq_ids))
         finished_requests, self._finished_requests = self._finished_requests, []
         finished_seqs, self._finished_seqs = self._finished_seqs, []
         seq_copies, self._seq_copies = self._seq_copies, []

@@ -106,10 +106,11 @@ class StepMode(ABC):
 
     @abstractmethod
     def select(self, scores: "torch.Tensor", rows: list[int], params: "SamplingParams", prepared: Any,
-               generator: "torch.Generator | None" = None, default_generator: "torch.Generator | None" = None) -> Any:
+               generators: "list[torch.Generator | None] | None" = None,
+               default_generator: "torch.Generator | None" = None) -> Any:
         """After the processors: the group's result for this step (plain data).
-        ``generator``: the request's seeded stream (None: none), ``default_generator``
-        the engine's, for modes that draw."""
+        ``generators``: each row's seeded stream, its sequence's (None: the request has
+        no seed), ``default_generator`` the engine's, for modes that draw."""
 
     # The worker hands a step's groups of one StepMode class to these together, so a
     # mode may batch its tensor work over requests; by default they loop.
@@ -121,7 +122,7 @@ class StepMode(ABC):
     @classmethod
     def select_all(cls, scores: "torch.Tensor", items: "list[tuple[StepMode, list[int], SamplingParams, Any, Any]]",
                    default_generator: "torch.Generator | None" = None) -> list[Any]:
-        """:meth:`select` of each ``(mode, rows, params, prepared, generator)`` in ``items``,
+        """:meth:`select` of each ``(mode, rows, params, prepared, generators)`` in ``items``,
         in order."""
         return [mode.select(scores, rows, params, prep, gen, default_generator)
                 for mode, rows, params, prep, gen in items]

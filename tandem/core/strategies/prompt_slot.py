@@ -35,7 +35,7 @@ class SlotStep(StepMode):
         return token, prob
 
     def select(self, scores: "torch.Tensor", rows: list[int], params: "SamplingParams",
-               prepared: tuple[int, float | None], generator=None, default_generator=None) -> tuple[int, float | None]:
+               prepared: tuple[int, float | None], generators=None, default_generator=None) -> tuple[int, float | None]:
         return prepared
 
 

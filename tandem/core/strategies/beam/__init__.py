@@ -65,11 +65,11 @@ class BeamStep(StepMode):
             logits.index_copy_(0, r, torch.log_softmax(logits.index_select(0, r), dim=-1))
         return [None] * len(items)
 
-    def select(self, scores: torch.Tensor, rows: list[int], params: "SamplingParams", prepared, generator=None,
+    def select(self, scores: torch.Tensor, rows: list[int], params: "SamplingParams", prepared, generators=None,
                default_generator=None) -> BeamCandidates:
         """HF's top-k continuations: processed log-probs plus each beam's running
         score, flattened over (beam, token), the best ``beams_to_keep``."""
-        return self.select_all(scores, [(self, rows, params, prepared, generator)], default_generator)[0]
+        return self.select_all(scores, [(self, rows, params, prepared, generators)], default_generator)[0]
 
     @classmethod
     def select_all(cls, scores: torch.Tensor, items: list, default_generator=None) -> list[BeamCandidates]:

@@ -51,10 +51,10 @@ class VerifyStep(StepMode):
     def prepare(self, logits: "torch.Tensor", rows: list[int]) -> None:
         return None
 
-    def select(self, scores, rows, params, prepared, generator=None, default_generator=None) -> list:
+    def select(self, scores, rows, params, prepared, generators=None, default_generator=None) -> list:
         from tandem.core.strategies.speculative.verify import verify
 
-        return verify(scores, rows, [list(d) for d in self.drafts], params, generator, default_generator)
+        return verify(scores, rows, [list(d) for d in self.drafts], params, generators, default_generator)
 
 
 @dataclass

@@ -45,11 +45,11 @@ class Verified:
 
 def verify(
     scores: torch.Tensor, rows: list[int], drafts: list[list[int]], params: SamplingParams,
-    generator: torch.Generator, default: torch.Generator,
+    generators: list[torch.Generator | None] | None, default: torch.Generator,
 ) -> list[Verified]:
     """``scores``: processed float32 ``[R, vocab]``; ``rows``: the group's rows, each
-    sequence's ``len(drafts[i]) + 1`` in order; ``generator``: the request's own
-    (None: ``default``, the engine's stream)."""
+    sequence's ``len(drafts[i]) + 1`` in order; ``generators``: each row's seeded stream,
+    its sequence's (None, or None for a row: ``default``, the engine's stream)."""
     dev = scores.device
     x = scores.index_select(0, torch.tensor(rows, device=dev))  # [R, vocab]
     starts, pos = [], 0
@@ -67,11 +67,12 @@ def verify(
                 a += 1
             out.append((s, a, target[s:s + a + 1]))
     else:
-        gen = generator if generator is not None else default
+        gens = generators if generators is not None else [None] * len(rows)
         probs = sampling_probs(x, [params] * len(rows))
         finals = []
         for s, d in zip(starts, drafts):
             a = 0
+            gen = gens[s] if gens[s] is not None else default
             if d:
                 p_draft = probs[s + torch.arange(len(d), device=dev), torch.tensor(d, device=dev)]
                 u = torch.rand(len(d), generator=gen, device=gen.device).to(dev)
@@ -83,7 +84,7 @@ def verify(
                 p /= p.sum()
             finals.append(p)
             out.append((s, a, list(d[:a])))
-        last = draw(torch.stack(finals), [generator] * len(finals), default).tolist()
+        last = draw(torch.stack(finals), [gens[s] for s in starts], default).tolist()
         out = [(s, a, toks + [t]) for (s, a, toks), t in zip(out, last)]
     return [_finish(x, s, a, toks, params) for s, a, toks in out]
 
