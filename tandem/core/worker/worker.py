@@ -60,8 +60,8 @@ class _RequestState:
     keeps_history: bool  # its processors read past tokens
 
     def stream(self, seq_id: int) -> torch.Generator:
-        """A sequence the request did not have when it was first scheduled (none does
-        that samples) gets the next completion's stream."""
+        """A sequence the request did not have when it was first scheduled (a beam's: a
+        sampling request starts with all of its own) gets the next completion's stream."""
         gen = self.generators[seq_id] = seeded_stream(self.params.seed, len(self.generators))
         return gen
 
