@@ -15,9 +15,9 @@ from tqdm.auto import tqdm
 from tandem.core.config import EngineConfig
 from tandem.core.engine_args import check_kwargs, describe_options, signature as engine_signature
 from tandem.core.engine import LLMEngine
-from tandem.core.faults import EngineDeadError, describe
+from tandem.core.faults import EngineDeadError
 from tandem.core.inputs import PromptType, preview
-from tandem.core.outputs import RequestOutput, with_error
+from tandem.core.outputs import RequestOutput, rejected_output
 from tandem.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from tandem.entrypoints import replicas
 from tandem.entrypoints.vllm_compat import split_vllm_options
@@ -400,20 +400,3 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     if params.output_kind is RequestOutputKind.FINAL_ONLY:
         return params
     return params.replace(output_kind=RequestOutputKind.FINAL_ONLY)
-
-
-def rejected_output(rid: str, prompt, error: Exception, params) -> RequestOutput:
-    """The output of a prompt refused before it was queued: ``error`` says why."""
-    text = prompt if isinstance(prompt, str) else None
-    why = str(error) if isinstance(error, (ValueError, TypeError)) else describe(error)
-    n = getattr(params, "n", None) or getattr(params, "beam_width", None) or 1
-    return RequestOutput(
-        request_id=rid,
-        encoder_prompt=text,
-        encoder_prompt_token_ids=[],
-        prompt=None,
-        prompt_token_ids=[],
-        outputs=with_error([], n, why),  # one empty "error" output per requested one, as vLLM's loops read
-        finished=True,
-        error=why,
-    )

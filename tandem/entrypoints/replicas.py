@@ -2,15 +2,16 @@
 
 ``LLM(model, data_parallel_size=N)`` builds N whole engines on one checkpoint: the
 ``LLM``'s own (replica 0, in the caller's process, which every other ``LLM`` method
-uses) and N - 1 in spawned processes (:class:`ReplicaPool`). ``generate`` deals the
-prompts out in turn (prompt i to replica i mod N) and each replica serves its share
-as one engine does, concurrently with the others; outputs come back in prompt order.
-The torch threads are split between them (``threads_each``; replica 0's for the
-length of the call only), so each replica's small ops run on a core of their own
-instead of every op being split over all of them: where a step's arithmetic is
-small (a small model, a CPU with few cores), N engines of one thread each serve more
-than one engine of N threads (CTranslate2's ``inter_threads`` is the same idea).
-Each replica keeps its own KV pool, so the memory they take is N times one engine's.
+uses) and N - 1 in processes of their own (:class:`ReplicaPool`; their side is
+``replica_proc.py``). ``generate`` deals its prompts out (:func:`serve_call`) and
+each replica serves its share as one engine does, concurrently with the others;
+outputs come back in prompt order. The torch threads are split between them
+(``threads_each``; replica 0's for the length of the call only), so each replica's
+small ops run on a core of their own instead of every op being split over all of
+them: where a step's arithmetic is small (a small model, a CPU with few cores), N
+engines of one thread each serve more than one engine of N threads (CTranslate2's
+``inter_threads`` is the same idea). Each replica keeps its own KV pool, so the
+memory they take is N times one engine's.
 
 Faults stay per request and per replica: a prompt a replica refuses comes back with
 ``error`` set, as ``generate`` always does; a replica process that dies (killed, out
@@ -19,11 +20,12 @@ names it and how it died, and is not used again; the other replicas go on. Repli
 never outlive the ``LLM``'s process (each watches its parent) and are stopped when
 it shuts down.
 
-The pipe protocol (pickled tuples): in ``("generate", items)`` with items ``(request
-id, prompt, params, lora)``, ``("abort", ())``, ``("stats", ())``, ``("shutdown", ())``;
-out ``("ready", pid)`` or ``("error", ...)`` once, then ``("outputs", [RequestOutput,
-...])`` after each step that finished some, ``("done", ())`` when a share is served,
-``("stats", dict)``.
+The protocol: pickled tuples over a socket pair. To a replica: first ``(rank, model,
+engine_args, threads)``, then ``("add", [(request id, prompt, params, lora), ...])``,
+``("abort", ())``, ``("stats", ())``, ``("shutdown", ())``. From it: ``("ready", pid)``
+or ``("error", ...)`` once built, ``("outputs", [RequestOutput, ...])`` after each
+step that finished requests (and for requests it refused), ``("aborted", ())`` and
+``("stats", dict)`` in answer.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import weakref
 from collections import deque
@@ -44,7 +45,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from tandem.core.faults import EngineDeadError
-from tandem.core.outputs import RequestOutput
+from tandem.core.outputs import RequestOutput, rejected_output
 
 logger = logging.getLogger(__name__)
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
@@ -84,96 +85,13 @@ def combined_stats(each: list[dict]) -> dict:
     return out
 
 
-def _send(conn: Connection, msg) -> bool:
+def send(conn: Connection, msg) -> bool:
+    """Write ``msg`` pickled; False when the other end is gone."""
     try:
         conn.send_bytes(pickle.dumps(msg, protocol=_PROTOCOL))
         return True
     except (OSError, EOFError, BrokenPipeError):
         return False
-
-
-def _watch_parent(life_fd: int) -> None:
-    """End this process the moment the parent is gone: the parent holds the write end of
-    the ``life_fd`` pipe, which reads EOF only once it has exited (however it exited)."""
-
-    def watch() -> None:
-        try:
-            os.read(life_fd, 1)
-        finally:
-            os._exit(1)
-
-    threading.Thread(target=watch, name="tandem-parent-watch", daemon=True).start()
-
-
-def replica_main(conn_fd: int, life_fd: int) -> None:
-    """The body of a replica's process: an ``LLM`` serving the parent's connection. The
-    first message is ``(rank, model, engine_args, threads)``."""
-    from tandem.core.executor.worker_proc import error_message
-
-    _watch_parent(life_fd)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent aborts and stops us
-    conn = Connection(conn_fd)
-    try:
-        rank, model, engine_args, threads = pickle.loads(conn.recv_bytes())
-    except (EOFError, OSError):
-        return
-    import torch
-
-    torch.set_num_threads(threads)
-    from tandem.entrypoints.llm import LLM
-
-    try:
-        llm = LLM(model, **engine_args)
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-        _send(conn, error_message(e))
-        return
-    if not _send(conn, ("ready", os.getpid())):
-        return
-    _serve(llm, conn)
-
-
-def _serve(llm, conn: Connection) -> None:
-    """Add what the parent sends whenever it sends it, step while anything is unfinished,
-    and send each step's finished outputs."""
-    from tandem.entrypoints.llm import rejected_output
-
-    engine = llm.llm_engine
-    live: set[str] = set()
-    while True:
-        # Block for the parent while idle; between steps only read what is there already.
-        while not live or conn.poll():
-            try:
-                kind, body = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                return
-            if kind == "shutdown":
-                os._exit(0)  # nothing here is worth tearing down piece by piece: the parent waits
-            reply = None
-            if kind == "add":
-                refused = []
-                with engine.core.adding():
-                    for rid, prompt, params, lora in body:
-                        try:
-                            engine.add_request(rid, prompt, params, lora_request=lora)
-                            live.add(rid)
-                        except EngineDeadError:
-                            raise
-                        except Exception as e:  # noqa: BLE001 - this prompt alone cannot be served
-                            refused.append(rejected_output(rid, prompt, e, params))
-                reply = ("outputs", refused) if refused else None
-            elif kind == "abort":  # the call ended early (an exception or Ctrl-C in the parent)
-                engine.abort_request(sorted(live))
-                live.clear()
-                reply = ("aborted", ())
-            elif kind == "stats":
-                reply = ("stats", llm.get_stats())
-            if reply is not None and not _send(conn, reply):
-                return
-        outs = engine.step()
-        if outs:
-            live.difference_update(o.request_id for o in outs if o.finished)
-            if not _send(conn, ("outputs", outs)):
-                return
 
 
 class _Replica:
@@ -197,7 +115,7 @@ def _exit_cause(proc: subprocess.Popen) -> str:
 
 def _stop(replicas: list[_Replica]) -> None:
     for r in replicas:
-        _send(r.conn, ("shutdown", ()))
+        send(r.conn, ("shutdown", ()))
     deadline = time.monotonic() + _GRACE_S
     for r in replicas:
         try:
@@ -222,7 +140,7 @@ def _spawn(rank: int, threads: int) -> _Replica:
     env["OMP_NUM_THREADS"] = str(threads)
     root = str(Path(__file__).resolve().parents[2])  # where ``tandem`` is imported from here
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    code = f"from tandem.entrypoints.replicas import replica_main; replica_main({theirs.fileno()}, {life_r})"
+    code = f"from tandem.entrypoints.replica_proc import replica_main; replica_main({theirs.fileno()}, {life_r})"
     try:
         proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(), life_r), env=env)
     finally:
@@ -245,7 +163,7 @@ class ReplicaPool:
             self.replicas.append(r)
             # Each replica's own random stream for requests without a seed (equal streams would
             # draw equal samples for equal prompts served at the same step on two replicas).
-            _send(r.conn, (rank, model, {**engine_args, "seed": seed ^ rank}, threads))
+            send(r.conn, (rank, model, {**engine_args, "seed": seed ^ rank}, threads))
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + _START_TIMEOUT_S
@@ -271,7 +189,7 @@ class ReplicaPool:
 
     def add(self, r: _Replica, items: list) -> None:
         """Give replica ``r`` requests: ``[(request id, prompt, params, lora), ...]``."""
-        if not _send(r.conn, ("add", items)):
+        if not send(r.conn, ("add", items)):
             self._declare_dead(r)
 
     def poll(self, timeout: float | None) -> tuple[list[tuple[int, RequestOutput]], dict[int, str]]:
@@ -302,7 +220,7 @@ class ReplicaPool:
 
     def abort(self) -> None:
         """Abort every replica's requests; what they sent before is dropped."""
-        asked = [r for r in self.live() if _send(r.conn, ("abort", ()))]
+        asked = [r for r in self.live() if send(r.conn, ("abort", ()))]
         for r in asked:
             try:
                 while r.conn.poll(_GRACE_S):
@@ -317,7 +235,7 @@ class ReplicaPool:
         out = []
         for r in self.live():
             try:
-                if _send(r.conn, ("stats", ())) and r.conn.poll(_GRACE_S):
+                if send(r.conn, ("stats", ())) and r.conn.poll(_GRACE_S):
                     kind, body = pickle.loads(r.conn.recv_bytes())
                     if kind == "stats":
                         out.append(body)
@@ -339,8 +257,6 @@ def serve_call(pool: ReplicaPool, engine, items: list, window: int, on_output) -
     wait here and each replica is topped up as its requests finish, so a replica that
     runs slower (a loaded core) is given less. A replica that dies answers its
     unfinished requests with an error output naming it."""
-    from tandem.entrypoints.llm import rejected_output
-
     pending = deque(items)
     replicas = {r.rank: r for r in pool.live()}
     ranks = [0, *replicas]
