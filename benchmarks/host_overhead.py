@@ -332,7 +332,8 @@ def settings(engine: str, num_requests: int, num_beams: int, args) -> list[tuple
         # One engine on every thread, and engine replicas of a thread or more each (LLM's
         # data_parallel_size, CTranslate2's inter_threads).
         sizes = [d for d in range(1, args.threads + 1) if args.threads % d == 0]
-        return [(f"{d} x {args.threads // d} threads", {"data_parallel_size": d}) for d in sizes]
+        return [(f"{d} engine{'s' * (d > 1)} x {args.threads // d} thread{'s' * (args.threads // d > 1)}",
+                 {"data_parallel_size": d}) for d in sizes]
     if engine == "hf":
         sizes = rounds.batch_candidates([*args.hf_batch_sizes, num_requests], num_requests)
         return [(f"batch {b}", {"batch_size": b}) for b in sizes]
