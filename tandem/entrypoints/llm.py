@@ -220,7 +220,14 @@ class LLM:
         tokens proposed and accepted, the acceptance rate and the mean accepted length."""
         stats = self.llm_engine.get_stats()
         if self._pool is not None:
-            stats = replicas.combined_stats([stats, *self._pool.stats()])
+            # While a call is served (another thread's, or this one's session) its loop alone reads
+            # the replicas: their counters are then those their last outputs brought.
+            idle = self._lock.acquire(blocking=False)
+            try:
+                stats = replicas.combined_stats([stats, *self._pool.stats(ask=idle)])
+            finally:
+                if idle:
+                    self._lock.release()
         return stats
 
     def generate(

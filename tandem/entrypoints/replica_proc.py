@@ -58,7 +58,7 @@ def replica_main(conn_fd: int, life_fd: int) -> None:
 
 def _serve(llm, conn: Connection) -> None:
     """Add what the parent sends whenever it sends it, step while anything is unfinished,
-    and send each step's finished outputs."""
+    and send each step's finished outputs (with the engine's counters as they are then)."""
     engine = llm.llm_engine
     live: set[str] = set()
     while True:
@@ -82,7 +82,7 @@ def _serve(llm, conn: Connection) -> None:
                             raise
                         except Exception as e:  # noqa: BLE001 - this prompt alone cannot be served
                             refused.append(rejected_output(rid, prompt, e, params))
-                reply = ("outputs", refused) if refused else None
+                reply = ("outputs", refused, llm.get_stats()) if refused else None
             elif kind == "abort":  # the call ended early (an exception or Ctrl-C in the parent)
                 engine.abort_request(sorted(live))
                 live.clear()
@@ -94,5 +94,5 @@ def _serve(llm, conn: Connection) -> None:
         outs = engine.step()
         if outs:
             live.difference_update(o.request_id for o in outs if o.finished)
-            if not send(conn, ("outputs", outs)):
+            if not send(conn, ("outputs", outs, llm.get_stats())):
                 return

@@ -23,8 +23,9 @@ it shuts down.
 The protocol: pickled tuples over a socket pair. To a replica: first ``(rank, model,
 engine_args, threads)``, then ``("add", [(request id, prompt, params, lora), ...])``,
 ``("abort", ())``, ``("stats", ())``, ``("shutdown", ())``. From it: ``("ready", pid)``
-or ``("error", ...)`` once built, ``("outputs", [RequestOutput, ...])`` after each
-step that finished requests (and for requests it refused), ``("aborted", ())`` and
+or ``("error", ...)`` once built, ``("outputs", [RequestOutput, ...], stats)`` after
+each step that finished requests (and for requests it refused), with its
+``get_stats()`` as of then, ``("aborted", ())`` and
 ``("stats", dict)`` in answer.
 """
 
@@ -157,6 +158,7 @@ class ReplicaPool:
 
     def __init__(self, model: str, engine_args: dict, size: int, threads: int, seed: int) -> None:
         self.replicas: list[_Replica] = []
+        self.last_stats: dict[int, dict] = {}  # rank -> its counters as its last outputs came
         self._finalizer = weakref.finalize(self, _stop, self.replicas)
         for rank in range(1, size):
             r = _spawn(rank, threads)
@@ -204,9 +206,10 @@ class ReplicaPool:
             r = by_conn[conn]
             try:
                 while conn.poll():
-                    kind, body = pickle.loads(conn.recv_bytes())
+                    kind, body, *rest = pickle.loads(conn.recv_bytes())
                     if kind == "outputs":
                         outs.extend((r.rank, o) for o in body)
+                        self.last_stats[r.rank] = rest[0]
             except (EOFError, OSError):
                 dead[r.rank] = self._declare_dead(r)
         return outs, dead
@@ -231,17 +234,18 @@ class ReplicaPool:
             except (EOFError, OSError):
                 self._declare_dead(r)
 
-    def stats(self) -> list[dict]:
-        out = []
-        for r in self.live():
+    def stats(self, ask: bool) -> list[dict]:
+        """The live replicas' counters: asked for now (``ask``: no call is being served,
+        so nothing else reads their connections), else as their last outputs brought them."""
+        for r in self.live() if ask else []:
             try:
                 if send(r.conn, ("stats", ())) and r.conn.poll(_GRACE_S):
                     kind, body = pickle.loads(r.conn.recv_bytes())
                     if kind == "stats":
-                        out.append(body)
+                        self.last_stats[r.rank] = body
             except (EOFError, OSError):
                 self._declare_dead(r)
-        return out
+        return [self.last_stats[r.rank] for r in self.live() if r.rank in self.last_stats]
 
     def shutdown(self) -> None:
         self._finalizer()

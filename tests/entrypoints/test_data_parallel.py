@@ -95,6 +95,25 @@ def test_stats_are_summed_over_replicas(replicated):
     assert stats["kv_blocks_total"] == 2 * replicated.llm_engine.get_stats()["kv_blocks_total"]
 
 
+def test_stats_read_during_a_call_from_another_thread(single, replicated):
+    import threading
+
+    prompts = _prompts(8, seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=30, min_tokens=30)
+    before = replicated.get_stats()["num_requests_finished"]
+    result = {}
+    call = threading.Thread(target=lambda: result.update(outs=replicated.generate(prompts, params, use_tqdm=False)))
+    call.start()
+    seen = []
+    while call.is_alive():  # the replicas' connections are the call's alone: this must not read them
+        seen.append(replicated.get_stats()["num_requests_finished"])
+    call.join()
+    assert seen == sorted(seen) and before <= seen[0] and seen[-1] <= before + 8
+    ref = single.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in result["outs"]] == [o.outputs[0].token_ids for o in ref]
+    assert replicated.get_stats()["num_requests_finished"] == before + 8
+
+
 def test_a_failed_call_aborts_every_share_and_the_next_call_is_served(replicated, monkeypatch):
     engine = replicated.llm_engine
     real_step, calls = engine.step, [0]
