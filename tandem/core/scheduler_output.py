@@ -134,6 +134,12 @@ class SchedulerOutput:
     # ``blocks_to_copy``: the partly filled blocks of those sequences, their K/V as the last
     # step left them (whatever this step does to a block afterwards comes after).
     blocks_to_copy_first: list[tuple[int, int]] = field(default_factory=list)
+    # Indices into ``scheduled`` (ascending) of the groups whose block tables the worker
+    # may not hold as they are: every group but the scheduler's steady decode records
+    # that open no block (``Scheduler._steady``), whose self and cross tables the worker
+    # was sent already. The worker looks at these groups' table updates only (their
+    # encoders included: a group that runs its encoder is listed). None: look at all.
+    table_updates: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -64,7 +64,7 @@ def test_steady_records_equal_the_general_ones(block_size, requests, steps, pref
         sched.update_from_output(out, _sample_all(sched, out))
     sent_before = {sid: list(table) for sid, table in sched._sent_tables.items()}
     free_before = bm.num_free_blocks()
-    records, in_place = sched._steady(deque(sched.running))
+    records, in_place, _ = sched._steady(deque(sched.running))
     assert not set(records) & set(in_place)
     opened = 0
     for group in sched.running:
@@ -103,7 +103,7 @@ def test_mid_block_decode_steps_are_all_steady():
     for _ in range(3):  # admission, then two decode steps
         out = sched.schedule()
         sched.update_from_output(out, _sample_all(sched, out))
-    records, in_place = sched._steady(deque(sched.running))
+    records, in_place, _ = sched._steady(deque(sched.running))
     assert list(records) == [g.request_id for g in sched.running] and not in_place
     out = sched.schedule()
     assert [id(g) for g in out.scheduled] == [id(records[g.request_id]) for g in out.scheduled] or all(

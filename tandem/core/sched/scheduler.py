@@ -224,9 +224,12 @@ class Scheduler:
         # copying) only frees blocks or takes free ones, never a block these hold, so it
         # leaves their records true.
         try:
-            records, in_place = self._steady(queue)
+            records, in_place, opening = self._steady(queue)
         except Exception:  # noqa: BLE001 - a fault of one group's: the loop below finds and isolates it
-            records, in_place = {}, {}
+            records, in_place, opening = {}, {}, set()
+        # The groups whose tables the worker must look at (SchedulerOutput.table_updates):
+        # all but the steady records that open no block.
+        updates: list[int] = []
         while queue:
             group = queue.popleft()
             record = records.get(group.request_id)
@@ -235,6 +238,8 @@ class Scheduler:
                 budget -= n
                 num_seqs += n
                 self.running.append(group)
+                if opening and group.request_id in opening:
+                    updates.append(len(scheduled))
                 scheduled.append(record)
                 continue
             seqs = in_place.get(group.request_id)
@@ -261,6 +266,7 @@ class Scheduler:
                 self.running.append(group)
                 try:  # _schedule_group, inline: once per running group every step
                     scheduled.append(self._metadata(group, False, seqs))
+                    updates.append(len(scheduled) - 1)
                 except Exception as e:  # noqa: BLE001 - its strategy's step data: it fails alone
                     self._fail_group(group, e)
                 continue
@@ -297,7 +303,11 @@ class Scheduler:
             budget -= tokens + extra
             num_seqs += len(seqs)
             self.running.append(group)
-            self._schedule_group(scheduled, group, run_encoder=False)
+            if self._schedule_group(scheduled, group, run_encoder=False):
+                updates.append(len(scheduled) - 1)
+
+        # Every group scheduled from here on (swapped in, admitted) is sent what changed.
+        first_unsteady = len(scheduled)
 
         # 2. Swapped groups come back only when nothing was evicted this step.
         self.lora_slots.start_step(self.running)
@@ -350,8 +360,11 @@ class Scheduler:
             self._schedule_group(scheduled, group, run_encoder)
 
         self.num_preemptions += preempted
+        updates += range(first_unsteady, len(scheduled))
+        # A steady record's request was scheduled before, so announced: only the others are looked at.
         new_requests = []
-        for g in scheduled:
+        for i in updates:
+            g = scheduled[i]
             if g.request_id not in self._announced:
                 self._announced.add(g.request_id)
                 new_requests.append(NewRequestData(g.request_id, self.groups[g.request_id].sampling_params))
@@ -372,9 +385,10 @@ class Scheduler:
             cross_repacks=repacks,
             seq_copies=seq_copies,
             blocks_to_copy_first=copies_first,
+            table_updates=updates,
         )
 
-    def _steady(self, queue: deque[SequenceGroup]) -> tuple[dict[str, ScheduledGroup], dict[str, list[Sequence]]]:
+    def _steady(self, queue: deque[SequenceGroup]) -> tuple[dict[str, ScheduledGroup], dict[str, list[Sequence]], set[str]]:
         """The running groups whose step is the usual decode step (``append_in_place``
         holds, or a sequence's token opens a block and the step can give it one without
         changing what else the step does: see below) and that have no drafts and no
@@ -382,9 +396,11 @@ class Scheduler:
         worker holds as they are (or less the block just opened); request id -> its
         running sequences, for the others (``_metadata`` records them). Built inline,
         as ``_metadata`` would build them (``tests/core/test_steady_records.py`` checks
-        that they are equal): this runs for every running row every step."""
+        that they are equal): this runs for every running row every step. Third: the
+        request ids of the records that send a block they open (the worker's table
+        changes); the other records' tables the worker holds as they are."""
         if self.cross_compress is not None:  # the observation window is per group: _metadata's
-            return {}, {}
+            return {}, {}, set()
         candidates = [g for g in queue
                       if type(g.strategy).lookahead is _NO_LOOKAHEAD and type(g.strategy).step_mode is _NO_STEP_MODE]
         bm, openers = self.block_manager, {}
@@ -402,7 +418,7 @@ class Scheduler:
                 for rid in openers:
                     del found[rid]
         new, sent_tables = object.__new__, self._sent_tables
-        records, in_place = {}, {}
+        records, in_place, opening = {}, {}, set()
         for rid, (group, seqs, tables, positions, cross_blocks) in found.items():
             if cross_blocks is None:
                 in_place[rid] = seqs
@@ -432,12 +448,13 @@ class Scheduler:
                 if sent_opened is not None:  # the group is recorded here: the worker will hold them
                     for sent, block in sent_opened:
                         sent.append(block)
+                    opening.add(rid)
                 sg = new(ScheduledGroup)
                 sg.request_id, sg.seqs, sg.encoder_inputs, sg.num_encoder_positions = rid, rows, None, positions
                 sg.cross_block_table, sg.mode, sg.lora_request = list(cross_blocks), None, group.lora_request
                 sg.cross_observe_until, sg.cross_compressed = 0, False
                 records[rid] = sg
-        return records, in_place
+        return records, in_place, opening
 
     def _compress(self, queue: deque[SequenceGroup]) -> list:
         """kv_compress: the running groups whose observation window is over get their
@@ -507,11 +524,14 @@ class Scheduler:
         return None
 
     def _schedule_group(self, scheduled: list[ScheduledGroup], group: SequenceGroup, run_encoder: bool,
-                        seqs: list[Sequence] | None = None) -> None:
+                        seqs: list[Sequence] | None = None) -> bool:
+        """Append the group's record; False (and the group failed) if building it raised."""
         try:
             scheduled.append(self._metadata(group, run_encoder, seqs))
         except Exception as e:  # noqa: BLE001 - its strategy's step data: it fails alone
             self._fail_group(group, e)
+            return False
+        return True
 
     def _fail_group(self, group: SequenceGroup, e: Exception, blocks: bool = False) -> None:
         """A request whose strategy (or, ``blocks``, the block manager's work for it)
