@@ -104,7 +104,7 @@ class Sampler:
         # them; the full log-softmax is never built (top-k uses logits - lse).
         # Per distinct params object, not per row (rows of one request, or of requests
         # whose resolved params are equal, share it).
-        distinct = {id(p): p for p in params}
+        distinct = dict(zip(map(id, params), params))  # in C: no Python call per row
         if len(distinct) == 1:
             (p0,) = distinct.values()
             want = [(i, p0.logprobs) for i in range(len(params))] if p0.logprobs is not None else []
@@ -114,13 +114,14 @@ class Sampler:
             want = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
             greedy = [is_greedy[id(p)] for p in params]
         tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
-        greedy_rows = [i for i, g in enumerate(greedy) if g]
-        if len(greedy_rows) == len(params):  # all greedy: no copy of the logits
+        all_greedy = greedy.count(True) == len(params)
+        greedy_rows = [] if all_greedy else [i for i, g in enumerate(greedy) if g]
+        if all_greedy:  # no copy of the logits
             tokens = argmax_rows(logits)
         elif greedy_rows:
             rows = torch.tensor(greedy_rows, device=logits.device)
             tokens[rows] = argmax_rows(logits.index_select(0, rows))
-        sample_rows = [i for i, g in enumerate(greedy) if not g]
+        sample_rows = [] if all_greedy else [i for i, g in enumerate(greedy) if not g]
         if sample_rows:
             rows = torch.tensor(sample_rows, device=logits.device)
             probs = sampling_probs(logits.index_select(0, rows), [params[i] for i in sample_rows])
