@@ -2,13 +2,15 @@
 last step (``model_runner._Rows``: table rows, cross rows, cross lengths and tables,
 reused while a step lists the same sequences and no row was added or dropped), and
 the tables of the groups the scheduler leaves out of ``SchedulerOutput.table_updates``
-(its steady decode records, whose tables the worker is not asked to look at).
+(its steady decode records, whose tables the worker is not asked to look at), and the
+cpu_paged builder's cross metadata, kept while the runner hands on the same rows.
 
 The oracle is a build from nothing at every step of test_randomized_steps' mixed runs
 (preemption by recompute and swap, aborts, speculation, structured output, LoRA,
 beams, n > 1): after each ``prepare`` the kept rows equal rows built now, and every
 scheduled sequence's table row and its request's cross row hold exactly the block
-manager's tables. The tokens of those runs are checked there against solo runs.
+manager's tables; after each cpu_paged build, its cross metadata equals one built with
+nothing kept. The tokens of those runs are checked there against solo runs.
 """
 
 from __future__ import annotations
@@ -51,12 +53,34 @@ def _checked(engine, counts: dict[str, int]):
         return inputs
 
     runner.prepare = checked_prepare
+    builder = runner.builder
+    if hasattr(builder, "_cross_memo"):  # cpu_paged: its cross metadata kept while the rows are
+        build = builder.build
+
+        def checked_build(inputs):
+            before = builder._cross_memo
+            md = build(inputs)
+            counts["memo"] += before is not None and builder._cross_memo is before
+            builder._cross_memo = None
+            try:
+                fresh = build(inputs)
+            finally:
+                builder._cross_memo = before if builder._cross_memo is None else builder._cross_memo
+            assert torch.equal(md.cross_seq_lens_t, fresh.cross_seq_lens_t)
+            assert (md.cross_groups is None) == (fresh.cross_groups is None)
+            if md.cross_groups is not None:
+                assert torch.equal(md.cross_groups, fresh.cross_groups)
+            assert torch.equal(md.cross_decode_seqs, fresh.cross_decode_seqs)
+            assert torch.equal(md.cross_decode_rows, fresh.cross_decode_rows)
+            return md
+
+        builder.build = checked_build
     return engine
 
 
 @pytest.mark.parametrize("seed", trs.DEFAULT_SEEDS)
 def test_kept_rows_and_unsent_tables_equal_a_build_from_nothing(checkpoint, seed, monkeypatch):  # noqa: F811
-    counts = {"steps": 0, "reused": 0, "left_out": 0}
+    counts = {"steps": 0, "reused": 0, "left_out": 0, "memo": 0}
     build = trs.build_engine
     monkeypatch.setattr(trs, "build_engine", lambda *a, **k: _checked(build(*a, **k), counts))
     case, _ = trs.run_case(seed, checkpoint)
@@ -64,3 +88,4 @@ def test_kept_rows_and_unsent_tables_equal_a_build_from_nothing(checkpoint, seed
     # the engine does not speculate (a speculating request's strategy drafts: no steady record).
     assert counts["reused"] > 0 and counts["reused"] < counts["steps"], counts
     assert counts["left_out"] > 0 or case.speculative, counts
+    assert counts["memo"] > 0, counts
