@@ -8,9 +8,12 @@ generators, the persistent block tables) keyed by request and sequence id, and
 drops it when the request id shows up in ``finished_request_ids``.
 
 The per-step records (``ScheduledSequence``, ``ScheduledGroup``) are slotted, not
-frozen: one of each is built per running row every step, and a frozen dataclass's
+frozen: one of each is needed per running row every step, and a frozen dataclass's
 ``__init__`` (one ``object.__setattr__`` per field) cost 4x a slotted one's. Nothing
-changes them once ``schedule()`` returns.
+changes them until the next ``schedule()``, which may reuse them: a steady decode
+group of one sequence gets its last record back, advanced in place
+(``Scheduler._steady``). What must outlive the step copies them (a process
+boundary does).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ nothing to allocate or copy.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 
@@ -63,7 +64,7 @@ def _run(scenario, monkeypatch, fast: bool):
 
     def recorded():
         out = schedule()
-        outputs.append(out)
+        outputs.append(copy.deepcopy(out))  # the next schedule() may advance its records in place
         return out
 
     sim.sched.schedule = recorded

@@ -85,6 +85,9 @@ class Scheduler:
         # What the worker was last told, to send it only what changed.
         self._sent_tables: dict[int, list[int]] = {}
         self._announced: set[str] = set()
+        # The last step's steady records of one sequence, by request id: the next step
+        # advances them in place (``_steady``) rather than building new ones.
+        self._singles: dict[str, ScheduledGroup] = {}
         self._finished_requests: list[str] = []
         self._finished_seqs: list[int] = []
         # Sequences that took another's place since the last step (``take_over``): what
@@ -173,6 +176,7 @@ class Scheduler:
         self.swapped.clear()
         self.groups.clear()
         self._sent_tables.clear()
+        self._singles.clear()
         self._announced.clear()
         self._seq_copies.clear()
         self._copies_first.clear()
@@ -396,9 +400,12 @@ class Scheduler:
         worker holds as they are (or less the block just opened); request id -> its
         running sequences, for the others (``_metadata`` records them). Built inline,
         as ``_metadata`` would build them (``tests/core/test_steady_records.py`` checks
-        that they are equal): this runs for every running row every step. Third: the
-        request ids of the records that send a block they open (the worker's table
-        changes); the other records' tables the worker holds as they are."""
+        that they are equal): this runs for every running row every step. A group of one
+        sequence gets its record of the last step back, advanced in place (the fields
+        a decode step changes), so the records of a step are valid until the next
+        ``schedule()``. Third: the request ids of the records that send a block they
+        open (the worker's table changes); the other records' tables the worker holds
+        as they are."""
         if self.cross_compress is not None:  # the observation window is per group: _metadata's
             return {}, {}, set()
         candidates = [g for g in queue
@@ -419,9 +426,50 @@ class Scheduler:
                     del found[rid]
         new, sent_tables = object.__new__, self._sent_tables
         records, in_place, opening = {}, {}, set()
+        # Last step's records of one sequence, which this step's advance in place.
+        last, singles = self._singles, {}
+        self._singles = {}
         for rid, (group, seqs, tables, positions, cross_blocks) in found.items():
             if cross_blocks is None:
                 in_place[rid] = seqs
+                continue
+            if len(seqs) == 1:  # the usual row; the loop below, for several sequences, does the same
+                seq, table = seqs[0], tables[0]
+                sent = sent_tables.get(seq.seq_id)
+                block = opened.get(seq.seq_id) if opened else None
+                if block is None:
+                    if sent != table:  # the worker's table differs: _metadata sends it
+                        in_place[rid] = seqs
+                        continue
+                    block_ids = []
+                else:  # the worker's table is this one less the opened block: send that block
+                    if sent is None or len(sent) + 1 != len(table) or sent != table[:-1]:
+                        in_place[rid] = seqs
+                        continue
+                    block_ids = [block]
+                    sent.append(block)  # the group is recorded here: the worker will hold it
+                    opening.add(rid)
+                computed = seq.num_computed_tokens
+                sg = last.get(rid)
+                if sg is not None and sg.seqs[0].seq_id == seq.seq_id:
+                    # Its record of the last step, advanced: the fields a decode step changes
+                    # (the others are as this branch or the one below set them).
+                    ss = sg.seqs[0]
+                    ss.token_ids, ss.num_computed_tokens = seq.token_ids[computed:], computed
+                    ss.block_ids, ss.num_output_tokens = block_ids, len(seq.output_token_ids)
+                    sg.num_encoder_positions, sg.lora_request = positions, group.lora_request
+                    if sg.cross_block_table != cross_blocks:
+                        sg.cross_block_table = list(cross_blocks)
+                else:
+                    ss = new(ScheduledSequence)
+                    ss.seq_id, ss.token_ids, ss.num_computed_tokens = seq.seq_id, seq.token_ids[computed:], computed
+                    ss.block_ids, ss.replace_blocks, ss.num_output_tokens = block_ids, False, len(seq.output_token_ids)
+                    ss.prefix_token_ids, ss.num_logits = None, 1
+                    sg = new(ScheduledGroup)
+                    sg.request_id, sg.seqs, sg.encoder_inputs, sg.num_encoder_positions = rid, [ss], None, positions
+                    sg.cross_block_table, sg.mode, sg.lora_request = list(cross_blocks), None, group.lora_request
+                    sg.cross_observe_until, sg.cross_compressed = 0, False
+                records[rid] = singles[rid] = sg
                 continue
             rows, sent_opened = [], None
             for seq, table in zip(seqs, tables):
@@ -454,6 +502,7 @@ class Scheduler:
                 sg.cross_block_table, sg.mode, sg.lora_request = list(cross_blocks), None, group.lora_request
                 sg.cross_observe_until, sg.cross_compressed = 0, False
                 records[rid] = sg
+        self._singles = singles
         return records, in_place, opening
 
     def _compress(self, queue: deque[SequenceGroup]) -> list:
@@ -594,7 +643,7 @@ class Scheduler:
         order (a group aborted since ``schedule()`` is skipped). A group whose update
         raises is added to ``result.failed_requests`` (the engine fails it alone)
         and the others go on."""
-        row = {seq_id: i for i, seq_id in enumerate(result.seq_ids)}
+        row = dict(zip(result.seq_ids, range(len(result.seq_ids))))  # seq id -> its row (in C)
         if result.cross_blocks_needed and self.cross_compress is not None:
             self.cross_compress.trim(self.groups, result.cross_blocks_needed)
         # Runs of consecutive groups of one strategy class go to the class's update_all
