@@ -284,3 +284,42 @@ def test_a_strategy_class_whose_update_all_raises_fails_its_run_alone():
     assert set(result.failed_requests) == bad
     assert all("RuntimeError: a batch hook that raises" in why for why in result.failed_requests.values())
     assert [len(g.seqs[0].output_token_ids) for g in groups] == [1, 0, 0, 1]
+
+
+@settings(**SETTINGS)
+@given(
+    requests=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 5), st.integers(1, 3), st.integers(1, 12)),
+                      min_size=1, max_size=6),
+    eos_every=st.integers(2, 9),
+)
+def test_one_run_update_equals_the_per_group_loop(requests, eos_every):
+    """``update_from_output`` hands a step whose groups are all live, none failed and of
+    one strategy class to ``update_all`` in one call, without its per-group loop; the
+    loop (forced by a failure of a request the step does not hold) must do the same:
+    equal results, and equal sequences after every step."""
+    runs = []
+    for force_loop in (False, True):
+        ids = itertools.count(10_000)
+        bm = BlockManager(4, 4096, 0, watermark=0.0)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096), bm, eos_token_ids=[2])
+        for j, (enc_len, prompt_len, n, max_tokens) in enumerate(requests):
+            seqs = [Sequence(next(ids), [5 + i for i in range(prompt_len)], i) for i in range(n)]
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n)
+            group = SequenceGroup(f"r{j}", EncoderInputs.from_token_ids(list(range(enc_len))), seqs, params, 0.0)
+            group.strategy = SamplingStrategy()
+            sched.add(group)
+        trace, step = [], 0
+        while sched.has_unfinished() and step < 40:
+            out = sched.schedule()
+            ids_ = [s.seq_id for g in out.scheduled for s in g.seqs]
+            tokens = [2 if (step + k) % eos_every == 0 else 11 for k in range(len(ids_))]
+            result = ModelRunnerOutput(ids_, tokens, [-0.5] * len(ids_), [None] * len(ids_),
+                                       failed_requests={"not-in-this-step": "x"} if force_loop else {})
+            results = sched.update_from_output(out, result)
+            trace.append(([(r.request_id, r.finished, [(d.index, d.new_token_ids, d.finish_reason)
+                                                       for d in r.completions]) for r in results],
+                          [(s.seq_id, s.status, list(s.token_ids), s.num_computed_tokens)
+                           for g in sched.running for s in g.seqs]))
+            step += 1
+        runs.append(trace)
+    assert runs[0] == runs[1]

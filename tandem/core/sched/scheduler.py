@@ -21,6 +21,8 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
+from operator import attrgetter, is_not
 from typing import TYPE_CHECKING
 
 from tandem.core.kv.block_manager import AllocStatus, BlockManager
@@ -47,6 +49,8 @@ logger = logging.getLogger(__name__)
 # The base hooks (no drafts, no step mode: plain sampling), which a strategy that keeps
 # them is not called for: once per running group every step.
 _NO_LOOKAHEAD, _NO_STEP_MODE = RequestStrategy.lookahead, RequestStrategy.step_mode
+_REQUEST_ID, _STRATEGY = attrgetter("request_id"), attrgetter("strategy")
+_NOT_NONE = partial(is_not, None)
 
 
 class Scheduler:
@@ -650,7 +654,15 @@ class Scheduler:
         # in one call (plain sampling's does its rows without a Python call per group).
         results, run, run_cls = [], [], None
         groups, failed = self.groups, result.failed_requests
-        for sg in output.scheduled:
+        scheduled = output.scheduled
+        found = list(map(groups.get, map(_REQUEST_ID, scheduled)))
+        if not failed and None not in found:  # the usual step: all live, none failed
+            for group in found:
+                group.encoder_computed = True  # sharers too: their cross table was filled by now
+            classes = set(map(type, map(_STRATEGY, found)))
+            if len(classes) == 1:  # one run: the loop below would make the same
+                return self._update_run(classes.pop(), list(zip(found, scheduled)), result, row)
+        for sg in scheduled:
             group = groups.get(sg.request_id)
             if group is None or sg.request_id in failed:
                 continue  # gone, or failed in the worker (the engine aborts it)
@@ -671,7 +683,7 @@ class Scheduler:
         the same (a strategy breaking that contract), the run's requests fail with why,
         and the step's other requests go on."""
         try:
-            return [r for r in cls.update_all(self, run, result, row) if r is not None]
+            return list(filter(_NOT_NONE, cls.update_all(self, run, result, row)))
         except Exception as e:  # noqa: BLE001 - a strategy class's batch update: its run's requests fail
             why = update_failure(e)
             for _, sg in run:
