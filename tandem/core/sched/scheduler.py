@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 # The base hooks (no drafts, no step mode: plain sampling), which a strategy that keeps
 # them is not called for: once per running group every step.
 _NO_LOOKAHEAD, _NO_STEP_MODE = RequestStrategy.lookahead, RequestStrategy.step_mode
-_REQUEST_ID, _STRATEGY = attrgetter("request_id"), attrgetter("strategy")
+_REQUEST_ID, _STRATEGY, _SEQS = attrgetter("request_id"), attrgetter("strategy"), attrgetter("seqs")
 _NOT_NONE = partial(is_not, None)
 
 
@@ -238,6 +238,16 @@ class Scheduler:
         # The groups whose tables the worker must look at (SchedulerOutput.table_updates):
         # all but the steady records that open no block.
         updates: list[int] = []
+        if queue and len(records) == len(queue):
+            # Every running group is a steady record, recorded in the queue's order: what
+            # the loop below does for each, done for all at once.
+            scheduled = list(records.values())
+            n = sum(map(len, map(_SEQS, scheduled)))
+            budget -= n
+            num_seqs += n
+            self.running, queue = queue, deque()
+            if opening:
+                updates = [i for i, rid in enumerate(records) if rid in opening]
         while queue:
             group = queue.popleft()
             record = records.get(group.request_id)
