@@ -76,3 +76,20 @@ def test_rows_group_by_params_object_in_first_seen_order(seed):
     got = _by_params(params)
     assert [(id(p), rows) for p, rows in got] == [(k, rows) for k, (_, rows) in want.items()]
     assert _by_params([]) == []
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_min_tokens_bans_eos_alike_on_every_row_and_on_some(rows):
+    """Where every row is short of its ``min_tokens`` the EOS columns are banned in one
+    write for all rows; where some row is not, row by row. Both leave the same scores."""
+    from tandem.core.worker.logits_processors import LogitsProcessors, ProcessorRows
+
+    torch.manual_seed(rows)
+    eos = [2, 5]
+    p = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=4)
+    scores = torch.randn(rows + 1, 50)
+    every = LogitsProcessors(eos)(scores[:rows].clone(), ProcessorRows([p] * rows, [1] * rows, [3] * rows))
+    some = LogitsProcessors(eos)(scores.clone(), ProcessorRows([p] * (rows + 1), [1] * rows + [4], [3] * (rows + 1)))
+    want = scores.clone()
+    want[:rows, eos] = float("-inf")
+    assert torch.equal(every, want[:rows]) and torch.equal(some, want)

@@ -187,13 +187,18 @@ class LogitsProcessors:
                     rows.extend(idx)
         dev = scores.device
         for token_ids, idx in by_value.items():
-            tokens = self._token_tensors.get(token_ids)
-            if tokens is None or tokens.device != dev:
-                if len(self._token_tensors) >= _TOKEN_TENSORS_CACHE_SIZE:
-                    self._token_tensors.clear()
-                tokens = self._token_tensors[token_ids] = torch.tensor(token_ids, dtype=torch.long, device=dev)
+            tokens = self._ids_tensor(token_ids, dev)
             rows = torch.tensor(idx, dtype=torch.long, device=dev)
             scores[rows[:, None], tokens[None, :]] = NEG_INF
+
+    def _ids_tensor(self, token_ids: tuple[int, ...], dev) -> torch.Tensor:
+        """A list of token ids as a tensor on ``dev``, built once per value."""
+        tokens = self._token_tensors.get(token_ids)
+        if tokens is None or tokens.device != dev:
+            if len(self._token_tensors) >= _TOKEN_TENSORS_CACHE_SIZE:
+                self._token_tensors.clear()
+            tokens = self._token_tensors[token_ids] = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        return tokens
 
     def _allowed_fallback(self, scores, groups, rows: ProcessorRows) -> None:
         """HF's prefix-constrained processor at its place in HF's order: a row whose
@@ -381,7 +386,11 @@ class LogitsProcessors:
                 eos_rows += short
             if p.min_tokens and p.stop_token_ids:
                 stop_bans += [(i, p.stop_token_ids) for i in short]
-        self._ban(scores, eos_rows, self.eos_token_ids)
+        if self.eos_token_ids and len(eos_rows) == scores.shape[0]:
+            # Every row (each is listed once: a row has one params object): one column write.
+            scores[:, self._ids_tensor(tuple(self.eos_token_ids), scores.device)] = NEG_INF
+        else:
+            self._ban(scores, eos_rows, self.eos_token_ids)
         for i, ids in stop_bans:
             self._ban(scores, [i], ids)
 
