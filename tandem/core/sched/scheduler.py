@@ -21,8 +21,6 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from functools import partial
-from operator import attrgetter, is_not
 from typing import TYPE_CHECKING
 
 from tandem.core.kv.block_manager import AllocStatus, BlockManager
@@ -49,8 +47,6 @@ logger = logging.getLogger(__name__)
 # The base hooks (no drafts, no step mode: plain sampling), which a strategy that keeps
 # them is not called for: once per running group every step.
 _NO_LOOKAHEAD, _NO_STEP_MODE = RequestStrategy.lookahead, RequestStrategy.step_mode
-_REQUEST_ID, _STRATEGY, _SEQS = attrgetter("request_id"), attrgetter("strategy"), attrgetter("seqs")
-_NOT_NONE = partial(is_not, None)
 
 
 class Scheduler:
@@ -242,7 +238,7 @@ class Scheduler:
             # Every running group is a steady record, recorded in the queue's order: what
             # the loop below does for each, done for all at once.
             scheduled = list(records.values())
-            n = sum(map(len, map(_SEQS, scheduled)))
+            n = sum([len(g.seqs) for g in scheduled])
             budget -= n
             num_seqs += n
             self.running, queue = queue, deque()
@@ -657,22 +653,14 @@ class Scheduler:
         order (a group aborted since ``schedule()`` is skipped). A group whose update
         raises is added to ``result.failed_requests`` (the engine fails it alone)
         and the others go on."""
-        row = dict(zip(result.seq_ids, range(len(result.seq_ids))))  # seq id -> its row (in C)
+        row = {seq_id: i for i, seq_id in enumerate(result.seq_ids)}
         if result.cross_blocks_needed and self.cross_compress is not None:
             self.cross_compress.trim(self.groups, result.cross_blocks_needed)
         # Runs of consecutive groups of one strategy class go to the class's update_all
         # in one call (plain sampling's does its rows without a Python call per group).
         results, run, run_cls = [], [], None
         groups, failed = self.groups, result.failed_requests
-        scheduled = output.scheduled
-        found = list(map(groups.get, map(_REQUEST_ID, scheduled)))
-        if not failed and None not in found:  # the usual step: all live, none failed
-            for group in found:
-                group.encoder_computed = True  # sharers too: their cross table was filled by now
-            classes = set(map(type, map(_STRATEGY, found)))
-            if len(classes) == 1:  # one run: the loop below would make the same
-                return self._update_run(classes.pop(), list(zip(found, scheduled)), result, row)
-        for sg in scheduled:
+        for sg in output.scheduled:
             group = groups.get(sg.request_id)
             if group is None or sg.request_id in failed:
                 continue  # gone, or failed in the worker (the engine aborts it)
@@ -693,7 +681,7 @@ class Scheduler:
         the same (a strategy breaking that contract), the run's requests fail with why,
         and the step's other requests go on."""
         try:
-            return list(filter(_NOT_NONE, cls.update_all(self, run, result, row)))
+            return [r for r in cls.update_all(self, run, result, row) if r is not None]
         except Exception as e:  # noqa: BLE001 - a strategy class's batch update: its run's requests fail
             why = update_failure(e)
             for _, sg in run:

@@ -446,7 +446,7 @@ class LogitsProcessors:
 def _by_params(params: list[SamplingParams]) -> list[tuple[SamplingParams, list[int]]]:
     """The rows of each distinct params object, in first-seen order: ``(params, rows)``.
     Equal params are usually one object (``RequestProcessor`` interns them), so one
-    object for every row is checked first, in C."""
+    object for every row is checked first (``list.count`` over the ids)."""
     if not params:
         return []
     ids = list(map(id, params))

@@ -4,18 +4,16 @@ Block tables persist across steps (``BlockTableRows``): the scheduler sends
 only what changed, and names the groups whose tables may have changed
 (``SchedulerOutput.table_updates``), so a steady decode step looks at none.
 Token-level tensors (positions, slot mappings) are built with index arithmetic
-on whole tensors; Python only loops over sequences, in C where it can
-(``map`` over attribute getters). What depends only on which sequences run,
-in which order (their table rows, cross tables and lengths), is kept from the
-last step and reused while the step lists the same sequences and no table row
-was added, dropped or given a new cross table since (``_Rows``).
+on whole tensors; Python only loops over sequences. What depends only on which
+sequences run, in which order (their table rows, cross tables and lengths), is
+kept from the last step and reused while the step lists the same sequences and
+no table row was added, dropped or given a new cross table since (``_Rows``).
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from operator import add, attrgetter
 
 import torch
 
@@ -38,10 +36,6 @@ def _packed_positions(starts: torch.Tensor, lens: torch.Tensor) -> tuple[torch.T
 
 def _slots(tables: torch.Tensor, run: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
     return tables[run, pos // block_size] * block_size + pos % block_size
-
-
-_SEQ_ID, _TOKEN_IDS, _COMPUTED = attrgetter("seq_id"), attrgetter("token_ids"), attrgetter("num_computed_tokens")
-_NUM_LOGITS, _SEQS = attrgetter("num_logits"), attrgetter("seqs")
 
 
 @dataclass
@@ -81,9 +75,9 @@ class ModelRunner:
         self._cross_lists: dict[str, list[int]] = {}
         self.lora = None  # the worker's tandem.lora.manager.LoRAManager when enable_lora
         # Bumped whenever a table row is added or dropped or a cross table is set: what
-        # _Rows keeps is then built again. None until a step has run.
+        # _Rows keeps is then built again.
         self._layout = 0
-        self._last: _Rows | None = None
+        self._last: _Rows | None = None  # the last step's (None until a step has run)
 
     # -- persistent state ------------------------------------------------------
     def forget_seqs(self, seq_ids: list[int]) -> None:
@@ -151,13 +145,12 @@ class ModelRunner:
         updated = self._updated_groups(out)
         self._update_tables(updated)
         bs = self.block_size
-        seqs = list(itertools.chain.from_iterable(map(_SEQS, out.scheduled)))
-        seq_ids = list(map(_SEQ_ID, seqs))
+        seqs = [s for g in out.scheduled for s in g.seqs]
+        seq_ids = [s.seq_id for s in seqs]
         step_rows = self._rows(out, seq_ids)
-        token_lists = list(map(_TOKEN_IDS, seqs))
-        query_lens = list(map(len, token_lists))
-        computed_list = list(map(_COMPUTED, seqs))
-        seq_lens = list(map(add, computed_list, query_lens))
+        query_lens = [len(s.token_ids) for s in seqs]
+        computed_list = [s.num_computed_tokens for s in seqs]
+        seq_lens = [c + q for c, q in zip(computed_list, query_lens)]
         cross_lens, cross_tables = step_rows.cross_lens, step_rows.cross_tables
         max_query_len, max_seq_len, max_cross_len = max(query_lens), max(seq_lens), max(cross_lens)
         block_tables = self.tables.gather(step_rows.rows, -(-max_seq_len // bs))
@@ -205,7 +198,7 @@ class ModelRunner:
                 i += len(g.seqs)
             observer = self.cross_compress.observer(out.scheduled, seq_rows, dev)
         per_head, offsets, lens = self._per_head_layouts(out, dev)
-        tokens = list(itertools.chain.from_iterable(token_lists))
+        tokens = [t for s in seqs for t in s.token_ids]
         return StepInputs(
             input_ids=torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True),
             positions=positions.to(dev, non_blocking=True),
@@ -258,7 +251,7 @@ class ModelRunner:
     def _logits_indices(seqs, query_start_loc: torch.Tensor) -> torch.Tensor:
         """Token indices whose logits are returned: each sequence's last ``num_logits``."""
         ends = query_start_loc[1:]
-        counts = list(map(_NUM_LOGITS, seqs))
+        counts = [s.num_logits for s in seqs]
         if max(counts) == 1:  # num_logits >= 1
             return ends - 1
         n = torch.tensor(counts, dtype=torch.long)

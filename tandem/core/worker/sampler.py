@@ -104,7 +104,7 @@ class Sampler:
         # them; the full log-softmax is never built (top-k uses logits - lse).
         # Per distinct params object, not per row (rows of one request, or of requests
         # whose resolved params are equal, share it).
-        distinct = dict(zip(map(id, params), params))  # in C: no Python call per row
+        distinct = {id(p): p for p in params}
         if len(distinct) == 1:
             (p0,) = distinct.values()
             want = [(i, p0.logprobs) for i in range(len(params))] if p0.logprobs is not None else []

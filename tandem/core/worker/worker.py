@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from itertools import chain
-from operator import add, attrgetter
 
 import torch
 
@@ -39,12 +37,6 @@ from tandem.core.worker.model_runner import ModelRunner
 from tandem.core.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
-
-
-_REQUEST_ID, _SEQS, _MODE = attrgetter("request_id"), attrgetter("seqs"), attrgetter("mode")
-_SEQ_ID, _TOKEN_IDS, _COMPUTED = attrgetter("seq_id"), attrgetter("token_ids"), attrgetter("num_computed_tokens")
-_NUM_OUT, _NUM_LOGITS = attrgetter("num_output_tokens"), attrgetter("num_logits")
-_PARAMS, _GENERATOR, _KEEPS = attrgetter("params"), attrgetter("generator"), attrgetter("keeps_history")
 
 
 @dataclass
@@ -234,9 +226,36 @@ class Worker:
             with torch.inference_mode():
                 self.runner.execute(out, self.kv_caches, lora_slots)
             return None
-        params, generators, num_out, seq_lens, seq_ids, row_request, joint, modes, history = self._rows(out)
+        # Per row: (params, generator, output tokens so far, length, seq id, request id,
+        # joint), one tuple a row, transposed once below (not seven appends a row).
+        row_data: list[tuple] = []
+        add = row_data.append
+        modes = []  # (request id, its StepMode, its rows)
+        history = []  # sequences whose processors read their past tokens
+        requests = self.requests
+        for group in out.scheduled:
+            rid, mode = group.request_id, group.mode
+            state = requests[rid]
+            p, gen, joint_rows = state.params, state.generator, mode is not None and mode.joint_rows
+            start = len(row_data)
+            for seq in group.seqs:
+                # One row per position whose logits are returned (several when lookahead
+                # tokens are verified), each with the lengths it would have in plain decoding.
+                end = seq.num_computed_tokens + len(seq.token_ids)
+                n = seq.num_logits
+                if n == 1:
+                    add((p, gen, seq.num_output_tokens, end, seq.seq_id, rid, joint_rows))
+                else:
+                    for j in range(n - 1, -1, -1):
+                        add((p, gen, seq.num_output_tokens + n - 1 - j, end - j, seq.seq_id, rid, joint_rows))
+                if state.keeps_history:
+                    history.append(seq)
+            if mode is not None:
+                modes.append((rid, mode, list(range(start, len(row_data)))))
         if history:
             self._record_histories(history)
+        params, generators, num_out, seq_lens, seq_ids, row_request, joint = (
+            [list(column) for column in zip(*row_data)] if row_data else [[] for _ in range(7)])
         rows = ProcessorRows(params, num_out, seq_lens,
                              lambda idx: self._histories([seq_ids[i] for i in idx], [seq_lens[i] for i in idx]), joint)
         screen = self._screen(params, modes, sampling)
@@ -268,60 +287,17 @@ class Worker:
             cross_blocks_needed=needed,
         )
 
-    def _rows(self, out: SchedulerOutput) -> tuple:
-        """The step's sampling rows as columns: params, generator, output tokens so far,
-        length, seq id, request id and joint (per row); the modes (request id, its
-        StepMode, its rows) and the sequences whose processors read their past tokens.
-        One row per position whose logits are returned (several when lookahead tokens
-        are verified), each with the lengths it would have in plain decoding. The usual
-        step (one sequence a group, one row each, no mode) is read column by column
-        in C (``map``); the rest row by row."""
-        groups, requests = out.scheduled, self.requests
-        seqs = list(chain.from_iterable(map(_SEQS, groups)))
-        n = len(seqs)
-        states = list(map(requests.__getitem__, map(_REQUEST_ID, groups)))
-        if n == len(groups) and list(map(_MODE, groups)).count(None) == n and max(map(_NUM_LOGITS, seqs),
-                                                                                   default=1) == 1:
-            history = [s for s, st in zip(seqs, states) if st.keeps_history] if any(map(_KEEPS, states)) else []
-            return (list(map(_PARAMS, states)), list(map(_GENERATOR, states)), list(map(_NUM_OUT, seqs)),
-                    list(map(add, map(_COMPUTED, seqs), map(len, map(_TOKEN_IDS, seqs)))), list(map(_SEQ_ID, seqs)),
-                    list(map(_REQUEST_ID, groups)), [False] * n, [], history)
-        return self._rows_one_by_one(groups, states)
-
-    @staticmethod
-    def _rows_one_by_one(groups: list, states: list[_RequestState]) -> tuple:
-        """``_rows`` row by row, for any step."""
-        # Per row: one tuple, transposed once below (not seven appends a row).
-        row_data: list[tuple] = []
-        add_row = row_data.append
-        modes = []
-        history = []
-        for group, state in zip(groups, states):
-            rid, mode = group.request_id, group.mode
-            p, gen, joint_rows = state.params, state.generator, mode is not None and mode.joint_rows
-            start = len(row_data)
-            for seq in group.seqs:
-                end = seq.num_computed_tokens + len(seq.token_ids)
-                k = seq.num_logits
-                if k == 1:
-                    add_row((p, gen, seq.num_output_tokens, end, seq.seq_id, rid, joint_rows))
-                else:
-                    for j in range(k - 1, -1, -1):
-                        add_row((p, gen, seq.num_output_tokens + k - 1 - j, end - j, seq.seq_id, rid, joint_rows))
-                if state.keeps_history:
-                    history.append(seq)
-            if mode is not None:
-                modes.append((rid, mode, list(range(start, len(row_data)))))
-        columns = [list(column) for column in zip(*row_data)] if row_data else [[] for _ in range(7)]
-        return (*columns, modes, history)
-
     def _screen(self, params: list[SamplingParams], modes, sampling: SamplingInputs | None) -> StepScreen | None:
         """A screen for a step whose rows are all plain greedy (no mode, no logits
         transform, no logprobs, processors that only ban), few enough for it to pay."""
         if (not self.has_lm_head_screen or modes or (sampling is not None and sampling.transforms)
                 or not 0 < len(params) <= SCREEN_MAX_ROWS):
             return None
-        for p in dict(zip(map(id, params), params)).values():  # each distinct params object once
+        seen = set()
+        for p in params:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
             if not p.greedy or p.logprobs is not None or not only_bans(p):
                 return None
         return StepScreen() if self.screen_stats.wanted() else None
