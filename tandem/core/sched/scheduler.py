@@ -402,7 +402,8 @@ class Scheduler:
             table_updates=updates,
         )
 
-    def _steady(self, queue: deque[SequenceGroup]) -> tuple[dict[str, ScheduledGroup], dict[str, list[Sequence]], set[str]]:
+    def _steady(self, queue: deque[SequenceGroup]
+                ) -> tuple[dict[str, ScheduledGroup], dict[str, list[Sequence]], set[str]]:
         """The running groups whose step is the usual decode step (``append_in_place``
         holds, or a sequence's token opens a block and the step can give it one without
         changing what else the step does: see below) and that have no drafts and no
