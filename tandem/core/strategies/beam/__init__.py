@@ -146,7 +146,7 @@ class BeamSearchStrategy(RequestStrategy):
 
     def step_mode(self, group: "SequenceGroup") -> BeamStep:
         state = self.state
-        return BeamStep(state.running.tolist(), state.num_beams, self.beams_to_keep)  # running_scores(), inline
+        return BeamStep(state.running, state.num_beams, self.beams_to_keep)  # running_scores(), inline
 
     def update(
         self, ops: SchedulerOps, group: "SequenceGroup", sg: "ScheduledGroup", result: "ModelRunnerOutput",
