@@ -385,8 +385,10 @@ class Scheduler:
         that they are equal): this runs for every running row every step."""
         if self.cross_compress is not None:  # the observation window is per group: _metadata's
             return {}, {}
-        candidates = [g for g in queue
-                      if type(g.strategy).lookahead is _NO_LOOKAHEAD and type(g.strategy).step_mode is _NO_STEP_MODE]
+        # A step mode that only reads its request's state (``steady_step_mode``: beams)
+        # is asked for here, and does not keep its group off this path.
+        candidates = [g for g in queue if type(g.strategy).lookahead is _NO_LOOKAHEAD and (
+            type(g.strategy).step_mode is _NO_STEP_MODE or g.strategy.steady_step_mode)]
         bm, openers = self.block_manager, {}
         found = bm.append_in_place_all(candidates, openers)
         opened: dict[int, int] = {}  # seq id -> the block its token opens
@@ -434,7 +436,8 @@ class Scheduler:
                         sent.append(block)
                 sg = new(ScheduledGroup)
                 sg.request_id, sg.seqs, sg.encoder_inputs, sg.num_encoder_positions = rid, rows, None, positions
-                sg.cross_block_table, sg.mode, sg.lora_request = list(cross_blocks), None, group.lora_request
+                sg.cross_block_table, sg.lora_request = list(cross_blocks), group.lora_request
+                sg.mode = None if type(group.strategy).step_mode is _NO_STEP_MODE else group.strategy.step_mode(group)
                 sg.cross_observe_until, sg.cross_compressed = 0, False
                 records[rid] = sg
         return records, in_place
