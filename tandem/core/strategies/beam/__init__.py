@@ -109,6 +109,7 @@ class BeamStep(StepMode):
                 token_logprob = logp.reshape(g, num_beams * vocab).gather(1, flat)  # reshape: TP logits are a slice of a padded vocab
                 parent = flat // vocab
             values, parent, token, token_logprob = (t.tolist() for t in (values, parent, token, token_logprob))
+            new = tuple.__new__  # BeamCandidates(fields) without a Python call
             for n, j in enumerate(idx):
                 params = items[j][2]
                 top = None
@@ -119,10 +120,7 @@ class BeamStep(StepMode):
                     if k:
                         vals, ids = logp[n * nrows: (n + 1) * nrows].topk(k, dim=-1)
                         top = [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
-                results[j] = BeamCandidates(
-                    scores=values[n], parents=parent[n], token_ids=token[n],
-                    token_logprobs=token_logprob[n], top_logprobs=top,
-                )
+                results[j] = new(BeamCandidates, (values[n], parent[n], token[n], token_logprob[n], top))
         return results
 
 

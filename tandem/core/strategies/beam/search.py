@@ -17,7 +17,7 @@ The finished hypotheses are token lists; only running beams hold KV blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 import torch
 
 from tandem.core.sampling_params import SamplingParams
@@ -25,11 +25,11 @@ from tandem.core.sampling_params import SamplingParams
 _NEG = -1.0e9  # HF's "impossible" score
 
 
-@dataclass(frozen=True)
-class BeamCandidates:
+class BeamCandidates(NamedTuple):
     """One beam-search group's best continuations this step, best first (HF's
     ``beams_to_keep``): each is a parent beam (index into the group's scheduled
-    sequences), a token and the accumulated score (float32 values)."""
+    sequences), a token and the accumulated score (float32 values). A named tuple:
+    ``select_all`` makes one per request with ``tuple.__new__``, no Python call."""
 
     scores: list[float]
     parents: list[int]
@@ -64,11 +64,10 @@ class Hypothesis(tuple):
         return self[6]
 
 
-@dataclass(slots=True)
-class NextBeams:
+class NextBeams(NamedTuple):
     """One request's next running beams, in HF's order: beam ``i`` continues running
     beam ``parents[i]`` (an index into the step's running beams) with ``token_ids[i]``.
-    Lists, one object per request: built without a Python call per beam."""
+    Lists, one named tuple per request (``tuple.__new__``): no Python call."""
 
     parents: list[int]
     token_ids: list[int]
@@ -168,7 +167,7 @@ class BeamSearchState:
 
             keeps, nexts = keep_t.tolist(), next_idx.tolist()
             new_scores, new_finished, new_running = new_scores.tolist(), new_finished.tolist(), new_running.tolist()
-            new_hyp = tuple.__new__  # Hypothesis(fields) without a Python call
+            new_hyp = tuple.__new__  # Hypothesis(fields), NextBeams(fields) without a Python call
             for n, (i, st, it) in enumerate(zip(idx, states, group)):
                 _, cands, parents_out, parents_logprobs, _ = it
                 tokens, hyps, tops = cands.token_ids, st.hyps, cands.top_logprobs
@@ -196,8 +195,8 @@ class BeamSearchState:
                 next_tops = None
                 if tops is not None:
                     next_tops = [st._top(cands, p, t, c) for p, t, c in zip(parents, next_tokens, nx)]
-                out[i] = NextBeams(parents, next_tokens, new_running[n],
-                                   list(map(cands.token_logprobs.__getitem__, nx)), next_tops)
+                out[i] = new_hyp(NextBeams, (parents, next_tokens, new_running[n],
+                                             list(map(cands.token_logprobs.__getitem__, nx)), next_tops))
         return out
 
     def _top(self, cands: BeamCandidates, parent: int, token: int, c: int) -> dict[int, float] | None:
