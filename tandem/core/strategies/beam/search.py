@@ -12,7 +12,9 @@ own float32 tensor arithmetic so that scores and ties come out identical:
   beams of the next step (the scheduler forks and frees sequences to match);
 - the search stops as HF's ``early_stopping`` (True, False, "never") says.
 
-The finished hypotheses are token lists; only running beams hold KV blocks.
+The finished hypotheses hold token lists (``Hypothesis``: their parent beam's,
+read when wanted); only running beams hold KV blocks. The state is lists of
+float32 values, made into tensors for each stacked step.
 """
 
 from __future__ import annotations
