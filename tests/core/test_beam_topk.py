@@ -89,10 +89,16 @@ def test_small_vocabularies_take_the_full_topk():
     assert chunk_size(2000, 2, 300) is None  # too few chunks for that many candidates
 
 
-def test_many_requests_some_tied_equal_the_full_topk():
+@pytest.mark.parametrize("first", [False, True])
+def test_many_requests_some_tied_equal_the_full_topk(first):
     g = torch.Generator().manual_seed(7)
     vocab, beams, keep, reqs = 2000, 4, 8, 40
-    logp = torch.log_softmax(torch.randn(reqs * beams, vocab, generator=g), dim=-1)
+    logp = torch.log_softmax(torch.randn(reqs * (1 if first else beams), vocab, generator=g), dim=-1)
     logp = (logp * 64).round() / 64  # a coarse grid: ties among the winners in some requests
     running = (-torch.rand(reqs, beams, generator=g) * 8 * 64).round() / 64
-    _check(logp, running, keep, False, chunk_size(vocab, beams, keep))
+    if first:
+        running[:, 0], running[:, 1:] = 0.0, -1e9
+    size = chunk_size(vocab, beams, keep)
+    answered = beam_topk_mod._chunked(logp, running, keep, first, size)[2]
+    assert 0 < int(answered.sum()) < reqs  # some requests answered by the chunks, some by the full top-k
+    _check(logp, running, keep, first, size)

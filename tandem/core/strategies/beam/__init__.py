@@ -126,6 +126,7 @@ class BeamStep(StepMode):
 
 class BeamSearchStrategy(RequestStrategy):
     steady_step_mode = True  # step_mode reads the search's state, nothing else
+
     def __init__(self, params: "SamplingParams", prompt_len: int, stop_ids: frozenset[int]) -> None:
         self.state = BeamSearchState(params, prompt_len, stop_ids)
         # HF keeps (1 + number of EOS ids, at least 2) x num_beams candidates.
