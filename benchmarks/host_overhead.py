@@ -22,7 +22,9 @@ max_tokens``, HF ``min_new_tokens == max_new_tokens``, CTranslate2
 ends at the same length and early stopping cannot cut a search short.
 
 Engines (``--engines``): tandem (``LLM.generate``, float32, CPU, encoder and prefix
-caches off because every round serves the same requests), HF ``generate`` (requests
+caches off because every round serves the same requests; one engine on ``--threads``
+threads and ``data_parallel_size`` replicas sharing them, each divisor of the threads:
+1x2 and 2x1 for 2; its fastest kept), HF ``generate`` (requests
 sorted by length, right-padded, in batches: all requests in one batch and the smaller
 ``--hf-batch-sizes``, its fastest kept), CTranslate2 (``translate_batch`` over all
 requests with each ``--ct2-batch-sizes`` as ``max_batch_size``, 256 included, times the
@@ -147,9 +149,20 @@ class TandemEngine:
 
         # Every round serves the same requests: the caches would skip encoder runs the
         # other engines compute (benchmarks/throughput.py's docstring).
-        self.llm = LLM(model=model_dir, dtype="float32", device="cpu", seed=seed,
-                       encoder_cache_blocks=0, prefix_cache_blocks=0)
+        self.options = dict(model=model_dir, dtype="float32", device="cpu", seed=seed,
+                            encoder_cache_blocks=0, prefix_cache_blocks=0)
+        self.llm = LLM(**self.options)
+        self.replicated = {}  # data_parallel_size -> its LLM, built when first run
         self.attention_backend = self.llm.llm_engine.attn_backend.name
+
+    def _llm(self, data_parallel_size: int):
+        from tandem import LLM
+
+        if data_parallel_size == 1:
+            return self.llm
+        if data_parallel_size not in self.replicated:
+            self.replicated[data_parallel_size] = LLM(**self.options, data_parallel_size=data_parallel_size)
+        return self.replicated[data_parallel_size]
 
     @staticmethod
     def params(w: Workload, **extra):
@@ -159,8 +172,8 @@ class TandemEngine:
         # Only these fields are explicit: the rest (the bans) come from generation_config.json.
         return SamplingParams(temperature=0.0, max_tokens=w.new_tokens, min_tokens=w.new_tokens, **beams, **extra)
 
-    def run(self, requests: Requests) -> list[list[int]]:
-        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in requests.encoder_ids],
+    def run(self, requests: Requests, data_parallel_size: int = 1) -> list[list[int]]:
+        outs = self._llm(data_parallel_size).generate([{"prompt_token_ids": ids} for ids in requests.encoder_ids],
                                  self.params(requests.workload), use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -316,7 +329,11 @@ class Row:
 def settings(engine: str, num_requests: int, num_beams: int, args) -> list[tuple[str, dict]]:
     """(label, run keywords) of every setting an engine is swept over."""
     if engine == "tandem":
-        return [("default", {})]
+        # One engine on every thread, and engine replicas of a thread or more each (LLM's
+        # data_parallel_size, CTranslate2's inter_threads).
+        sizes = [d for d in range(1, args.threads + 1) if args.threads % d == 0]
+        return [(f"{d} engine{'s' * (d > 1)} x {args.threads // d} thread{'s' * (args.threads // d > 1)}",
+                 {"data_parallel_size": d}) for d in sizes]
     if engine == "hf":
         sizes = rounds.batch_candidates([*args.hf_batch_sizes, num_requests], num_requests)
         return [(f"batch {b}", {"batch_size": b}) for b in sizes]

@@ -374,7 +374,7 @@ class TandemRunner:
             key: getattr(args, key)
             for key in ("block_size", "num_kv_blocks",
                         "max_num_batched_tokens", "kv_cache_memory", "swap_space",
-                        "attention_backend", "cpu_gemm", "cpu_malloc", "compile_cache_dir")
+                        "attention_backend", "cpu_gemm", "cpu_malloc", "compile_cache_dir", "data_parallel_size")
             if getattr(args, key, None) is not None
         }
         # Every round repeats the same requests: with the caches on, rounds after the
@@ -1118,6 +1118,8 @@ def parse_args(argv=None):
     td.add_argument("--compiled", action="store_true",
                     help="tandem's compiled decode step (enforce_eager=False); warm-up compiles it")
     td.add_argument("--compile-cache-dir", help="where the compiled step's artifacts are cached")
+    td.add_argument("--data-parallel-size", type=int,
+                    help="engine replicas sharing the threads (LLM's data_parallel_size; docs/distributed.md)")
     td.add_argument("--cpu-gemm", choices=("auto", "packed", "dense"))
     td.add_argument("--cpu-malloc", choices=("auto", "system"),
                     help="process-wide: with auto, HF and CTranslate2 in this process run with it too")

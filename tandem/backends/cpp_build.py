@@ -1,8 +1,9 @@
 """Building tandem's C++ CPU ops (cpu_paged's decode attention, cpu_flash's bf16
-encoder attention) with torch's C++-extension builder: the tools it needs, the
-OpenMP flags, where a build lives, the lock around it and its log lines, shared by
-both ``ops`` modules. Each op module keeps its own variant choice, its own error
-class and its remembered outcome.
+encoder attention, cpu_sampling's argmax) with torch's C++-extension builder: the
+tools it needs, the OpenMP flags, where a build lives, the lock around it, its log
+lines, and the load once per process (:func:`load_once`), shared by the ``ops``
+modules. Each op module keeps its own variant choice, its own error class and its
+remembered outcome (its ``_op`` and ``_error``, which tests reset).
 
 Where: one directory per build key, ``<root>/<name>_<key>/``, in torch's extensions
 root (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions/py<XY>_cpu``).
@@ -39,6 +40,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -260,3 +262,26 @@ def attempt(build_op, reason: str | None = None, logger: logging.Logger | None =
     if logger is not None:
         logger.info("%s: C++ op unavailable, %s: %s", logger.name.rsplit(".", 1)[-1], consequence, why)
     return None, why
+
+
+_load_locks: dict[str, threading.Lock] = {}  # op module name -> the lock around its first load
+_load_locks_guard = threading.Lock()
+
+
+def load_once(module, build_op, error: type[Exception], logger: logging.Logger,
+              reason=None, consequence: str = "backends that need it are passed over"):
+    """The op ``build_op()`` returns, built or loaded once per process (:func:`attempt`,
+    ``reason`` and ``consequence`` as there; ``reason`` a callable, asked on the first
+    attempt only). ``module`` (the op's ``ops`` module) remembers the outcome in its
+    ``_op`` and ``_error`` globals, under a lock of its own: a failed build is not
+    retried, and a test may reset either. Raises ``error(why)`` where the op is
+    unavailable."""
+    with _load_locks_guard:
+        lock = _load_locks.setdefault(module.__name__, threading.Lock())
+    with lock:
+        if module._op is None and module._error is None:
+            module._op, module._error = attempt(build_op, reason() if reason is not None else None, logger,
+                                                consequence)
+        if module._op is None:
+            raise error(module._error)
+        return module._op

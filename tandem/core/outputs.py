@@ -53,3 +53,21 @@ def with_error(outputs: list[CompletionOutput], n: int, error: str) -> list[Comp
     outs += [CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
                               finish_reason="error", error=error) for i in range(len(outs), n)]
     return outs
+
+
+def rejected_output(rid: str, prompt, error: Exception, params) -> RequestOutput:
+    """The output of a prompt refused before it was queued (or lost with the process that
+    held it): ``error`` says why, one empty "error" completion per requested one."""
+    text = prompt if isinstance(prompt, str) else None
+    why = str(error) if isinstance(error, (ValueError, TypeError)) else f"{type(error).__name__}: {error}"
+    n = getattr(params, "n", None) or getattr(params, "beam_width", None) or 1
+    return RequestOutput(
+        request_id=rid,
+        encoder_prompt=text,
+        encoder_prompt_token_ids=[],
+        prompt=None,
+        prompt_token_ids=[],
+        outputs=with_error([], n, why),  # one empty "error" output per requested one, as vLLM's loops read
+        finished=True,
+        error=why,
+    )

@@ -120,8 +120,8 @@ class SamplingParams:
     top_p: float = param(1.0, "sample from the smallest set of tokens holding this much probability; 1 is off",
                          api=float, cli=True)
     min_p: float = param(0.0, "drop tokens less likely than min_p times the likeliest; 0 is off", api=float, cli=True)
-    seed: int | None = param(None, "the request's own sampling seed: the same samples whatever else runs, except "
-                             "with speculative decoding (none: the engine's random stream)", api=int,
+    seed: int | None = param(None, "the request's own sampling seed: the same samples whatever else runs, with "
+                             "or without speculative decoding (none: the engine's random stream)", api=int,
                              cli="--request-seed")
     max_tokens: int | None = param(16, "tokens to generate at most (none: as many as the decoder positions allow)",
                                    api=int, cli=True)

@@ -27,6 +27,9 @@ class NewRequestData:
 
     request_id: str
     sampling_params: SamplingParams
+    # A seeded request's sequences in completion order (``Sequence.index``): the worker
+    # gives each its own random stream (``worker.seeded_stream``). Empty without a seed.
+    seq_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

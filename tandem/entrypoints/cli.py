@@ -77,6 +77,9 @@ def _build_parser(engine_flags: bool = True) -> tuple[argparse.ArgumentParser, d
     add_cli_args(gen)
     add_sampling_args(gen)  # every SamplingParams field marked cli=
     gen.add_argument("--json", action="store_true", help="one JSON object per line")
+    gen.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                     help="engine replicas the prompts are dealt out to, each in a process of its own with its share "
+                          "of the threads (LLM's data_parallel_size; docs/distributed.md)")
     gen.add_argument("prompts", nargs="+", help="encoder prompts; '-' reads one per line from stdin")
 
     tr = sub.add_parser("transcribe", help="transcribe audio files with a Whisper checkpoint (or another speech "
@@ -230,12 +233,12 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def _llm(args, model: str):
+def _llm(args, model: str, **extra):
     from tandem import LLM
 
     from tandem.core.engine_args import from_cli_args
 
-    return LLM(model=model, **from_cli_args(args))
+    return LLM(model=model, **from_cli_args(args), **extra)
 
 
 def _read_prompts(items: list[str]) -> list[str]:
@@ -282,7 +285,7 @@ def _params_per_prompt(args, llm, prompts: list[str]) -> list:
 
 def cmd_generate(args) -> int:
     prompts = _read_prompts(args.prompts)
-    llm = _llm(args, args.model)
+    llm = _llm(args, args.model, data_parallel_size=args.data_parallel_size)
     outs = llm.generate(prompts, _params_per_prompt(args, llm, prompts), use_tqdm=False)
     failed = 0
     for prompt, out in zip(prompts, outs):

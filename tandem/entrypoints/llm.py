@@ -15,9 +15,9 @@ from tqdm.auto import tqdm
 from tandem.core.config import EngineConfig
 from tandem.core.engine_args import check_kwargs, describe_options, signature as engine_signature
 from tandem.core.engine import LLMEngine
-from tandem.core.faults import EngineDeadError, describe
+from tandem.core.faults import EngineDeadError
 from tandem.core.inputs import PromptType, preview
-from tandem.core.outputs import RequestOutput, with_error
+from tandem.core.outputs import RequestOutput, rejected_output
 from tandem.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from tandem.entrypoints import replicas
 from tandem.entrypoints.vllm_compat import split_vllm_options
@@ -220,7 +220,14 @@ class LLM:
         tokens proposed and accepted, the acceptance rate and the mean accepted length."""
         stats = self.llm_engine.get_stats()
         if self._pool is not None:
-            stats = replicas.combined_stats([stats, *self._pool.stats()])
+            # While a call is served (another thread's, or this one's session) its loop alone reads
+            # the replicas: their counters are then those their last outputs brought.
+            idle = self._lock.acquire(blocking=False)
+            try:
+                stats = replicas.combined_stats([stats, *self._pool.stats(ask=idle)])
+            finally:
+                if idle:
+                    self._lock.release()
         return stats
 
     def generate(
@@ -280,51 +287,26 @@ class LLM:
 
     def _run_replicas(self, prompts: list, params: list[SamplingParams], use_tqdm: bool,
                       loras: list[LoRARequest | None]) -> list[RequestOutput]:
-        """``_run`` over the replicas: prompt i to replica i mod N (replica 0 this process's
-        engine, stepped here between reads of the others' outputs)."""
+        """``_run`` over the replicas (``replicas.serve_call``): replica 0 is this process's
+        engine, stepped here between reads of the others' outputs."""
         import torch
 
-        pool, engine = self._pool, self.engine
-        ranks = [0] + [r.rank for r in pool.live()]
         order = [str(next(self._ids)) for _ in prompts]
-        shares: dict[int, list] = {rank: [] for rank in ranks}
-        for i, item in enumerate(zip(order, prompts, params, loras)):
-            shares[ranks[i % len(ranks)]].append(item)
-        owner = {rid: rank for rank, items in shares.items() for rid, *_ in items}
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm, unit="req")
-        busy = {rank for rank in ranks[1:] if shares[rank]}
+
+        def on_output(out: RequestOutput) -> None:
+            results[out.request_id] = out
+            bar.update(1)
+
         threads = torch.get_num_threads()
         torch.set_num_threads(self._threads_each)  # this process's share, for the call only
         try:
-            pool.start(shares)
-            local = shares[0]
-            with engine.core.adding():
-                for rid, prompt, p, lora in local:
-                    try:
-                        engine.add_request(rid, prompt, p, lora_request=lora)
-                    except EngineDeadError:
-                        raise
-                    except Exception as e:  # noqa: BLE001 - this prompt alone cannot be served
-                        results[rid] = rejected_output(rid, prompt, e, p)
-            bar.update(len(results))
-            while engine.has_unfinished_requests() or busy:
-                stepping = engine.has_unfinished_requests()
-                outs = engine.step() if stepping else []
-                got, ended = pool.poll(busy, timeout=0 if stepping else None)
-                for out in itertools.chain(outs, got):
-                    results[out.request_id] = out
-                bar.update(len(outs) + len(got))
-                for rank, why in ended.items():
-                    busy.discard(rank)
-                    if why:  # the replica died: its unfinished prompts get an output saying so
-                        lost = [(rid, prompt, p) for rid, prompt, p, _ in shares[rank] if rid not in results]
-                        for rid, prompt, p in lost:
-                            results[rid] = rejected_output(rid, prompt, EngineDeadError(why), p)
-                        bar.update(len(lost))
+            replicas.serve_call(self._pool, self.engine, list(zip(order, prompts, params, loras)),
+                                self.engine.config.max_num_seqs, on_output)
         except BaseException:
-            engine.abort_request([rid for rid, rank in owner.items() if rank == 0 and rid not in results])
-            pool.abort(busy)
+            self.engine.abort_request([r for r in order if r not in results and self.engine.core.has_request(r)])
+            self._pool.abort()
             raise
         finally:
             torch.set_num_threads(threads)
@@ -425,20 +407,3 @@ def _final_only(params: SamplingParams) -> SamplingParams:
     if params.output_kind is RequestOutputKind.FINAL_ONLY:
         return params
     return params.replace(output_kind=RequestOutputKind.FINAL_ONLY)
-
-
-def rejected_output(rid: str, prompt, error: Exception, params) -> RequestOutput:
-    """The output of a prompt refused before it was queued: ``error`` says why."""
-    text = prompt if isinstance(prompt, str) else None
-    why = str(error) if isinstance(error, (ValueError, TypeError)) else describe(error)
-    n = getattr(params, "n", None) or getattr(params, "beam_width", None) or 1
-    return RequestOutput(
-        request_id=rid,
-        encoder_prompt=text,
-        encoder_prompt_token_ids=[],
-        prompt=None,
-        prompt_token_ids=[],
-        outputs=with_error([], n, why),  # one empty "error" output per requested one, as vLLM's loops read
-        finished=True,
-        error=why,
-    )

@@ -2,15 +2,16 @@
 
 ``LLM(model, data_parallel_size=N)`` builds N whole engines on one checkpoint: the
 ``LLM``'s own (replica 0, in the caller's process, which every other ``LLM`` method
-uses) and N - 1 in spawned processes (:class:`ReplicaPool`). ``generate`` deals the
-prompts out in turn (prompt i to replica i mod N) and each replica serves its share
-as one engine does, concurrently with the others; outputs come back in prompt order.
-The torch threads are split between them (``threads_each``; replica 0's for the
-length of the call only), so each replica's small ops run on a core of their own
-instead of every op being split over all of them: where a step's arithmetic is
-small (a small model, a CPU with few cores), N engines of one thread each serve more
-than one engine of N threads (CTranslate2's ``inter_threads`` is the same idea).
-Each replica keeps its own KV pool, so the memory they take is N times one engine's.
+uses) and N - 1 in processes of their own (:class:`ReplicaPool`; their side is
+``replica_proc.py``). ``generate`` deals its prompts out (:func:`serve_call`) and
+each replica serves its share as one engine does, concurrently with the others;
+outputs come back in prompt order. The torch threads are split between them
+(``threads_each``; replica 0's for the length of the call only), so each replica's
+small ops run on a core of their own instead of every op being split over all of
+them: where a step's arithmetic is small (a small model, a CPU with few cores), N
+engines of one thread each serve more than one engine of N threads (CTranslate2's
+``inter_threads`` is the same idea). Each replica keeps its own KV pool, so the
+memory they take is N times one engine's.
 
 Faults stay per request and per replica: a prompt a replica refuses comes back with
 ``error`` set, as ``generate`` always does; a replica process that dies (killed, out
@@ -19,15 +20,18 @@ names it and how it died, and is not used again; the other replicas go on. Repli
 never outlive the ``LLM``'s process (each watches its parent) and are stopped when
 it shuts down.
 
-The pipe protocol (pickled tuples): in ``("generate", items)`` with items ``(request
-id, prompt, params, lora)``, ``("abort", ())``, ``("stats", ())``, ``("shutdown", ())``;
-out ``("ready", pid)`` or ``("error", ...)`` once, then ``("outputs", [RequestOutput,
-...])`` after each step that finished some, ``("done", ())`` when a share is served,
-``("stats", dict)``.
+The protocol: pickled tuples over a socket pair. To a replica: first ``(rank, model,
+engine_args, threads)``, then ``("add", [(request id, prompt, params, lora), ...])``,
+``("abort", ())``, ``("stats", ())``, ``("shutdown", ())``. From it: ``("ready", pid)``
+or ``("error", ...)`` once built, ``("outputs", [RequestOutput, ...], stats)`` after
+each step that finished requests (and for requests it refused), with its
+``get_stats()`` as of then, ``("aborted", ())`` and
+``("stats", dict)`` in answer.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import pickle
@@ -35,14 +39,14 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import weakref
+from collections import deque
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from tandem.core.faults import EngineDeadError
-from tandem.core.outputs import RequestOutput
+from tandem.core.outputs import RequestOutput, rejected_output
 
 logger = logging.getLogger(__name__)
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
@@ -82,99 +86,13 @@ def combined_stats(each: list[dict]) -> dict:
     return out
 
 
-def _send(conn: Connection, msg) -> bool:
+def send(conn: Connection, msg) -> bool:
+    """Write ``msg`` pickled; False when the other end is gone."""
     try:
         conn.send_bytes(pickle.dumps(msg, protocol=_PROTOCOL))
         return True
     except (OSError, EOFError, BrokenPipeError):
         return False
-
-
-def _watch_parent(life_fd: int) -> None:
-    """End this process the moment the parent is gone: the parent holds the write end of
-    the ``life_fd`` pipe, which reads EOF only once it has exited (however it exited)."""
-
-    def watch() -> None:
-        try:
-            os.read(life_fd, 1)
-        finally:
-            os._exit(1)
-
-    threading.Thread(target=watch, name="tandem-parent-watch", daemon=True).start()
-
-
-def replica_main(conn_fd: int, life_fd: int) -> None:
-    """The body of a replica's process: an ``LLM`` serving the parent's connection. The
-    first message is ``(rank, model, engine_args, threads)``."""
-    from tandem.core.executor.worker_proc import error_message
-
-    _watch_parent(life_fd)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent aborts and stops us
-    conn = Connection(conn_fd)
-    try:
-        rank, model, engine_args, threads = pickle.loads(conn.recv_bytes())
-    except (EOFError, OSError):
-        return
-    import torch
-
-    torch.set_num_threads(threads)
-    from tandem.entrypoints.llm import LLM
-
-    try:
-        llm = LLM(model, **engine_args)
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
-        _send(conn, error_message(e))
-        return
-    if not _send(conn, ("ready", os.getpid())):
-        return
-    engine = llm.llm_engine
-    while True:
-        try:
-            kind, body = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            return
-        if kind == "shutdown":
-            os._exit(0)  # nothing here is worth tearing down piece by piece: the parent waits
-        if kind == "stats":
-            ok = _send(conn, ("stats", llm.get_stats()))
-        elif kind == "generate":
-            ok = _serve_share(engine, body, conn)
-        else:  # "abort" after its share was served: nothing left to abort
-            ok = True
-        if not ok:
-            return
-
-
-def _serve_share(engine, items: list, conn: Connection) -> bool:
-    """Serve one share of a ``generate`` call, sending each step's finished outputs."""
-    from tandem.entrypoints.llm import rejected_output
-
-    refused, live = [], set()
-    with engine.core.adding():
-        for rid, prompt, params, lora in items:
-            try:
-                engine.add_request(rid, prompt, params, lora_request=lora)
-                live.add(rid)
-            except EngineDeadError:
-                raise
-            except Exception as e:  # noqa: BLE001 - this prompt alone cannot be served
-                refused.append(rejected_output(rid, prompt, e, params))
-    if refused and not _send(conn, ("outputs", refused)):
-        return False
-    while engine.has_unfinished_requests():
-        if conn.poll():  # the parent aborts the call (an exception or Ctrl-C on its side)
-            kind, _ = pickle.loads(conn.recv_bytes())
-            if kind == "abort":
-                engine.abort_request(sorted(live))
-                break
-            if kind == "shutdown":
-                os._exit(0)
-        outs = engine.step()
-        if outs:
-            live.difference_update(o.request_id for o in outs)
-            if not _send(conn, ("outputs", outs)):
-                return False
-    return _send(conn, ("done", ()))
 
 
 class _Replica:
@@ -198,7 +116,7 @@ def _exit_cause(proc: subprocess.Popen) -> str:
 
 def _stop(replicas: list[_Replica]) -> None:
     for r in replicas:
-        _send(r.conn, ("shutdown", ()))
+        send(r.conn, ("shutdown", ()))
     deadline = time.monotonic() + _GRACE_S
     for r in replicas:
         try:
@@ -223,7 +141,7 @@ def _spawn(rank: int, threads: int) -> _Replica:
     env["OMP_NUM_THREADS"] = str(threads)
     root = str(Path(__file__).resolve().parents[2])  # where ``tandem`` is imported from here
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    code = f"from tandem.entrypoints.replicas import replica_main; replica_main({theirs.fileno()}, {life_r})"
+    code = f"from tandem.entrypoints.replica_proc import replica_main; replica_main({theirs.fileno()}, {life_r})"
     try:
         proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(), life_r), env=env)
     finally:
@@ -240,13 +158,14 @@ class ReplicaPool:
 
     def __init__(self, model: str, engine_args: dict, size: int, threads: int, seed: int) -> None:
         self.replicas: list[_Replica] = []
+        self.last_stats: dict[int, dict] = {}  # rank -> its counters as its last outputs came
         self._finalizer = weakref.finalize(self, _stop, self.replicas)
         for rank in range(1, size):
             r = _spawn(rank, threads)
             self.replicas.append(r)
             # Each replica's own random stream for requests without a seed (equal streams would
             # draw equal samples for equal prompts served at the same step on two replicas).
-            _send(r.conn, (rank, model, {**engine_args, "seed": seed ^ rank}, threads))
+            send(r.conn, (rank, model, {**engine_args, "seed": seed ^ rank}, threads))
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + _START_TIMEOUT_S
@@ -270,35 +189,30 @@ class ReplicaPool:
     def live(self) -> list[_Replica]:
         return [r for r in self.replicas if r.dead is None]
 
-    def start(self, shares: dict[int, list]) -> None:
-        """Send each live replica its share: ``rank -> [(request id, prompt, params, lora), ...]``."""
-        for r in self.live():
-            items = shares.get(r.rank)
-            if items and not _send(r.conn, ("generate", items)):
-                self._declare_dead(r)
+    def add(self, r: _Replica, items: list) -> None:
+        """Give replica ``r`` requests: ``[(request id, prompt, params, lora), ...]``."""
+        if not send(r.conn, ("add", items)):
+            self._declare_dead(r)
 
-    def poll(self, busy: set[int], timeout: float | None) -> tuple[list[RequestOutput], dict[int, str]]:
-        """Outputs that arrived from the ``busy`` replicas (waiting up to ``timeout`` for
-        the first; None: until one arrives), and the replicas that finished (``rank ->
-        ""``) or died (``rank -> why``). Does not block when ``timeout`` is 0."""
-        outs: list[RequestOutput] = []
-        # One that died since it was given its share (even while being sent it) has ended.
-        ended: dict[int, str] = {r.rank: r.dead for r in self.replicas if r.rank in busy and r.dead is not None}
-        by_conn = {r.conn: r for r in self.replicas if r.rank in busy and r.dead is None}
+    def poll(self, timeout: float | None) -> tuple[list[tuple[int, RequestOutput]], dict[int, str]]:
+        """What the live replicas sent: ``(rank, output)`` pairs, waiting up to ``timeout``
+        for the first (None: until one comes, 0: not at all), and the replicas found dead
+        (``rank -> why``)."""
+        outs: list[tuple[int, RequestOutput]] = []
+        dead: dict[int, str] = {}
+        by_conn = {r.conn: r for r in self.live()}
         # A replica that dies closes its end of the connection: it reads EOF after what it sent.
         for conn in wait(list(by_conn), timeout=timeout) if by_conn else []:
             r = by_conn[conn]
             try:
                 while conn.poll():
-                    kind, body = pickle.loads(conn.recv_bytes())
+                    kind, body, *rest = pickle.loads(conn.recv_bytes())
                     if kind == "outputs":
-                        outs.extend(body)
-                    elif kind == "done":
-                        ended[r.rank] = ""
-                        break
+                        outs.extend((r.rank, o) for o in body)
+                        self.last_stats[r.rank] = rest[0]
             except (EOFError, OSError):
-                ended[r.rank] = self._declare_dead(r)
-        return outs, ended
+                dead[r.rank] = self._declare_dead(r)
+        return outs, dead
 
     def _declare_dead(self, r: _Replica) -> str:
         if r.dead is None:
@@ -307,25 +221,95 @@ class ReplicaPool:
             logger.error("%s; its unfinished prompts are answered with that error and it is not used again", r.dead)
         return r.dead
 
-    def abort(self, busy: set[int]) -> None:
-        """Abort the busy replicas' shares and wait until each has said so."""
-        for r in self.live():
-            if r.rank in busy:
-                _send(r.conn, ("abort", ()))
-        while busy:
-            _, ended = self.poll(busy, timeout=_GRACE_S)
-            if not ended:
-                break
-            busy -= set(ended)
+    def abort(self) -> None:
+        """Abort every replica's requests; what they sent before is dropped."""
+        asked = [r for r in self.live() if send(r.conn, ("abort", ()))]
+        for r in asked:
+            try:
+                while r.conn.poll(_GRACE_S):
+                    if pickle.loads(r.conn.recv_bytes())[0] == "aborted":
+                        break
+                else:
+                    self._declare_dead(r)  # no answer: it is stuck, not used again
+            except (EOFError, OSError):
+                self._declare_dead(r)
 
-    def stats(self) -> list[dict]:
-        out = []
-        for r in self.live():
-            if _send(r.conn, ("stats", ())) and r.conn.poll(_GRACE_S):
-                kind, body = pickle.loads(r.conn.recv_bytes())
-                if kind == "stats":
-                    out.append(body)
-        return out
+    def stats(self, ask: bool) -> list[dict]:
+        """The live replicas' counters: asked for now (``ask``: no call is being served,
+        so nothing else reads their connections), else as their last outputs brought them."""
+        for r in self.live() if ask else []:
+            try:
+                if send(r.conn, ("stats", ())) and r.conn.poll(_GRACE_S):
+                    kind, body = pickle.loads(r.conn.recv_bytes())
+                    if kind == "stats":
+                        self.last_stats[r.rank] = body
+            except (EOFError, OSError):
+                self._declare_dead(r)
+        return [self.last_stats[r.rank] for r in self.live() if r.rank in self.last_stats]
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def serve_call(pool: ReplicaPool, engine, items: list, window: int, on_output) -> None:
+    """Serve one ``generate`` call's ``items`` (``(request id, prompt, params, lora)``)
+    on replica 0 (``engine``, stepped here) and the pool's live replicas, calling
+    ``on_output(output)`` for each finished request, a refused or lost one included.
+
+    The first items are dealt out in turn (item i to replica i mod N), as many as the
+    replicas hold at once (``window`` requests each) or an equal share of all; the rest
+    wait here and each replica is topped up as its requests finish, so a replica that
+    runs slower (a loaded core) is given less. A replica that dies answers its
+    unfinished requests with an error output naming it."""
+    pending = deque(items)
+    replicas = {r.rank: r for r in pool.live()}
+    ranks = [0, *replicas]
+    held: dict[int, dict[str, tuple]] = {rank: {} for rank in ranks}  # rank -> its unfinished requests
+    refill = max(1, window // 8)  # top up in batches, not a message per finished request
+
+    def give(rank: int, batch: list) -> None:
+        for rid, prompt, params, _ in batch:
+            held[rank][rid] = (prompt, params)
+        if rank:
+            pool.add(replicas[rank], batch)
+            return
+        with engine.core.adding():
+            for rid, prompt, params, lora in batch:
+                try:
+                    engine.add_request(rid, prompt, params, lora_request=lora)
+                except EngineDeadError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - this prompt alone cannot be served
+                    del held[0][rid]
+                    on_output(rejected_output(rid, prompt, e, params))
+
+    first = min(window, -(-len(pending) // len(ranks)))
+    deal: dict[int, list] = {rank: [] for rank in ranks}
+    for i in range(min(len(pending), first * len(ranks))):
+        deal[ranks[i % len(ranks)]].append(pending.popleft())
+    for rank, batch in deal.items():
+        if batch:
+            give(rank, batch)
+    def lost(rank: int, why: str) -> None:
+        for rid, (prompt, params) in held[rank].items():
+            on_output(rejected_output(rid, prompt, EngineDeadError(why), params))
+        held[rank].clear()
+        ranks.remove(rank)
+
+    while pending or any(held.values()):
+        for rank in ranks:
+            room = window - len(held[rank])
+            if pending and room >= min(refill, len(pending)):
+                give(rank, [pending.popleft() for _ in range(min(room, len(pending)))])
+        for rank in [r for r in ranks[1:] if replicas[r].dead is not None]:  # found dead while given work
+            lost(rank, replicas[rank].dead)
+        stepping = engine.has_unfinished_requests()
+        finished = [(0, o) for o in engine.step()] if stepping else []
+        if not stepping and not any(held[r] for r in ranks[1:]):
+            continue  # nothing out there: what is left goes to replica 0
+        got, dead = pool.poll(0 if stepping else None)
+        for rank, out in itertools.chain(finished, got):
+            if out.finished and held[rank].pop(out.request_id, None) is not None:
+                on_output(out)
+        for rank, why in dead.items():
+            lost(rank, why)

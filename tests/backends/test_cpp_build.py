@@ -181,6 +181,45 @@ def test_a_lock_timeout_is_the_op_s_reason_and_a_bad_timeout_names_the_variable(
         cpp_build._lock_timeout()
 
 
+def test_load_once_remembers_the_op_or_the_error_in_the_op_s_module(monkeypatch, caplog):
+    """What the three ops modules share: the first load builds (or fails) once, the
+    outcome lives in the module's ``_op`` / ``_error`` (a test resets them there), a
+    reason known beforehand is asked once and skips the build, each failure logs once."""
+    import types
+
+    class Unavailable(RuntimeError):
+        pass
+
+    monkeypatch.setattr(cpp_build, "missing_tools", lambda: [])
+    module = types.ModuleType("tandem.backends.fake_ops")
+    module._op, module._error = None, None
+    calls = []
+
+    def broken():
+        calls.append("build")
+        raise RuntimeError("long compiler output\nfatal error: x.h: No such file")
+
+    logger = logging.getLogger("tandem.backends.fake_ops")
+    with caplog.at_level(logging.INFO, logger="tandem"):
+        for _ in range(2):
+            with pytest.raises(Unavailable, match="building the C.. op failed: fatal error: x.h: No such file"):
+                cpp_build.load_once(module, broken, Unavailable, logger)
+    assert calls == ["build"] and module._error.startswith("building the C++ op failed")
+    assert len(caplog.records) == 1 and caplog.records[0].getMessage().startswith("fake_ops: C++ op unavailable")
+
+    module._error = None  # as a test resets it: the next load tries again
+    op = object()
+    assert cpp_build.load_once(module, lambda: op, Unavailable, logger) is op is module._op
+    assert cpp_build.load_once(module, broken, Unavailable, logger) is op and calls == ["build"]
+
+    module._op = None
+    reasons = []
+    for _ in range(2):
+        with pytest.raises(Unavailable, match="^the CPU lacks it$"):
+            cpp_build.load_once(module, broken, Unavailable, logger, reason=lambda: reasons.append(1) or "the CPU lacks it")
+    assert reasons == [1] and calls == ["build"]
+
+
 def test_the_build_lock_waits_with_a_line_every_few_seconds(tmp_path, monkeypatch, caplog):
     import fcntl
 

@@ -47,7 +47,12 @@ def test_settings_try_all_requests_in_one_batch_and_every_ct2_layout():
     assert [label for label, _ in ct2] == ["batch 64, 2x1 threads", "batch 256, 2x1 threads",
                                            "batch 64, 1x2 threads", "batch 256, 1x2 threads"]
     assert ct2[-1][1] == {"batch_size": 256, "layout": (1, 2)}
-    assert host_overhead.settings("tandem", 256, 1, args) == [("default", {})]
+    # tandem: one engine on every thread, and replicas sharing them (LLM's data_parallel_size).
+    assert host_overhead.settings("tandem", 256, 1, args) == [("1 engine x 2 threads", {"data_parallel_size": 1}),
+                                                              ("2 engines x 1 thread", {"data_parallel_size": 2})]
+    four = host_overhead.parse_args(["--threads", "4"])
+    assert [s for _, s in host_overhead.settings("tandem", 256, 1, four)] == [
+        {"data_parallel_size": 1}, {"data_parallel_size": 2}, {"data_parallel_size": 4}]
 
 
 def test_quick_gives_way_to_explicit_flags():

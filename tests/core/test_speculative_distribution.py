@@ -74,8 +74,8 @@ def test_first_two_tokens_follow_the_target(draft_kind):
 
 def test_seeded_request_repeats_and_the_greedy_rule_is_argmax():
     s = _scores(5, 3)
-    a = verify(s, [0, 1, 2], [[1, 2]], PARAMS, torch.Generator().manual_seed(9), None)
-    b = verify(s, [0, 1, 2], [[1, 2]], PARAMS, torch.Generator().manual_seed(9), None)
+    a = verify(s, [0, 1, 2], [[1, 2]], PARAMS, [torch.Generator().manual_seed(9)] * 3, None)
+    b = verify(s, [0, 1, 2], [[1, 2]], PARAMS, [torch.Generator().manual_seed(9)] * 3, None)
     assert a[0].token_ids == b[0].token_ids
     greedy = SamplingParams(temperature=0)
     target = s.argmax(dim=-1).tolist()
@@ -85,3 +85,31 @@ def test_seeded_request_repeats_and_the_greedy_rule_is_argmax():
         while a < 2 and drafts[a] == target[a]:
             a += 1
         assert v.accepted == a and v.token_ids == target[: a + 1]
+
+
+def test_a_seeded_sequence_emits_plain_sampling_s_tokens_whatever_its_drafts():
+    """A seeded row's token is plain sampling's draw from the sequence's stream, one
+    ``Exp(1)`` vector per emitted token: with any drafts (the right ones, wrong ones,
+    none) a sequence emits a prefix of what plain sampling draws on the same rows, and
+    leaves its stream where plain sampling would after as many tokens. So a seeded
+    request's samples do not depend on the drafts the scheduler gave or dropped."""
+    from tandem.core.worker.warpers import draw, sampling_probs
+
+    s = _scores(6, 4)  # the rows after each accepted prefix
+    for seed in range(40):
+        plain_gen = torch.Generator().manual_seed(seed)
+        plain = [int(draw(sampling_probs(s[j:j + 1], [PARAMS]), [plain_gen], None)[0]) for j in range(4)]
+        states = []
+        g = torch.Generator().manual_seed(seed)
+        for j in range(4):
+            draw(sampling_probs(s[j:j + 1], [PARAMS]), [g], None)
+            states.append(g.get_state())
+        wrong = [(t + 1) % V for t in plain]
+        for drafts in (plain[:3], plain[:1] + wrong[1:3], wrong[:3], plain[:2], []):
+            gen = torch.Generator().manual_seed(seed)
+            (v,) = verify(s, list(range(len(drafts) + 1)), [drafts], PARAMS, [gen] * (len(drafts) + 1), None)
+            a = 0
+            while a < len(drafts) and drafts[a] == plain[a]:
+                a += 1
+            assert v.accepted == a and v.token_ids == plain[:a + 1]
+            assert torch.equal(gen.get_state(), states[a])

@@ -129,3 +129,36 @@ async def test_a_dead_engine_loop_is_an_error_for_every_waiting_request(bart_dir
     with pytest.raises(EngineDeadError):
         await asyncio.wait_for(_collect(engine, _prompts(1)[0], params), WAIT)
     await asyncio.wait_for(engine.shutdown(), WAIT)
+
+
+async def test_seeded_samples_with_stop_strings_equal_the_offline_engine_alone_or_batched(engine, bart_dir):
+    """A seeded request with n > 1 and stop strings gives the offline engine's completions
+    (where a stop reaches the core before the next step), run alone and beside other
+    requests. Here the frontend finds a stop string on the event loop while the engine
+    thread steps on, so a completion a string ended runs a step or more in the core before
+    the stop reaches it: those extra steps must draw from no stream but its own."""
+    prompts = [{"prompt_token_ids": [0, 5 + i, 20 + 2 * i, 40 + i, 2]} for i in range(3)]
+    cases = [SamplingParams(temperature=1.0, seed=seed, n=4, max_tokens=16, stop=stop)
+             for seed in (2, 3, 5) for stop in (["sat"], ["old"], ["star", "city"])]
+    offline = LLM(model=str(bart_dir), dtype="float32", device="cpu")
+    ref = [[o.token_ids for o in out.outputs] for out in offline.generate([prompts[0]] * len(cases), cases,
+                                                                          use_tqdm=False)]
+
+    async def final(prompt, params, rid):
+        outs = await _collect(engine, prompt, params, rid)
+        return outs[-1]
+
+    other = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=16, stop=["old"])
+    cut_early = 0
+    for i, (params, want) in enumerate(zip(cases, ref)):
+        alone = await asyncio.wait_for(final(prompts[0], params, f"alone{i}"), WAIT)
+        _, beside, _ = await asyncio.wait_for(asyncio.gather(
+            final(prompts[1], other, f"other{i}"), final(prompts[0], params, f"beside{i}"),
+            final(prompts[2], SamplingParams(temperature=0.8, max_tokens=9), f"plain{i}")), WAIT)
+        assert [o.token_ids for o in alone.outputs] == want
+        assert [o.token_ids for o in beside.outputs] == want
+        # Not degenerate: a completion a string ended while a sibling went on.
+        lengths = [len(t) for t in want]
+        cut_early += any(isinstance(o.stop_reason, str) and len(o.token_ids) < max(lengths) for o in alone.outputs)
+    assert cut_early >= 3
+    assert await _blocks_all_free(engine)

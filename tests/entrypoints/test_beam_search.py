@@ -361,3 +361,49 @@ def test_beam_steps_are_recorded_on_the_steady_path_as_the_general_one_would(bar
     assert seen["records"] > 20 and seen["opened"] > 0
     for prompt, kw, out in zip(prompts, settings, outs):
         _assert_same(out, hf_search(bart_dir, prompt, [2, 0], do_sample=False, **kw), kw["num_return_sequences"])
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 2.0, -0.5])
+def test_an_aborted_beam_request_returns_its_best_n_so_far(bart_dir, length_penalty):
+    """A beam request aborted after k steps returns its n best candidates so far, by the
+    search's own score: its finished hypotheses and its running beams, those scored as
+    finished (``sum of log-probs / length ** length_penalty``). That is what HF's search
+    cut at k new tokens returns (its last step ends every beam on length): tokens and
+    scores as HF's. A hypothesis that ended on EOS keeps ``stop``; a beam cut short ends
+    ``abort``, as an aborted sample does. No more than n completions, and no block left."""
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
+    engine = llm.llm_engine
+    prompts = _encoder_prompts(13, 8)
+    n, k = 2, 6
+    params = SamplingParams(num_beams=4, n=n, max_tokens=20, length_penalty=length_penalty)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    done = set()
+    for _ in range(k):
+        done |= {o.request_id for o in engine.step() if o.finished}  # the search ended: nothing to abort
+    for group in engine.scheduler.running:
+        assert {len(s.output_token_ids) for s in group.seqs} == {k}
+    outs = engine.abort_request([str(i) for i in range(len(prompts))])
+    assert len(outs) + len(done) == len(prompts) and len(outs) >= 4
+    reasons = set()
+    for out in outs:
+        prompt = prompts[int(out.request_id)]
+        ref = hf_search(bart_dir, prompt, [2, 0], do_sample=False, num_beams=4, num_return_sequences=n,
+                        max_new_tokens=k, length_penalty=length_penalty)
+        assert out.finished and out.error is None and len(out.outputs) == n
+        for i, (got, (tokens, score)) in enumerate(zip(out.outputs, ref)):
+            assert got.index == i and got.token_ids == tokens
+            assert got.cumulative_logprob == pytest.approx(score, rel=SCORE_REL, abs=SCORE_ABS)
+            assert got.finish_reason == ("stop" if tokens[-1] == 2 else "abort")
+            reasons.add(got.finish_reason)
+    assert reasons == {"stop", "abort"}  # both kinds of completion are among the best
+    bm = engine.block_manager
+    assert bm.num_free_blocks() == bm.num_total_blocks()
+
+
+def test_a_beam_request_aborted_before_its_first_step_returns_one_empty_completion(bart_dir):
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu")
+    engine = llm.llm_engine
+    engine.add_request("0", {"prompt_token_ids": _encoder_prompts(3, 1)[0]}, SamplingParams(num_beams=4, n=3))
+    (out,) = engine.abort_request("0")
+    assert out.finished and [(o.token_ids, o.finish_reason) for o in out.outputs] == [([], "abort")]

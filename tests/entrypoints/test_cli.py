@@ -21,10 +21,11 @@ def tandem(*args, stdin=None, env=None):
     )
 
 
-def test_generate_json_reads_stdin_and_matches_the_library(bart_dir):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_generate_json_reads_stdin_and_matches_the_library(bart_dir, replicas):
     # dtype and device as the reference's: "auto" is bfloat16 on a bf16 CPU, cuda where there is one.
     res = tandem("generate", "--model", str(bart_dir), "--dtype", "float32", "--device", "cpu", "--json", "--max-tokens",
-                 "6", "the rain in spain", "-", stdin="red sun\n\nold king\n")
+                 "6", "--data-parallel-size", str(replicas), "the rain in spain", "-", stdin="red sun\n\nold king\n")
     assert res.returncode == 0, res.stderr
     records = [json.loads(line) for line in res.stdout.splitlines()]
     assert [r["prompt"] for r in records] == ["the rain in spain", "red sun", "old king"]

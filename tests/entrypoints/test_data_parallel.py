@@ -52,6 +52,22 @@ def test_greedy_outputs_equal_one_engine_and_hf(bart_dir, single, replicated):
         assert out.outputs[0].token_ids == hf_greedy(bart_dir, out.encoder_prompt_token_ids, out.prompt_token_ids, 8, 0)
 
 
+def test_replicas_are_topped_up_as_their_requests_finish(bart_dir, single):
+    # Two requests at a time each (max_num_seqs=2): the first four are dealt out, the rest
+    # wait in the parent and go to whichever replica has room.
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", data_parallel_size=2, max_num_seqs=2)
+    try:
+        prompts = _prompts(11, seed=7)
+        params = [SamplingParams(temperature=0.0, max_tokens=1 + 3 * (i % 4)) for i in range(11)]
+        two = llm.generate(prompts, params, use_tqdm=False)
+        one = single.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+        assert [o.outputs[0].finish_reason for o in two] == [o.outputs[0].finish_reason for o in one]
+        assert llm.get_stats()["num_requests_finished"] == 11
+    finally:
+        llm.shutdown()
+
+
 def test_a_bad_prompt_is_answered_in_its_place(replicated):
     prompts = _prompts(5, seed=1)
     prompts[3] = {"prompt_token_ids": [0, 10**9, 2]}  # an id past the vocabulary: refused
@@ -77,6 +93,25 @@ def test_stats_are_summed_over_replicas(replicated):
     stats = replicated.get_stats()
     assert stats["num_requests_finished"] == before + 7
     assert stats["kv_blocks_total"] == 2 * replicated.llm_engine.get_stats()["kv_blocks_total"]
+
+
+def test_stats_read_during_a_call_from_another_thread(single, replicated):
+    import threading
+
+    prompts = _prompts(8, seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=30, min_tokens=30)
+    before = replicated.get_stats()["num_requests_finished"]
+    result = {}
+    call = threading.Thread(target=lambda: result.update(outs=replicated.generate(prompts, params, use_tqdm=False)))
+    call.start()
+    seen = []
+    while call.is_alive():  # the replicas' connections are the call's alone: this must not read them
+        seen.append(replicated.get_stats()["num_requests_finished"])
+    call.join()
+    assert seen == sorted(seen) and before <= seen[0] and seen[-1] <= before + 8
+    ref = single.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in result["outs"]] == [o.outputs[0].token_ids for o in ref]
+    assert replicated.get_stats()["num_requests_finished"] == before + 8
 
 
 def test_a_failed_call_aborts_every_share_and_the_next_call_is_served(replicated, monkeypatch):

@@ -173,6 +173,27 @@ def test_sampled_requests_finish_and_free_every_block(bart):
     assert stats["spec_draft_tokens"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
+def test_seeded_samples_equal_plain_sampling_alone_batched_or_preempted(bart):
+    """A seeded request's samples (n > 1) are those it draws without speculation, run
+    alone, beside other sampled requests, and through a pool that preempts (which drops
+    drafts): each emitted token is plain sampling's draw from its sequence's own stream,
+    whatever drafts the step verified (``verify.py``), so neither the drafts the
+    scheduler gave or dropped nor the rest of the batch moves its stream."""
+    seeded = [SamplingParams(max_tokens=24, temperature=0.8, top_k=20, seed=seed, n=2) for seed in range(4)]
+    others = [SamplingParams(max_tokens=24, temperature=1.0, n=3), SamplingParams(max_tokens=20, temperature=0),
+              SamplingParams(max_tokens=24, temperature=0.7, seed=99), SamplingParams(max_tokens=24, temperature=1.2)]
+    _, plain = run(bart, seeded)
+    llm, alone = run(bart, seeded, SPEC)
+    assert llm.get_stats()["spec_accepted_tokens"] > 0
+    _, beside = run(bart, seeded + others, SPEC)
+    preempting, squeezed = run(bart, seeded + others, SPEC, num_kv_blocks=40, preemption_mode="recompute")
+    assert_preempted(preempting, "recompute")
+    want = [[c.token_ids for c in o.outputs] for o in plain]
+    for outs in (alone, beside[:4], squeezed[:4]):
+        assert [[c.token_ids for c in o.outputs] for o in outs] == want
+    assert len({len(t) for w in want for t in w}) > 2 and any(w[0] != w[1] for w in want)  # not degenerate
+
+
 def test_metrics_show_the_engines_speculation_counters(bart):
     """``/metrics`` reads the snapshot ``get_stats`` returns: the same numbers."""
     from prometheus_client import generate_latest

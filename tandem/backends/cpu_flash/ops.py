@@ -16,7 +16,7 @@ the outcome is remembered for the process.
 from __future__ import annotations
 
 import logging
-import threading
+import sys
 from pathlib import Path
 
 import torch
@@ -41,7 +41,7 @@ def cpu_capability() -> str:
     return cpp_build.cpu_capability()
 
 
-_lock = threading.Lock()
+# The outcome of the first load, as cpp_build.load_once remembers it.
 _op = None
 _error: str | None = None
 
@@ -76,13 +76,7 @@ def _build():
 
 def load():
     """The compiled op; builds it on first use. Raises :class:`CPUOpUnavailable`."""
-    global _op, _error
-    with _lock:
-        if _op is None and _error is None:
-            _op, _error = cpp_build.attempt(_build, unsupported_cpu(), logger)
-        if _op is None:
-            raise CPUOpUnavailable(_error)
-        return _op
+    return cpp_build.load_once(sys.modules[__name__], _build, CPUOpUnavailable, logger, reason=unsupported_cpu)
 
 
 def available() -> bool:

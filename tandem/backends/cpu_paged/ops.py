@@ -17,7 +17,7 @@ retried on every backend selection.
 from __future__ import annotations
 
 import logging
-import threading
+import sys
 from pathlib import Path
 
 import torch
@@ -35,7 +35,7 @@ class CPUOpUnavailable(RuntimeError):
     """The C++ op cannot be built or loaded here; the message says why."""
 
 
-_lock = threading.Lock()
+# The outcome of the first load, as cpp_build.load_once remembers it.
 _op = None
 _error: str | None = None
 
@@ -64,13 +64,7 @@ def _build():
 
 def load():
     """The compiled op; builds it on first use. Raises :class:`CPUOpUnavailable`."""
-    global _op, _error
-    with _lock:
-        if _op is None and _error is None:
-            _op, _error = cpp_build.attempt(_build, logger=logger)
-        if _op is None:
-            raise CPUOpUnavailable(_error)
-        return _op
+    return cpp_build.load_once(sys.modules[__name__], _build, CPUOpUnavailable, logger)
 
 
 def available() -> bool:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from tandem.core.kv.block_manager import AllocStatus, BlockManager
 from tandem.core.config import SchedulerConfig  # noqa: F401 - also imported from here
-from tandem.core.core_outputs import CompletionDelta, RequestResult
+from tandem.core.core_outputs import RequestResult
 from tandem.core.scheduler_output import (
     ModelRunnerOutput,
     NewRequestData,
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
     from tandem.core.strategies.modes import Modes
 
 logger = logging.getLogger(__name__)
+
+_index = operator.attrgetter("index")
 
 # The base hooks (no drafts, no step mode: plain sampling), which a strategy that keeps
 # them is not called for: once per running group every step.
@@ -137,12 +140,12 @@ class Scheduler:
 
     @staticmethod
     def _aborted_result(group: SequenceGroup) -> RequestResult:
-        want = group.sampling_params.logprobs is not None
-        deltas = [
-            CompletionDelta(i, list(seq.output_token_ids), list(seq.output_logprobs) if want else None,
-                            seq.cumulative_logprob, seq.status.value, seq.stop_reason, replace=True)
-            for i, seq in enumerate(group.seqs)
-        ]
+        try:
+            deltas = group.strategy.aborted(group)
+        except Exception:  # noqa: BLE001 - a strategy left inconsistent by a failed update: its sequences as they are
+            logger.exception("request %r: its strategy's aborted() raised; returning its sequences as they are",
+                             group.request_id)
+            deltas = RequestStrategy.aborted(group.strategy, group)
         return RequestResult(group.request_id, deltas, True)
 
     def stop_seqs(self, request_id: str, stops: dict[int, str]) -> bool:
@@ -354,7 +357,10 @@ class Scheduler:
         for g in scheduled:
             if g.request_id not in self._announced:
                 self._announced.add(g.request_id)
-                new_requests.append(NewRequestData(g.request_id, self.groups[g.request_id].sampling_params))
+                group = self.groups[g.request_id]
+                p = group.sampling_params
+                seq_ids = () if p.seed is None else tuple(s.seq_id for s in sorted(group.seqs, key=_index))
+                new_requests.append(NewRequestData(g.request_id, p, seq_ids))
         finished_requests, self._finished_requests = self._finished_requests, []
         finished_seqs, self._finished_seqs = self._finished_seqs, []
         seq_copies, self._seq_copies = self._seq_copies, []

@@ -13,6 +13,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tandem.core.core_outputs import CompletionDelta
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
@@ -104,10 +106,11 @@ class StepMode(ABC):
 
     @abstractmethod
     def select(self, scores: "torch.Tensor", rows: list[int], params: "SamplingParams", prepared: Any,
-               generator: "torch.Generator | None" = None, default_generator: "torch.Generator | None" = None) -> Any:
+               generators: "list[torch.Generator | None] | None" = None,
+               default_generator: "torch.Generator | None" = None) -> Any:
         """After the processors: the group's result for this step (plain data).
-        ``generator``: the request's seeded stream (None: none), ``default_generator``
-        the engine's, for modes that draw."""
+        ``generators``: each row's seeded stream, its sequence's (None: the request has
+        no seed), ``default_generator`` the engine's, for modes that draw."""
 
     # The worker hands a step's groups of one StepMode class to these together, so a
     # mode may batch its tensor work over requests; by default they loop.
@@ -119,7 +122,7 @@ class StepMode(ABC):
     @classmethod
     def select_all(cls, scores: "torch.Tensor", items: "list[tuple[StepMode, list[int], SamplingParams, Any, Any]]",
                    default_generator: "torch.Generator | None" = None) -> list[Any]:
-        """:meth:`select` of each ``(mode, rows, params, prepared, generator)`` in ``items``,
+        """:meth:`select` of each ``(mode, rows, params, prepared, generators)`` in ``items``,
         in order."""
         return [mode.select(scores, rows, params, prep, gen, default_generator)
                 for mode, rows, params, prep, gen in items]
@@ -196,3 +199,16 @@ class RequestStrategy(ABC):
         """Blocks the request may hold at once with its decoder sequences ``full_len``
         tokens long, when more than its sequences sharing their prompt need (None)."""
         return None
+
+    def aborted(self, group: "SequenceGroup") -> "list[CompletionDelta]":
+        """The request's completions when it ends from outside (aborted, or failed),
+        each replacing what the frontend holds. Called after the scheduler marked its
+        unfinished sequences ``abort``; it must not raise for a strategy whose update
+        failed (the scheduler then falls back to this default). Default: every
+        sequence's output so far, with its own finish reason."""
+        want = group.sampling_params.logprobs is not None
+        return [
+            CompletionDelta(i, list(seq.output_token_ids), list(seq.output_logprobs) if want else None,
+                            seq.cumulative_logprob, seq.status.value, seq.stop_reason, replace=True)
+            for i, seq in enumerate(group.seqs)
+        ]

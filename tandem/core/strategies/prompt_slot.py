@@ -35,7 +35,7 @@ class SlotStep(StepMode):
         return token, prob
 
     def select(self, scores: "torch.Tensor", rows: list[int], params: "SamplingParams",
-               prepared: tuple[int, float | None], generator=None, default_generator=None) -> tuple[int, float | None]:
+               prepared: tuple[int, float | None], generators=None, default_generator=None) -> tuple[int, float | None]:
         return prepared
 
 
@@ -51,6 +51,9 @@ class PromptSlotStrategy(RequestStrategy):
 
     def blocks_needed_at_most(self, group: "SequenceGroup", full_len: int, block_size: int) -> int | None:
         return self.then.blocks_needed_at_most(group, full_len, block_size)
+
+    def aborted(self, group: "SequenceGroup"):
+        return self.then.aborted(group)
 
     def ready(self, group: "SequenceGroup") -> bool:
         return self.then.ready(group)

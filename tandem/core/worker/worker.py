@@ -3,13 +3,15 @@
 It runs a ``SchedulerOutput`` (plain data) and answers a ``ModelRunnerOutput``:
 swaps and copy-on-write copies first, through the attention backend's own
 cache ops, then the forward pass and sampling. What it keeps across steps is
-keyed by request and sequence id: each request's sampling parameters and
-seeded generator (so a request keeps its random stream through preemption),
+keyed by request and sequence id: each request's sampling parameters and a
+seeded request's generators, one per sequence (so each completion keeps its random
+stream through preemption, whatever the others do),
 and the persistent block tables in the runner.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, replace
 
@@ -39,11 +41,29 @@ from tandem.core.worker.sampler import Sampler
 logger = logging.getLogger(__name__)
 
 
+def seeded_stream(seed: int, index: int) -> torch.Generator:
+    """The random stream of completion ``index`` of a request seeded with ``seed``: the
+    seed itself for the first (a request with ``n=1`` draws as it always did), a hash of
+    both for the others. Each completion draws from its own stream, so its samples do not
+    depend on how many steps the others run (one stopped by a string runs on until the
+    frontend's stop reaches the core) or on how many draft tokens they verify."""
+    if index:
+        seed = int.from_bytes(hashlib.sha256(f"{seed}/{index}".encode()).digest()[:8], "little")
+    return torch.Generator().manual_seed(seed)
+
+
 @dataclass
 class _RequestState:
     params: SamplingParams
-    generator: torch.Generator | None
+    # A seeded request's streams, by sequence id (None: it draws from the engine's).
+    generators: dict[int, torch.Generator] | None
     keeps_history: bool  # its processors read past tokens
+
+    def stream(self, seq_id: int) -> torch.Generator:
+        """A sequence the request did not have when it was first scheduled (a beam's: a
+        sampling request starts with all of its own) gets the next completion's stream."""
+        gen = self.generators[seq_id] = seeded_stream(self.params.seed, len(self.generators))
+        return gen
 
 
 def _number_cross_layers(model: torch.nn.Module, num_layers: int) -> None:
@@ -236,9 +256,12 @@ class Worker:
         for group in out.scheduled:
             rid, mode = group.request_id, group.mode
             state = requests[rid]
-            p, gen, joint_rows = state.params, state.generator, mode is not None and mode.joint_rows
+            p, gens, joint_rows = state.params, state.generators, mode is not None and mode.joint_rows
+            gen = None
             start = len(row_data)
             for seq in group.seqs:
+                if gens is not None:
+                    gen = gens.get(seq.seq_id) or state.stream(seq.seq_id)
                 # One row per position whose logits are returned (several when lookahead
                 # tokens are verified), each with the lengths it would have in plain decoding.
                 end = seq.num_computed_tokens + len(seq.token_ids)
@@ -272,7 +295,7 @@ class Worker:
                 self.screen_stats.add(screen)
             selected = _by_class(modes, lambda cls, idx: cls.select_all(
                 sampled.scores,
-                [(modes[j][1], modes[j][2], params[modes[j][2][0]], prepared[j], generators[modes[j][2][0]])
+                [(modes[j][1], modes[j][2], params[modes[j][2][0]], prepared[j], [generators[i] for i in modes[j][2]])
                  for j in idx],
                 self.sampler.generator))
             mode_outputs = {rid: result for (rid, _, _), result in zip(modes, selected)}
@@ -372,8 +395,8 @@ class Worker:
             self.histories.remove(seq_id)
         for new in out.new_requests:
             p = new.sampling_params
-            gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-            self.requests[new.request_id] = _RequestState(p, gen, needs_history(p))
+            gens = None if p.seed is None else {sid: seeded_stream(p.seed, i) for i, sid in enumerate(new.seq_ids)}
+            self.requests[new.request_id] = _RequestState(p, gens, needs_history(p))
 
     @staticmethod
     def _ids(pairs: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ from tandem.core.core_outputs import CompletionDelta, OutputShape, RequestResult
 from tandem.core.kv.block_pool import blocks_for
 from tandem.core.sequence import SequenceStatus
 from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode, update_failure
-from tandem.core.strategies.beam.search import BeamCandidates, BeamSearchState, NextBeams
+from tandem.core.strategies.beam.search import BeamCandidates, BeamSearchState, Hypothesis, NextBeams
 from tandem.core.strategies.beam.topk import beam_topk, chunk_size
 from tandem.core.strategies.modes import Mode, RequestContext
 
@@ -71,11 +71,11 @@ class BeamStep(StepMode):
             logits.index_copy_(0, r, torch.log_softmax(logits.index_select(0, r), dim=-1))
         return [None] * len(items)
 
-    def select(self, scores: torch.Tensor, rows: list[int], params: "SamplingParams", prepared, generator=None,
+    def select(self, scores: torch.Tensor, rows: list[int], params: "SamplingParams", prepared, generators=None,
                default_generator=None) -> BeamCandidates:
         """HF's top-k continuations: processed log-probs plus each beam's running
         score, flattened over (beam, token), the best ``beams_to_keep``."""
-        return self.select_all(scores, [(self, rows, params, prepared, generator)], default_generator)[0]
+        return self.select_all(scores, [(self, rows, params, prepared, generators)], default_generator)[0]
 
     @classmethod
     def select_all(cls, scores: torch.Tensor, items: list, default_generator=None) -> list[BeamCandidates]:
@@ -127,8 +127,10 @@ class BeamStep(StepMode):
 class BeamSearchStrategy(RequestStrategy):
     steady_step_mode = True  # step_mode reads the search's state, nothing else
 
-    def __init__(self, params: "SamplingParams", prompt_len: int, stop_ids: frozenset[int]) -> None:
+    def __init__(self, params: "SamplingParams", prompt_len: int, stop_ids: frozenset[int],
+                 eos_ids: frozenset[int] = frozenset()) -> None:
         self.state = BeamSearchState(params, prompt_len, stop_ids)
+        self.eos_ids = eos_ids  # a hypothesis ended on one of these has no stop_reason
         # HF keeps (1 + number of EOS ids, at least 2) x num_beams candidates.
         self.beams_to_keep = max(2, 1 + len(stop_ids)) * params.num_beams
 
@@ -287,16 +289,13 @@ class BeamSearchStrategy(RequestStrategy):
         for index, (hyp, score) in enumerate(self.state.best(p.n)):
             seq = ops.new_sequence(group, group.seqs[0].prompt_token_ids)
             seq.index = index
-            stopped = False
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_LENGTH, None
             if hyp is not None:
                 seq.output_token_ids = list(hyp.output_token_ids)
                 seq.token_ids = seq.prompt_token_ids + seq.output_token_ids
                 seq.output_logprobs = list(hyp.output_logprobs)
-                stopped = hyp.finished_by_stop
-                if stopped and hyp.output_token_ids[-1] not in ops.eos_token_ids:
-                    seq.stop_reason = hyp.output_token_ids[-1]
+                seq.status, seq.stop_reason = _hypothesis_end(hyp, ops.eos_token_ids)
             seq.cumulative_logprob = score
-            seq.status = SequenceStatus.FINISHED_STOPPED if stopped else SequenceStatus.FINISHED_LENGTH
             finished.append(seq)
             deltas.append(CompletionDelta(
                 index, list(seq.output_token_ids), list(seq.output_logprobs) if p.logprobs is not None else None,
@@ -305,6 +304,44 @@ class BeamSearchStrategy(RequestStrategy):
         group.seqs = finished
         ops.release_finished(group)
         return RequestResult(group.request_id, deltas, True)
+
+    def aborted(self, group: "SequenceGroup") -> list[CompletionDelta]:
+        """Ended mid-search: the best ``n`` so far of the finished hypotheses and the
+        running beams (``group.seqs``, already marked ``abort``), a running beam scored
+        as the search scores a beam that ends: its log-probability over its length to
+        the ``length_penalty`` (float32, as ``BeamSearchState.step_all``). That is what
+        HF's search cut at this length returns. A hypothesis keeps its finish (``stop``,
+        ``length``), a running beam ends ``abort``: as an aborted request's finished and
+        unfinished samples do. Before the first step, the one empty sequence."""
+        p, st = group.sampling_params, self.state
+        want = p.logprobs is not None
+        # (score, tokens, logprobs, finish reason, stop reason), finished hypotheses first:
+        # HF's merge puts them first too, and a stable sort keeps them ahead on a tie.
+        found = []
+        for hyp, score, done in zip(st.hyps, st.scores, st.is_finished):  # lists of float32 values, bools
+            if done and hyp is not None:
+                status, stop_reason = _hypothesis_end(hyp, self.eos_ids)
+                found.append((score, hyp.output_token_ids, hyp.output_logprobs, status.value, stop_reason))
+        beams = [s for s in group.seqs if s.cumulative_logprob is not None]
+        if beams:
+            lengths = [len(s.output_token_ids) for s in beams]
+            summed = torch.tensor([s.cumulative_logprob for s in beams], dtype=torch.float32)
+            scale = torch.tensor([n ** p.length_penalty if n else 1.0 for n in lengths], dtype=torch.float32)
+            for seq, score in zip(beams, (summed / scale).tolist()):
+                found.append((score, seq.output_token_ids, seq.output_logprobs, seq.status.value, seq.stop_reason))
+        found.sort(key=lambda f: -f[0])
+        return [CompletionDelta(index, list(tokens), list(logprobs) if want else None, score, reason, stop_reason,
+                                replace=True)
+                for index, (score, tokens, logprobs, reason, stop_reason) in enumerate(found[:p.n])]
+
+
+def _hypothesis_end(hyp: Hypothesis, eos_ids: frozenset[int]) -> tuple[SequenceStatus, int | None]:
+    """How a finished hypothesis ended: on EOS (no stop reason), on a stop token id (that
+    id), or on its length."""
+    if not hyp.finished_by_stop:
+        return SequenceStatus.FINISHED_LENGTH, None
+    last = hyp.output_token_ids[-1]
+    return SequenceStatus.FINISHED_STOPPED, (None if last in eos_ids else last)
 
 
 class BeamSearchMode(Mode):
@@ -325,4 +362,4 @@ class BeamSearchMode(Mode):
     def strategy(self, req: RequestContext, inner: RequestStrategy | None) -> RequestStrategy:
         p = req.params
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.ctx.eos_token_ids))
-        return BeamSearchStrategy(p, req.prompt_len, frozenset(stops))
+        return BeamSearchStrategy(p, req.prompt_len, frozenset(stops), frozenset(self.ctx.eos_token_ids))

@@ -51,10 +51,10 @@ class VerifyStep(StepMode):
     def prepare(self, logits: "torch.Tensor", rows: list[int]) -> None:
         return None
 
-    def select(self, scores, rows, params, prepared, generator=None, default_generator=None) -> list:
+    def select(self, scores, rows, params, prepared, generators=None, default_generator=None) -> list:
         from tandem.core.strategies.speculative.verify import verify
 
-        return verify(scores, rows, [list(d) for d in self.drafts], params, generator, default_generator)
+        return verify(scores, rows, [list(d) for d in self.drafts], params, generators, default_generator)
 
 
 @dataclass
@@ -87,6 +87,9 @@ class SpeculativeStrategy(RequestStrategy):
 
     def blocks_needed_at_most(self, group: "SequenceGroup", full_len: int, block_size: int) -> int | None:
         return self.inner.blocks_needed_at_most(group, full_len, block_size)
+
+    def aborted(self, group: "SequenceGroup"):
+        return self.inner.aborted(group)
 
     def batch_items(self, group: "SequenceGroup", sg: "ScheduledGroup | None"):
         yield from self.inner.batch_items(group, sg)

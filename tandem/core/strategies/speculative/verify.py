@@ -9,13 +9,19 @@ decoding would sample from at that point, given that prefix.
 - Greedy: ``x_{j+1}`` is accepted while it equals row ``j``'s argmax; the first
   row where it does not (or row ``k``) gives its argmax. The emitted tokens are
   the argmaxes of rows ``0..a``: what plain greedy decoding emits, one per step.
-- Sampled: rejection sampling with a deterministic (point-mass) draft ``q``:
-  ``x_{j+1}`` is accepted with probability ``min(1, p_j(x)/q(x)) = p_j(x)``; on
-  its rejection the token comes from ``max(0, p_j - q)`` normalised, which is
-  ``p_j`` with ``x`` taken out; after ``k`` acceptances row ``k`` is sampled.
-  The token at each position is then distributed as ``p_j`` (P(x) = p(x) from
-  acceptance; P(y != x) = (1 - p(x)) p(y) / (1 - p(x))), so the output is
-  distributed as the target's (Leviathan et al. 2023, Chen et al. 2023).
+- Sampled: each row's token is drawn as plain sampling draws it, ``argmax(p_j / e)``
+  with ``e ~ Exp(1)`` from the sequence's stream (``warpers.draw``), and ``x_{j+1}``
+  is accepted while it equals row ``j``'s draw; the first row where it does not (or
+  row ``k``) gives its draw. This is rejection sampling with a point-mass draft
+  ``q``: ``x`` is accepted with probability ``p_j(x) = min(1, p_j(x)/q(x))``, and on
+  its rejection the token is distributed as ``p_j`` with ``x`` taken out, which is
+  ``max(0, p_j - q)`` normalised (Leviathan et al. 2023, Chen et al. 2023): the
+  output is distributed as the target's. It is also coupled to plain decoding: a
+  seeded sequence draws one ``Exp(1)`` vector per emitted token from its own stream
+  (the rows past the first rejection draw nothing), so it emits what it would have
+  without speculation, whatever drafts it was given (those the scheduler drops
+  included), and never depends on the rest of the batch (up to the float rounding
+  of a verify pass's logits against a decode pass's, which greedy shares). An unseeded request's rows draw from the engine's stream at once.
 """
 
 from __future__ import annotations
@@ -45,11 +51,11 @@ class Verified:
 
 def verify(
     scores: torch.Tensor, rows: list[int], drafts: list[list[int]], params: SamplingParams,
-    generator: torch.Generator, default: torch.Generator,
+    generators: list[torch.Generator | None] | None, default: torch.Generator,
 ) -> list[Verified]:
     """``scores``: processed float32 ``[R, vocab]``; ``rows``: the group's rows, each
-    sequence's ``len(drafts[i]) + 1`` in order; ``generator``: the request's own
-    (None: ``default``, the engine's stream)."""
+    sequence's ``len(drafts[i]) + 1`` in order; ``generators``: each row's seeded stream,
+    its sequence's (None, or None for a row: ``default``, the engine's stream)."""
     dev = scores.device
     x = scores.index_select(0, torch.tensor(rows, device=dev))  # [R, vocab]
     starts, pos = [], 0
@@ -58,33 +64,29 @@ def verify(
         pos += len(d) + 1
     if pos != len(rows):
         raise RuntimeError(f"{len(rows)} score rows for drafts needing {pos}")
-    out = []
+    probs = gens = None
     if params.greedy:
         target = argmax_rows(x).tolist()
-        for s, d in zip(starts, drafts):
-            a = 0
-            while a < len(d) and d[a] == target[s + a]:
-                a += 1
-            out.append((s, a, target[s:s + a + 1]))
     else:
-        gen = generator if generator is not None else default
-        probs = sampling_probs(x, [params] * len(rows))
-        finals = []
-        for s, d in zip(starts, drafts):
-            a = 0
-            if d:
-                p_draft = probs[s + torch.arange(len(d), device=dev), torch.tensor(d, device=dev)]
-                u = torch.rand(len(d), generator=gen, device=gen.device).to(dev)
-                rejected = (u >= p_draft).nonzero()
-                a = int(rejected[0]) if rejected.numel() else len(d)
-            p = probs[s + a].clone()
-            if a < len(d):  # max(0, p - q) for the point mass q on the rejected draft
-                p[d[a]] = 0.0
-                p /= p.sum()
-            finals.append(p)
-            out.append((s, a, list(d[:a])))
-        last = draw(torch.stack(finals), [generator] * len(finals), default).tolist()
-        out = [(s, a, toks + [t]) for (s, a, toks), t in zip(out, last)]
+        probs = sampling_probs(x, [params] * len(rows))  # [R, vocab]
+        gens = generators if generators is not None else [None] * len(rows)
+        # The engine's stream is the batch's: its rows draw at once, used or not.
+        shared = [i for i, g in enumerate(gens) if g is None]
+        target = [-1] * len(rows)
+        if shared:
+            drawn = draw(probs.index_select(0, torch.tensor(shared, device=dev)), [None] * len(shared), default)
+            for i, t in zip(shared, drawn.tolist()):
+                target[i] = t
+    out = []
+    for s, d in zip(starts, drafts):
+        a = 0
+        while True:
+            if target[s + a] < 0:  # a seeded row: its sequence's next draw, only when needed
+                target[s + a] = int(draw(probs[s + a:s + a + 1], [gens[s + a]], default)[0])
+            if a == len(d) or d[a] != target[s + a]:
+                break
+            a += 1
+        out.append((s, a, target[s:s + a + 1]))
     return [_finish(x, s, a, toks, params) for s, a, toks in out]
 
 

@@ -108,6 +108,9 @@ class StructuredStrategy(RequestStrategy):
     def blocks_needed_at_most(self, group: "SequenceGroup", full_len: int, block_size: int) -> int | None:
         return self.inner.blocks_needed_at_most(group, full_len, block_size)
 
+    def aborted(self, group: "SequenceGroup"):
+        return self.inner.aborted(group)
+
     def step_mode(self, group: "SequenceGroup") -> StepMode | None:
         return self.inner.step_mode(group)
 
