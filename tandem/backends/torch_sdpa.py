@@ -113,13 +113,17 @@ class SDPAMetadataBuilderBase(AttentionMetadataBuilder):
 
     def common_fields(self, inputs, view_starts: bool) -> tuple[dict, list[int], list[int]]:
         """The :class:`SDPAMetadata` fields beyond the base ones, the decoding sequences'
-        indices and every sequence's first packed row; ``view_starts``: find contiguous
-        cross tables for every sequence (else only when a prefill needs them)."""
-        starts = inputs.query_start_loc.tolist()
+        indices and every sequence's first packed row (None in a decode step that neither
+        finds views nor reads per head); ``view_starts``: find contiguous cross tables
+        for every sequence (else only when a prefill needs them)."""
         prefills, decodes = [], []
+        head_index = {i: j for j, i in enumerate(inputs.cross_per_head_seqs)}
         if inputs.max_query_len == 1:  # a decode step: every sequence decodes (no loop per row)
             decodes = list(range(len(inputs.query_lens)))
+            # Only the views and kv_compress per head read each sequence's first row.
+            starts = inputs.query_start_loc.tolist() if view_starts or head_index else None
         else:
+            starts = inputs.query_start_loc.tolist()
             for i, (q, s) in enumerate(zip(inputs.query_lens, inputs.seq_lens)):
                 if q == 1:
                     decodes.append(i)
@@ -134,7 +138,6 @@ class SDPAMetadataBuilderBase(AttentionMetadataBuilder):
             cross_lens = torch.tensor(inputs.cross_seq_lens, dtype=torch.long)
             view_start = contiguous_starts(inputs.cross_block_tables.cpu(), cross_lens, self.block_size).tolist()
         decode_seqs = torch.tensor(decodes, dtype=torch.long, device=self.device)
-        head_index = {i: j for j, i in enumerate(inputs.cross_per_head_seqs)}
         fields = dict(
             prefills=prefills,
             cross_view_start=view_start,
@@ -144,7 +147,7 @@ class SDPAMetadataBuilderBase(AttentionMetadataBuilder):
             num_decodes=len(decodes),
             workspace=self.workspace,
             cross_head_index=head_index,
-            cross_head_decodes=[(starts[i], head_index[i]) for i in decodes if i in head_index],
+            cross_head_decodes=[(starts[i], head_index[i]) for i in decodes if i in head_index] if head_index else [],
         )
         return fields, decodes, starts
 

@@ -8,9 +8,12 @@ generators, the persistent block tables) keyed by request and sequence id, and
 drops it when the request id shows up in ``finished_request_ids``.
 
 The per-step records (``ScheduledSequence``, ``ScheduledGroup``) are slotted, not
-frozen: one of each is built per running row every step, and a frozen dataclass's
+frozen: one of each is needed per running row every step, and a frozen dataclass's
 ``__init__`` (one ``object.__setattr__`` per field) cost 4x a slotted one's. Nothing
-changes them once ``schedule()`` returns.
+changes them until the next ``schedule()``, which may reuse them: a steady decode
+group of one sequence gets its last record back, advanced in place
+(``Scheduler._steady``). What must outlive the step copies them (a process
+boundary does).
 """
 
 from __future__ import annotations
@@ -137,6 +140,12 @@ class SchedulerOutput:
     # ``blocks_to_copy``: the partly filled blocks of those sequences, their K/V as the last
     # step left them (whatever this step does to a block afterwards comes after).
     blocks_to_copy_first: list[tuple[int, int]] = field(default_factory=list)
+    # Indices into ``scheduled`` (ascending) of the groups whose block tables the worker
+    # may not hold as they are: every group but the scheduler's steady decode records
+    # that open no block (``Scheduler._steady``), whose self and cross tables the worker
+    # was sent already. The worker looks at these groups' table updates only (their
+    # encoders included: a group that runs its encoder is listed). None: look at all.
+    table_updates: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -13,6 +13,7 @@ nothing to allocate or copy.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 
@@ -63,7 +64,7 @@ def _run(scenario, monkeypatch, fast: bool):
 
     def recorded():
         out = schedule()
-        outputs.append(out)
+        outputs.append(copy.deepcopy(out))  # the next schedule() may advance its records in place
         return out
 
     sim.sched.schedule = recorded
@@ -78,6 +79,9 @@ def _run(scenario, monkeypatch, fast: bool):
 def _data(out) -> dict:
     """A step's output as plain values (``EncoderInputs`` compares by identity: its ids here)."""
     d = dataclasses.asdict(out)
+    # Which groups the worker is told to look at differs by design (steady records are
+    # left out); test_scheduler's simulation checks the groups left out hold still.
+    del d["table_updates"]
     for g, sg in zip(d["scheduled"], out.scheduled):
         g["encoder_inputs"] = None if sg.encoder_inputs is None else sg.encoder_inputs.token_ids
     return d
@@ -91,7 +95,9 @@ def _same_runs(scenario, monkeypatch) -> int:
     for step, (a, b) in enumerate(zip(fast_out, slow_out)):
         assert _data(a) == _data(b), f"step {step}: the fast path's output differs from the general path's"
     assert fast_tokens == slow_tokens
-    return taken
+    # Without steady records every group's tables are looked at.
+    assert all(o.table_updates == list(range(len(o.scheduled))) for o in slow_out)
+    return taken, fast_out
 
 
 @settings(max_examples=150, **SETTINGS)
@@ -114,8 +120,15 @@ def test_fast_path_serves_plain_decode_steps(monkeypatch):
     # them while the free blocks cover every opener (200 blocks here: always).
     cfg = ts.SchedulerConfig(8, 128, None)
     specs = [Spec(enc_len=5, prompt_len=2, n=1, max_tokens=40, targets=[40], arrival=0, doc=i) for i in range(4)]
-    taken = _same_runs((cfg, 4, 200, 0, 0.0, specs), monkeypatch)
+    taken, outputs = _same_runs((cfg, 4, 200, 0, 0.0, specs), monkeypatch)
     assert taken == 4 * 39  # 4 groups x 39 decode steps, none on the general path
+    # The worker looks at no group's tables in a step whose tokens all go into blocks
+    # they hold (3 of 4 decode steps here), and only at the openers' in the others.
+    decode_steps = [o for o in outputs if o.scheduled and all(len(s.token_ids) == 1 for g in o.scheduled
+                                                                 for s in g.seqs)]
+    assert sum(o.table_updates == [] for o in decode_steps) >= 3 * len(decode_steps) // 4 - 1
+    for o in decode_steps:
+        assert all(o.scheduled[i].seqs[0].block_ids for i in o.table_updates)
 
 
 def _group(n: int, prompt: list[int]) -> SequenceGroup:

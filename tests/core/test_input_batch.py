@@ -10,7 +10,7 @@ from tandem.core.worker.input_batch import BlockTableRows
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["set", "extend", "remove", "copy"]),
+        st.sampled_from(["set", "extend", "remove", "copy", "extend_many"]),
         st.integers(0, 9),  # key
         st.lists(st.integers(0, 10_000), max_size=12),  # block ids
     ),
@@ -29,6 +29,17 @@ def test_rows_hold_exactly_what_was_set_and_appended(operations, rows, width):
         elif op == "extend" and key in oracle:
             table.extend(key, ids)
             oracle[key] += ids
+        elif op == "extend_many" and oracle:
+            # Several held keys at once: one id each (a decode step's write) when the key
+            # is even, else each its own slice of ids (none, one or more).
+            keys = sorted(oracle)[key % 3:]
+            if key % 2 == 0 or not ids:
+                lists = [[(ids[0] if ids else 7) + j] for j in range(len(keys))]
+            else:
+                lists = [ids[j % len(ids):] for j in range(len(keys))]
+            table.extend_many(keys, lists)
+            for k, more in zip(keys, lists):
+                oracle[k] += more
         elif op == "remove":
             table.remove(key)
             oracle.pop(key, None)

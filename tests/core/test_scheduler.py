@@ -140,6 +140,10 @@ class Sim:
         # The fake worker's block tables, kept from the updates it is sent.
         self.worker_tables: dict[int, list[int]] = {}
         self.worker_requests: set[str] = set()
+        # Its cross tables by request, and how many groups it was told to leave alone
+        # (not in ``SchedulerOutput.table_updates``).
+        self.worker_cross: dict[str, list[int]] = {}
+        self.unlisted_groups = 0
 
     def add(self, spec: Spec) -> SequenceGroup:
         g = make_group(spec)
@@ -239,6 +243,7 @@ class Sim:
             g = self.groups[rid]
             assert g.is_finished
             self.worker_requests.discard(rid)
+            self.worker_cross.pop(rid, None)
             for s in g.seqs:
                 self.worker_tables.pop(s.seq_id, None)
         for sid in out.finished_seq_ids:
@@ -250,8 +255,21 @@ class Sim:
 
         # Each scheduled group: once, all unfinished sequences, tables that cover it.
         seen_groups = set()
-        for m in out.scheduled:
+        listed = None
+        if out.table_updates is not None:
+            assert out.table_updates == sorted(set(out.table_updates))
+            assert all(0 <= i < len(out.scheduled) for i in out.table_updates)
+            listed = set(out.table_updates)
+        for idx, m in enumerate(out.scheduled):
             g = self.groups[m.request_id]
+            if listed is not None and idx not in listed:
+                # Left out of table_updates: the worker holds its tables as they are.
+                self.unlisted_groups += 1
+                assert not m.run_encoder
+                assert self.worker_cross.get(m.request_id) == m.cross_block_table
+                assert all(not ss.replace_blocks and not ss.block_ids for ss in m.seqs)
+                assert all(ss.seq_id in self.worker_tables for ss in m.seqs)
+            self.worker_cross[m.request_id] = list(m.cross_block_table)
             assert g.request_id not in seen_groups and g.request_id in self.worker_requests
             seen_groups.add(g.request_id)
             assert g in sched.running

@@ -64,7 +64,7 @@ def test_steady_records_equal_the_general_ones(block_size, requests, steps, pref
         sched.update_from_output(out, _sample_all(sched, out))
     sent_before = {sid: list(table) for sid, table in sched._sent_tables.items()}
     free_before = bm.num_free_blocks()
-    records, in_place = sched._steady(deque(sched.running))
+    records, in_place, _ = sched._steady(deque(sched.running))
     assert not set(records) & set(in_place)
     opened = 0
     for group in sched.running:
@@ -103,12 +103,51 @@ def test_mid_block_decode_steps_are_all_steady():
     for _ in range(3):  # admission, then two decode steps
         out = sched.schedule()
         sched.update_from_output(out, _sample_all(sched, out))
-    records, in_place = sched._steady(deque(sched.running))
+    records, in_place, _ = sched._steady(deque(sched.running))
     assert list(records) == [g.request_id for g in sched.running] and not in_place
     out = sched.schedule()
     assert [id(g) for g in out.scheduled] == [id(records[g.request_id]) for g in out.scheduled] or all(
         g == records[g.request_id] for g in out.scheduled)
     assert [s.num_computed_tokens for g in out.scheduled for s in g.seqs] == [4] * 18
+
+
+@settings(**SETTINGS)
+@given(
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    requests=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 9), st.integers(1, 2)), min_size=1, max_size=6),
+    steps=st.integers(2, 30),
+)
+def test_records_advanced_in_place_equal_the_general_ones_every_step(block_size, requests, steps):
+    """A group of one sequence gets its last step's record back, advanced in place:
+    after every step's schedule() each record equals ``_metadata``'s, and records are
+    reused (the same object as the last step's) on steps that follow a steady one."""
+    bm = BlockManager(block_size, 4096, 0, watermark=0.0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096), bm, eos_token_ids=[2])
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    for enc_len, prompt_len, n in requests:
+        sched.add(_group(enc_len, prompt_len, n, params if n == 1 else params.replace(n=n)))
+    last: dict[str, int] = {}
+    reused = 0
+    for _ in range(steps):
+        sent_before = {sid: list(table) for sid, table in sched._sent_tables.items()}
+        out = sched.schedule()
+        sent_after = dict(sched._sent_tables)
+        for sg in out.scheduled:
+            group = sched.groups[sg.request_id]
+            reused += last.get(sg.request_id) == id(sg)
+            # _metadata against the worker's tables as they were before this step.
+            for s in group.seqs:
+                sched._sent_tables.pop(s.seq_id, None)
+                if s.seq_id in sent_before:
+                    sched._sent_tables[s.seq_id] = list(sent_before[s.seq_id])
+            seqs = [s for s in group.seqs if s.status is SequenceStatus.RUNNING]
+            assert sg == sched._metadata(group, sg.run_encoder, seqs)
+        sched._sent_tables.clear()
+        sched._sent_tables.update(sent_after)
+        last = {sg.request_id: id(sg) for sg in out.scheduled}
+        sched.update_from_output(out, _sample_all(sched, out))
+    if steps >= 3 and any(n == 1 for *_, n in requests):
+        assert reused > 0
 
 
 class _Ops:
@@ -245,3 +284,4 @@ def test_a_strategy_class_whose_update_all_raises_fails_its_run_alone():
     assert set(result.failed_requests) == bad
     assert all("RuntimeError: a batch hook that raises" in why for why in result.failed_requests.values())
     assert [len(g.seqs[0].output_token_ids) for g in groups] == [1, 0, 0, 1]
+

@@ -74,19 +74,35 @@ def shared_runs(tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None
 
 
 class CPUPagedMetadataBuilder(SDPAMetadataBuilderBase):
+    def __init__(self, block_size, device, kv_spec) -> None:
+        super().__init__(block_size, device, kv_spec)
+        # The last decode step's cross inputs (its cross tables and lengths, as objects) and
+        # what was found from them: the runner hands the same objects on while the step's
+        # rows are those of the last (model_runner._Rows), and never writes into them.
+        self._cross_memo: tuple | None = None
+
     def build(self, inputs) -> CPUPagedMetadata:
         common, _, _ = self.common_fields(inputs, view_starts=False)
-        cross_lens = torch.tensor(inputs.cross_seq_lens, dtype=torch.long)
         seqs, rows = common["decode_seqs"], common["decode_rows"]
-        if common["cross_head_decodes"]:
-            per_head = common["cross_head_index"]
-            keep = torch.tensor([i not in per_head for i in seqs.tolist()], dtype=torch.bool)
-            seqs, rows = seqs[keep], rows[keep]
-        groups = None
-        if seqs.numel() > 1 and inputs.max_cross_seq_len > 0:
-            # Beams and forks sit next to each other in the step (a group's sequences are
-            # listed together), so adjacent decodes with one cross table find each other.
-            groups = shared_runs(inputs.cross_block_tables.index_select(0, seqs), cross_lens.index_select(0, seqs))
+        memo = self._cross_memo
+        every_row = inputs.max_query_len == 1 and not common["cross_head_decodes"]  # seqs: all rows
+        if (every_row and memo is not None and memo[0] is inputs.cross_block_tables
+                and memo[1] is inputs.cross_seq_lens):
+            cross_lens, groups = memo[2], memo[3]
+        else:
+            cross_lens = torch.tensor(inputs.cross_seq_lens, dtype=torch.long)
+            if common["cross_head_decodes"]:
+                per_head = common["cross_head_index"]
+                keep = torch.tensor([i not in per_head for i in seqs.tolist()], dtype=torch.bool)
+                seqs, rows = seqs[keep], rows[keep]
+            groups = None
+            if seqs.numel() > 1 and inputs.max_cross_seq_len > 0:
+                # Beams and forks sit next to each other in the step (a group's sequences are
+                # listed together), so adjacent decodes with one cross table find each other.
+                groups = shared_runs(inputs.cross_block_tables.index_select(0, seqs),
+                                     cross_lens.index_select(0, seqs))
+            self._cross_memo = (inputs.cross_block_tables, inputs.cross_seq_lens, cross_lens, groups) \
+                if every_row else None
         return CPUPagedMetadata.from_inputs(
             inputs,
             **common,

@@ -544,7 +544,7 @@ class BlockManager:
                     if opening is None:
                         opening = []
                     opening.append(seq)
-                elif refs[table[i]] != 1:
+                elif refs.item(table[i]) != 1:  # item: a Python int, no numpy scalar made
                     break
                 running.append(seq)
                 held.append(table)

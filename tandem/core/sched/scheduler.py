@@ -88,6 +88,9 @@ class Scheduler:
         # What the worker was last told, to send it only what changed.
         self._sent_tables: dict[int, list[int]] = {}
         self._announced: set[str] = set()
+        # The last step's steady records of one sequence, by request id: the next step
+        # advances them in place (``_steady``) rather than building new ones.
+        self._singles: dict[str, ScheduledGroup] = {}
         self._finished_requests: list[str] = []
         self._finished_seqs: list[int] = []
         # Sequences that took another's place since the last step (``take_over``): what
@@ -176,6 +179,7 @@ class Scheduler:
         self.swapped.clear()
         self.groups.clear()
         self._sent_tables.clear()
+        self._singles.clear()
         self._announced.clear()
         self._seq_copies.clear()
         self._copies_first.clear()
@@ -227,9 +231,22 @@ class Scheduler:
         # copying) only frees blocks or takes free ones, never a block these hold, so it
         # leaves their records true.
         try:
-            records, in_place = self._steady(queue)
+            records, in_place, opening = self._steady(queue)
         except Exception:  # noqa: BLE001 - a fault of one group's: the loop below finds and isolates it
-            records, in_place = {}, {}
+            records, in_place, opening = {}, {}, set()
+        # The groups whose tables the worker must look at (SchedulerOutput.table_updates):
+        # all but the steady records that open no block.
+        updates: list[int] = []
+        if queue and len(records) == len(queue):
+            # Every running group is a steady record, recorded in the queue's order: what
+            # the loop below does for each, done for all at once.
+            scheduled = list(records.values())
+            n = sum([len(g.seqs) for g in scheduled])
+            budget -= n
+            num_seqs += n
+            self.running, queue = queue, deque()
+            if opening:
+                updates = [i for i, rid in enumerate(records) if rid in opening]
         while queue:
             group = queue.popleft()
             record = records.get(group.request_id)
@@ -238,6 +255,8 @@ class Scheduler:
                 budget -= n
                 num_seqs += n
                 self.running.append(group)
+                if opening and group.request_id in opening:
+                    updates.append(len(scheduled))
                 scheduled.append(record)
                 continue
             seqs = in_place.get(group.request_id)
@@ -264,6 +283,7 @@ class Scheduler:
                 self.running.append(group)
                 try:  # _schedule_group, inline: once per running group every step
                     scheduled.append(self._metadata(group, False, seqs))
+                    updates.append(len(scheduled) - 1)
                 except Exception as e:  # noqa: BLE001 - its strategy's step data: it fails alone
                     self._fail_group(group, e)
                 continue
@@ -300,7 +320,11 @@ class Scheduler:
             budget -= tokens + extra
             num_seqs += len(seqs)
             self.running.append(group)
-            self._schedule_group(scheduled, group, run_encoder=False)
+            if self._schedule_group(scheduled, group, run_encoder=False):
+                updates.append(len(scheduled) - 1)
+
+        # Every group scheduled from here on (swapped in, admitted) is sent what changed.
+        first_unsteady = len(scheduled)
 
         # 2. Swapped groups come back only when nothing was evicted this step.
         self.lora_slots.start_step(self.running)
@@ -353,8 +377,11 @@ class Scheduler:
             self._schedule_group(scheduled, group, run_encoder)
 
         self.num_preemptions += preempted
+        updates += range(first_unsteady, len(scheduled))
+        # A steady record's request was scheduled before, so announced: only the others are looked at.
         new_requests = []
-        for g in scheduled:
+        for i in updates:
+            g = scheduled[i]
             if g.request_id not in self._announced:
                 self._announced.add(g.request_id)
                 group = self.groups[g.request_id]
@@ -378,9 +405,11 @@ class Scheduler:
             cross_repacks=repacks,
             seq_copies=seq_copies,
             blocks_to_copy_first=copies_first,
+            table_updates=updates,
         )
 
-    def _steady(self, queue: deque[SequenceGroup]) -> tuple[dict[str, ScheduledGroup], dict[str, list[Sequence]]]:
+    def _steady(self, queue: deque[SequenceGroup]
+                ) -> tuple[dict[str, ScheduledGroup], dict[str, list[Sequence]], set[str]]:
         """The running groups whose step is the usual decode step (``append_in_place``
         holds, or a sequence's token opens a block and the step can give it one without
         changing what else the step does: see below) and that have no drafts and no
@@ -388,13 +417,19 @@ class Scheduler:
         worker holds as they are (or less the block just opened); request id -> its
         running sequences, for the others (``_metadata`` records them). Built inline,
         as ``_metadata`` would build them (``tests/core/test_steady_records.py`` checks
-        that they are equal): this runs for every running row every step."""
+        that they are equal): this runs for every running row every step. A group of one
+        sequence gets its record of the last step back, advanced in place (the fields
+        a decode step changes), so the records of a step are valid until the next
+        ``schedule()``. Third: the request ids of the records that send a block they
+        open (the worker's table changes); the other records' tables the worker holds
+        as they are."""
         if self.cross_compress is not None:  # the observation window is per group: _metadata's
-            return {}, {}
+            return {}, {}, set()
         # A step mode that only reads its request's state (``steady_step_mode``: beams)
-        # is asked for here, and does not keep its group off this path.
+        # is asked for here, and does not keep a group of several sequences off this path
+        # (the one-sequence branch below reuses records, which carry no mode).
         candidates = [g for g in queue if type(g.strategy).lookahead is _NO_LOOKAHEAD and (
-            type(g.strategy).step_mode is _NO_STEP_MODE or g.strategy.steady_step_mode)]
+            type(g.strategy).step_mode is _NO_STEP_MODE or (g.strategy.steady_step_mode and len(g.seqs) > 1))]
         bm, openers = self.block_manager, {}
         found = bm.append_in_place_all(candidates, openers)
         opened: dict[int, int] = {}  # seq id -> the block its token opens
@@ -410,10 +445,51 @@ class Scheduler:
                 for rid in openers:
                     del found[rid]
         new, sent_tables = object.__new__, self._sent_tables
-        records, in_place = {}, {}
+        records, in_place, opening = {}, {}, set()
+        # Last step's records of one sequence, which this step's advance in place.
+        last, singles = self._singles, {}
+        self._singles = {}
         for rid, (group, seqs, tables, positions, cross_blocks) in found.items():
             if cross_blocks is None:
                 in_place[rid] = seqs
+                continue
+            if len(seqs) == 1:  # the usual row; the loop below, for several sequences, does the same
+                seq, table = seqs[0], tables[0]
+                sent = sent_tables.get(seq.seq_id)
+                block = opened.get(seq.seq_id) if opened else None
+                if block is None:
+                    if sent != table:  # the worker's table differs: _metadata sends it
+                        in_place[rid] = seqs
+                        continue
+                    block_ids = []
+                else:  # the worker's table is this one less the opened block: send that block
+                    if sent is None or len(sent) + 1 != len(table) or sent != table[:-1]:
+                        in_place[rid] = seqs
+                        continue
+                    block_ids = [block]
+                    sent.append(block)  # the group is recorded here: the worker will hold it
+                    opening.add(rid)
+                computed = seq.num_computed_tokens
+                sg = last.get(rid)
+                if sg is not None and sg.seqs[0].seq_id == seq.seq_id:
+                    # Its record of the last step, advanced: the fields a decode step changes
+                    # (the others are as this branch or the one below set them).
+                    ss = sg.seqs[0]
+                    ss.token_ids, ss.num_computed_tokens = seq.token_ids[computed:], computed
+                    ss.block_ids, ss.num_output_tokens = block_ids, len(seq.output_token_ids)
+                    sg.num_encoder_positions, sg.lora_request = positions, group.lora_request
+                    if sg.cross_block_table != cross_blocks:
+                        sg.cross_block_table = list(cross_blocks)
+                else:
+                    ss = new(ScheduledSequence)
+                    ss.seq_id, ss.token_ids, ss.num_computed_tokens = seq.seq_id, seq.token_ids[computed:], computed
+                    ss.block_ids, ss.replace_blocks, ss.num_output_tokens = block_ids, False, len(seq.output_token_ids)
+                    ss.prefix_token_ids, ss.num_logits = None, 1
+                    sg = new(ScheduledGroup)
+                    sg.request_id, sg.seqs, sg.encoder_inputs, sg.num_encoder_positions = rid, [ss], None, positions
+                    sg.cross_block_table, sg.mode, sg.lora_request = list(cross_blocks), None, group.lora_request
+                    sg.cross_observe_until, sg.cross_compressed = 0, False
+                records[rid] = singles[rid] = sg
                 continue
             rows, sent_opened = [], None
             for seq, table in zip(seqs, tables):
@@ -440,13 +516,15 @@ class Scheduler:
                 if sent_opened is not None:  # the group is recorded here: the worker will hold them
                     for sent, block in sent_opened:
                         sent.append(block)
+                    opening.add(rid)
                 sg = new(ScheduledGroup)
                 sg.request_id, sg.seqs, sg.encoder_inputs, sg.num_encoder_positions = rid, rows, None, positions
                 sg.cross_block_table, sg.lora_request = list(cross_blocks), group.lora_request
                 sg.mode = None if type(group.strategy).step_mode is _NO_STEP_MODE else group.strategy.step_mode(group)
                 sg.cross_observe_until, sg.cross_compressed = 0, False
                 records[rid] = sg
-        return records, in_place
+        self._singles = singles
+        return records, in_place, opening
 
     def _compress(self, queue: deque[SequenceGroup]) -> list:
         """kv_compress: the running groups whose observation window is over get their
@@ -516,11 +594,14 @@ class Scheduler:
         return None
 
     def _schedule_group(self, scheduled: list[ScheduledGroup], group: SequenceGroup, run_encoder: bool,
-                        seqs: list[Sequence] | None = None) -> None:
+                        seqs: list[Sequence] | None = None) -> bool:
+        """Append the group's record; False (and the group failed) if building it raised."""
         try:
             scheduled.append(self._metadata(group, run_encoder, seqs))
         except Exception as e:  # noqa: BLE001 - its strategy's step data: it fails alone
             self._fail_group(group, e)
+            return False
+        return True
 
     def _fail_group(self, group: SequenceGroup, e: Exception, blocks: bool = False) -> None:
         """A request whose strategy (or, ``blocks``, the block manager's work for it)

@@ -160,8 +160,10 @@ class RequestStrategy(ABC):
         return ()
 
     # True where step_mode never raises for a running group and asks nothing of the
-    # step but its data: the scheduler then records such a group's usual decode step
-    # with the plain groups' (``Scheduler._steady``), not through the general path.
+    # step but its data, and a group of several sequences holds running ones only
+    # (beam search: its running beams): the scheduler then records such a group's
+    # usual decode step with the plain groups' (``Scheduler._steady``), not through
+    # the general path.
     steady_step_mode = False
 
     def step_mode(self, group: "SequenceGroup") -> StepMode | None:

@@ -82,6 +82,20 @@ class BlockTableRows:
     def extend_many(self, keys: list, id_lists: list[list[int]]) -> None:
         """``extend(key, ids)`` for each pair, as one tensor write (keys distinct)."""
         row_of, width = self._row, self.width
+        if len(keys) == len(id_lists) and [len(ids) for ids in id_lists].count(1) == len(keys):
+            # One id each (a decode step): no per-id lists to build.
+            if not keys:
+                return
+            rows = [row_of[k] for k in keys]
+            cols = [width[r] for r in rows]
+            for r, c in zip(rows, cols):
+                width[r] = c + 1
+            end_max = max(cols) + 1
+            if end_max > self.table.shape[1]:
+                self._grow(0, max(end_max, 2 * self.table.shape[1]))
+            self.table[torch.tensor(rows), torch.tensor(cols)] = torch.tensor([ids[0] for ids in id_lists],
+                                                                              dtype=torch.long)
+            return
         rows, cols, values = [], [], []
         end_max = 0
         for key, ids in zip(keys, id_lists):

@@ -133,14 +133,7 @@ class LogitsProcessors:
     def __call__(self, scores: torch.Tensor, rows: ProcessorRows) -> torch.Tensor:
         """Apply every processor the rows ask for to ``scores`` ``[S, vocab]`` in place."""
         self.failures = {}
-        by_params: dict[int, tuple[SamplingParams, list[int]]] = {}
-        for i, p in enumerate(rows.params):
-            entry = by_params.get(id(p))
-            if entry is None:
-                by_params[id(p)] = (p, [i])
-            else:
-                entry[1].append(i)
-        groups = list(by_params.values())
+        groups = _by_params(rows.params)
         self._static(scores, groups, "allowed")
         self._logit_bias(scores, groups)
         self._repetition(scores, groups, rows)
@@ -194,13 +187,18 @@ class LogitsProcessors:
                     rows.extend(idx)
         dev = scores.device
         for token_ids, idx in by_value.items():
-            tokens = self._token_tensors.get(token_ids)
-            if tokens is None or tokens.device != dev:
-                if len(self._token_tensors) >= _TOKEN_TENSORS_CACHE_SIZE:
-                    self._token_tensors.clear()
-                tokens = self._token_tensors[token_ids] = torch.tensor(token_ids, dtype=torch.long, device=dev)
+            tokens = self._ids_tensor(token_ids, dev)
             rows = torch.tensor(idx, dtype=torch.long, device=dev)
             scores[rows[:, None], tokens[None, :]] = NEG_INF
+
+    def _ids_tensor(self, token_ids: tuple[int, ...], dev) -> torch.Tensor:
+        """A list of token ids as a tensor on ``dev``, built once per value."""
+        tokens = self._token_tensors.get(token_ids)
+        if tokens is None or tokens.device != dev:
+            if len(self._token_tensors) >= _TOKEN_TENSORS_CACHE_SIZE:
+                self._token_tensors.clear()
+            tokens = self._token_tensors[token_ids] = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        return tokens
 
     def _allowed_fallback(self, scores, groups, rows: ProcessorRows) -> None:
         """HF's prefix-constrained processor at its place in HF's order: a row whose
@@ -378,17 +376,21 @@ class LogitsProcessors:
         for p, idx in groups:
             if not (p.min_tokens or p.min_length):
                 continue
-            for i in idx:
-                # HF: min_new_tokens, when set, replaces min_length by min_new_tokens + prompt length.
-                if p.min_tokens:
-                    short = rows.num_output_tokens[i] < p.min_tokens
-                else:
-                    short = rows.seq_lens[i] < p.min_length
-                if short and not p.ignore_eos:
-                    eos_rows.append(i)
-                if short and p.min_tokens and p.stop_token_ids:
-                    stop_bans.append((i, p.stop_token_ids))
-        self._ban(scores, eos_rows, self.eos_token_ids)
+            # HF: min_new_tokens, when set, replaces min_length by min_new_tokens + prompt length.
+            if p.min_tokens:
+                least, done = p.min_tokens, rows.num_output_tokens
+            else:
+                least, done = p.min_length, rows.seq_lens
+            short = [i for i in idx if done[i] < least]
+            if not p.ignore_eos:
+                eos_rows += short
+            if p.min_tokens and p.stop_token_ids:
+                stop_bans += [(i, p.stop_token_ids) for i in short]
+        if self.eos_token_ids and len(eos_rows) == scores.shape[0]:
+            # Every row (each is listed once: a row has one params object): one column write.
+            scores[:, self._ids_tensor(tuple(self.eos_token_ids), scores.device)] = NEG_INF
+        else:
+            self._ban(scores, eos_rows, self.eos_token_ids)
         for i, ids in stop_bans:
             self._ban(scores, [i], ids)
 
@@ -439,6 +441,25 @@ class LogitsProcessors:
                     self.failures[i] = f"logits processor {name!r} raised {type(e).__name__}: {e}"
                     continue
                 scores[i] = row
+
+
+def _by_params(params: list[SamplingParams]) -> list[tuple[SamplingParams, list[int]]]:
+    """The rows of each distinct params object, in first-seen order: ``(params, rows)``.
+    Equal params are usually one object (``RequestProcessor`` interns them), so one
+    object for every row is checked first (``list.count`` over the ids)."""
+    if not params:
+        return []
+    ids = list(map(id, params))
+    if ids.count(ids[0]) == len(ids):
+        return [(params[0], list(range(len(ids))))]
+    by_params: dict[int, tuple[SamplingParams, list[int]]] = {}
+    for i, p in enumerate(params):
+        entry = by_params.get(id(p))
+        if entry is None:
+            by_params[id(p)] = (p, [i])
+        else:
+            entry[1].append(i)
+    return list(by_params.values())
 
 
 def _arity(fn: Callable) -> int:

@@ -1,13 +1,19 @@
 """Turns a ``SchedulerOutput`` into the tensors one forward pass needs, and runs it.
 
 Block tables persist across steps (``BlockTableRows``): the scheduler sends
-only what changed. Token-level tensors (positions, slot mappings) are built
-with index arithmetic on whole tensors; Python only loops over sequences.
+only what changed, and names the groups whose tables may have changed
+(``SchedulerOutput.table_updates``), so a steady decode step looks at none.
+Token-level tensors (positions, slot mappings) are built with index arithmetic
+on whole tensors; Python only loops over sequences. What depends only on which
+sequences run, in which order (their table rows, cross tables and lengths), is
+kept from the last step and reused while the step lists the same sequences and
+no table row was added, dropped or given a new cross table since (``_Rows``).
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +38,20 @@ def _slots(tables: torch.Tensor, run: torch.Tensor, pos: torch.Tensor, block_siz
     return tables[run, pos // block_size] * block_size + pos % block_size
 
 
+@dataclass
+class _Rows:
+    """What a step's rows need that depends only on which sequences run, in which
+    order: kept for the next step, which reuses it while it lists the same sequences
+    and ``ModelRunner._layout`` has not changed (a table row added or dropped, a
+    cross table set)."""
+
+    seq_ids: list[int]
+    layout: int  # ModelRunner._layout when built
+    rows: torch.Tensor  # [S] each sequence's row of ``tables``
+    cross_lens: list[int]  # [S]
+    cross_tables: torch.Tensor  # [S, max cross blocks]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -54,9 +74,15 @@ class ModelRunner:
         self.cross_tables = BlockTableRows(max_num_seqs, max_blocks_per_seq)  # by request id
         self._cross_lists: dict[str, list[int]] = {}
         self.lora = None  # the worker's tandem.lora.manager.LoRAManager when enable_lora
+        # Bumped whenever a table row is added or dropped or a cross table is set: what
+        # _Rows keeps is then built again.
+        self._layout = 0
+        self._last: _Rows | None = None  # the last step's (None until a step has run)
 
     # -- persistent state ------------------------------------------------------
     def forget_seqs(self, seq_ids: list[int]) -> None:
+        if seq_ids:
+            self._layout += 1
         for seq_id in seq_ids:
             self.tables.remove(seq_id)
 
@@ -64,21 +90,33 @@ class ModelRunner:
         """``SchedulerOutput.seq_copies``: each dst's table becomes the first ``n`` ids of
         its src's, then the ids given (a row copy and one write for all)."""
         src, dst, kept, tails = zip(*copies)
+        self._layout += 1
         self.tables.copy_rows(src, dst, kept)
         self.tables.extend_many(dst, tails)
 
     def forget_request(self, request_id: str) -> None:
+        self._layout += 1
         self.cross_tables.remove(request_id)
         self._cross_lists.pop(request_id, None)
 
-    def _update_tables(self, out: SchedulerOutput) -> None:
+    def _updated_groups(self, out: SchedulerOutput) -> list:
+        """The groups whose tables may have changed (``SchedulerOutput.table_updates``)."""
+        if out.table_updates is None:
+            return out.scheduled
+        scheduled = out.scheduled
+        return [scheduled[i] for i in out.table_updates]
+
+    def _update_tables(self, groups: list) -> None:
         known = self.tables.keys()
-        for group in out.scheduled:
+        for group in groups:
             if self._cross_lists.get(group.request_id) != group.cross_block_table:
                 self._cross_lists[group.request_id] = group.cross_block_table
                 self.cross_tables.set(group.request_id, group.cross_block_table)
+                self._layout += 1
             for seq in group.seqs:
                 if seq.replace_blocks:
+                    if seq.seq_id not in known:
+                        self._layout += 1  # a new row
                     self.tables.set(seq.seq_id, seq.block_ids)
                 elif seq.seq_id not in known:
                     raise RuntimeError(f"sequence {seq.seq_id}: block-table update for an unknown table")
@@ -86,32 +124,49 @@ class ModelRunner:
                     self.tables.extend(seq.seq_id, seq.block_ids)
 
     # -- the step --------------------------------------------------------------
+    def _rows(self, out: SchedulerOutput, seq_ids: list[int]) -> _Rows:
+        """The step's ``_Rows``: last step's when it lists the same sequences and the
+        layout is unchanged, else built now (kv_compress: always, its cross lengths
+        and tables change under a group)."""
+        last = self._last
+        if (last is not None and last.layout == self._layout and last.seq_ids == seq_ids
+                and self.cross_compress is None):
+            return last
+        scheduled = out.scheduled
+        rows = torch.tensor(self.tables.rows(seq_ids), dtype=torch.long)
+        cross_rows = torch.tensor(self.cross_tables.rows([g.request_id for g in scheduled for _ in g.seqs]),
+                                  dtype=torch.long)
+        cross_lens = [g.num_encoder_positions for g in scheduled for _ in g.seqs]
+        cross_tables = self.cross_tables.gather(cross_rows, -(-max(cross_lens) // self.block_size))
+        self._last = _Rows(seq_ids, self._layout, rows, cross_lens, cross_tables)
+        return self._last
+
     def prepare(self, out: SchedulerOutput) -> StepInputs:
-        self._update_tables(out)
+        updated = self._updated_groups(out)
+        self._update_tables(updated)
         bs = self.block_size
         seqs = [s for g in out.scheduled for s in g.seqs]
-        rows = torch.tensor(self.tables.rows([s.seq_id for s in seqs]), dtype=torch.long)
-        cross_rows = torch.tensor(
-            self.cross_tables.rows([g.request_id for g in out.scheduled for _ in g.seqs]), dtype=torch.long
-        )
+        seq_ids = [s.seq_id for s in seqs]
+        step_rows = self._rows(out, seq_ids)
         query_lens = [len(s.token_ids) for s in seqs]
-        seq_lens = [s.num_computed_tokens + q for s, q in zip(seqs, query_lens)]
-        cross_lens = [g.num_encoder_positions for g in out.scheduled for _ in g.seqs]
+        computed_list = [s.num_computed_tokens for s in seqs]
+        seq_lens = [c + q for c, q in zip(computed_list, query_lens)]
+        cross_lens, cross_tables = step_rows.cross_lens, step_rows.cross_tables
         max_query_len, max_seq_len, max_cross_len = max(query_lens), max(seq_lens), max(cross_lens)
-        block_tables = self.tables.gather(rows, -(-max_seq_len // bs))
-        cross_tables = self.cross_tables.gather(cross_rows, -(-max_cross_len // bs))
+        block_tables = self.tables.gather(step_rows.rows, -(-max_seq_len // bs))
 
-        q_lens = torch.tensor(query_lens, dtype=torch.long)
-        computed = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.long)
+        computed = torch.tensor(computed_list, dtype=torch.long)
         if max_query_len == 1:  # decodes only: one token at each sequence's end
             run, positions = torch.arange(len(seqs)), computed
+            query_start_loc = torch.arange(len(seqs) + 1)
         else:
+            q_lens = torch.tensor(query_lens, dtype=torch.long)
             run, positions = _packed_positions(computed, q_lens)
+            query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.long)
+            torch.cumsum(q_lens, 0, out=query_start_loc[1:])
         slot_mapping = _slots(block_tables, run, positions, bs)
-        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.long)
-        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
 
-        encoders = [g for g in out.scheduled if g.encoder_inputs is not None]
+        encoders = [g for g in updated if g.encoder_inputs is not None]  # the scheduled order
         enc_lens = [g.encoder_inputs.num_positions for g in encoders]
         features = [g.encoder_inputs.features for g in encoders if g.encoder_inputs.token_ids is None]
         if features and len(features) != len(encoders):

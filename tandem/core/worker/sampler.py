@@ -114,13 +114,14 @@ class Sampler:
             want = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
             greedy = [is_greedy[id(p)] for p in params]
         tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
-        greedy_rows = [i for i, g in enumerate(greedy) if g]
-        if len(greedy_rows) == len(params):  # all greedy: no copy of the logits
+        all_greedy = greedy.count(True) == len(params)
+        greedy_rows = [] if all_greedy else [i for i, g in enumerate(greedy) if g]
+        if all_greedy:  # no copy of the logits
             tokens = argmax_rows(logits)
         elif greedy_rows:
             rows = torch.tensor(greedy_rows, device=logits.device)
             tokens[rows] = argmax_rows(logits.index_select(0, rows))
-        sample_rows = [i for i, g in enumerate(greedy) if not g]
+        sample_rows = [] if all_greedy else [i for i, g in enumerate(greedy) if not g]
         if sample_rows:
             rows = torch.tensor(sample_rows, device=logits.device)
             probs = sampling_probs(logits.index_select(0, rows), [params[i] for i in sample_rows])
