@@ -324,6 +324,46 @@ def test_beam_requests_that_cannot_be_served_are_rejected_alone(bart_dir):
         SamplingParams(num_beams=2, stop=["x"])
 
 
+def test_beam_steps_are_recorded_on_the_steady_path_as_the_general_one_would(bart_dir):
+    """Beam groups take the scheduler's steady path (``steady_step_mode``): at every step
+    each beam group's record built there equals ``_metadata``'s for it against the
+    worker's tables as they were (step mode included), block-opening steps too, and
+    the outputs equal HF's."""
+    from tandem.core.strategies.beam import BeamStep
+
+    bs = 4
+    llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", block_size=bs)
+    sched = llm.llm_engine.scheduler
+    steady = sched._steady
+    seen = {"records": 0, "opened": 0}
+
+    def steady_and_check(queue):
+        before = {sid: list(t) for sid, t in sched._sent_tables.items()}
+        got = steady(queue)
+        records = got[0]
+        after = {sid: list(t) for sid, t in sched._sent_tables.items()}
+        for rid, rec in records.items():
+            group = sched.groups[rid]
+            if not isinstance(rec.mode, BeamStep):
+                continue
+            sched._sent_tables.update({sid: list(t) for sid, t in before.items()})
+            assert rec == sched._metadata(group, False)
+            sched._sent_tables.clear()
+            sched._sent_tables.update({sid: list(t) for sid, t in after.items()})
+            seen["records"] += 1
+            seen["opened"] += sum(1 for ss in rec.seqs if ss.block_ids)
+        return got
+
+    sched._steady = steady_and_check
+    rng = random.Random(11)
+    prompts = _encoder_prompts(11, 6)
+    settings = [_settings(rng) for _ in prompts]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [_params(kw) for kw in settings], use_tqdm=False)
+    assert seen["records"] > 20 and seen["opened"] > 0
+    for prompt, kw, out in zip(prompts, settings, outs):
+        _assert_same(out, hf_search(bart_dir, prompt, [2, 0], do_sample=False, **kw), kw["num_return_sequences"])
+
+
 @pytest.mark.parametrize("length_penalty", [1.0, 2.0, -0.5])
 def test_an_aborted_beam_request_returns_its_best_n_so_far(bart_dir, length_penalty):
     """A beam request aborted after k steps returns its n best candidates so far, by the

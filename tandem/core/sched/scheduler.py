@@ -425,8 +425,11 @@ class Scheduler:
         as they are."""
         if self.cross_compress is not None:  # the observation window is per group: _metadata's
             return {}, {}, set()
-        candidates = [g for g in queue
-                      if type(g.strategy).lookahead is _NO_LOOKAHEAD and type(g.strategy).step_mode is _NO_STEP_MODE]
+        # A step mode that only reads its request's state (``steady_step_mode``: beams)
+        # is asked for here, and does not keep a group of several sequences off this path
+        # (the one-sequence branch below reuses records, which carry no mode).
+        candidates = [g for g in queue if type(g.strategy).lookahead is _NO_LOOKAHEAD and (
+            type(g.strategy).step_mode is _NO_STEP_MODE or (g.strategy.steady_step_mode and len(g.seqs) > 1))]
         bm, openers = self.block_manager, {}
         found = bm.append_in_place_all(candidates, openers)
         opened: dict[int, int] = {}  # seq id -> the block its token opens
@@ -516,7 +519,8 @@ class Scheduler:
                     opening.add(rid)
                 sg = new(ScheduledGroup)
                 sg.request_id, sg.seqs, sg.encoder_inputs, sg.num_encoder_positions = rid, rows, None, positions
-                sg.cross_block_table, sg.mode, sg.lora_request = list(cross_blocks), None, group.lora_request
+                sg.cross_block_table, sg.lora_request = list(cross_blocks), group.lora_request
+                sg.mode = None if type(group.strategy).step_mode is _NO_STEP_MODE else group.strategy.step_mode(group)
                 sg.cross_observe_until, sg.cross_compressed = 0, False
                 records[rid] = sg
         self._singles = singles

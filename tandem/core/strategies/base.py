@@ -159,6 +159,13 @@ class RequestStrategy(ABC):
         A wrapping strategy adds its own to its inner strategy's."""
         return ()
 
+    # True where step_mode never raises for a running group and asks nothing of the
+    # step but its data, and a group of several sequences holds running ones only
+    # (beam search: its running beams): the scheduler then records such a group's
+    # usual decode step with the plain groups' (``Scheduler._steady``), not through
+    # the general path.
+    steady_step_mode = False
+
     def step_mode(self, group: "SequenceGroup") -> StepMode | None:
         """What the worker needs this step; None: sample each row by its params."""
         return None

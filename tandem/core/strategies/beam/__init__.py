@@ -28,6 +28,7 @@ from tandem.core.kv.block_pool import blocks_for
 from tandem.core.sequence import SequenceStatus
 from tandem.core.strategies.base import RequestStrategy, SchedulerOps, StepMode, update_failure
 from tandem.core.strategies.beam.search import BeamCandidates, BeamSearchState, Hypothesis, NextBeams
+from tandem.core.strategies.beam.topk import beam_topk, chunk_size
 from tandem.core.strategies.modes import Mode, RequestContext
 
 # Attribute readers for map(): no Python call per sequence.
@@ -59,7 +60,12 @@ class BeamStep(StepMode):
         the values are those of one call per request), in one call for the step."""
         rows = [r for _, group_rows in items for r in group_rows]
         if rows == list(range(logits.shape[0])):  # a step of beams only: no gather
-            logits.copy_(torch.log_softmax(logits, dim=-1))
+            if logits.device.type == "cpu" and logits.is_contiguous():
+                # In place, no copy: torch's CPU kernel reads a row before it writes it
+                # (test_beam_step.py holds the values to the out-of-place ones).
+                torch.log_softmax(logits, dim=-1, out=logits)
+            else:
+                logits.copy_(torch.log_softmax(logits, dim=-1))
         elif rows:
             r = torch.tensor(rows, device=logits.device)
             logits.index_copy_(0, r, torch.log_softmax(logits.index_select(0, r), dim=-1))
@@ -74,8 +80,9 @@ class BeamStep(StepMode):
     @classmethod
     def select_all(cls, scores: torch.Tensor, items: list, default_generator=None) -> list[BeamCandidates]:
         """:meth:`select` for many requests, batched over those with the same beam
-        count, ``beams_to_keep`` and step kind: one add and one top-k over ``[G,
-        beams * vocab]`` (row by row the same arithmetic as HF's ``[1, beams * vocab]``)."""
+        count, ``beams_to_keep`` and step kind: one top-k over ``[G, beams * vocab]``
+        (row by row the same arithmetic and the same answer as HF's ``[1, beams *
+        vocab]``; ``topk.beam_topk`` adds and ranks only the values that can win)."""
         buckets: dict[tuple[int, int, bool], list[int]] = {}
         for j, (mode, rows, *_) in enumerate(items):
             # First step: HF runs num_beams copies of the prompt, all but the first
@@ -93,9 +100,7 @@ class BeamStep(StepMode):
                 logp = scores.index_select(0, torch.tensor(row_ids, device=scores.device))
             g, vocab = len(idx), logp.shape[1]  # logp: [g * rows, vocab]
             running = torch.tensor([items[j][0].scores for j in idx], dtype=torch.float32, device=scores.device)
-            per_beam = logp[:, None, :] if first else logp.view(g, num_beams, vocab)
-            accumulated = (per_beam + running[:, :, None]).view(g, num_beams * vocab)
-            values, flat = torch.topk(accumulated, k=keep)  # [g, keep]
+            values, flat = beam_topk(logp, running, keep, first, chunk_size(vocab, num_beams, keep))  # [g, keep]
             token = flat % vocab
             if first:
                 token_logprob = logp.gather(1, token)
@@ -104,6 +109,7 @@ class BeamStep(StepMode):
                 token_logprob = logp.reshape(g, num_beams * vocab).gather(1, flat)  # reshape: TP logits are a slice of a padded vocab
                 parent = flat // vocab
             values, parent, token, token_logprob = (t.tolist() for t in (values, parent, token, token_logprob))
+            new = tuple.__new__  # BeamCandidates(fields) without a Python call
             for n, j in enumerate(idx):
                 params = items[j][2]
                 top = None
@@ -114,14 +120,13 @@ class BeamStep(StepMode):
                     if k:
                         vals, ids = logp[n * nrows: (n + 1) * nrows].topk(k, dim=-1)
                         top = [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
-                results[j] = BeamCandidates(
-                    scores=values[n], parents=parent[n], token_ids=token[n],
-                    token_logprobs=token_logprob[n], top_logprobs=top,
-                )
+                results[j] = new(BeamCandidates, (values[n], parent[n], token[n], token_logprob[n], top))
         return results
 
 
 class BeamSearchStrategy(RequestStrategy):
+    steady_step_mode = True  # step_mode reads the search's state, nothing else
+
     def __init__(self, params: "SamplingParams", prompt_len: int, stop_ids: frozenset[int],
                  eos_ids: frozenset[int] = frozenset()) -> None:
         self.state = BeamSearchState(params, prompt_len, stop_ids)
@@ -143,7 +148,7 @@ class BeamSearchStrategy(RequestStrategy):
 
     def step_mode(self, group: "SequenceGroup") -> BeamStep:
         state = self.state
-        return BeamStep(state.running.tolist(), state.num_beams, self.beams_to_keep)  # running_scores(), inline
+        return BeamStep(state.running, state.num_beams, self.beams_to_keep)  # running_scores(), inline
 
     def update(
         self, ops: SchedulerOps, group: "SequenceGroup", sg: "ScheduledGroup", result: "ModelRunnerOutput",
@@ -313,7 +318,7 @@ class BeamSearchStrategy(RequestStrategy):
         # (score, tokens, logprobs, finish reason, stop reason), finished hypotheses first:
         # HF's merge puts them first too, and a stable sort keeps them ahead on a tie.
         found = []
-        for hyp, score, done in zip(st.hyps, st.scores.tolist(), st.is_finished.tolist()):
+        for hyp, score, done in zip(st.hyps, st.scores, st.is_finished):  # lists of float32 values, bools
             if done and hyp is not None:
                 status, stop_reason = _hypothesis_end(hyp, self.eos_ids)
                 found.append((score, hyp.output_token_ids, hyp.output_logprobs, status.value, stop_reason))

@@ -12,14 +12,14 @@ own float32 tensor arithmetic so that scores and ties come out identical:
   beams of the next step (the scheduler forks and frees sequences to match);
 - the search stops as HF's ``early_stopping`` (True, False, "never") says.
 
-The finished hypotheses are token lists; only running beams hold KV blocks.
+The finished hypotheses hold token lists (``Hypothesis``: their parent beam's,
+read when wanted); only running beams hold KV blocks. The state is lists of
+float32 values, made into tensors for each stacked step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
-
 import torch
 
 from tandem.core.sampling_params import SamplingParams
@@ -27,11 +27,11 @@ from tandem.core.sampling_params import SamplingParams
 _NEG = -1.0e9  # HF's "impossible" score
 
 
-@dataclass(frozen=True)
-class BeamCandidates:
+class BeamCandidates(NamedTuple):
     """One beam-search group's best continuations this step, best first (HF's
     ``beams_to_keep``): each is a parent beam (index into the group's scheduled
-    sequences), a token and the accumulated score (float32 values)."""
+    sequences), a token and the accumulated score (float32 values). A named tuple:
+    ``select_all`` makes one per request with ``tuple.__new__``, no Python call."""
 
     scores: list[float]
     parents: list[int]
@@ -40,20 +40,36 @@ class BeamCandidates:
     top_logprobs: list[dict[int, float]] | None = None  # per parent row, when asked for
 
 
-class Hypothesis(NamedTuple):
-    """Up to ``num_beams`` are made per request every step: ``step_all`` builds them
-    with ``tuple.__new__(Hypothesis, fields)``, which is no Python call."""
+class Hypothesis(tuple):
+    """A hypothesis the search kept: its parent beam's output tokens (and logprobs) as
+    the step found them, and its last token. Up to ``num_beams`` are made per request
+    every step, nearly all of them dropped unread, so the token list is not copied
+    then: the hypothesis holds the parent's own list with its length at that step (a
+    sequence's lists are only appended to, or replaced, never cut or rewritten below
+    their length), and the lists are made when read. ``step_all`` builds them with
+    ``tuple.__new__(Hypothesis, (parent_out, n, token, parent_logprobs, n_logprobs,
+    top, finished_by_stop))``, which is no Python call."""
 
-    output_token_ids: list[int]
-    output_logprobs: list[dict[int, float]]
-    finished_by_stop: bool  # ended on an EOS / stop token (else on length)
+    __slots__ = ()
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self[0][:self[1]] + [self[2]]
+
+    @property
+    def output_logprobs(self) -> list[dict[int, float]]:
+        top = self[5]
+        return [] if top is None else self[3][:self[4]] + [top]
+
+    @property
+    def finished_by_stop(self) -> bool:  # ended on an EOS / stop token (else on length)
+        return self[6]
 
 
-@dataclass(slots=True)
-class NextBeams:
+class NextBeams(NamedTuple):
     """One request's next running beams, in HF's order: beam ``i`` continues running
     beam ``parents[i]`` (an index into the step's running beams) with ``token_ids[i]``.
-    Lists, one object per request: built without a Python call per beam."""
+    Lists, one named tuple per request (``tuple.__new__``): no Python call."""
 
     parents: list[int]
     token_ids: list[int]
@@ -69,18 +85,19 @@ class BeamSearchState:
         self.prompt_len = prompt_len
         self.max_length = prompt_len + params.max_tokens
         self.stop_ids = stop_ids
+        # Lists of float32 values (a stacked step makes its tensors from them and
+        # takes them back with one copy each, exactly: float32 -> float -> float32).
         # Running beam scores; the first step's extra beams are copies scored -1e9.
-        self.running = torch.zeros(self.num_beams, dtype=torch.float32)
-        self.running[1:] = _NEG
+        self.running: list[float] = [0.0] + [_NEG] * (self.num_beams - 1)
         # Finished hypotheses, best first (HF's sequences / beam_scores / is_sent_finished).
-        self.scores = torch.full((self.num_beams,), _NEG, dtype=torch.float32)
-        self.is_finished = torch.zeros(self.num_beams, dtype=torch.bool)
+        self.scores: list[float] = [_NEG] * self.num_beams
+        self.is_finished: list[bool] = [False] * self.num_beams
         self.hyps: list[Hypothesis | None] = [None] * self.num_beams
         self.improvable = True  # HF's is_early_stop_heuristic_unsatisfied
         self.done = False
 
     def running_scores(self) -> list[float]:
-        return self.running.tolist()
+        return self.running  # replaced each step, never changed in place
 
     @staticmethod
     def step_all(items: list[tuple["BeamSearchState", BeamCandidates, list, list, int]]) -> list[NextBeams]:
@@ -101,14 +118,25 @@ class BeamSearchState:
         for (num_beams, k), idx in buckets.items():
             group = [items[i] for i in idx]
             states = [it[0] for it in group]
-            cur = [st.prompt_len + it[4] for st, it in zip(states, group)]
-            topk = torch.tensor([it[1].scores for it in group], dtype=torch.float32)  # [G, k]
-            ended_rows = []  # per candidate: a stop id, or the length limit (a loop: no call per request)
-            for st, it, c in zip(states, group, cur):
-                tokens = it[1].token_ids
-                ended_rows.append([True] * len(tokens) if c + 1 >= st.max_length
-                                  else list(map(st.stop_ids.__contains__, tokens)))
+            # Each request's inputs, in one loop (no call per request): its candidates'
+            # scores, whether each ended (a stop id, or the length limit), its finished
+            # scores and flags, and [length ** penalty, early_stopping is True, not
+            # improvable, best possible length ** penalty].
+            cand_rows, ended_rows, scores_rows, finished_rows, const_rows = [], [], [], [], []
+            for st, it in zip(states, group):
+                p, cands, c = st.params, it[1], st.prompt_len + it[4]
+                cand_rows.append(cands.scores)
+                ended_rows.append([True] * len(cands.token_ids) if c + 1 >= st.max_length
+                                  else list(map(st.stop_ids.__contains__, cands.token_ids)))
+                scores_rows.append(st.scores)
+                finished_rows.append(st.is_finished)
+                best_len = st.max_length - st.prompt_len if p.early_stopping == "never" and p.length_penalty > 0.0 \
+                    else c + 1 - st.prompt_len
+                const_rows.append(((c + 1 - st.prompt_len) ** p.length_penalty, float(p.early_stopping is True),
+                                   float(not st.improvable), best_len ** p.length_penalty))
+            topk = torch.tensor(cand_rows, dtype=torch.float32)  # [G, k]
             ended = torch.tensor(ended_rows, dtype=torch.bool)
+            const = torch.tensor(const_rows, dtype=torch.float32)  # [G, 4]
 
             # e. The next running beams: the best that did not end.
             running_cands = topk + ended.to(torch.float32) * _NEG
@@ -119,15 +147,12 @@ class BeamSearchState:
             top_mask = torch.zeros(len(group), k, dtype=torch.bool)
             top_mask[:, :num_beams] = True
             just_finished = ended & top_mask
-            scores = torch.stack([st.scores for st in states])  # [G, B]
-            is_finished = torch.stack([st.is_finished for st in states])
-            lengths = torch.tensor([[(c + 1 - st.prompt_len) ** st.params.length_penalty]
-                                    for st, c in zip(states, cur)], dtype=torch.float32)
-            finished_scores = topk / lengths
-            full = is_finished.all(dim=1, keepdim=True) & torch.tensor(
-                [[st.params.early_stopping is True] for st in states])
+            scores = torch.tensor(scores_rows, dtype=torch.float32)  # [G, B]
+            is_finished = torch.tensor(finished_rows, dtype=torch.bool)
+            finished_scores = topk / const[:, 0:1]
+            full = is_finished.all(dim=1, keepdim=True) & (const[:, 1:2] != 0)
             finished_scores += full.to(torch.float32) * _NEG
-            finished_scores += torch.tensor([[float(not st.improvable)] for st in states]) * _NEG
+            finished_scores += const[:, 2:3] * _NEG
             finished_scores += (~just_finished) * _NEG
             merged_scores = torch.cat((scores, finished_scores), dim=1)
             merged_finished = torch.cat((is_finished, just_finished), dim=1)
@@ -136,33 +161,32 @@ class BeamSearchState:
             new_finished = merged_finished.gather(1, keep_t)
 
             # g. Whether the search goes on.
-            best_lens = []
-            for st, c in zip(states, cur):
-                p = st.params
-                best_len = st.max_length - st.prompt_len if p.early_stopping == "never" and p.length_penalty > 0.0 \
-                    else c + 1 - st.prompt_len
-                best_lens.append([best_len ** p.length_penalty])
-            best_possible = new_running[:, :1] / torch.tensor(best_lens, dtype=torch.float32)
+            best_possible = new_running[:, :1] / const[:, 3:4]
             worst = torch.where(new_finished, new_scores.amin(dim=1, keepdim=True), torch.tensor(_NEG))
             better = (best_possible > worst).any(dim=1).tolist()
             all_finished = new_finished.all(dim=1).tolist()
             all_ended = ended.all(dim=1).tolist()
 
-            keeps, nexts, runs = keep_t.tolist(), next_idx.tolist(), running_cands.tolist()
-            new_hyp = tuple.__new__  # Hypothesis(*fields) without a Python call
+            keeps, nexts = keep_t.tolist(), next_idx.tolist()
+            new_scores, new_finished, new_running = new_scores.tolist(), new_finished.tolist(), new_running.tolist()
+            new_hyp = tuple.__new__  # Hypothesis(fields), NextBeams(fields) without a Python call
             for n, (i, st, it) in enumerate(zip(idx, states, group)):
                 _, cands, parents_out, parents_logprobs, _ = it
-                tokens = cands.token_ids
+                tokens, hyps, tops = cands.token_ids, st.hyps, cands.top_logprobs
                 new_hyps: list[Hypothesis | None] = []
                 for m in keeps[n]:
                     if m < num_beams:
-                        new_hyps.append(st.hyps[m])
+                        new_hyps.append(hyps[m])
+                        continue
+                    c = m - num_beams
+                    j, t = cands.parents[c], tokens[c]
+                    out_j = parents_out[j]
+                    if tops is None:
+                        new_hyps.append(new_hyp(Hypothesis, (out_j, len(out_j), t, None, 0, None, t in st.stop_ids)))
                     else:
-                        c = m - num_beams
-                        j, t = cands.parents[c], tokens[c]
-                        top = st._top(cands, j, t, c) if cands.top_logprobs is not None else None
-                        logprobs = parents_logprobs[j] + [top] if top is not None else []
-                        new_hyps.append(new_hyp(Hypothesis, (parents_out[j] + [t], logprobs, t in st.stop_ids)))
+                        lp_j = parents_logprobs[j]
+                        new_hyps.append(new_hyp(Hypothesis, (out_j, len(out_j), t, lp_j, len(lp_j),
+                                                             st._top(cands, j, t, c), t in st.stop_ids)))
                 st.scores, st.is_finished, st.hyps, st.running = new_scores[n], new_finished[n], new_hyps, new_running[n]
                 st.improvable = st.improvable and better[n]
                 all_full = all_finished[n] and st.params.early_stopping is True
@@ -170,11 +194,11 @@ class BeamSearchState:
                 nx = nexts[n]
                 parents = list(map(cands.parents.__getitem__, nx))
                 next_tokens = list(map(tokens.__getitem__, nx))
-                tops = None
-                if cands.top_logprobs is not None:
-                    tops = [st._top(cands, p, t, c) for p, t, c in zip(parents, next_tokens, nx)]
-                out[i] = NextBeams(parents, next_tokens, list(map(runs[n].__getitem__, nx)),
-                                   list(map(cands.token_logprobs.__getitem__, nx)), tops)
+                next_tops = None
+                if tops is not None:
+                    next_tops = [st._top(cands, p, t, c) for p, t, c in zip(parents, next_tokens, nx)]
+                out[i] = new_hyp(NextBeams, (parents, next_tokens, new_running[n],
+                                             list(map(cands.token_logprobs.__getitem__, nx)), next_tops))
         return out
 
     def _top(self, cands: BeamCandidates, parent: int, token: int, c: int) -> dict[int, float] | None:
