@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 import itertools
 import threading
@@ -251,7 +252,7 @@ class LLM:
         params = _params_list(sampling_params, len(prompts))
         loras = lora_list(lora_request, len(prompts), "prompts")
         self._check_no_session("generate()")
-        with self._lock:
+        with self._lock, _heap_frozen():
             return self._run(prompts, params, use_tqdm, loras)
 
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool,
@@ -312,6 +313,24 @@ class LLM:
             torch.set_num_threads(threads)
             bar.close()
         return [results[r] for r in order]
+
+
+@contextmanager
+def _heap_frozen():
+    """The objects alive when a call starts (the model's modules, the tokenizer, the
+    imported code: some 350,000 for a tiny BART) kept out of the garbage collector's way
+    for the call: a full collection walked them all (85 ms each) and a long call's
+    allocations set several off (docs/performance.md, issue 49). Collectable again
+    after it. Nothing is done when some caller froze the heap already (``tandem serve``
+    does), nor collected first: freezing and unfreezing cost nothing whatever the heap."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class LLMSession:

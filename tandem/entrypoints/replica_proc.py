@@ -5,6 +5,7 @@ step's finished outputs back."""
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import signal
@@ -51,6 +52,10 @@ def replica_main(conn_fd: int, life_fd: int) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         send(conn, error_message(e))
         return
+    # This process lives for its engine: what is alive now stays, out of the collector's way
+    # (a full collection walked it all; docs/performance.md, issue 49).
+    gc.collect()
+    gc.freeze()
     if not send(conn, ("ready", os.getpid())):
         return
     _serve(llm, conn)
