@@ -1,5 +1,6 @@
-"""Builds and loads ``torch.ops.tandem_cpu_sampling.argmax_rows`` (row_argmax.cpp), the
-greedy rows' argmax over the vocabulary.
+"""Builds and loads ``torch.ops.tandem_cpu_sampling`` (row_argmax.cpp): ``argmax_rows``, the
+greedy rows' argmax over the vocabulary, and ``ban_repeated_ngrams``, the
+``no_repeat_ngram_size`` bans of a step's rows.
 
 Built on first use (a C++ compiler and ninja are needed) and cached under
 ``$TORCH_EXTENSIONS_DIR``, keyed by source, flags and torch version, for the CPU's
@@ -53,12 +54,15 @@ def load():
 
 
 def install() -> bool:
-    """Load the op (building it on first use) and make the sampler's ``argmax_rows`` take
-    it in this process; False where it cannot be built here (torch's ops serve)."""
+    """Load the ops (building them on first use) and make the sampler's ``argmax_rows`` and
+    the processors' no-repeat n-gram bans take them in this process; False where they
+    cannot be built here (torch's ops serve)."""
+    from tandem.core.worker.logits_processors import install_ngram_op
     from tandem.core.worker.reductions import install_cpu_op
 
     try:
         install_cpu_op(load())
     except CPUOpUnavailable:
         return False
+    install_ngram_op(torch.ops.tandem_cpu_sampling.ban_repeated_ngrams)
     return True

@@ -1,4 +1,5 @@
-// tandem's CPU row argmax for the sampler's greedy rows: out[r] = argmax(x[r, :]) for a
+// tandem's CPU sampling ops. ban_repeated_ngrams (below): no_repeat_ngram_size's bans.
+// argmax_rows, the row argmax for the sampler's greedy rows: out[r] = argmax(x[r, :]) for a
 // float32 [rows, vocab] tensor whose rows are contiguous, with torch.argmax's answer bit
 // for bit: the first index of the row's maximum, or the first NaN's where the row has one
 // (torch counts NaN as the maximum).
@@ -129,8 +130,63 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// no_repeat_ngram_size = n: for row i of history (its first lengths[i] tokens), every
+// n-gram of it whose first n - 1 tokens equal the row's last n - 1 tokens bans its last
+// token in scores' row rows[i] (set to -inf): HF's NoRepeatNGramLogitsProcessor, and
+// exactly what the processors' tensor path bans (tandem/core/worker/logits_processors.py).
+// A row is one pass over its tokens, comparing n - 1 ids a window; rows go to torch's
+// intra-op threads (each writes its own scores row).
+void ban_repeated_ngrams(at::Tensor scores, const at::Tensor& rows, const at::Tensor& history,
+                         const at::Tensor& lengths, int64_t n) {
+  TORCH_CHECK(scores.device().is_cpu() && scores.scalar_type() == at::kFloat && scores.dim() == 2 &&
+                  scores.stride(1) == 1,
+              "ban_repeated_ngrams: scores must be a float32 [rows, vocab] cpu tensor with contiguous rows");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && history.scalar_type() == at::kLong &&
+                  lengths.scalar_type() == at::kLong && rows.dim() == 1 && history.dim() == 2 && lengths.dim() == 1,
+              "ban_repeated_ngrams: rows [R], history [R, W] and lengths [R] must be int64");
+  TORCH_CHECK(rows.size(0) == history.size(0) && rows.size(0) == lengths.size(0),
+              "ban_repeated_ngrams: rows, history and lengths disagree on the number of rows");
+  TORCH_CHECK(n >= 1, "ban_repeated_ngrams: n must be >= 1, got ", n);
+  const at::Tensor h = history.contiguous(), r = rows.contiguous(), len = lengths.contiguous();
+  const int64_t count = r.size(0), width = h.size(1), vocab = scores.size(1), stride = scores.stride(0);
+  const int64_t* hp = h.data_ptr<int64_t>();
+  const int64_t* rp = r.data_ptr<int64_t>();
+  const int64_t* lp = len.data_ptr<int64_t>();
+  float* sp = scores.data_ptr<float>();
+  const int64_t num_rows = scores.size(0);
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < num_rows, "ban_repeated_ngrams: row ", rp[i], " out of range");
+    TORCH_CHECK(lp[i] >= 0 && lp[i] <= width, "ban_repeated_ngrams: length ", lp[i], " out of [0, ", width, "]");
+  }
+  const float ban = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t L = lp[i];
+      if (L < n) continue;
+      const int64_t* tok = hp + i * width;
+      const int64_t* tail = tok + L - (n - 1);
+      float* row = sp + rp[i] * stride;
+      for (int64_t w = 0; w + n <= L; ++w) {
+        int64_t k = 0;
+        while (k < n - 1 && tok[w + k] == tail[k]) ++k;
+        if (k == n - 1) {
+          const int64_t t = tok[w + n - 1];
+          TORCH_CHECK(t >= 0 && t < vocab, "ban_repeated_ngrams: token ", t, " out of the vocabulary [0, ", vocab, ")");
+          row[t] = ban;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
-TORCH_LIBRARY(tandem_cpu_sampling, m) { m.def("argmax_rows(Tensor x) -> Tensor"); }
+TORCH_LIBRARY(tandem_cpu_sampling, m) {
+  m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("ban_repeated_ngrams(Tensor(a!) scores, Tensor rows, Tensor history, Tensor lengths, int n) -> ()");
+}
 
-TORCH_LIBRARY_IMPL(tandem_cpu_sampling, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
+TORCH_LIBRARY_IMPL(tandem_cpu_sampling, CPU, m) {
+  m.impl("argmax_rows", &argmax_rows);
+  m.impl("ban_repeated_ngrams", &ban_repeated_ngrams);
+}

@@ -75,6 +75,22 @@ class _BadWords:
     buckets: dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
+# torch.ops.tandem_cpu_sampling.ban_repeated_ngrams, once install_ngram_op() gave it: the
+# no-repeat n-gram bans of a step's rows in one C++ pass (about 15 small tensor ops here
+# otherwise: 0.26 ms a step at 128 rows on the tiny model of benchmarks/host_overhead.py).
+_ngram_op = None
+
+
+def install_ngram_op(op) -> None:
+    """Make this process's ``no_repeat_ngram_size`` bans on float32 CPU scores take ``op``
+    (``torch.ops.tandem_cpu_sampling.ban_repeated_ngrams``), with the same bans as the
+    tensor path (``tests/core/test_ngram_bans.py``). tandem's cpu_paged backend installs
+    it beside the C++ argmax (``tandem/backends/cpu_sampling/ops.py``: the core imports no
+    backend)."""
+    global _ngram_op
+    _ngram_op = op
+
+
 def needs_history(p: SamplingParams) -> bool:
     """Whether the request's processors read its past tokens (the worker then keeps them)."""
     return bool(
@@ -188,6 +204,9 @@ class LogitsProcessors:
         dev = scores.device
         for token_ids, idx in by_value.items():
             tokens = self._ids_tensor(token_ids, dev)
+            if len(idx) == scores.shape[0]:  # every row of the step (rows are distinct): whole columns
+                scores.index_fill_(1, tokens, NEG_INF)
+                continue
             rows = torch.tensor(idx, dtype=torch.long, device=dev)
             scores[rows[:, None], tokens[None, :]] = NEG_INF
 
@@ -274,6 +293,10 @@ class LogitsProcessors:
             if not idx:
                 continue
             history, lengths = rows.history(idx)
+            if (_ngram_op is not None and scores.dtype == torch.float32 and scores.device.type == "cpu"
+                    and scores.stride(1) == 1):
+                _ngram_op(scores, torch.tensor(idx, dtype=torch.long), history, lengths, n)
+                continue
             width = history.shape[1]
             if width < n:
                 continue
