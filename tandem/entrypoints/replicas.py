@@ -95,6 +95,19 @@ def send(conn: Connection, msg) -> bool:
         return False
 
 
+def _picklable(items: list) -> tuple[list, list]:
+    """``(those that do not pickle, those that do)``."""
+    stay, go = [], []
+    for item in items:
+        try:
+            pickle.dumps(item, protocol=_PROTOCOL)
+        except Exception:  # noqa: BLE001 - whatever pickling raises, the item stays here
+            stay.append(item)
+        else:
+            go.append(item)
+    return stay, go
+
+
 class _Replica:
     def __init__(self, rank: int, proc: subprocess.Popen, conn: Connection, life_fd: int) -> None:
         self.rank, self.proc, self.conn, self.life_fd = rank, proc, conn, life_fd
@@ -161,11 +174,22 @@ class ReplicaPool:
         self.last_stats: dict[int, dict] = {}  # rank -> its counters as its last outputs came
         self._finalizer = weakref.finalize(self, _stop, self.replicas)
         for rank in range(1, size):
-            r = _spawn(rank, threads)
-            self.replicas.append(r)
             # Each replica's own random stream for requests without a seed (equal streams would
             # draw equal samples for equal prompts served at the same step on two replicas).
-            send(r.conn, (rank, model, {**engine_args, "seed": seed ^ rank}, threads))
+            args = {**engine_args, "seed": seed ^ rank}
+            try:
+                first = pickle.dumps((rank, model, args, threads), protocol=_PROTOCOL)
+            except Exception as e:  # noqa: BLE001 - an option another process cannot be given
+                bad = [k for k, v in args.items() if not _picklable([v])[1]]
+                self.shutdown()
+                raise ValueError(f"data_parallel_size > 1: the engine option(s) {', '.join(map(repr, bad))} cannot be "
+                                 f"sent to a replica's process ({type(e).__name__}: {e})") from None
+            r = _spawn(rank, threads)
+            self.replicas.append(r)
+            try:
+                r.conn.send_bytes(first)
+            except (OSError, EOFError):
+                pass  # it died at once: wait_ready says how
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + _START_TIMEOUT_S
@@ -189,10 +213,22 @@ class ReplicaPool:
     def live(self) -> list[_Replica]:
         return [r for r in self.replicas if r.dead is None]
 
-    def add(self, r: _Replica, items: list) -> None:
-        """Give replica ``r`` requests: ``[(request id, prompt, params, lora), ...]``."""
-        if not send(r.conn, ("add", items)):
+    def add(self, r: _Replica, items: list) -> list:
+        """Give replica ``r`` requests: ``[(request id, prompt, params, lora), ...]``.
+        Returns those that cannot travel to another process (params holding a user logits
+        processor that does not pickle, say), for this process's engine to serve."""
+        try:
+            data = pickle.dumps(("add", items), protocol=_PROTOCOL)
+        except Exception:  # noqa: BLE001 - one of them does not pickle: find which, send the rest
+            kept, items = _picklable(items)
+            data = pickle.dumps(("add", items), protocol=_PROTOCOL)
+        else:
+            kept = []
+        try:
+            r.conn.send_bytes(data)
+        except (OSError, EOFError):
             self._declare_dead(r)
+        return kept
 
     def poll(self, timeout: float | None) -> tuple[list[tuple[int, RequestOutput]], dict[int, str]]:
         """What the live replicas sent: ``(rank, output)`` pairs, waiting up to ``timeout``
@@ -271,8 +307,14 @@ def serve_call(pool: ReplicaPool, engine, items: list, window: int, on_output) -
         for rid, prompt, params, _ in batch:
             held[rank][rid] = (prompt, params)
         if rank:
-            pool.add(replicas[rank], batch)
-            return
+            stay = pool.add(replicas[rank], batch)
+            if not stay:
+                return
+            for rid, *_ in stay:  # they cannot leave this process: its engine serves them
+                del held[rank][rid]
+            rank, batch = 0, stay
+            for rid, prompt, params, _ in batch:
+                held[0][rid] = (prompt, params)
         with engine.core.adding():
             for rid, prompt, params, lora in batch:
                 try:

@@ -68,6 +68,34 @@ def test_replicas_are_topped_up_as_their_requests_finish(bart_dir, single):
         llm.shutdown()
 
 
+def test_params_that_cannot_leave_the_process_are_served_by_its_engine(single, replicated):
+    # A user logits processor defined here (a closure) does not pickle: its requests stay with
+    # replica 0 (this process's engine); the others are dealt out as usual.
+    banned = 63
+
+    def ban(token_ids, logits):
+        logits[banned] = float("-inf")
+        return logits
+
+    prompts = _prompts(6, seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=6, logits_processors=[ban]) if i % 3 == 1
+              else SamplingParams(temperature=0.0, max_tokens=6) for i in range(6)]
+    two = replicated.generate(prompts, params, use_tqdm=False)
+    one = single.generate(prompts, params, use_tqdm=False)
+    assert [o.error for o in two] == [None] * 6
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+    assert all(banned not in two[i].outputs[0].token_ids for i in (1, 4))
+
+
+def test_options_that_cannot_reach_a_replica_are_refused_naming_them(bart_dir):
+    import threading
+
+    from tandem.entrypoints.replicas import ReplicaPool
+
+    with pytest.raises(ValueError, match="'lock' cannot be sent to a replica's process"):
+        ReplicaPool(str(bart_dir), {"dtype": "float32", "lock": threading.Lock()}, 2, 1, 0)
+
+
 def test_a_bad_prompt_is_answered_in_its_place(replicated):
     prompts = _prompts(5, seed=1)
     prompts[3] = {"prompt_token_ids": [0, 10**9, 2]}  # an id past the vocabulary: refused
