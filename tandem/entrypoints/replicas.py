@@ -332,11 +332,13 @@ def serve_call(pool: ReplicaPool, engine, items: list, window: int, on_output) -
     for rank, batch in deal.items():
         if batch:
             give(rank, batch)
-    def lost(rank: int, why: str) -> None:
+
+    def lost(rank: int, error: Exception) -> None:
         for rid, (prompt, params) in held[rank].items():
-            on_output(rejected_output(rid, prompt, EngineDeadError(why), params))
+            on_output(rejected_output(rid, prompt, error, params))
         held[rank].clear()
-        ranks.remove(rank)
+        if rank:
+            ranks.remove(rank)
 
     while pending or any(held.values()):
         for rank in ranks:
@@ -344,9 +346,11 @@ def serve_call(pool: ReplicaPool, engine, items: list, window: int, on_output) -
             if pending and room >= min(refill, len(pending)):
                 give(rank, [pending.popleft() for _ in range(min(room, len(pending)))])
         for rank in [r for r in ranks[1:] if replicas[r].dead is not None]:  # found dead while given work
-            lost(rank, replicas[rank].dead)
+            lost(rank, EngineDeadError(replicas[rank].dead))
         stepping = engine.has_unfinished_requests()
         finished = [(0, o) for o in engine.step()] if stepping else []
+        if not stepping and held[0]:  # never left without an answer, even by an engine fault
+            lost(0, RuntimeError("the engine ended the request without an output"))
         if not stepping and not any(held[r] for r in ranks[1:]):
             continue  # nothing out there: what is left goes to replica 0
         got, dead = pool.poll(0 if stepping else None)
@@ -354,4 +358,4 @@ def serve_call(pool: ReplicaPool, engine, items: list, window: int, on_output) -
             if out.finished and held[rank].pop(out.request_id, None) is not None:
                 on_output(out)
         for rank, why in dead.items():
-            lost(rank, why)
+            lost(rank, EngineDeadError(why))

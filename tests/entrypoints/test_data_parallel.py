@@ -163,6 +163,25 @@ def test_a_failed_call_aborts_every_share_and_the_next_call_is_served(replicated
     assert replicated.get_stats()["num_requests_unfinished"] == 0
 
 
+def test_a_request_its_engine_never_answers_is_not_waited_for(replicated, monkeypatch):
+    # An engine fault that ends a request without an output (a dropped output, here) must
+    # not leave the call waiting: the request gets an error output, the others theirs.
+    engine, real_step, dropped = replicated.llm_engine, replicated.llm_engine.step, []
+
+    def step():
+        outs = real_step()
+        if not dropped and outs:
+            dropped.append(outs[0].request_id)
+            return outs[1:]
+        return outs
+
+    monkeypatch.setattr(engine, "step", step)
+    outs = replicated.generate(_prompts(6, seed=10), SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    errors = [o for o in outs if o.error is not None]
+    assert [o.request_id for o in errors] == dropped and "without an output" in errors[0].error
+    assert all(len(o.outputs[0].token_ids) == 3 for o in outs if o.error is None)
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
 def test_a_bad_size_is_refused_naming_it(bart_dir, bad):
     with pytest.raises(ValueError, match=f"data_parallel_size={bad!r}"):
