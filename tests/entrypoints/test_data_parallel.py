@@ -176,7 +176,8 @@ def test_a_request_its_engine_never_answers_is_not_waited_for(replicated, monkey
         return outs
 
     monkeypatch.setattr(engine, "step", step)
-    outs = replicated.generate(_prompts(6, seed=10), SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    outs = replicated.generate(_prompts(6, seed=10), SamplingParams(temperature=0.0, max_tokens=3, min_tokens=3),
+                              use_tqdm=False)
     errors = [o for o in outs if o.error is not None]
     assert [o.request_id for o in errors] == dropped and "without an output" in errors[0].error
     assert all(len(o.outputs[0].token_ids) == 3 for o in outs if o.error is None)
