@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.backends.cpu_flash import encoder as bf16_flash
-from tandem.backends.sdpa_groups import attend_runs, can_group
+from tandem.backends.sdpa_groups import RunPlan, attend_runs, can_group, plan_runs
 from tandem.core.attention import (
     AttentionBackend,
     AttentionImpl,
@@ -66,6 +66,19 @@ class SDPAMetadata(AttentionMetadata):
     # backend's own cross decode path passes them over).
     cross_head_index: dict[int, int]
     cross_head_decodes: list[tuple[int, int]]
+    # This step's sdpa_groups plans, made by the first layer that needs one and read by
+    # the rest (they depend only on the runs, which every layer of a stack shares).
+    run_plans: dict[tuple, RunPlan]
+
+    def run_plan(self, kind: tuple, runs, query: torch.Tensor, key: torch.Tensor, causal: bool) -> RunPlan:
+        """The plan of ``runs`` for this step (see ``run_plans``); ``kind`` names the runs."""
+        per_key = key.shape[1] * key.shape[2]
+        plan = self.run_plans.get((kind, per_key))
+        if plan is None:
+            plan = self.run_plans[(kind, per_key)] = plan_runs(
+                runs, num_queries=query.shape[0], per_key=per_key, max_gather=VIEW_MIN_CROSS_ELEMENTS,
+                causal=causal, device=query.device)
+        return plan
 
 
 @dataclass
@@ -148,6 +161,7 @@ class SDPAMetadataBuilderBase(AttentionMetadataBuilder):
             workspace=self.workspace,
             cross_head_index=head_index,
             cross_head_decodes=[(starts[i], head_index[i]) for i in decodes if i in head_index] if head_index else [],
+            run_plans={},
         )
         return fields, decodes, starts
 
@@ -243,8 +257,9 @@ class SDPAImplBase(AttentionImpl):
         out = torch.empty_like(query)
         grouped = pb is None and can_group(query.device)
         if attn_type is AttentionType.ENCODER and grouped:
-            attend_runs(query, key, value, [(s, n, s, n) for s, n in md.encoder_runs], out,
-                        scale=self.scale, causal=False, gqa=gqa, max_gather=VIEW_MIN_CROSS_ELEMENTS)
+            runs = [(s, n, s, n) for s, n in md.encoder_runs]
+            attend_runs(query, key, value, runs, out, scale=self.scale, causal=False, gqa=gqa,
+                        max_gather=VIEW_MIN_CROSS_ELEMENTS, plan=md.run_plan(("encoder",), runs, query, key, False))
             return out
         if attn_type is AttentionType.ENCODER:
             for start, n in md.encoder_runs:
@@ -333,7 +348,8 @@ class SDPAImplBase(AttentionImpl):
                 flat = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, H, Dh]: slots as rows
                 key, value = flat[0], flat[1]
             attend_runs(query, key, value, runs, out, scale=self.scale, causal=not is_cross, gqa=gqa,
-                        max_gather=VIEW_MIN_CROSS_ELEMENTS)
+                        max_gather=VIEW_MIN_CROSS_ELEMENTS,
+                        plan=md.run_plan(("prefill", is_cross), runs, query, key, not is_cross))
         return rest
 
     def _per_head(self, query, kv_cache, md: SDPAMetadata, j: int, table) -> torch.Tensor:

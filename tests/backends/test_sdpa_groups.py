@@ -93,10 +93,10 @@ def test_backend_groups_encoder_runs_and_prefills_of_one_shape(backend, monkeypa
     calls = []
     real = sdpa_groups.attend_runs
 
-    def spy(query, key, value, runs, out, *, scale, causal, gqa, max_gather):
+    def spy(query, key, value, runs, out, *, scale, causal, gqa, max_gather, plan=None):
         calls.append((len(runs), causal))
         assert all(k_len * key.shape[1] * key.shape[2] <= max_gather for *_, k_len in runs)  # all gathered
-        real(query, key, value, runs, out, scale=scale, causal=causal, gqa=gqa, max_gather=max_gather)
+        real(query, key, value, runs, out, scale=scale, causal=causal, gqa=gqa, max_gather=max_gather, plan=plan)
 
     monkeypatch.setattr(sdpa, "attend_runs", spy)
     block_size, seqs, used = 4, [], 0
@@ -109,3 +109,84 @@ def test_backend_groups_encoder_runs_and_prefills_of_one_shape(backend, monkeypa
     # Encoder runs, causal self prefills and cross prefills: every call takes all 6
     # sequences at once (check_backend runs some kinds more than once).
     assert {n for n, _ in calls} == {6} and {causal for _, causal in calls} == {False, True}
+
+
+def _mixed_case(case, lens, seed):
+    """Runs of ``lens`` (cross: one or two queries over keys at scattered starts)."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    kv_heads = 2 if case == "gqa" else H
+    runs, tq, k_rows = [], 0, 400
+    for kl in lens:
+        ql = rng.choice([1, 2]) if case == "cross" else kl
+        runs.append((tq, ql, rng.randrange(0, k_rows - kl + 1), kl) if case == "cross" else (tq, ql, tq, ql))
+        tq += ql
+    qkv = torch.randn(tq, (H + 2 * kv_heads) * D, generator=g)
+    query = qkv[:, : H * D].view(tq, H, D)
+    if case == "cross":
+        key, value = torch.randn(2, k_rows, kv_heads, D, generator=g)
+    else:
+        key = qkv[:, H * D : (H + kv_heads) * D].view(tq, kv_heads, D)
+        value = qkv[:, (H + kv_heads) * D :].view(tq, kv_heads, D)
+    return query, key, value, runs, case == "causal prefill", kv_heads != H
+
+
+LENGTHS = {
+    "mixed": [1, 2, 7, 8, 9, 10, 15, 16, 17, 23, 30, 31, 32, 33, 47, 64, 9, 30, 17, 1],
+    "short mixed": [rng_len for rng_len in random.Random(5).choices(range(10, 31), k=40)],
+    "all equal": [12] * 9,
+    "one long": [3, 5, 140, 9],
+}
+
+
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+@pytest.mark.parametrize("case", ["encoder", "causal prefill", "cross", "gqa"])
+def test_padded_batches_match_one_call_per_run_and_float64(case, lengths, monkeypatch):
+    """Runs of mixed lengths (1 included) padded into a few batches under a key mask:
+    within float32 rounding of a call per run and of float64; every padded run's
+    outputs written, nothing else; all-equal lengths stay bit-equal (no padding)."""
+    query, key, value, runs, causal, gqa = _mixed_case(case, LENGTHS[lengths], seed=len(lengths))
+    scale = D**-0.5
+    sdpa_calls = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        sdpa_calls.append(args[0].shape)
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa_groups.F, "scaled_dot_product_attention", counting)
+    out = torch.full_like(query, float("nan"))
+    attend_runs(query, key, value, runs, out, scale=scale, causal=causal, gqa=gqa, max_gather=1 << 30)
+    monkeypatch.undo()
+    per_run = _per_run(query, key, value, runs, scale=scale, causal=causal, gqa=gqa)
+    if lengths == "all equal" and case != "cross":
+        assert torch.equal(out, per_run)
+    assert torch.allclose(out, per_run, rtol=0, atol=5e-6)
+    shapes = {(sdpa_groups.padded_length(ql), sdpa_groups.padded_length(kl)) for _, ql, _, kl in runs}
+    assert len(sdpa_calls) == len(shapes) <= len(runs)
+    for qs, ql, ks, kl in runs:
+        q, k, v = (t.double() for t in (query[qs : qs + ql], key[ks : ks + kl], value[ks : ks + kl]))
+        want = reference(q, k, v, scale, causal_offset=0 if causal else None)
+        assert relative_error(out[qs : qs + ql], want) < REL_FP32
+
+
+@pytest.mark.parametrize("case", ["encoder", "cross"])
+def test_a_plan_made_once_serves_every_layer_and_big_buckets_split(case, monkeypatch):
+    """A plan (plan_runs) given to attend_runs gives what attend_runs makes itself;
+    a bucket over MAX_BATCH_ELEMENTS is split into several calls; runs that leave
+    rows of ``out`` alone (decodes in the step) write only their own rows."""
+    monkeypatch.setattr(sdpa_groups, "MAX_BATCH_ELEMENTS", 3 * 32 * H * D)  # 3 runs of 32
+    query, key, value, runs, causal, gqa = _mixed_case(case, LENGTHS["short mixed"], seed=1)
+    runs = runs[:-1]  # the last run's rows stay NaN: not covered
+    kw = dict(scale=D**-0.5, causal=causal, gqa=gqa, max_gather=1 << 30)
+    plan = sdpa_groups.plan_runs(runs, num_queries=query.shape[0], per_key=key.shape[1] * key.shape[2],
+                                 max_gather=1 << 30, causal=causal, device=query.device)
+    assert plan.dst is not None and len(plan.calls) > 3
+    made, given = (torch.full_like(query, float("nan")) for _ in range(2))
+    attend_runs(query, key, value, runs, made, **kw)
+    attend_runs(query, key, value, runs, given, **kw, plan=plan)
+    assert torch.equal(made.nan_to_num(), given.nan_to_num())
+    last = sum(ql for _, ql, _, _ in runs)
+    assert torch.isnan(made[last:]).all() and not torch.isnan(made[:last]).any()
+    per_run = _per_run(query, key, value, runs, scale=D**-0.5, causal=causal, gqa=gqa)
+    assert torch.allclose(made[:last], per_run[:last], rtol=0, atol=5e-6)
