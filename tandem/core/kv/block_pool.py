@@ -51,6 +51,7 @@ class BlockPool:
         self.refcounts = self._refs.view()
         self.refcounts.flags.writeable = False
         self._kept = np.zeros(self.num_blocks, dtype=bool)
+        self._pad = np.zeros(self.num_blocks + 2, dtype=bool)  # allocate_run's scratch
         # Lazily pruned: ids taken as part of a run (or kept) stay here until popped.
         self._heap: list[int] = list(range(self.num_blocks))
         self.num_free = self.num_blocks  # free blocks, kept ones not counted
@@ -90,9 +91,14 @@ class BlockPool:
             raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
         if n == 0:
             return []
-        is_free = ((self._refs == 0) & ~self._kept).view(np.int8)
-        edges = np.diff(np.concatenate(([0], is_free, [0])))
-        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        # Free, padded with a used block at each end: its changes of value are the runs'
+        # starts and ends, alternately (one pass over the pool, not a diff of it).
+        is_free = self._pad
+        free = self._refs == 0
+        free &= ~self._kept
+        is_free[1:-1] = free
+        edges = np.flatnonzero(is_free[1:] != is_free[:-1])
+        starts, ends = edges[0::2], edges[1::2]
         lengths = ends - starts
         fits = np.flatnonzero(lengths >= n)
         if fits.size == 0:
