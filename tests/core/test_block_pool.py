@@ -1,12 +1,17 @@
 """``BlockPool``'s allocations against what they were before its free runs were kept
 (``BlockPool._runs``): the run a cross table takes was found by a scan of the whole
-pool on every call. Random allocations, runs, frees, keeps, reuses and evictions; each
-allocation's ids must equal the scan's answer (the best-fitting run's highest ids,
-else the lowest free ids), and the kept runs the pool's free blocks."""
+pool on every call. Random allocations, runs, frees (of a few blocks one by one, of
+more in numpy, repeats counting), keeps, reuses and evictions; each allocation's ids
+must equal the scan's answer (the best-fitting run's highest ids, else the lowest free
+ids), the counts the references held, a double free raise and leave the pool as it was,
+and the kept runs be the pool's free blocks."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,15 +42,18 @@ def runs_of(free: list[int]) -> tuple[list[int], list[int]]:
     return starts, ends
 
 
-ops = st.lists(st.tuples(st.sampled_from(["alloc", "run", "free", "keep", "reuse", "evict", "incref"]),
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "run", "free", "free_many", "keep", "reuse", "evict", "incref",
+                                          "double_free"]),
                          st.integers(0, 7), st.integers(0, 10 ** 6)), max_size=80)
 
 
 @settings(max_examples=300, deadline=None)
-@given(num_blocks=st.sampled_from([1, 7, 40, 120]), loop_runs=st.sampled_from([0, 2, 16]), script=ops)
-def test_allocations_equal_a_scan_of_the_pool(num_blocks, loop_runs, script):
+@given(num_blocks=st.sampled_from([1, 7, 40, 120]), loop_runs=st.sampled_from([0, 2, 16]),
+       few_blocks=st.sampled_from([0, 3, 16]), script=ops)
+def test_allocations_equal_a_scan_of_the_pool(num_blocks, loop_runs, few_blocks, script):
     pool = BlockPool(num_blocks)
     pool.loop_runs = loop_runs  # the best fit found in a loop, or in numpy
+    pool.few_blocks = few_blocks  # references dropped one by one, or in numpy
     held: list[int] = []  # one entry per reference
     kept: list[int] = []
     for op, n, pick in script:
@@ -63,6 +71,20 @@ def test_allocations_equal_a_scan_of_the_pool(num_blocks, loop_runs, script):
         elif op == "free" and held:
             b = held.pop(pick % len(held))
             pool.free([b])
+        elif op == "free_many" and held:
+            k = 1 + pick % len(held)  # a prefix of a shuffle: repeats of a block count
+            order = sorted(range(len(held)), key=lambda i: (i * 7919 + pick) % len(held))[:k]
+            drop = [held[i] for i in order]
+            for i in sorted(order, reverse=True):
+                del held[i]
+            pool.free(drop)
+        elif op == "double_free":
+            extra = [b for b in range(num_blocks) if b not in held][: 1 + n % 3]
+            if extra:
+                before = (pool.refcounts.copy(), pool.num_free, sorted(pool.free_ids()))
+                with pytest.raises(RuntimeError):
+                    pool.free(held[:n] + extra)
+                assert (pool.refcounts == before[0]).all() and (pool.num_free, sorted(pool.free_ids())) == before[1:]
         elif op == "incref" and held:
             b = held[pick % len(held)]
             pool.incref([b])
@@ -80,5 +102,7 @@ def test_allocations_equal_a_scan_of_the_pool(num_blocks, loop_runs, script):
         elif op == "evict" and kept:
             pool.evict([kept.pop(pick % len(kept))])
         assert pool.num_free == len(pool.free_ids())
+        counts = Counter(held)
+        assert pool.refcounts.tolist() == [counts.get(b, 0) for b in range(num_blocks)]
         if pool._runs is not None:
             assert pool._runs == runs_of(pool.free_ids())

@@ -43,6 +43,8 @@ class BlockPool:
     # Up to this many free runs, ``allocate_run`` looks for the best fit in a loop; past
     # it, in numpy.
     loop_runs = 16
+    # Up to this many blocks, ``decref`` drops their references one by one; past it, in numpy.
+    few_blocks = 16
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -166,6 +168,9 @@ class BlockPool:
         blocks whose count reaches zero are free again."""
         if not blocks or times == 0:
             return
+        if len(blocks) <= self.few_blocks:  # a table's few blocks: cheaper one by one than in numpy
+            self._decref_few(blocks, times)
+            return
         ids = np.asarray(blocks, dtype=np.int64)
         np.subtract.at(self._refs, ids, times)
         if (self._refs[ids] < 0).any():
@@ -179,6 +184,30 @@ class BlockPool:
         self.num_free += len(freed)
         if len(self._heap) > 2 * self.num_blocks:  # drop stale ids left by runs
             self._heap = self.free_ids()
+
+    def _decref_few(self, blocks: list[int], times: int) -> None:
+        """``decref`` for a few blocks: the same checks and result, without numpy calls."""
+        refs = self._refs
+        drop: dict[int, int] = {}
+        for b in blocks:
+            drop[b] = drop.get(b, 0) + times
+        for b, d in drop.items():
+            if refs.item(b) < d:  # item: a Python int (IndexError past the pool, as numpy's)
+                raise RuntimeError(f"a block of {blocks} freed twice")
+        freed = []
+        for b, d in drop.items():
+            left = refs.item(b) - d
+            refs[b] = left
+            if left == 0:
+                freed.append(b)
+        if freed:
+            self._runs = None
+            freed.sort()
+            for b in freed:
+                heapq.heappush(self._heap, b)
+            self.num_free += len(freed)
+            if len(self._heap) > 2 * self.num_blocks:  # drop stale ids left by runs
+                self._heap = self.free_ids()
 
     # Releasing the only reference is freeing.
     free = decref
