@@ -366,9 +366,12 @@ class BlockManager:
         # Every sequence computes its prompt tokens in the first step and writes
         # the same K/V (same tokens, positions and encoder) into the shared slots.
         n_shared = a.n_shared  # >= len(hits): hits are full prompt blocks
-        self._make_room(n_shared - len(hits) + a.own)
-        shared = hits + pool.allocate(n_shared - len(hits))
-        pool.incref(shared, times=len(seqs) - 1)
+        new = n_shared - len(hits)
+        if pool.num_free < new + a.own:
+            self._make_room(new + a.own)
+        shared = hits + pool.allocate(new) if new else hits
+        if len(seqs) > 1:
+            pool.incref(shared, times=len(seqs) - 1)
         tables, owner, caching = self._self, self._owner, self.prefix_cache.enabled
         for seq in seqs:
             tables[seq.seq_id] = shared + pool.allocate(-(-len(seq.token_ids) // bs) - n_shared)
@@ -418,7 +421,8 @@ class BlockManager:
             self.encoder_cache_hits += 1
         else:
             n = blocks_for(group.encoder_len, self.block_size)
-            self._make_room(n)
+            if self.pools[Device.DEVICE].num_free < n:
+                self._make_room(n)
             blocks = self.pools[Device.DEVICE].allocate_run(n)
             table = self._live_cross[key] = _CrossTable(key, blocks, Device.DEVICE)
             self.encoder_runs += 1
@@ -727,15 +731,23 @@ class BlockManager:
     # -- freeing -----------------------------------------------------------
     def free(self, seq: Sequence, group: SequenceGroup) -> None:
         """Drop the sequence's self table (a no-op if it holds none)."""
+        self._free_table(seq, group)
+        self._forget_if_empty(group)
+
+    def _free_table(self, seq: Sequence, group: SequenceGroup) -> None:
         table = self._self.pop(seq.seq_id, None)
-        if table is not None:
-            device = self._location[group.request_id]
+        if table is None:
+            return
+        device = self._location[group.request_id]
+        if self.prefix_cache.max_blocks:  # enabled (else it holds nothing of the sequence)
             if device is Device.DEVICE:
                 self._register_prompt(seq, table)  # its last step's prompt blocks too
             del self._owner[seq.seq_id]
             self.prefix_cache.forget(seq.seq_id)
             self._release(device, table)
-        self._forget_if_empty(group)
+        else:
+            del self._owner[seq.seq_id]
+            self.pools[device].decref(table)
 
     def free_cross(self, group: SequenceGroup) -> None:
         """Drop the group's reference to its cross table; the last holder frees it."""
@@ -785,8 +797,8 @@ class BlockManager:
     def free_group(self, group: SequenceGroup) -> None:
         """Drop every reference the group holds: each self table, then the cross table."""
         for seq in group.seqs:
-            self.free(seq, group)
-        self.free_cross(group)
+            self._free_table(seq, group)
+        self.free_cross(group)  # and the group is forgotten once it holds nothing
 
     def clear_encoder_cache(self) -> None:
         """Evict every kept cross table and decoder-prompt block."""

@@ -771,6 +771,15 @@ class Scheduler:
         """Free the blocks of the group's finished sequences (stopped here or, by a
         stop string, by the frontend); retire the group once all are."""
         bm = self.block_manager
+        if group.request_id in self.groups and group.is_finished:
+            # All of it at once: finish() frees every table (free_group) as the loop below
+            # and finish() after it would, in the same order.
+            for seq in group.seqs:
+                if bm.has_block_table(seq):
+                    self._sent_tables.pop(seq.seq_id, None)
+                    self._finished_seqs.append(seq.seq_id)
+            self.finish(group)
+            return
         for seq in group.seqs:
             if seq.finished and bm.has_block_table(seq):
                 bm.free(seq, group)
