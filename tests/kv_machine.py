@@ -6,9 +6,11 @@ says, and picking a group by an index hypothesis draws."""
 from __future__ import annotations
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+from collections import Counter
 
-from tandem.core.kv.block_manager import BlockManager
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tandem.core.kv.block_manager import Admission, AllocStatus, BlockManager
 
 from tandem.core.kv.block_pool import Device
 from tandem.core.sequence import Sequence, SequenceGroup
@@ -21,6 +23,23 @@ def live_seqs(g: SequenceGroup, bm: BlockManager) -> list[Sequence]:
     return [s for s in g.seqs if bm.has_block_table(s)]
 
 
+def admission_as_before(bm: BlockManager, g: SequenceGroup) -> Admission:
+    """``bm.admission(g)``, checked against what the scheduler asked separately before it
+    (``has_encoder_output``, ``num_prefix_hit_tokens``, ``blocks_needed``, can_allocate's
+    rule); the allocation that takes it is then the scheduler's path."""
+    a = bm.admission(g)
+    assert a.seqs == g.unfinished_seqs() and a.key == g.encoder_key
+    assert a.run_encoder is (not bm.has_encoder_output(g))
+    assert len(a.hits) * bm.block_size == bm.num_prefix_hit_tokens(g)
+    assert a.need == bm.blocks_needed(g, share_cross=True)
+    if bm.blocks_needed(g) > bm.usable_blocks:
+        assert a.status is AllocStatus.NEVER
+    else:
+        ok = bm.num_free_blocks() - a.need >= bm.watermark_blocks
+        assert a.status is (AllocStatus.OK if ok else AllocStatus.LATER)
+    return a
+
+
 class KVMachine(RuleBasedStateMachine):
     """A subclass sets ``self.bm`` in its ``@initialize`` and may override :meth:`_on`."""
 
@@ -29,6 +48,12 @@ class KVMachine(RuleBasedStateMachine):
         self.bm: BlockManager | None = None
         self.groups: list[SequenceGroup] = []
         self.cache: dict[Device, dict[int, dict]] = {DEV: {}, HOST: {}}  # block -> slot -> fake K/V
+
+    @invariant()
+    def cross_holders_counted_per_input(self):
+        """What lets ``_unlist`` skip its search: the holders counted per encoder key."""
+        if self.bm is not None:
+            assert self.bm._key_holders == Counter(t.key for t in self.bm._cross.values())
 
     def _pick(self, idx: int, pred) -> SequenceGroup:
         cands = [g for g in self.groups if pred(g)]

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 
+_INT = {int}  # the type of a prompt's ids in the usual case
+
+
 class TextPrompt(TypedDict):
     prompt: str
     # vLLM's keys (core/vllm_prompts.py): {"audio": (samples, rate)}; an empty mm_processor_kwargs
@@ -184,9 +187,10 @@ class InputProcessor:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(
+                # Plain ints (the usual case) checked in C, without a generator step per id.
+                if not isinstance(ids, (list, tuple)) or not (set(map(type, ids)) <= _INT or all(
                     isinstance(t, int) and not isinstance(t, bool) for t in ids
-                ):
+                )):
                     raise ValueError(f"{where}.prompt_token_ids must be a list of ints, got {ids!r}")
                 return list(ids), prompt.get("prompt")
             if "prompt" in prompt:

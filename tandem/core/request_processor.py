@@ -13,6 +13,7 @@ steps. ``LLM`` runs it on the caller's thread, as before.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable
 
 from tandem.core.generation_config import GenerationDefaults, merge_params, resolve_lengths
@@ -95,7 +96,9 @@ class RequestProcessor:
         params = self.resolve_params(params)
         inputs = self.input_processor.process(prompt)
         if inputs.decoder_prompt_is_default and prompt_slot is None:
-            default, prompt_slot = m.default_decoder_prompt(cfg, self.generation_defaults.hf)
+            default, prompt_slot = self._default_prompt
+            if prompt_slot is not None:  # a slot of its own per request (Whisper's)
+                default, prompt_slot = m.default_decoder_prompt(cfg, self.generation_defaults.hf)
             inputs.prompt_token_ids = list(default)
         if inputs.decoder_prompt_is_default and params.forced_bos_token_id is not None:
             # HF starts from <DEC> alone and the forced BOS processor picks the next
@@ -108,27 +111,42 @@ class RequestProcessor:
             if not prompt_slot.choices or bad:
                 raise ValueError(f"prompt slot {prompt_slot}: needs choices, all in the vocabulary [0, {self.vocab_size})")
             prompt_len += 1 + len(prompt_slot.then)  # the prompt as it will be once completed
-        params = self._interned(resolve_lengths(params, prompt_len, m.max_decoder_len(cfg) - prompt_len))
+        params = self._interned(resolve_lengths(params, prompt_len, self._max_decoder_len - prompt_len))
         self.validate(inputs, params, prompt_len)
         self.check_request(params)
         _ = inputs.encoder_inputs.cache_key  # hashing audio features: here, not on the engine thread
         return ProcessedRequest(inputs, params, prompt_slot, prompt_len, lora_request)
 
+    # The model's limits and default decoder prompt: read from its config once, not per
+    # request (a transformers config attribute costs three Python calls).
+    @cached_property
+    def _max_encoder_len(self) -> int:
+        return self.model_cls.max_encoder_len(self.hf_config)
+
+    @cached_property
+    def _max_decoder_len(self) -> int:
+        return self.model_cls.max_decoder_len(self.hf_config)
+
+    @cached_property
+    def _default_prompt(self) -> tuple[tuple[int, ...], PromptSlot | None]:
+        default, slot = self.model_cls.default_decoder_prompt(self.hf_config, self.generation_defaults.hf)
+        return tuple(default), slot
+
     def validate(self, inputs: EncoderDecoderInputs, params: SamplingParams, dec_len: int | None = None) -> None:
-        cfg, m = self.hf_config, self.model_cls
+        max_enc, max_dec = self._max_encoder_len, self._max_decoder_len
         enc = inputs.encoder_inputs
         enc_len = enc.num_positions
         dec_len = len(inputs.prompt_token_ids) if dec_len is None else dec_len
         # Lengths first: a prompt of millions of ids is refused before its ids are scanned.
-        if enc_len > m.max_encoder_len(cfg):
+        if enc_len > max_enc:
             what = "tokens" if enc.token_ids is not None else "encoder positions"
             raise ValueError(
-                f"encoder prompt has {enc_len} {what}; the model accepts at most {m.max_encoder_len(cfg)}"
+                f"encoder prompt has {enc_len} {what}; the model accepts at most {max_enc}"
             )
-        if dec_len + params.max_tokens > m.max_decoder_len(cfg):  # resolve_lengths keeps this from happening
+        if dec_len + params.max_tokens > max_dec:  # resolve_lengths keeps this from happening
             raise ValueError(
                 f"decoder prompt ({dec_len} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"model's {m.max_decoder_len(cfg)} decoder positions"
+                f"model's {max_dec} decoder positions"
             )
         checks = [("decoder prompt", inputs.prompt_token_ids)]
         if enc.token_ids is not None:  # feature inputs have no vocabulary to check

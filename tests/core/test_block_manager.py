@@ -31,7 +31,7 @@ from tandem.core.kv.block_pool import BlockPool, Device, blocks_for
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from kv_machine import KVMachine, live_seqs
+from kv_machine import KVMachine, admission_as_before, live_seqs
 
 _ids = itertools.count()
 _tokens = itertools.count(10_000)  # every generated token is distinct: stale slots never match
@@ -258,7 +258,7 @@ class BlockManagerMachine(KVMachine):
             assert status is (AllocStatus.OK if free - needed >= self.wm else AllocStatus.LATER)
         if status is not AllocStatus.OK:
             return
-        assert bm.allocate(g) is (not live_key)
+        assert bm.allocate(g, admission_as_before(bm, g)) is (not live_key)
         assert bm.num_free_blocks() == free - needed
         tables = [bm.get_block_table(s) for s in seqs]
         assert all(len(t) == blocks_for(len(s), self.bs) for t, s in zip(tables, seqs))

@@ -37,7 +37,7 @@ from tandem.core.kv.block_pool import BlockPool, Device
 from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from kv_machine import KVMachine, live_seqs
+from kv_machine import KVMachine, admission_as_before, live_seqs
 
 _ids = itertools.count()
 _tokens = itertools.count(10_000)
@@ -226,7 +226,7 @@ class EncoderCacheMachine(KVMachine):
         if status is not AllocStatus.OK:
             return
         kept_blocks = bm.encoder_cache.tables().get(g.encoder_key)
-        assert bm.allocate(g) is not (live or kept)
+        assert bm.allocate(g, admission_as_before(bm, g)) is not (live or kept)
         assert bm.num_free_blocks() == free - needed
         if kept_blocks is not None and not live:
             assert bm.get_cross_block_table(g) == kept_blocks  # the hit got the kept table itself

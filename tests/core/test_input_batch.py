@@ -10,7 +10,7 @@ from tandem.core.worker.input_batch import BlockTableRows
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["set", "extend", "remove", "copy", "extend_many"]),
+        st.sampled_from(["set", "extend", "remove", "copy", "extend_many", "set_many"]),
         st.integers(0, 9),  # key
         st.lists(st.integers(0, 10_000), max_size=12),  # block ids
     ),
@@ -40,6 +40,21 @@ def test_rows_hold_exactly_what_was_set_and_appended(operations, rows, width):
             table.extend_many(keys, lists)
             for k, more in zip(keys, lists):
                 oracle[k] += more
+        elif op == "set_many":
+            # Keys held or new, each its own slice of ids (none, one or more); the same
+            # calls one by one on a twin give the same rows, widths and table shape.
+            keys = [k for k in range(10) if (k + key) % 3 != 0]
+            lists = [ids[j % (len(ids) + 1):] for j in range(len(keys))]
+            twin = BlockTableRows(1, 1)
+            twin.table, twin.width = table.table.clone(), list(table.width)
+            twin._row, twin._free_rows = dict(table._row), list(table._free_rows)
+            for k, more in zip(keys, lists):
+                twin.set(k, more)
+            table.set_many(keys, lists)
+            assert table._row == twin._row and table.width == twin.width
+            assert table.table.shape == twin.table.shape
+            for k, more in zip(keys, lists):
+                oracle[k] = list(more)
         elif op == "remove":
             table.remove(key)
             oracle.pop(key, None)

@@ -37,7 +37,7 @@ from tandem.core.inputs import EncoderInputs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tandem.core.strategies.sampling import SamplingStrategy
-from kv_machine import KVMachine, live_seqs
+from kv_machine import KVMachine, admission_as_before, live_seqs
 
 _ids = itertools.count()
 DEV, HOST = Device.DEVICE, Device.HOST
@@ -238,7 +238,7 @@ class PrefixCacheMachine(KVMachine):
             return
         free, needed = bm.num_free_blocks(), bm.blocks_needed(g, share_cross=True)
         cached = bm.num_prefix_hit_tokens(g)
-        bm.allocate(g)
+        bm.allocate(g, admission_as_before(bm, g))
         assert bm.num_free_blocks() == free - needed
         assert all(s.num_computed_tokens == cached for s in g.unfinished_seqs())
         self.hits += cached > 0

@@ -76,7 +76,8 @@ def _hook_rid(name):
 
 # (class, method, how it finds the request, engine settings, params)
 BLOCK_FAULTS = {
-    "can_allocate": (BlockManager, {}, GREEDY),
+    # What admitting a request takes, found once: what can_allocate was asked before.
+    "admission": (BlockManager, {}, GREEDY),
     "allocate": (BlockManager, {}, GREEDY),
     # A decode step whose token goes into a block it holds alone takes append_in_place_all
     # (the scheduler's steady pass over every running group, then, after a fault there,
@@ -167,11 +168,11 @@ def test_a_fault_that_breaks_the_pool_accounting_makes_the_engine_dead(bart_dir,
     llm = _llm(bart_dir)
     original = BlockManager.allocate
 
-    def leaking(self, group):
+    def leaking(self, group, *admission):  # the scheduler hands allocate the group's admission
         if group.request_id == "leaky":
             self.pools[next(iter(self.pools))].allocate(1)  # taken, in no table
             raise Injected("injected fault in allocate")
-        return original(self, group)
+        return original(self, group, *admission)
 
     monkeypatch.setattr(BlockManager, "allocate", leaking)
     engine = llm.engine
@@ -213,10 +214,10 @@ async def test_server_a_block_manager_fault_fails_only_its_request(bart_dir, mon
     # The server names requests itself: the fault finds its request by max_tokens=7.
     original = BlockManager.allocate
 
-    def faulty(self, group):
+    def faulty(self, group, *admission):  # the scheduler hands allocate the group's admission
         if group.sampling_params.max_tokens == 7:
             raise Injected("injected fault in allocate")
-        return original(self, group)
+        return original(self, group, *admission)
 
     monkeypatch.setattr(BlockManager, "allocate", faulty)
     body = lambda i, n=8: {"prompt": PROMPTS[i]["prompt_token_ids"], "max_tokens": n,  # noqa: E731

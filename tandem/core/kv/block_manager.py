@@ -55,6 +55,21 @@ class _CrossTable:
     positions: int | None = None
 
 
+@dataclass(slots=True)
+class Admission:
+    """What admitting a group now takes, found once (``BlockManager.admission``) for the
+    scheduler's checks and ``allocate``; true while nothing changes the pools or caches."""
+
+    seqs: list[Sequence]  # its unfinished sequences
+    key: Hashable  # its encoder key
+    hits: list[int]  # registered decoder-prompt blocks its sequences would share
+    run_encoder: bool  # no live or kept cross table of its input: its encoder runs
+    n_shared: int  # blocks at the front of its self tables all its sequences share
+    own: int  # the self-table blocks of its sequences past the shared ones, together
+    need: int  # device blocks allocating it now takes (``blocks_needed(share_cross=True)``)
+    status: AllocStatus  # ``can_allocate``'s answer
+
+
 class BlockManager:
     def __init__(
         self,
@@ -79,6 +94,9 @@ class BlockManager:
         self._self: dict[int, list[int]] = {}  # seq_id -> self table
         self._owner: dict[int, str] = {}  # seq_id -> request id
         self._cross: dict[str, _CrossTable] = {}  # request id -> its (maybe shared) cross table
+        # Entries of ``_cross`` per encoder key: when they are a table's own holders, no
+        # other table of its key exists (``_unlist`` then looks no further).
+        self._key_holders: dict[Hashable, int] = {}
         # Cross tables that new groups may share: device-resident ones, by
         # encoder ids. A dict keyed by the tuple matches on its hash and then
         # compares the ids, so inputs whose hashes collide never share.
@@ -207,7 +225,9 @@ class BlockManager:
         if old.holders == {rid}:  # in place: no room needed, so a full pool still compresses
             self._unlist(old)
             self.pools[Device.DEVICE].decref(old.blocks[n:])
+            self._drop_holder(old.key)
             old.key, old.blocks, old.positions, old.filled = ("kv_compress", rid), old.blocks[:n], positions, True
+            self._key_holders[old.key] = 1
             return src, list(old.blocks)
         if n > self.num_free_blocks():
             return None
@@ -216,6 +236,7 @@ class BlockManager:
         self.free_cross(group)
         self._cross[rid] = _CrossTable(("kv_compress", rid), blocks, Device.DEVICE, {rid}, filled=True,
                                        positions=positions)
+        self._key_holders[("kv_compress", rid)] = 1
         self._location.setdefault(rid, Device.DEVICE)
         return src, blocks
 
@@ -293,47 +314,70 @@ class BlockManager:
         return len(prompt) // self.block_size
 
     # -- allocation --------------------------------------------------------
-    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+    def admission(self, group: SequenceGroup) -> Admission:
+        """What admitting the group now takes (``Admission``), each part found once:
+        ``can_allocate``'s answer, ``blocks_needed``'s, whether its encoder runs
+        (``has_encoder_output``), its prefix-cache hits; ``allocate`` takes it as made."""
+        seqs = group.unfinished_seqs()
+        key, bs = group.encoder_key, self.block_size
+        live = key in self._live_cross
+        hits = self.prefix_cache.lookup(key, seqs)
+        n_shared = self._shared_prompt_blocks(seqs, fresh=True)
+        own = sum([-(-len(s) // bs) for s in seqs]) - n_shared * len(seqs)
+        cross = -(-group.encoder_inputs.num_positions // bs)
+        need = (0 if live else cross) + n_shared + own
+        if hits:  # live ones are shared, not taken
+            refs = self.pools[Device.DEVICE].refcounts
+            need -= sum([refs.item(b) > 0 for b in hits])
         # NEVER counts the cross table even when a live one could be shared:
         # the sharers may be gone by the time the group is admitted.
-        if self.blocks_needed(group) > self.usable_blocks:
-            return AllocStatus.NEVER
-        needed = self.blocks_needed(group, share_cross=True)
-        if self.num_free_blocks() - needed >= self.watermark_blocks:
-            return AllocStatus.OK
-        return AllocStatus.LATER
+        if cross + n_shared + own > self.usable_blocks:
+            status = AllocStatus.NEVER
+        elif self.num_free_blocks() - need >= self.watermark_blocks:
+            status = AllocStatus.OK
+        else:
+            status = AllocStatus.LATER
+        return Admission(seqs, key, hits, not (live or key in self.encoder_cache), n_shared, own, need, status)
 
-    def allocate(self, group: SequenceGroup) -> bool:
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        return self.admission(group).status
+
+    def allocate(self, group: SequenceGroup, admission: Admission | None = None) -> bool:
         """Give the group its cross table and the self tables of its unfinished
         sequences on the device. Returns whether its encoder must run: True if
         it created the cross table, False if it shares a live one (filled in an
         earlier step, or by its creator earlier in the same forward pass) or took
         one the encoder cache kept. Sequences whose decoder prompt begins with
         cached blocks (``prefix_cache.py``) share them and start computed past
-        them (``num_computed_tokens``)."""
+        them (``num_computed_tokens``). ``admission``: the group's, made with nothing
+        changed since (found now when not given)."""
         rid = group.request_id
         if rid in self._location or rid in self._cross:
             raise RuntimeError(f"request {rid!r} already holds blocks")
-        pool = self.pools[Device.DEVICE]
-        if self.blocks_needed(group, share_cross=True) > self.num_free_blocks():
+        a = self.admission(group) if admission is None else admission
+        pool, bs = self.pools[Device.DEVICE], self.block_size
+        if a.need > self.num_free_blocks():
             raise RuntimeError(f"not enough free blocks to allocate request {rid!r}")
         # First: kept blocks it takes (prompt blocks, a cross table) are not evicted below.
-        hits = self._prefix_hits(group)
+        hits = a.hits
         self.prefix_cache.acquire(hits)
-        run_encoder = self._acquire_cross(group)
-        seqs = group.unfinished_seqs()
+        run_encoder = self._acquire_cross(group, a.key)
+        seqs = a.seqs
         # Every sequence computes its prompt tokens in the first step and writes
         # the same K/V (same tokens, positions and encoder) into the shared slots.
-        n_shared = self._shared_prompt_blocks(seqs, fresh=True)  # >= len(hits): hits are full prompt blocks
-        self._make_room(n_shared - len(hits) + sum(blocks_for(len(s), self.block_size) - n_shared for s in seqs))
-        shared = hits + pool.allocate(n_shared - len(hits))
-        pool.incref(shared, times=len(seqs) - 1)
+        n_shared = a.n_shared  # >= len(hits): hits are full prompt blocks
+        new = n_shared - len(hits)
+        if pool.num_free < new + a.own:
+            self._make_room(new + a.own)
+        shared = hits + pool.allocate(new) if new else hits
+        if len(seqs) > 1:
+            pool.incref(shared, times=len(seqs) - 1)
+        tables, owner, caching = self._self, self._owner, self.prefix_cache.enabled
         for seq in seqs:
-            own = pool.allocate(blocks_for(len(seq), self.block_size) - n_shared)
-            self._self[seq.seq_id] = shared + own
-            self._owner[seq.seq_id] = rid
-            if self.prefix_cache.enabled:
-                seq.num_computed_tokens = len(hits) * self.block_size
+            tables[seq.seq_id] = shared + pool.allocate(-(-len(seq.token_ids) // bs) - n_shared)
+            owner[seq.seq_id] = rid
+            if caching:
+                seq.num_computed_tokens = len(hits) * bs
                 self.prefix_queried_tokens += len(seq.prompt_token_ids)
                 self.prefix_hit_tokens += seq.num_computed_tokens
         self._location[rid] = Device.DEVICE
@@ -365,8 +409,8 @@ class BlockManager:
         else:
             self.pools[device].decref(blocks)
 
-    def _acquire_cross(self, group: SequenceGroup) -> bool:
-        rid, key = group.request_id, group.encoder_key
+    def _acquire_cross(self, group: SequenceGroup, key: Hashable) -> bool:
+        rid = group.request_id
         table = self._live_cross.get(key)
         created = False
         if table is not None:
@@ -377,13 +421,15 @@ class BlockManager:
             self.encoder_cache_hits += 1
         else:
             n = blocks_for(group.encoder_len, self.block_size)
-            self._make_room(n)
+            if self.pools[Device.DEVICE].num_free < n:
+                self._make_room(n)
             blocks = self.pools[Device.DEVICE].allocate_run(n)
             table = self._live_cross[key] = _CrossTable(key, blocks, Device.DEVICE)
             self.encoder_runs += 1
             created = True
         table.holders.add(rid)
         self._cross[rid] = table
+        self._key_holders[key] = self._key_holders.get(key, 0) + 1
         return created
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -685,21 +731,30 @@ class BlockManager:
     # -- freeing -----------------------------------------------------------
     def free(self, seq: Sequence, group: SequenceGroup) -> None:
         """Drop the sequence's self table (a no-op if it holds none)."""
+        self._free_table(seq, group)
+        self._forget_if_empty(group)
+
+    def _free_table(self, seq: Sequence, group: SequenceGroup) -> None:
         table = self._self.pop(seq.seq_id, None)
-        if table is not None:
-            device = self._location[group.request_id]
+        if table is None:
+            return
+        device = self._location[group.request_id]
+        if self.prefix_cache.max_blocks:  # enabled (else it holds nothing of the sequence)
             if device is Device.DEVICE:
                 self._register_prompt(seq, table)  # its last step's prompt blocks too
             del self._owner[seq.seq_id]
             self.prefix_cache.forget(seq.seq_id)
             self._release(device, table)
-        self._forget_if_empty(group)
+        else:
+            del self._owner[seq.seq_id]
+            self.pools[device].decref(table)
 
     def free_cross(self, group: SequenceGroup) -> None:
         """Drop the group's reference to its cross table; the last holder frees it."""
         rid = group.request_id
         table = self._cross.pop(rid, None)
         if table is not None:
+            self._drop_holder(table.key)
             table.holders.discard(rid)
             # A group whose step ran holds the encoder's K/V: its own run or its creator's.
             table.filled |= group.encoder_computed
@@ -720,10 +775,19 @@ class BlockManager:
         if self._live_cross.get(table.key) is not table:
             return
         del self._live_cross[table.key]
+        if self._key_holders.get(table.key, 0) == len(table.holders):
+            return  # every holder of its key holds this table: there is no other
         for other in self._cross.values():
             if other is not table and other.device is Device.DEVICE and other.key == table.key:
                 self._live_cross[table.key] = other
                 break
+
+    def _drop_holder(self, key: Hashable) -> None:
+        n = self._key_holders[key] - 1
+        if n:
+            self._key_holders[key] = n
+        else:
+            del self._key_holders[key]
 
     def _forget_if_empty(self, group: SequenceGroup) -> None:
         rid = group.request_id
@@ -733,8 +797,8 @@ class BlockManager:
     def free_group(self, group: SequenceGroup) -> None:
         """Drop every reference the group holds: each self table, then the cross table."""
         for seq in group.seqs:
-            self.free(seq, group)
-        self.free_cross(group)
+            self._free_table(seq, group)
+        self.free_cross(group)  # and the group is forgotten once it holds nothing
 
     def clear_encoder_cache(self) -> None:
         """Evict every kept cross table and decoder-prompt block."""
@@ -749,5 +813,6 @@ class BlockManager:
         self._self.clear()
         self._owner.clear()
         self._cross.clear()
+        self._key_holders.clear()
         self._live_cross.clear()
         self._location.clear()

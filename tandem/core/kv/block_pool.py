@@ -40,6 +40,12 @@ class BlockPool:
     Keeping the two apart keeps the runs from fragmenting.
     """
 
+    # Up to this many free runs, ``allocate_run`` looks for the best fit in a loop; past
+    # it, in numpy.
+    loop_runs = 16
+    # Up to this many blocks, ``decref`` drops their references one by one; past it, in numpy.
+    few_blocks = 16
+
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.reset()
@@ -51,6 +57,10 @@ class BlockPool:
         self.refcounts = self._refs.view()
         self.refcounts.flags.writeable = False
         self._kept = np.zeros(self.num_blocks, dtype=bool)
+        self._pad = np.zeros(self.num_blocks + 2, dtype=bool)  # _free_runs' scratch
+        # The free blocks' runs, ``(starts, ends)`` ascending, while known: kept up to date
+        # by the allocations, found again after anything frees a block.
+        self._runs: tuple[list[int], list[int]] | None = None
         # Lazily pruned: ids taken as part of a run (or kept) stay here until popped.
         self._heap: list[int] = list(range(self.num_blocks))
         self.num_free = self.num_blocks  # free blocks, kept ones not counted
@@ -81,27 +91,67 @@ class BlockPool:
                 self._refs[b] = 1
                 taken.append(b)
         self.num_free -= n
+        runs = self._runs
+        if runs is not None and taken:
+            # The lowest free ids: the front of the first runs.
+            starts, ends = runs
+            if taken[0] != starts[0]:
+                self._runs = None
+            else:
+                k = n
+                while k:
+                    length = ends[0] - starts[0]
+                    if length > k:
+                        starts[0] += k
+                        break
+                    del starts[0], ends[0]
+                    k -= length
         return taken
 
     def allocate_run(self, n: int) -> list[int]:
-        """``n`` consecutive free blocks from the smallest run that fits (highest
-        ids of it), or scattered ones when no run is long enough."""
+        """``n`` consecutive free blocks from the smallest run that fits (the first of
+        the smallest; its highest ids), or scattered ones when no run is long enough."""
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
         if n == 0:
             return []
-        is_free = ((self._refs == 0) & ~self._kept).view(np.int8)
-        edges = np.diff(np.concatenate(([0], is_free, [0])))
-        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-        lengths = ends - starts
-        fits = np.flatnonzero(lengths >= n)
-        if fits.size == 0:
+        starts, ends = self._free_runs()
+        best = -1
+        if len(starts) <= self.loop_runs:  # the usual few runs: no array made
+            fit = self.num_blocks + 1
+            for i, (a, e) in enumerate(zip(starts, ends)):
+                if n <= e - a < fit:
+                    best, fit = i, e - a
+        else:
+            lengths = np.subtract(ends, starts)
+            fits = np.flatnonzero(lengths >= n)
+            if fits.size:
+                best = int(fits[np.argmin(lengths[fits])])
+        if best < 0:
             return self.allocate(n)
-        best = fits[np.argmin(lengths[fits])]
-        end = int(ends[best])
+        end = ends[best]
+        if end - n == starts[best]:
+            del starts[best], ends[best]
+        else:
+            ends[best] = end - n
         self._refs[end - n : end] = 1
         self.num_free -= n
         return list(range(end - n, end))
+
+    def _free_runs(self) -> tuple[list[int], list[int]]:
+        """The free blocks' runs, ``(starts, ends)`` ascending (found in one pass over
+        the pool when not known)."""
+        runs = self._runs
+        if runs is None:
+            # Free, padded with a used block at each end: its changes of value are the
+            # runs' starts and ends, alternately.
+            is_free = self._pad
+            free = self._refs == 0
+            free &= ~self._kept
+            is_free[1:-1] = free
+            edges = np.flatnonzero(is_free[1:] != is_free[:-1])
+            runs = self._runs = (edges[0::2].tolist(), edges[1::2].tolist())
+        return runs
 
     # -- references ----------------------------------------------------------
     def incref(self, blocks: list[int], times: int = 1) -> None:
@@ -118,17 +168,46 @@ class BlockPool:
         blocks whose count reaches zero are free again."""
         if not blocks or times == 0:
             return
+        if len(blocks) <= self.few_blocks:  # a table's few blocks: cheaper one by one than in numpy
+            self._decref_few(blocks, times)
+            return
         ids = np.asarray(blocks, dtype=np.int64)
         np.subtract.at(self._refs, ids, times)
         if (self._refs[ids] < 0).any():
             np.add.at(self._refs, ids, times)  # leave the pool as it was
             raise RuntimeError(f"a block of {blocks} freed twice")
         freed = np.unique(ids[self._refs[ids] == 0]).tolist()
+        if freed:
+            self._runs = None
         for b in freed:
             heapq.heappush(self._heap, b)
         self.num_free += len(freed)
         if len(self._heap) > 2 * self.num_blocks:  # drop stale ids left by runs
             self._heap = self.free_ids()
+
+    def _decref_few(self, blocks: list[int], times: int) -> None:
+        """``decref`` for a few blocks: the same checks and result, without numpy calls."""
+        refs = self._refs
+        drop: dict[int, int] = {}
+        for b in blocks:
+            drop[b] = drop.get(b, 0) + times
+        for b, d in drop.items():
+            if refs.item(b) < d:  # item: a Python int (IndexError past the pool, as numpy's)
+                raise RuntimeError(f"a block of {blocks} freed twice")
+        freed = []
+        for b, d in drop.items():
+            left = refs.item(b) - d
+            refs[b] = left
+            if left == 0:
+                freed.append(b)
+        if freed:
+            self._runs = None
+            freed.sort()
+            for b in freed:
+                heapq.heappush(self._heap, b)
+            self.num_free += len(freed)
+            if len(self._heap) > 2 * self.num_blocks:  # drop stale ids left by runs
+                self._heap = self.free_ids()
 
     # Releasing the only reference is freeing.
     free = decref
@@ -153,6 +232,7 @@ class BlockPool:
         """Kept blocks become free. Only kept blocks (count zero) can be evicted,
         so eviction never frees a block a table holds."""
         self._unkeep(blocks)
+        self._runs = None
         for b in blocks:
             heapq.heappush(self._heap, b)
         self.num_free += len(blocks)

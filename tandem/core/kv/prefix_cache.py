@@ -152,6 +152,8 @@ class PrefixCache:
     # -- references ----------------------------------------------------------
     def acquire(self, blocks: list[int]) -> None:
         """One more reference to each of ``blocks`` (a hit): kept ones are held again."""
+        if not blocks:  # no hit, the usual admission: no pool call
+            return
         kept = {b for b in blocks if b in self._kept}
         for b in kept:
             del self._kept[b]

@@ -545,20 +545,20 @@ class Scheduler:
         """Admit a waiting group if the step's sequences, tokens and the free blocks
         allow: whether it runs its encoder, and the tokens it computes; None if not."""
         bm = self.block_manager
-        seqs = group.unfinished_seqs()
-        run_encoder = not bm.has_encoder_output(group)  # a live or kept cross table
-        cached = bm.num_prefix_hit_tokens(group)  # decoder prompt tokens each sequence skips
-        tokens = (group.encoder_len if run_encoder else 0) + sum(len(s) - cached for s in seqs)
+        admission = bm.admission(group)  # what the checks and the allocation read, found once
+        seqs, run_encoder = admission.seqs, admission.run_encoder  # a live or kept cross table: no encoder
+        cached = len(admission.hits) * bm.block_size  # decoder prompt tokens each sequence skips
+        tokens = (group.encoder_len if run_encoder else 0) + sum([len(s.token_ids) - cached for s in seqs])
         if num_seqs + group.max_num_seqs > self.config.max_num_seqs or tokens > budget:
             return None
-        if bm.can_allocate(group) is not AllocStatus.OK:
+        if admission.status is not AllocStatus.OK:
             # NEVER cannot happen for requests the engine validated on entry.
             return None
         if self.waiting[0] is group:
             self.waiting.popleft()
         else:
             self.waiting.remove(group)
-        if bm.allocate(group) != run_encoder:
+        if bm.allocate(group, admission) != run_encoder:
             raise RuntimeError(f"request {group.request_id!r}: cross table sharing changed while admitting")
         for seq in seqs:
             seq.status = SequenceStatus.RUNNING
@@ -771,6 +771,15 @@ class Scheduler:
         """Free the blocks of the group's finished sequences (stopped here or, by a
         stop string, by the frontend); retire the group once all are."""
         bm = self.block_manager
+        if group.request_id in self.groups and group.is_finished:
+            # All of it at once: finish() frees every table (free_group) as the loop below
+            # and finish() after it would, in the same order.
+            for seq in group.seqs:
+                if bm.has_block_table(seq):
+                    self._sent_tables.pop(seq.seq_id, None)
+                    self._finished_seqs.append(seq.seq_id)
+            self.finish(group)
+            return
         for seq in group.seqs:
             if seq.finished and bm.has_block_table(seq):
                 bm.free(seq, group)

@@ -67,6 +67,34 @@ class BlockTableRows:
             self.table[row, :n] = torch.tensor(block_ids, dtype=torch.long)
         self.width[row] = n
 
+    def set_many(self, keys: list, id_lists: list[list[int]]) -> None:
+        """``set(key, ids)`` for each pair, as one tensor write (keys distinct): the same
+        rows (taken in order) and the same table shape as the calls one by one."""
+        row_of, free = self._row, self._free_rows
+        rows = []
+        for key in keys:
+            row = row_of.get(key)
+            if row is None:
+                if not free:
+                    self._grow(2 * self.table.shape[0], 0)
+                    free = self._free_rows
+                row = row_of[key] = free.pop()
+            rows.append(row)
+        cols = self.table.shape[1]
+        for ids in id_lists:  # widened as set would, call by call
+            if len(ids) > cols:
+                cols = max(len(ids), 2 * cols)
+        self._grow(0, cols)
+        width, r, c, values = self.width, [], [], []
+        for row, ids in zip(rows, id_lists):
+            n = len(ids)
+            width[row] = n
+            r += [row] * n
+            c += range(n)
+            values += ids
+        if values:
+            self.table[torch.tensor(r), torch.tensor(c)] = torch.tensor(values, dtype=torch.long)
+
     def extend(self, key: object, block_ids: list[int]) -> None:
         """Append ids to the key's row."""
         if not block_ids:

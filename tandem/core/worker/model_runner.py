@@ -107,21 +107,36 @@ class ModelRunner:
         return [scheduled[i] for i in out.table_updates]
 
     def _update_tables(self, groups: list) -> None:
-        known = self.tables.keys()
-        for group in groups:
-            if self._cross_lists.get(group.request_id) != group.cross_block_table:
-                self._cross_lists[group.request_id] = group.cross_block_table
-                self.cross_tables.set(group.request_id, group.cross_block_table)
-                self._layout += 1
-            for seq in group.seqs:
-                if seq.replace_blocks:
-                    if seq.seq_id not in known:
-                        self._layout += 1  # a new row
-                    self.tables.set(seq.seq_id, seq.block_ids)
-                elif seq.seq_id not in known:
-                    raise RuntimeError(f"sequence {seq.seq_id}: block-table update for an unknown table")
-                elif seq.block_ids:  # usually none: a decode step fills a block it holds
-                    self.tables.extend(seq.seq_id, seq.block_ids)
+        """The groups' table updates: rows set and appended to, in one write per kind
+        (``set_many``, ``extend_many``), not a tensor a row (a first step sets two rows a
+        request; a step where every row opens a block appends to all)."""
+        known, cross_lists = self.tables.keys(), self._cross_lists
+        cross_keys, cross_ids, set_keys, set_ids, ext_keys, ext_ids = [], [], [], [], [], []
+        try:
+            for group in groups:
+                if cross_lists.get(group.request_id) != group.cross_block_table:
+                    cross_lists[group.request_id] = group.cross_block_table
+                    cross_keys.append(group.request_id)
+                    cross_ids.append(group.cross_block_table)
+                    self._layout += 1
+                for seq in group.seqs:
+                    if seq.replace_blocks:
+                        if seq.seq_id not in known:
+                            self._layout += 1  # a new row
+                        set_keys.append(seq.seq_id)
+                        set_ids.append(seq.block_ids)
+                    elif seq.seq_id not in known:
+                        raise RuntimeError(f"sequence {seq.seq_id}: block-table update for an unknown table")
+                    elif seq.block_ids:  # usually none: a decode step fills a block it holds
+                        ext_keys.append(seq.seq_id)
+                        ext_ids.append(seq.block_ids)
+        finally:  # what came before a bad update is applied, as it was one by one
+            if cross_keys:
+                self.cross_tables.set_many(cross_keys, cross_ids)
+            if set_keys:
+                self.tables.set_many(set_keys, set_ids)
+            if ext_keys:
+                self.tables.extend_many(ext_keys, ext_ids)
 
     # -- the step --------------------------------------------------------------
     def _rows(self, out: SchedulerOutput, seq_ids: list[int]) -> _Rows:
