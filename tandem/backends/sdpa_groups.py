@@ -8,8 +8,8 @@ threads for a few microseconds of arithmetic (bart-base, 2 threads: 4,608 calls
 in the first step of that workload), so runs are gathered into
 ``[runs, H, n, D]`` batches.
 
-Which runs share a batch (:func:`plan_runs`): runs of one shape always do. Runs
-of different lengths share one when their lengths round up to the same multiple
+Which runs share a batch (:func:`plan_runs`): runs of one shape always do. With
+:data:`PAD_MIXED_LENGTHS` (off by default: see it), runs of different lengths share one when their lengths round up to the same multiple
 of :data:`PAD` (lengths under :data:`EXACT_BELOW` keep their own): each is padded
 to that length, its padded keys masked out (its padded queries read clamped copies
 of its last row and are dropped). PyTorch's CPU flash kernel costs per (batch
@@ -44,7 +44,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# Lengths at or above EXACT_BELOW are padded up to a multiple of PAD (see the module).
+# Lengths at or above EXACT_BELOW are padded up to a multiple of PAD (see the module),
+# when PAD_MIXED_LENGTHS: off, since a padded call sums in another order than a call per
+# run, and on the tiny test checkpoints (logits of O(100)) that put beam scores 2.3e-4
+# (relative) off HF's, past tests/entrypoints/test_beam_search.py's 1e-4, for 4-12% of
+# a first step (docs/performance.md, issue 49). Runs of one shape are batched either way.
+PAD_MIXED_LENGTHS = False
 PAD = 16
 EXACT_BELOW = 8
 # Elements (rows x heads x head size) a padded batch's query or key tensor may hold
@@ -59,7 +64,7 @@ def can_group(device: torch.device) -> bool:
 
 def padded_length(n: int) -> int:
     """The length a run of ``n`` is attended at when it shares a batch with others."""
-    return n if n < EXACT_BELOW else -(-n // PAD) * PAD
+    return n if not PAD_MIXED_LENGTHS or n < EXACT_BELOW else -(-n // PAD) * PAD
 
 
 @dataclass

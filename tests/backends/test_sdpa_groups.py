@@ -145,6 +145,7 @@ def test_padded_batches_match_one_call_per_run_and_float64(case, lengths, monkey
     """Runs of mixed lengths (1 included) padded into a few batches under a key mask:
     within float32 rounding of a call per run and of float64; every padded run's
     outputs written, nothing else; all-equal lengths stay bit-equal (no padding)."""
+    monkeypatch.setattr(sdpa_groups, "PAD_MIXED_LENGTHS", True)
     query, key, value, runs, causal, gqa = _mixed_case(case, LENGTHS[lengths], seed=len(lengths))
     scale = D**-0.5
     sdpa_calls = []
@@ -157,12 +158,12 @@ def test_padded_batches_match_one_call_per_run_and_float64(case, lengths, monkey
     monkeypatch.setattr(sdpa_groups.F, "scaled_dot_product_attention", counting)
     out = torch.full_like(query, float("nan"))
     attend_runs(query, key, value, runs, out, scale=scale, causal=causal, gqa=gqa, max_gather=1 << 30)
+    shapes = {(sdpa_groups.padded_length(ql), sdpa_groups.padded_length(kl)) for _, ql, _, kl in runs}
     monkeypatch.undo()
     per_run = _per_run(query, key, value, runs, scale=scale, causal=causal, gqa=gqa)
     if lengths == "all equal" and case != "cross":
         assert torch.equal(out, per_run)
     assert torch.allclose(out, per_run, rtol=0, atol=5e-6)
-    shapes = {(sdpa_groups.padded_length(ql), sdpa_groups.padded_length(kl)) for _, ql, _, kl in runs}
     assert len(sdpa_calls) == len(shapes) <= len(runs)
     for qs, ql, ks, kl in runs:
         q, k, v = (t.double() for t in (query[qs : qs + ql], key[ks : ks + kl], value[ks : ks + kl]))
@@ -175,6 +176,7 @@ def test_a_plan_made_once_serves_every_layer_and_big_buckets_split(case, monkeyp
     """A plan (plan_runs) given to attend_runs gives what attend_runs makes itself;
     a bucket over MAX_BATCH_ELEMENTS is split into several calls; runs that leave
     rows of ``out`` alone (decodes in the step) write only their own rows."""
+    monkeypatch.setattr(sdpa_groups, "PAD_MIXED_LENGTHS", True)
     monkeypatch.setattr(sdpa_groups, "MAX_BATCH_ELEMENTS", 3 * 32 * H * D)  # 3 runs of 32
     query, key, value, runs, causal, gqa = _mixed_case(case, LENGTHS["short mixed"], seed=1)
     runs = runs[:-1]  # the last run's rows stay NaN: not covered

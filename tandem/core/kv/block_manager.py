@@ -484,7 +484,12 @@ class BlockManager:
                 prefix.forget(did)
                 prefix.fork(sid, did)
         # The shared blocks gain their references first; the release then frees only
-        # blocks no src holds (src's blocks are never freed here).
+        # blocks no src holds (src's blocks are never freed here). A dst's old table is
+        # emptied first: a block its release lets the prefix cache evict is then listed
+        # by no table at any moment (the pool's invariant, checked by tests/kv_machine.py).
+        for _, did, *_ in plan:
+            if did in tables:
+                tables[did] = []
         pool.incref(shared)
         self._release(Device.DEVICE, released)
         copies: list[tuple[int, int]] = []
