@@ -52,6 +52,7 @@ def test_greedy_outputs_equal_one_engine_and_hf(bart_dir, single, replicated):
         assert out.outputs[0].token_ids == hf_greedy(bart_dir, out.encoder_prompt_token_ids, out.prompt_token_ids, 8, 0)
 
 
+@pytest.mark.slow  # starts engines of its own (or waits out a call): in CI's bf16 stage
 def test_replicas_are_topped_up_as_their_requests_finish(bart_dir, single):
     # Two requests at a time each (max_num_seqs=2): the first four are dealt out, the rest
     # wait in the parent and go to whichever replica has room.
@@ -123,6 +124,7 @@ def test_stats_are_summed_over_replicas(replicated):
     assert stats["kv_blocks_total"] == 2 * replicated.llm_engine.get_stats()["kv_blocks_total"]
 
 
+@pytest.mark.slow  # starts engines of its own (or waits out a call): in CI's bf16 stage
 def test_stats_read_during_a_call_from_another_thread(single, replicated):
     import threading
 
@@ -195,6 +197,7 @@ def test_a_replica_that_fails_to_build_raises_at_construction(bart_dir, tmp_path
         LLM(model=str(bart_dir), dtype="float32", device="cpu", data_parallel_size=2, max_num_seqs=0)
 
 
+@pytest.mark.slow  # starts engines of its own (or waits out a call): in CI's bf16 stage
 @pytest.mark.parametrize("when", ["before the call", "during the call"])
 def test_a_dead_replica_answers_its_prompts_with_an_error_and_the_rest_are_served(bart_dir, monkeypatch, when):
     llm = LLM(model=str(bart_dir), dtype="float32", device="cpu", data_parallel_size=3)
@@ -247,6 +250,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # starts engines of its own (or waits out a call): in CI's bf16 stage
 def test_no_replica_outlives_a_killed_parent(bart_dir, tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
