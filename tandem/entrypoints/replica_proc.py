@@ -12,9 +12,9 @@ import signal
 import threading
 from multiprocessing.connection import Connection
 
+from tandem.core.executor.worker_proc import error_message, send
 from tandem.core.faults import EngineDeadError
 from tandem.core.outputs import rejected_output
-from tandem.entrypoints.replicas import send
 
 
 def _watch_parent(life_fd: int) -> None:
@@ -33,7 +33,6 @@ def _watch_parent(life_fd: int) -> None:
 def replica_main(conn_fd: int, life_fd: int) -> None:
     """The body of a replica's process: an ``LLM`` serving the parent's connection. The
     first message is ``(rank, model, engine_args, threads)``."""
-    from tandem.core.executor.worker_proc import error_message
 
     _watch_parent(life_fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent aborts and stops us

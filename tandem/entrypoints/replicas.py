@@ -45,6 +45,7 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from tandem.core.executor.worker_proc import send
 from tandem.core.faults import EngineDeadError
 from tandem.core.outputs import RequestOutput, rejected_output
 
@@ -84,15 +85,6 @@ def combined_stats(each: list[dict]) -> dict:
         if name in out and den in out:
             out[name] = added + out[num] / out[den] if out[den] else 0.0
     return out
-
-
-def send(conn: Connection, msg) -> bool:
-    """Write ``msg`` pickled; False when the other end is gone."""
-    try:
-        conn.send_bytes(pickle.dumps(msg, protocol=_PROTOCOL))
-        return True
-    except (OSError, EOFError, BrokenPipeError):
-        return False
 
 
 def _picklable(items: list) -> tuple[list, list]:

@@ -48,7 +48,9 @@ def error_message(e: BaseException) -> tuple:
     return ("error", f"{type(e).__name__}: {e}", exc, tb)
 
 
-def _send(conn: Connection, msg) -> bool:
+def send(conn: Connection, msg) -> bool:
+    """Write ``msg`` pickled, as bytes; False when the other end is gone (also the
+    engine replicas' messages: ``tandem/entrypoints/replicas.py``)."""
     try:
         conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
         return True
@@ -65,9 +67,9 @@ def worker_main(rank: int, size: int, init_method: str, conn: Connection, spec: 
     try:
         worker = RankWorker(spec, rank, size, init_method)
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
-        _send(conn, error_message(e))
+        send(conn, error_message(e))
         return
-    if not _send(conn, ("ok", os.getpid())):
+    if not send(conn, ("ok", os.getpid())):
         return
     while True:
         try:
@@ -77,13 +79,13 @@ def worker_main(rank: int, size: int, init_method: str, conn: Connection, spec: 
         try:
             result = getattr(worker, method)(*args)
         except BaseException as e:  # noqa: BLE001 - the driver decides
-            _send(conn, error_message(e))
+            send(conn, error_message(e))
             if method == "execute_model":
                 return
             continue
         if method == "execute_model" and rank:
             continue
-        if not _send(conn, ("ok", result)):
+        if not send(conn, ("ok", result)):
             return
         if method == "shutdown":
             # Nothing of this process is worth tearing down piece by piece (torch's
