@@ -454,3 +454,73 @@ def test_beam_and_n_sampled_rows_attend_to_their_cross_table_as_groups(bart_dir,
         ref = hf_search(bart_dir, prompts[i], [2, 0], do_sample=False, num_beams=4, num_return_sequences=2,
                         max_new_tokens=10, length_penalty=1.0)
         assert outs["cpu_paged"][i] == [tokens for tokens, _ in ref[:2]]
+
+
+def _impl():
+    from tandem.backends.cpu_paged.backend import CPUPagedImpl
+
+    return CPUPagedImpl(4, 16, 0.25, 4)
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 7, 1300])  # 1300: more than one thread's share
+def test_write_slots_puts_each_token_where_index_copy_does(dtype, tokens):
+    """The op's write against core's (two index_copy_ calls), bit for bit, with keys read
+    from a fused projection's strided output as the layers hand them over; slots never
+    written keep their bytes."""
+    from tandem.core.kv.cache_ops import write_to_paged_cache
+
+    g = torch.Generator().manual_seed(tokens)
+    cache = torch.randn(2, 200, 16, 4, 16, generator=g).to(dtype)
+    qkv = torch.randn(tokens, 3, 4, 16, generator=g).to(dtype)
+    key, value = qkv[:, 1], qkv[:, 2]  # strided along tokens, each token's heads contiguous
+    slots = torch.randperm(200 * 16, generator=g)[:tokens]
+    expected = cache.clone()
+    write_to_paged_cache(key, value, expected, slots)
+    got = cache.clone()
+    torch.ops.tandem_cpu.write_slots(key, value, got, slots)
+    assert torch.equal(got, expected)
+    # And through the backend's write, which takes the op here.
+    again = cache.clone()
+    _impl().write_kv_cache(key, value, again, slots)
+    assert torch.equal(again, expected)
+
+
+@needs_op
+def test_write_kv_cache_falls_back_where_the_op_does_not_apply():
+    """A key to convert (float32 into a bfloat16 cache) or an fp8 cache: core's write
+    serves, with its conversion."""
+    from tandem.core.kv.cache_ops import write_to_paged_cache
+
+    g = torch.Generator().manual_seed(0)
+    key, value = torch.randn(5, 4, 16, generator=g), torch.randn(5, 4, 16, generator=g)
+    slots = torch.tensor([3, 40, 41, 7, 100])
+    cache = torch.zeros(2, 10, 16, 4, 16, dtype=torch.bfloat16)
+    expected = cache.clone()
+    write_to_paged_cache(key, value, expected, slots)
+    _impl().write_kv_cache(key, value, cache, slots)
+    assert torch.equal(cache, expected) and cache.abs().sum() > 0
+    impl = _impl()
+    fp8_cache = torch.zeros(2, 10, 16, 4, 16, dtype=torch.float8_e4m3fn)
+    impl.write_kv_cache(key, value, fp8_cache, slots)  # calibrates the scales on this first write
+    back = fp8_cache.view(2, -1, 4, 16)[0, slots].float() * impl.kv_scales.k_scale
+    assert torch.allclose(back, key, rtol=0.07, atol=0.07 * float(key.abs().max()))  # e4m3: 3 mantissa bits
+
+
+@needs_op
+@pytest.mark.parametrize("change,message", [
+    (lambda k, v, c, s: (k, v, c, torch.tensor([0, 1, 2, 16 * 10])), "slot 160 of token 3 is outside"),
+    (lambda k, v, c, s: (k, v, c, torch.tensor([0, -1, 2, 3])), "slot -1 of token 1"),
+    (lambda k, v, c, s: (k.double(), v, c, s), "must have kv_cache's dtype"),
+    (lambda k, v, c, s: (k, v, c, s[:3]), "one slot per token"),
+    (lambda k, v, c, s: (k.transpose(1, 2).contiguous().transpose(1, 2), v, c, s), "heads contiguous"),
+    (lambda k, v, c, s: (k, v, c[:, :5], s), "must be a contiguous"),
+])
+def test_write_slots_rejects_bad_arguments_before_writing(change, message):
+    cache = torch.zeros(2, 10, 16, 4, 16)
+    key, value, slots = torch.ones(4, 4, 16), torch.ones(4, 4, 16), torch.tensor([0, 1, 2, 3])
+    args = change(key, value, cache, slots)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.tandem_cpu.write_slots(*args)
+    assert cache.abs().sum() == 0  # nothing was written

@@ -18,7 +18,9 @@ it as torch_sdpa does (SDPA's additive mask); decodes hand the op one float32 ro
 query-to-key distance), added inside the op's softmax.
 
 Uses the default KV layout ``[2, num_blocks, block_size, H_kv, D]`` and core's
-write/swap/copy ops. An fp8 cache (``kv_cache_dtype="fp8"``): decodes read the bytes in
+swap/copy ops; new keys and values go in by the op library's ``write_slots`` (a memcpy a
+token, where core's two ``index_copy_`` calls cost ~20 us each on a decode step's rows),
+or core's write where its preconditions do not hold (an fp8 cache, a dtype to convert). An fp8 cache (``kv_cache_dtype="fp8"``): decodes read the bytes in
 place (converted to float32 in vectors, the scales folded into the query scale and
 the softmax's normalizer); prefills read it dequantized as torch_sdpa does. Chosen automatically on CPU (priority 15, above
 torch_sdpa) when the op builds; if it cannot (no C++ compiler or ninja), the
@@ -119,6 +121,15 @@ class CPUPagedImpl(SDPAImplBase):
         super().__init__(num_heads, head_size, scale, num_kv_heads)
         self._op = ops.load()
         sampling_ops.install()  # the greedy argmax in C++ too, where it builds (worker/reductions.py)
+
+    def write_kv_cache(self, key, value, kv_cache, slot_mapping) -> None:
+        if (key.dtype is kv_cache.dtype and value.dtype is kv_cache.dtype and key.stride(-1) == 1
+                and value.stride(-1) == 1 and key.stride(-2) == key.shape[-1] and value.stride(-2) == value.shape[-1]
+                and kv_cache.is_contiguous() and slot_mapping.dtype is torch.long and slot_mapping.is_contiguous()):
+            if key.shape[0]:
+                torch.ops.tandem_cpu.write_slots(key, value, kv_cache, slot_mapping)
+            return
+        super().write_kv_cache(key, value, kv_cache, slot_mapping)
 
     def forward_decodes(self, query, kv_cache, md: CPUPagedMetadata, is_cross, out, position_bias=None) -> None:
         if query.stride(-1) != 1:

@@ -1,4 +1,5 @@
-"""Builds and loads ``torch.ops.tandem_cpu.paged_decode_attention`` (paged_decode.cpp).
+"""Builds and loads ``torch.ops.tandem_cpu.paged_decode_attention`` and its KV write,
+``torch.ops.tandem_cpu.write_slots`` (both in paged_decode.cpp).
 
 The op is compiled on first use with torch's C++-extension builder (a C++
 compiler and ninja are needed) and cached under ``$TORCH_EXTENSIONS_DIR``

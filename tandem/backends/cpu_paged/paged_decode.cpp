@@ -762,12 +762,60 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   }
 }
 
+// New keys and values into their slots of the paged cache [2, num_blocks, block_size, H, D]
+// (flat slot = block * block_size + offset): what core's write_to_paged_cache does with two
+// index_copy_ calls, as one memcpy a token and tensor. index_copy_ spends ~20 us a call on
+// a decode step's 128 rows before it copies anything. Every slot is checked before any
+// byte moves (nothing may throw in the threads); the caller passes keys and values in the
+// cache's dtype, each token's [H, D] contiguous.
+void write_slots(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && kv_cache.device().is_cpu() &&
+                  slot_mapping.device().is_cpu(),
+              "write_slots: tensors must be on cpu");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "write_slots: kv_cache must be a contiguous [2, num_blocks, block_size, H, D], got ", kv_cache.sizes());
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
+              "write_slots: key ", key.scalar_type(), " and value ", value.scalar_type(), " must have kv_cache's dtype ",
+              kv_cache.scalar_type());
+  const int64_t heads = kv_cache.size(3), dim = kv_cache.size(4);
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->dim() == 3 && t->size(1) == heads && t->size(2) == dim && t->stride(2) == 1 &&
+                    (heads == 1 || t->stride(1) == dim),
+                "write_slots: key and value must be [T, ", heads, ", ", dim, "] with each token's heads contiguous, got ",
+                t->sizes(), " strides ", t->strides());
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == key.size(0) && value.size(0) == key.size(0),
+              "write_slots: slot_mapping must be a contiguous 1-D int64 tensor of one slot per token");
+  const int64_t tokens = key.size(0);
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tokens; ++i)
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < num_slots, "write_slots: slot ", slots[i], " of token ", i,
+                " is outside the cache's ", num_slots, " slots");
+  const int64_t row = heads * dim * kv_cache.element_size();
+  char* k_dst = static_cast<char*>(kv_cache.data_ptr());
+  char* v_dst = k_dst + num_slots * row;
+  const char* k_src = static_cast<const char*>(key.data_ptr());
+  const char* v_src = static_cast<const char*>(value.data_ptr());
+  const int64_t k_step = key.stride(0) * key.element_size(), v_step = value.stride(0) * value.element_size();
+  at::parallel_for(0, tokens, 512, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memcpy(k_dst + slots[i] * row, k_src + i * k_step, row);
+      std::memcpy(v_dst + slots[i] * row, v_src + i * v_step, row);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor kv_cache, Tensor(a!) out, Tensor q_rows, Tensor seqs, "
         "Tensor kv_lens, Tensor block_tables, float scale, Tensor? position_bias=None, "
         "Tensor? kv_groups=None, float k_scale=1.0, float v_scale=1.0) -> ()");
+  m.def("write_slots(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("write_slots", &write_slots);
+}
