@@ -155,14 +155,16 @@ class TandemEngine:
         self.replicated = {}  # data_parallel_size -> its LLM, built when first run
         self.attention_backend = self.llm.llm_engine.attn_backend.name
 
-    def _llm(self, data_parallel_size: int):
+    def _llm(self, data_parallel_size: int, num_scheduler_steps: int):
         from tandem import LLM
 
-        if data_parallel_size == 1:
+        if data_parallel_size == 1 and num_scheduler_steps == 1:
             return self.llm
-        if data_parallel_size not in self.replicated:
-            self.replicated[data_parallel_size] = LLM(**self.options, data_parallel_size=data_parallel_size)
-        return self.replicated[data_parallel_size]
+        key = (data_parallel_size, num_scheduler_steps)
+        if key not in self.replicated:
+            self.replicated[key] = LLM(**self.options, data_parallel_size=data_parallel_size,
+                                       num_scheduler_steps=num_scheduler_steps)
+        return self.replicated[key]
 
     @staticmethod
     def params(w: Workload, **extra):
@@ -172,8 +174,8 @@ class TandemEngine:
         # Only these fields are explicit: the rest (the bans) come from generation_config.json.
         return SamplingParams(temperature=0.0, max_tokens=w.new_tokens, min_tokens=w.new_tokens, **beams, **extra)
 
-    def run(self, requests: Requests, data_parallel_size: int = 1) -> list[list[int]]:
-        outs = self._llm(data_parallel_size).generate([{"prompt_token_ids": ids} for ids in requests.encoder_ids],
+    def run(self, requests: Requests, data_parallel_size: int = 1, num_scheduler_steps: int = 1) -> list[list[int]]:
+        outs = self._llm(data_parallel_size, num_scheduler_steps).generate([{"prompt_token_ids": ids} for ids in requests.encoder_ids],
                                  self.params(requests.workload), use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -331,9 +333,12 @@ def settings(engine: str, num_requests: int, num_beams: int, args) -> list[tuple
     if engine == "tandem":
         # One engine on every thread, and engine replicas of a thread or more each (LLM's
         # data_parallel_size, CTranslate2's inter_threads).
+        # Each also with runs of decode steps (num_scheduler_steps; beams never run in them).
         sizes = [d for d in range(1, args.threads + 1) if args.threads % d == 0]
-        return [(f"{d} engine{'s' * (d > 1)} x {args.threads // d} thread{'s' * (args.threads // d > 1)}",
-                 {"data_parallel_size": d}) for d in sizes]
+        steps = args.scheduler_steps if num_beams == 1 else [1]
+        return [(f"{d} engine{'s' * (d > 1)} x {args.threads // d} thread{'s' * (args.threads // d > 1)}"
+                 + (f", runs of {n}" if n > 1 else ""),
+                 {"data_parallel_size": d, "num_scheduler_steps": n}) for d in sizes for n in steps]
     if engine == "hf":
         sizes = rounds.batch_candidates([*args.hf_batch_sizes, num_requests], num_requests)
         return [(f"batch {b}", {"batch_size": b}) for b in sizes]
@@ -524,6 +529,8 @@ def parse_args(argv=None):
                    help="requests of plain and bans; beam4 serves a quarter of them (default 256)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (default 64)")
     p.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads per engine (default 2)")
+    p.add_argument("--scheduler-steps", default="1,8",
+                   help="tandem's num_scheduler_steps values tried (runs of decode steps; default 1,8)")
     p.add_argument("--hf-batch-sizes", default="32,64,128",
                    help="HF batch sizes tried beside all requests in one batch (default 32,64,128)")
     p.add_argument("--ct2-batch-sizes", default="32,64,128,256",
@@ -568,6 +575,7 @@ def parse_args(argv=None):
     try:
         args.hf_batch_sizes = rounds.parse_int_list(str(args.hf_batch_sizes), "--hf-batch-sizes")
         args.ct2_batch_sizes = rounds.parse_int_list(str(args.ct2_batch_sizes), "--ct2-batch-sizes")
+        args.scheduler_steps = rounds.parse_int_list(str(args.scheduler_steps), "--scheduler-steps")
         args.count_rows = ([] if str(args.count_rows).strip() == "0"
                            else rounds.parse_int_list(str(args.count_rows), "--count-rows"))
         args.ct2_layouts = (rounds.parse_thread_layouts(args.ct2_threads) if args.ct2_threads

@@ -116,6 +116,14 @@ class EngineConfig:
     )
     max_num_seqs: int = option(DEFAULT_MAX_NUM_SEQS, "sequences the scheduler runs at once")
     max_num_batched_tokens: int = option(DEFAULT_MAX_NUM_BATCHED_TOKENS, "tokens one engine step may compute")
+    # core/sched/multi_step.py
+    num_scheduler_steps: int = option(
+        1, "decode steps the worker runs per schedule when every running request is a plain one-sequence decode "
+        "(greedy or seeded, no logprobs, stop strings or logits processor callables; no request waiting): the "
+        "scheduler's and the output path's work per row is paid once for them all, tokens come back in runs of up "
+        "to this many, and a request that stops inside a run ends there (the tokens after it are dropped); 1 "
+        "schedules every step (tensor parallel needs 1)"
+    )
     preemption_mode: str | None = option(
         None, "what a request preempted for memory does: recompute (drop its KV, compute it again when resumed) or "
         "swap (move its KV to the CPU pool of `swap_space`) (default: none: recompute single-sequence requests, "
@@ -427,6 +435,9 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if not is_int(tp) or tp < 1:
             raise ValueError(f"tensor_parallel_size={tp!r}: must be an integer >= 1")
+        if tp > 1 and is_int(self.num_scheduler_steps) and self.num_scheduler_steps > 1:
+            raise ValueError(f"num_scheduler_steps={self.num_scheduler_steps}: runs of decode steps are built for "
+                             f"one rank; tensor_parallel_size={tp} needs num_scheduler_steps=1")
         backend = self.distributed_executor_backend
         if backend is None and tp > 1:
             self.distributed_executor_backend = "mp"
@@ -492,6 +503,11 @@ def check_choice(name: str, value: object) -> None:
         raise ValueError(f"{name}={value!r}: must be {either}")
 
 
+# num_scheduler_steps' bound: a run's tokens are one output message (and its KV blocks are
+# taken before it starts), so a run stays short.
+MAX_SCHEDULER_STEPS = 64
+
+
 def _check_scheduler_limits(c) -> None:
     """The scheduler's options, of an ``EngineConfig`` or a ``SchedulerConfig``: the one check of both."""
     if not is_int(c.max_num_seqs) or c.max_num_seqs < 1:
@@ -504,6 +520,8 @@ def _check_scheduler_limits(c) -> None:
             f"max_num_seqs={c.max_num_seqs} so every running sequence can decode"
         )
     check_choice("preemption_mode", c.preemption_mode)
+    if not is_int(c.num_scheduler_steps) or not 1 <= c.num_scheduler_steps <= MAX_SCHEDULER_STEPS:
+        raise ValueError(f"num_scheduler_steps={c.num_scheduler_steps!r}: must be an integer in [1, {MAX_SCHEDULER_STEPS}]")
     if not is_int(c.max_loras) or c.max_loras < 1:
         raise ValueError(f"max_loras={c.max_loras!r}: must be an integer >= 1")
 
@@ -512,7 +530,7 @@ _ENGINE_FIELDS = {f.name: f for f in fields(EngineConfig)}
 # The options the scheduler reads. ``SchedulerConfig`` is generated from their ``EngineConfig``
 # fields (names, order, defaults, help) and checked by the same function, so it declares nothing
 # of its own; ``EngineConfig.scheduler_config()`` is where an engine builds it.
-SCHEDULER_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "preemption_mode", "max_loras")
+SCHEDULER_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "preemption_mode", "max_loras", "num_scheduler_steps")
 SchedulerConfig = make_dataclass(
     "SchedulerConfig",
     [(name, _ENGINE_FIELDS[name].type, field(default=_ENGINE_FIELDS[name].default, metadata=_ENGINE_FIELDS[name].metadata))

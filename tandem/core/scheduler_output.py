@@ -146,6 +146,10 @@ class SchedulerOutput:
     # was sent already. The worker looks at these groups' table updates only (their
     # encoders included: a group that runs its encoder is listed). None: look at all.
     table_updates: list[int] | None = None
+    # Decode steps the worker may run on this schedule (``num_scheduler_steps``,
+    # ``core/sched/multi_step.py``): every scheduled row is a plain decode whose blocks
+    # hold this many tokens; each step after the first feeds the last one's tokens.
+    num_steps: int = 1
 
     @property
     def num_seqs(self) -> int:
@@ -170,6 +174,9 @@ class ModelRunnerOutput:
     # kv_compress per head: blocks each table re-packed this step still needs (its
     # largest layer's kept K/V); the scheduler frees the rest.
     cross_blocks_needed: dict[str, int] = field(default_factory=dict)
+    # A run of decode steps (``SchedulerOutput.num_steps``): the tokens of each step after
+    # the first, one list per step in row order (as ``token_ids``); empty when one step ran.
+    run_token_ids: list[list[int]] = field(default_factory=list)
 
 
 def table_update(table: list[int], sent: list[int] | None) -> tuple[list[int], bool]:

@@ -4,7 +4,7 @@ independent oracles (issue 49, "outputs unchanged").
 
 Each case draws, from a seeded RNG, an engine (a pool small enough to preempt by
 recompute and swap, a swap space that may run out, the token budget, ``max_num_seqs``,
-``max_loras``) and a mix of requests arriving at different steps: greedy, seeded
+``max_loras``, runs of decode steps: ``num_scheduler_steps``) and a mix of requests arriving at different steps: greedy, seeded
 sampling with ``n > 1``, beam search, structured output (regex or JSON schema),
 each on the base weights or a LoRA adapter, some with a decoder prompt or an
 encoder input another request shares, some aborted mid-generation. Speculation
@@ -134,6 +134,7 @@ class Case:
     mode: str | None
     engine: dict
     reqs: list[Req]
+    scheduler_steps: int = 1  # the mixed engine's num_scheduler_steps (the solo oracle schedules every step)
 
 
 @dataclass
@@ -208,7 +209,8 @@ def make_case(seed: int, adapters: list[LoRARequest]) -> Case:
         # Host blocks for swapping: ample, or a handful (a full swap space preempts by recompute).
         swap_blocks=rng.choice([None, rng.randint(8, 24)]),
     )
-    return Case(seed, speculative, mode, engine, reqs)
+    # Drawn last: the draws above, and so every case's requests and engine, are as before.
+    return Case(seed, speculative, mode, engine, reqs, scheduler_steps=rng.choice([1, 4, 8]))
 
 
 def build_engine(base: Path, case: Case, ample: bool):
@@ -218,7 +220,7 @@ def build_engine(base: Path, case: Case, ample: bool):
         e = case.engine
         kwargs.update(num_kv_blocks=e["num_kv_blocks"], max_num_seqs=e["max_num_seqs"],
                       max_num_batched_tokens=e["max_num_batched_tokens"], max_loras=e["max_loras"],
-                      preemption_mode=case.mode)
+                      preemption_mode=case.mode, num_scheduler_steps=case.scheduler_steps)
         if e["swap_blocks"] is not None:
             kwargs["swap_space"] = e["swap_blocks"] * block_bytes(base) / (1 << 30)
     else:  # ample: no request waits for another's blocks

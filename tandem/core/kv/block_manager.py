@@ -628,6 +628,34 @@ class BlockManager:
             new.append(block)
         return new
 
+    def reserve_run(self, rows: list[tuple[Sequence, int]], n: int) -> list[list[int]] | None:
+        """Blocks for a run of ``n`` decode steps (``core/sched/multi_step.py``): each
+        ``(sequence, computed)``'s positions ``computed .. computed + n - 1`` get a
+        block of its self table that it alone holds, new ones appended at its end.
+        Returns each row's new blocks, or None (nothing taken) when a position falls in
+        a block the sequence shares or the free blocks do not cover the new ones."""
+        refs, bs, tables = self.pools[Device.DEVICE].refcounts, self.block_size, self._self
+        need = []
+        for seq, computed in rows:
+            table = tables[seq.seq_id]
+            last = (computed + n - 1) // bs  # the run's last position's block index
+            for i in range(computed // bs + 1, min(last + 1, len(table))):  # the first one: append_in_place_all's
+                if refs.item(table[i]) != 1:
+                    return None
+            need.append(max(0, last + 1 - len(table)))
+        if sum(need) > self.num_free_blocks():
+            return None
+        pool, make_room = self.pools[Device.DEVICE], self._make_room
+        new = []
+        for (seq, _), k in zip(rows, need):
+            blocks = []
+            for _ in range(k):
+                make_room(1)
+                blocks.append(pool.allocate(1)[0])
+            tables[seq.seq_id].extend(blocks)
+            new.append(blocks)
+        return new
+
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Make the sequence's self table hold all its tokens and its draft tokens
         (``lookahead_token_ids``), copying each shared block its new tokens go into.

@@ -36,6 +36,7 @@ from tandem.core.scheduler_output import (
     table_update,
 )
 from tandem.core.sched.lora_slots import LoRASlots
+from tandem.core.sched.multi_step import plan_run
 from tandem.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from tandem.core.strategies.base import RequestStrategy, update_failure
 
@@ -237,7 +238,8 @@ class Scheduler:
         # The groups whose tables the worker must look at (SchedulerOutput.table_updates):
         # all but the steady records that open no block.
         updates: list[int] = []
-        if queue and len(records) == len(queue):
+        all_steady = bool(queue) and len(records) == len(queue)
+        if all_steady:
             # Every running group is a steady record, recorded in the queue's order: what
             # the loop below does for each, done for all at once.
             scheduled = list(records.values())
@@ -377,6 +379,18 @@ class Scheduler:
             self._schedule_group(scheduled, group, run_encoder)
 
         self.num_preemptions += preempted
+        num_steps = 1
+        if (self.config.num_scheduler_steps > 1 and all_steady and len(scheduled) == first_unsteady
+                and not preempted and not self.waiting and not self.swapped and not copies):
+            try:
+                num_steps, extended = plan_run(self.config.num_scheduler_steps, scheduled, self.groups,
+                                               self.block_manager, self._sent_tables)
+            except Exception as e:  # noqa: BLE001 - the block manager's work: a fault, checked as any other
+                logger.warning("a run of decode steps could not be planned (%s: %s): one step", type(e).__name__, e)
+                self.block_fault = True
+                num_steps, extended = 1, []
+            if extended:
+                updates = sorted(set(updates).union(extended))
         updates += range(first_unsteady, len(scheduled))
         # A steady record's request was scheduled before, so announced: only the others are looked at.
         new_requests = []
@@ -406,6 +420,7 @@ class Scheduler:
             seq_copies=seq_copies,
             blocks_to_copy_first=copies_first,
             table_updates=updates,
+            num_steps=num_steps,
         )
 
     def _steady(self, queue: deque[SequenceGroup]

@@ -166,6 +166,14 @@ class RequestStrategy(ABC):
     # the general path.
     steady_step_mode = False
 
+    # True where ``update`` / ``update_all`` take the tokens of a run of decode steps
+    # (``ModelRunnerOutput.run_token_ids``: the steps after the first, when the
+    # scheduler ran several per schedule, ``num_scheduler_steps``), appending them in
+    # order and ending a sequence at its first stop. Read from the class's own namespace
+    # (``core/sched/multi_step.py``): a subclass that changes ``update`` is in runs only
+    # if it says so again.
+    multi_step = False
+
     def step_mode(self, group: "SequenceGroup") -> StepMode | None:
         """What the worker needs this step; None: sample each row by its params."""
         return None

@@ -21,6 +21,8 @@ def finish_reason(seq) -> str | None:
 
 
 class SamplingStrategy(RequestStrategy):
+    multi_step = True  # update / update_all take a run's tokens (_append_run)
+
     def max_num_seqs(self, group: "SequenceGroup") -> int:
         return len(group.unfinished_seqs())
 
@@ -60,6 +62,9 @@ class SamplingStrategy(RequestStrategy):
             token, top = result.token_ids[i], result.top_logprobs[i]
             seq.append_token(token, result.logprobs[i], top)
             check_stop(seq, group)
+            emitted = [token]
+            if result.run_token_ids and seq.status is SequenceStatus.RUNNING:
+                emitted += _append_run(ops, group, seq, result.run_token_ids, i)
             reason = FINISH_REASON[seq.status]
             if reason is None:
                 going = True
@@ -71,7 +76,7 @@ class SamplingStrategy(RequestStrategy):
                     deltas.append(_whole(seq, want_logprobs))
                     continue
             deltas.append(CompletionDelta(
-                seq.index, [token], [top] if top is not None else None, seq.cumulative_logprob,
+                seq.index, emitted, [top] if top is not None else None, seq.cumulative_logprob,
                 reason, seq.stop_reason,
             ))
         if any_finished:
@@ -93,6 +98,7 @@ class SamplingStrategy(RequestStrategy):
         stops). Any other goes to ``update``."""
         out: list[RequestResult | None] = []
         tokens, logprobs, tops, no_token = result.token_ids, result.logprobs, result.top_logprobs, result.no_token_seq_ids
+        run_steps = result.run_token_ids
         eos, final_only, running = ops.eos_token_ids, RequestOutputKind.FINAL_ONLY, SequenceStatus.RUNNING
         stopped, length = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH
         for group, sg in items:
@@ -122,20 +128,39 @@ class SamplingStrategy(RequestStrategy):
                     seq.status, seq.stop_reason = stopped, token
                 elif num_out >= p.max_tokens:
                     seq.status = length
+                emitted = [token]
+                if run_steps and seq.status is running:
+                    emitted += _append_run(ops, group, seq, run_steps, i)
                 quiet = p.output_kind is final_only and not p.stop_strings
                 if seq.status is running:
                     out.append(None if quiet else RequestResult(group.request_id, [CompletionDelta(
-                        seq.index, [token], [top] if top is not None else None, seq.cumulative_logprob)], False))
+                        seq.index, emitted, [top] if top is not None else None, seq.cumulative_logprob)], False))
                     continue
                 ops.release_finished(group)
                 delta = _whole(seq, p.logprobs is not None) if quiet else CompletionDelta(
-                    seq.index, [token], [top] if top is not None else None, seq.cumulative_logprob,
+                    seq.index, emitted, [top] if top is not None else None, seq.cumulative_logprob,
                     FINISH_REASON[seq.status], seq.stop_reason)
                 out.append(RequestResult(group.request_id, [delta], group.is_finished))
             except Exception as e:  # noqa: BLE001 - this request's own update (its lengths, its blocks)
                 result.failed_requests[sg.request_id] = update_failure(e)
                 out.append(None)
         return out
+
+
+def _append_run(ops: SchedulerOps, group: "SequenceGroup", seq, run_steps: list[list[int]], row: int) -> list[int]:
+    """A running sequence's tokens of a run's later steps (``ModelRunnerOutput.run_token_ids``),
+    appended in order up to its first stop, each step's K/V counted as computed (the
+    tokens after a stop are dropped). Returns the tokens appended."""
+    appended = []
+    for step_tokens in run_steps:
+        token = step_tokens[row]
+        seq.num_computed_tokens += 1
+        seq.append_token(token, None, None)
+        appended.append(token)
+        ops.check_stop(seq, group)
+        if seq.status is not SequenceStatus.RUNNING:
+            break
+    return appended
 
 
 def _whole(seq, want_logprobs: bool) -> CompletionDelta:

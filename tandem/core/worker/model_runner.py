@@ -12,6 +12,7 @@ no table row was added, dropped or given a new cross table since (``_Rows``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -78,6 +79,7 @@ class ModelRunner:
         # _Rows keeps is then built again.
         self._layout = 0
         self._last: _Rows | None = None  # the last step's (None until a step has run)
+        self._inputs: StepInputs | None = None  # the last step's inputs (execute_next advances them)
 
     # -- persistent state ------------------------------------------------------
     def forget_seqs(self, seq_ids: list[int]) -> None:
@@ -300,7 +302,37 @@ class ModelRunner:
         """Run the model; returns float32 logits ``[R, vocab]``: each scheduled sequence's
         last ``num_logits`` positions (usually its last token), in the order ``out``
         lists them. ``lora_slots``: the adapter slot of each request that has one."""
-        inputs = self.prepare(out)
+        inputs = self._inputs = self.prepare(out)
+        return self._run(inputs, out, kv_caches, lora_slots)
+
+    def execute_next(self, tokens: torch.Tensor, kv_caches: list[torch.Tensor], out: SchedulerOutput,
+                     lora_slots: dict[str, int] | None = None) -> torch.Tensor:
+        """The next step of a run of decode steps (``SchedulerOutput.num_steps``): the
+        last step's rows, each one token on, ``tokens`` ``[S]`` their inputs. Their
+        tables hold the run's blocks (the scheduler sent them with the run's first step)."""
+        last, bs = self._inputs, self.block_size
+        max_seq_len = last.max_seq_len + 1
+        block_tables = last.block_tables
+        if max_seq_len > block_tables.shape[1] * bs:  # a row's position opens a block of the run
+            block_tables = self.tables.gather(self._last.rows, -(-max_seq_len // bs)).to(self.device, non_blocking=True)
+        positions = last.positions + 1
+        inputs = self._inputs = dataclasses.replace(
+            last,
+            input_ids=tokens.to(self.device, non_blocking=True),
+            positions=positions,
+            slot_mapping=_slots(block_tables, self._steps_run(len(last.seq_lens)), positions, bs),
+            seq_lens=[n + 1 for n in last.seq_lens],
+            block_tables=block_tables,
+            max_seq_len=max_seq_len,
+        )
+        return self._run(inputs, out, kv_caches, lora_slots)
+
+    def _steps_run(self, n: int) -> torch.Tensor:
+        """``arange(n)`` on the device: each decode row's index (its one token's run)."""
+        return torch.arange(n, device=self.device)
+
+    def _run(self, inputs: StepInputs, out: SchedulerOutput, kv_caches: list[torch.Tensor],
+             lora_slots: dict[str, int] | None) -> torch.Tensor:
         attn_metadata = self.builder.build(inputs)
         # A compiled graph runs a plain decode step: no adapters (the compiled step is not
         # built with enable_lora) and no kv_compress observation (it reads the attention weights).

@@ -252,6 +252,7 @@ class Worker:
         add = row_data.append
         modes = []  # (request id, its StepMode, its rows)
         history = []  # sequences whose processors read their past tokens
+        history_rows = []
         requests = self.requests
         for group in out.scheduled:
             rid, mode = group.request_id, group.mode
@@ -273,14 +274,14 @@ class Worker:
                         add((p, gen, seq.num_output_tokens + n - 1 - j, end - j, seq.seq_id, rid, joint_rows))
                 if state.keeps_history:
                     history.append(seq)
+                    history_rows.append(len(row_data) - 1)  # its last row (a run's rows have one)
             if mode is not None:
                 modes.append((rid, mode, list(range(start, len(row_data)))))
         if history:
             self._record_histories(history)
         params, generators, num_out, seq_lens, seq_ids, row_request, joint = (
             [list(column) for column in zip(*row_data)] if row_data else [[] for _ in range(7)])
-        rows = ProcessorRows(params, num_out, seq_lens,
-                             lambda idx: self._histories([seq_ids[i] for i in idx], [seq_lens[i] for i in idx]), joint)
+        rows = ProcessorRows(params, num_out, seq_lens, self._history_of(seq_ids, seq_lens), joint)
         screen = self._screen(params, modes, sampling)
         with torch.inference_mode():
             with lm_head_screen.screening(screen):
@@ -305,10 +306,47 @@ class Worker:
             plain_ids = [s for i, s in enumerate(seq_ids) if i not in claimed_set]
         failed = {**lora_failed, **{row_request[i]: why for i, why in sampled.failed_rows.items()}}
         no_token = frozenset(seq_ids[i] for i in sampled.no_token_rows)
+        run_tokens = []
+        if (out.num_steps > 1 and not modes and not failed and not no_token
+                and (sampling is None or not sampling.transforms)):
+            run_tokens = self._run_steps(out, rows, seq_ids, generators, screen, sampled.token_ids,
+                                         [(s.seq_id, r) for s, r in zip(history, history_rows)], lora_slots)
         return ModelRunnerOutput(
             plain_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, mode_outputs, failed, no_token,
-            cross_blocks_needed=needed,
+            cross_blocks_needed=needed, run_token_ids=run_tokens,
         )
+
+    def _run_steps(self, out: SchedulerOutput, rows: ProcessorRows, seq_ids: list[int], generators, screen,
+                   tokens: list[int], history: list[tuple[int, int]], lora_slots) -> list[list[int]]:
+        """The steps after the first of a run (``SchedulerOutput.num_steps``; every row a
+        plain decode of one sequence): each feeds the last one's tokens, its rows one
+        token longer, their histories holding the tokens so far. A step whose sampling
+        fails a row or finds no token for one is dropped, and the run ends before it:
+        the next schedule's step meets the same and reports it. Returns each kept
+        step's tokens. ``history``: ``(seq id, row)`` of the rows whose processors read
+        their past tokens."""
+        h = self.histories
+        hist_ids, hist_rows = [i for i, _ in history], [r for _, r in history]
+        num_out, seq_lens, params, joint = rows.num_output_tokens, rows.seq_lens, rows.params, rows.joint
+        kept = []
+        for _ in range(out.num_steps - 1):
+            if history:  # outside inference mode, as _record_histories writes them (the tensors stay normal)
+                h.extend_many(hist_ids, [[tokens[r]] for r in hist_rows])
+            num_out = [k + 1 for k in num_out]
+            seq_lens = [k + 1 for k in seq_lens]
+            step_rows = ProcessorRows(params, num_out, seq_lens, self._history_of(seq_ids, seq_lens), joint)
+            with torch.inference_mode():
+                with lm_head_screen.screening(screen):
+                    logits = self.runner.execute_next(torch.tensor(tokens, dtype=torch.long), self.kv_caches,
+                                                      out, lora_slots)
+                sampled = self.sampler(logits, step_rows, generators, None, screen)
+            if screen is not None:
+                self.screen_stats.add(screen)
+            if sampled.failed_rows or sampled.no_token_rows:
+                break
+            tokens = sampled.token_ids
+            kept.append(tokens)
+        return kept
 
     def _screen(self, params: list[SamplingParams], modes, sampling: SamplingInputs | None) -> StepScreen | None:
         """A screen for a step whose rows are all plain greedy (no mode, no logits
@@ -375,6 +413,10 @@ class Worker:
         if pairs:
             src, dst = zip(*pairs)
             h.copy_rows(src, dst)
+
+    def _history_of(self, seq_ids: list[int], seq_lens: list[int]):
+        """``ProcessorRows.history`` of a step's rows."""
+        return lambda idx: self._histories([seq_ids[i] for i in idx], [seq_lens[i] for i in idx])
 
     def _histories(self, seq_ids: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' decoder tokens, each row's first ``lengths[i]`` (a verified draft
