@@ -90,7 +90,7 @@ def _tokens(outs):
     return [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
 
 
-@pytest.mark.parametrize("steps", [2, 5, 16])
+@pytest.mark.parametrize("steps", [pytest.param(2, marks=pytest.mark.slow), 5, pytest.param(16, marks=pytest.mark.slow)])
 def test_runs_give_the_tokens_single_steps_give(bart_dir, monkeypatch, steps):
     single = _llm(bart_dir, 1)
     probe = single.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), use_tqdm=False)
@@ -106,7 +106,7 @@ def test_runs_give_the_tokens_single_steps_give(bart_dir, monkeypatch, steps):
     assert bm.num_free_blocks() == bm.num_total_blocks()
 
 
-@pytest.mark.parametrize("steps", [2, 5, 16])
+@pytest.mark.parametrize("steps", [2, pytest.param(5, marks=pytest.mark.slow), pytest.param(16, marks=pytest.mark.slow)])
 def test_a_row_stopping_inside_a_run_ends_there(bart_dir, monkeypatch, steps):
     """Each request stops on a token that first appears near its own position (3-29), so
     stops fall at many places in a run; the tokens after a stop are dropped."""
@@ -173,7 +173,7 @@ def test_no_run_while_a_request_asks_for_logprobs(bart_dir, monkeypatch):
     assert got == _tokens(_llm(bart_dir, 1).generate(PROMPTS[:4], params, use_tqdm=False))
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", [pytest.param("recompute", marks=pytest.mark.slow), "swap"])
 def test_runs_in_a_small_pool_preempt_and_free_every_block(bart_dir, monkeypatch, mode):
     """Blocks taken for runs come from the same pool preemption frees: a pool too small
     for the batch preempts, runs where it can, and ends with every block free."""
