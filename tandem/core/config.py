@@ -119,7 +119,8 @@ class EngineConfig:
     # core/sched/multi_step.py
     num_scheduler_steps: int = option(
         1, "decode steps the worker runs per schedule when every running request is a plain one-sequence decode "
-        "(greedy or seeded, no logprobs, stop strings or logits processor callables; no request waiting): the "
+        "(greedy or seeded, no logprobs, stop strings or logits processor callables; no request waiting, or no "
+        "sequence slot free for one): the "
         "scheduler's and the output path's work per row is paid once for them all, tokens come back in runs of up "
         "to this many, and a request that stops inside a run ends there (the tokens after it are dropped); 1 "
         "schedules every step (tensor parallel needs 1)"

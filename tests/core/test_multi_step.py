@@ -198,3 +198,14 @@ def test_runs_are_for_one_rank():
 
     with pytest.raises(ValueError, match="num_scheduler_steps=2.*tensor_parallel_size=2"):
         EngineConfig(model="m", num_scheduler_steps=2, tensor_parallel_size=2)
+
+
+def test_runs_while_requests_wait_for_a_sequence_slot(bart_dir, monkeypatch):
+    """More requests than ``max_num_seqs``: the waiting ones cannot be admitted before a
+    running one finishes, so runs go on; each waiting request is admitted when a slot frees."""
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    llm = _llm(bart_dir, 4, max_num_seqs=3)
+    calls = _count_run_steps(llm, monkeypatch)
+    got = _tokens(llm.generate(PROMPTS, params, use_tqdm=False))
+    assert calls[0] > 0
+    assert got == _tokens(_llm(bart_dir, 1, max_num_seqs=3).generate(PROMPTS, params, use_tqdm=False))

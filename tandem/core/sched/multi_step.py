@@ -13,8 +13,10 @@ from its own stream, run on the same inputs.
 
 A run starts only where nothing could change between its steps but its rows' own
 tokens: every running group is a steady one-sequence record of a strategy that takes
-runs (``RequestStrategy.multi_step``), nothing was preempted, swapped, admitted or is
-waiting, and each request's params keep its steps independent of the others'
+runs (``RequestStrategy.multi_step``), nothing was preempted, swapped or admitted,
+nothing waits unless every sequence slot (``max_num_seqs``) is taken (then nothing could
+be admitted before a row finishes: a row that finishes inside a run leaves its slot idle
+for the rest of it), and each request's params keep its steps independent of the others'
 (:func:`params_allow_runs`). A run is as long as the shortest remaining length.
 """
 

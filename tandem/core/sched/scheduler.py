@@ -381,7 +381,9 @@ class Scheduler:
         self.num_preemptions += preempted
         num_steps = 1
         if (self.config.num_scheduler_steps > 1 and all_steady and len(scheduled) == first_unsteady
-                and not preempted and not self.waiting and not self.swapped and not copies):
+                and not preempted and not self.swapped and not copies
+                # Waiting requests could not be admitted in the run: only when no sequence slot is free.
+                and (not self.waiting or num_seqs >= self.config.max_num_seqs)):
             try:
                 num_steps, extended = plan_run(self.config.num_scheduler_steps, scheduled, self.groups,
                                                self.block_manager, self._sent_tables)
