@@ -47,9 +47,11 @@ class TokenHistories(BlockTableRows):
     # -- the step's tokens ---------------------------------------------------------
     def record(self, seqs, one_by_one: Callable[[object], None]) -> None:
         """Add each scheduled sequence's ``token_ids`` (computed this step, at position
-        ``num_computed_tokens``) to its row. A sequence whose row does not hold exactly
-        its first ``num_computed_tokens`` tokens (new, forked with ``prefix_token_ids``,
-        recomputed) is passed to ``one_by_one``, which sets its row."""
+        ``num_computed_tokens``) to its row; a sequence computed from its start (new, or
+        recomputed whole) gets a row of its tokens. Any other whose row does not hold
+        exactly its first ``num_computed_tokens`` tokens (forked with
+        ``prefix_token_ids``, recomputed in part) is passed to ``one_by_one``, which
+        sets its row."""
         ids = [s.seq_id for s in seqs]
         st = self._steady
         if st is not None and ids == st.seq_ids and [s.num_computed_tokens for s in seqs] == st.lengths:
@@ -69,14 +71,19 @@ class TokenHistories(BlockTableRows):
                 st.synced = False
                 return
         self._invalidate()
-        keys, id_lists = [], []
+        keys, id_lists, fresh, fresh_ids = [], [], [], []
         for seq, held in zip(seqs, self.lengths(ids)):
             if seq.prefix_token_ids is None and held == seq.num_computed_tokens:
                 keys.append(seq.seq_id)
                 id_lists.append(seq.token_ids)
+            elif seq.prefix_token_ids is None and seq.num_computed_tokens == 0:  # new, or recomputed whole
+                fresh.append(seq.seq_id)
+                fresh_ids.append(seq.token_ids)
             else:
                 one_by_one(seq)
         self.extend_many(keys, id_lists)
+        if fresh:  # one tensor write (the first step of a batch of new requests)
+            self.set_many(fresh, fresh_ids)
         if ids and len(set(ids)) == len(ids):
             rows = self.rows(ids)
             width = self.width
