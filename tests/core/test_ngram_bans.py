@@ -1,5 +1,6 @@
-"""``no_repeat_ngram_size`` bans by the C++ op (``tandem/backends/cpu_sampling``) against
-the processors' tensor path, and both against a plain-Python reading of HF's rule: the
+"""``no_repeat_ngram_size`` bans by the C++ op (``tandem/backends/cpu_sampling``, over
+gathered histories and reading them in place) against the processors' tensor path, and
+all against a plain-Python reading of HF's rule: the
 same scores, bit for bit, over random histories with repeats, every n, rows too short to
 ban and rows left out."""
 
@@ -48,15 +49,30 @@ def _run(hist, params, vocab=40, rows=None):
             h[j, :len(hist[i])] = torch.tensor(hist[i], dtype=torch.long)
         return h, torch.tensor([len(hist[i]) for i in idx], dtype=torch.long)
 
+    # The same tokens in place (ProcessorRows.history_rows, the cpp_rows path): row i at a
+    # shuffled row of a wider table, stale ids past its length.
+    place = list(range(len(hist) + 3))
+    random.Random(len(hist)).shuffle(place)
+    table = torch.full((len(place), width + 2), 7, dtype=torch.long)
+    for i, toks in hist.items():
+        table[place[i], :len(toks)] = torch.tensor(toks, dtype=torch.long)
+
+    def history_rows(idx):
+        return (table, torch.tensor([place[i] for i in idx], dtype=torch.long),
+                torch.tensor([len(hist[i]) for i in idx], dtype=torch.long))
+
     ps = [params[i] if i in idx_rows else SamplingParams(temperature=0.0) for i in range(len(hist))]
     seq_lens = [len(hist[i]) for i in range(len(hist))]
     procs = LogitsProcessors(eos_token_ids=[])
-    return scores.clone(), procs(scores, ProcessorRows(ps, [0] * len(hist), seq_lens, history))
+    return scores.clone(), procs(scores, ProcessorRows(ps, [0] * len(hist), seq_lens, history,
+                                                       history_rows=history_rows))
 
 
-@pytest.fixture(params=["tensor", "cpp"])
+@pytest.fixture(params=["tensor", "cpp", "cpp_rows"])
 def path(request, monkeypatch):
-    if request.param == "cpp":
+    """tensor: the processors' tensor ops; cpp: the C++ op over gathered histories;
+    cpp_rows: the C++ op reading the histories in place (``history_rows``)."""
+    if request.param != "tensor":
         from tandem.backends.cpu_sampling import ops
 
         try:
@@ -64,6 +80,8 @@ def path(request, monkeypatch):
         except ops.CPUOpUnavailable as e:
             pytest.skip(f"the C++ ops cannot be built here: {e}")
         monkeypatch.setattr(logits_processors, "_ngram_op", torch.ops.tandem_cpu_sampling.ban_repeated_ngrams)
+        rows_op = torch.ops.tandem_cpu_sampling.ban_repeated_ngrams_rows if request.param == "cpp_rows" else None
+        monkeypatch.setattr(logits_processors, "_ngram_rows_op", rows_op)
     else:
         monkeypatch.setattr(logits_processors, "_ngram_op", None)
     return request.param
@@ -105,3 +123,39 @@ def test_the_op_refuses_bad_input():
         op(scores, torch.tensor([5]), hist, torch.tensor([3]), 2)
     with pytest.raises(RuntimeError, match="length"):
         op(scores, torch.tensor([0]), hist, torch.tensor([5]), 2)
+
+
+def test_the_rows_op_refuses_bad_input():
+    from tandem.backends.cpu_sampling import ops
+
+    try:
+        ops.load()
+    except ops.CPUOpUnavailable as e:
+        pytest.skip(f"the C++ ops cannot be built here: {e}")
+    op = torch.ops.tandem_cpu_sampling.ban_repeated_ngrams_rows
+    scores = torch.zeros(2, 5)
+    table = torch.tensor([[1, 2, 1, 9], [1, 1, 1, 1]])
+    with pytest.raises(RuntimeError, match="out of the vocabulary"):
+        op(scores, torch.tensor([0]), table, torch.tensor([0]), torch.tensor([4]), 1)
+    with pytest.raises(RuntimeError, match="table row"):
+        op(scores, torch.tensor([0]), table, torch.tensor([2]), torch.tensor([3]), 2)
+    with pytest.raises(RuntimeError, match="length"):
+        op(scores, torch.tensor([1]), table, torch.tensor([1]), torch.tensor([5]), 2)
+
+
+def test_ban_tokens_equals_index_fill():
+    """The every-row token ban (suppress_tokens, EOS under min_tokens) against index_fill_."""
+    from tandem.backends.cpu_sampling import ops
+
+    try:
+        ops.load()
+    except ops.CPUOpUnavailable as e:
+        pytest.skip(f"the C++ ops cannot be built here: {e}")
+    op = torch.ops.tandem_cpu_sampling.ban_tokens
+    scores = torch.randn(9, 50)
+    tokens = torch.tensor([3, 0, 49, 3, 17])
+    got = scores.clone()
+    op(got, tokens)
+    assert torch.equal(got, scores.clone().index_fill_(1, tokens, float("-inf")))
+    with pytest.raises(RuntimeError, match="out of the vocabulary"):
+        op(got, torch.tensor([50]))

@@ -1,6 +1,8 @@
 """Builds and loads ``torch.ops.tandem_cpu_sampling`` (row_argmax.cpp): ``argmax_rows``, the
-greedy rows' argmax over the vocabulary, and ``ban_repeated_ngrams``, the
-``no_repeat_ngram_size`` bans of a step's rows.
+greedy rows' argmax over the vocabulary; ``ban_repeated_ngrams`` and
+``ban_repeated_ngrams_rows``, the ``no_repeat_ngram_size`` bans of a step's rows (from a
+gathered history, or read in place from the worker's token histories); ``ban_tokens``, a
+token list banned in every row.
 
 Built on first use (a C++ compiler and ninja are needed) and cached under
 ``$TORCH_EXTENSIONS_DIR``, keyed by source, flags and torch version, for the CPU's
@@ -55,14 +57,16 @@ def load():
 
 def install() -> bool:
     """Load the ops (building them on first use) and make the sampler's ``argmax_rows`` and
-    the processors' no-repeat n-gram bans take them in this process; False where they
-    cannot be built here (torch's ops serve)."""
-    from tandem.core.worker.logits_processors import install_ngram_op
+    the processors' no-repeat n-gram and every-row token bans take them in this process;
+    False where they cannot be built here (torch's ops serve)."""
+    from tandem.core.worker.logits_processors import install_ngram_op, install_token_ban_op
     from tandem.core.worker.reductions import install_cpu_op
 
     try:
         install_cpu_op(load())
     except CPUOpUnavailable:
         return False
-    install_ngram_op(torch.ops.tandem_cpu_sampling.ban_repeated_ngrams)
+    ops = torch.ops.tandem_cpu_sampling
+    install_ngram_op(ops.ban_repeated_ngrams, ops.ban_repeated_ngrams_rows)
+    install_token_ban_op(ops.ban_tokens)
     return True

@@ -1,4 +1,5 @@
-// tandem's CPU sampling ops. ban_repeated_ngrams (below): no_repeat_ngram_size's bans.
+// tandem's CPU sampling ops. ban_repeated_ngrams(_rows) (below): no_repeat_ngram_size's bans;
+// ban_tokens: token bans shared by every row.
 // argmax_rows, the row argmax for the sampler's greedy rows: out[r] = argmax(x[r, :]) for a
 // float32 [rows, vocab] tensor whose rows are contiguous, with torch.argmax's answer bit
 // for bit: the first index of the row's maximum, or the first NaN's where the row has one
@@ -130,40 +131,55 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-// no_repeat_ngram_size = n: for row i of history (its first lengths[i] tokens), every
-// n-gram of it whose first n - 1 tokens equal the row's last n - 1 tokens bans its last
-// token in scores' row rows[i] (set to -inf): HF's NoRepeatNGramLogitsProcessor, and
-// exactly what the processors' tensor path bans (tandem/core/worker/logits_processors.py).
-// A row is one pass over its tokens, comparing n - 1 ids a window; rows go to torch's
-// intra-op threads (each writes its own scores row).
-void ban_repeated_ngrams(at::Tensor scores, const at::Tensor& rows, const at::Tensor& history,
-                         const at::Tensor& lengths, int64_t n) {
+// no_repeat_ngram_size = n: for row i (its first lengths[i] tokens), every n-gram of it whose
+// first n - 1 tokens equal the row's last n - 1 tokens bans its last token in scores' row
+// rows[i] (set to -inf): HF's NoRepeatNGramLogitsProcessor, and exactly what the processors'
+// tensor path bans (tandem/core/worker/logits_processors.py). Row i's tokens are row i of
+// history (ban_repeated_ngrams), or row table_rows[i] of a table read in place
+// (ban_repeated_ngrams_rows: the worker's token histories, no gather a step). A row is one
+// pass over its tokens, comparing n - 1 ids a window; rows go to torch's intra-op threads
+// (each writes its own scores row).
+void ban_ngrams(at::Tensor& scores, const at::Tensor& rows, const at::Tensor& table, const at::Tensor* table_rows,
+                const at::Tensor& lengths, int64_t n, const char* name) {
   TORCH_CHECK(scores.device().is_cpu() && scores.scalar_type() == at::kFloat && scores.dim() == 2 &&
                   scores.stride(1) == 1,
-              "ban_repeated_ngrams: scores must be a float32 [rows, vocab] cpu tensor with contiguous rows");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && history.scalar_type() == at::kLong &&
-                  lengths.scalar_type() == at::kLong && rows.dim() == 1 && history.dim() == 2 && lengths.dim() == 1,
-              "ban_repeated_ngrams: rows [R], history [R, W] and lengths [R] must be int64");
-  TORCH_CHECK(rows.size(0) == history.size(0) && rows.size(0) == lengths.size(0),
-              "ban_repeated_ngrams: rows, history and lengths disagree on the number of rows");
-  TORCH_CHECK(n >= 1, "ban_repeated_ngrams: n must be >= 1, got ", n);
-  const at::Tensor h = history.contiguous(), r = rows.contiguous(), len = lengths.contiguous();
-  const int64_t count = r.size(0), width = h.size(1), vocab = scores.size(1), stride = scores.stride(0);
+              name, ": scores must be a float32 [rows, vocab] cpu tensor with contiguous rows");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && table.scalar_type() == at::kLong &&
+                  lengths.scalar_type() == at::kLong && rows.dim() == 1 && table.dim() == 2 && lengths.dim() == 1,
+              name, ": rows [R], history [*, W] and lengths [R] must be int64");
+  TORCH_CHECK(table.device().is_cpu() && rows.device().is_cpu() && lengths.device().is_cpu(),
+              name, ": rows, history and lengths must be cpu tensors");
+  TORCH_CHECK(rows.size(0) == lengths.size(0), name, ": rows and lengths disagree on the number of rows");
+  TORCH_CHECK(table_rows != nullptr || rows.size(0) == table.size(0), name,
+              ": rows and history disagree on the number of rows");
+  TORCH_CHECK(table_rows == nullptr || (table_rows->scalar_type() == at::kLong && table_rows->dim() == 1 &&
+                                        table_rows->size(0) == rows.size(0) && table_rows->device().is_cpu()),
+              name, ": table_rows must be an int64 cpu tensor [R]");
+  TORCH_CHECK(n >= 1, name, ": n must be >= 1, got ", n);
+  // The table's rows must be contiguous; its row stride may exceed the width (a table read
+  // in place is a column slice of the worker's).
+  const at::Tensor h = table.stride(1) == 1 ? table : table.contiguous();
+  const at::Tensor r = rows.contiguous(), len = lengths.contiguous();
+  const at::Tensor tr = table_rows != nullptr ? table_rows->contiguous() : at::Tensor();
+  const int64_t count = r.size(0), width = h.size(1), h_stride = h.stride(0), table_size = h.size(0);
+  const int64_t vocab = scores.size(1), stride = scores.stride(0), num_rows = scores.size(0);
   const int64_t* hp = h.data_ptr<int64_t>();
   const int64_t* rp = r.data_ptr<int64_t>();
   const int64_t* lp = len.data_ptr<int64_t>();
+  const int64_t* trp = table_rows != nullptr ? tr.data_ptr<int64_t>() : nullptr;
   float* sp = scores.data_ptr<float>();
-  const int64_t num_rows = scores.size(0);
   for (int64_t i = 0; i < count; ++i) {
-    TORCH_CHECK(rp[i] >= 0 && rp[i] < num_rows, "ban_repeated_ngrams: row ", rp[i], " out of range");
-    TORCH_CHECK(lp[i] >= 0 && lp[i] <= width, "ban_repeated_ngrams: length ", lp[i], " out of [0, ", width, "]");
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < num_rows, name, ": row ", rp[i], " out of range");
+    TORCH_CHECK(lp[i] >= 0 && lp[i] <= width, name, ": length ", lp[i], " out of [0, ", width, "]");
+    TORCH_CHECK(trp == nullptr || (trp[i] >= 0 && trp[i] < table_size), name, ": table row ",
+                trp == nullptr ? 0 : trp[i], " out of range");
   }
   const float ban = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t L = lp[i];
       if (L < n) continue;
-      const int64_t* tok = hp + i * width;
+      const int64_t* tok = hp + (trp != nullptr ? trp[i] : i) * h_stride;
       const int64_t* tail = tok + L - (n - 1);
       float* row = sp + rp[i] * stride;
       for (int64_t w = 0; w + n <= L; ++w) {
@@ -171,10 +187,45 @@ void ban_repeated_ngrams(at::Tensor scores, const at::Tensor& rows, const at::Te
         while (k < n - 1 && tok[w + k] == tail[k]) ++k;
         if (k == n - 1) {
           const int64_t t = tok[w + n - 1];
-          TORCH_CHECK(t >= 0 && t < vocab, "ban_repeated_ngrams: token ", t, " out of the vocabulary [0, ", vocab, ")");
+          TORCH_CHECK(t >= 0 && t < vocab, name, ": token ", t, " out of the vocabulary [0, ", vocab, ")");
           row[t] = ban;
         }
       }
+    }
+  });
+}
+
+void ban_repeated_ngrams(at::Tensor scores, const at::Tensor& rows, const at::Tensor& history,
+                         const at::Tensor& lengths, int64_t n) {
+  ban_ngrams(scores, rows, history, nullptr, lengths, n, "ban_repeated_ngrams");
+}
+
+void ban_repeated_ngrams_rows(at::Tensor scores, const at::Tensor& rows, const at::Tensor& table,
+                              const at::Tensor& table_rows, const at::Tensor& lengths, int64_t n) {
+  ban_ngrams(scores, rows, table, &table_rows, lengths, n, "ban_repeated_ngrams_rows");
+}
+
+// scores[:, tokens] = -inf: the token bans every row of a step shares (suppress_tokens, EOS
+// under min_tokens), one pass over the rows (index_fill_ on a row-major [rows, vocab]
+// tensor costs several times more for a hundred columns).
+void ban_tokens(at::Tensor scores, const at::Tensor& tokens) {
+  TORCH_CHECK(scores.device().is_cpu() && scores.scalar_type() == at::kFloat && scores.dim() == 2 &&
+                  scores.stride(1) == 1,
+              "ban_tokens: scores must be a float32 [rows, vocab] cpu tensor with contiguous rows");
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 1 && tokens.device().is_cpu(),
+              "ban_tokens: tokens must be an int64 cpu tensor [T]");
+  const at::Tensor t = tokens.contiguous();
+  const int64_t count = t.size(0), rows = scores.size(0), vocab = scores.size(1), stride = scores.stride(0);
+  const int64_t* tp = t.data_ptr<int64_t>();
+  for (int64_t j = 0; j < count; ++j)
+    TORCH_CHECK(tp[j] >= 0 && tp[j] < vocab, "ban_tokens: token ", tp[j], " out of the vocabulary [0, ", vocab, ")");
+  float* sp = scores.data_ptr<float>();
+  const float ban = -std::numeric_limits<float>::infinity();
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, count));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = sp + r * stride;
+      for (int64_t j = 0; j < count; ++j) row[tp[j]] = ban;
     }
   });
 }
@@ -184,9 +235,14 @@ void ban_repeated_ngrams(at::Tensor scores, const at::Tensor& rows, const at::Te
 TORCH_LIBRARY(tandem_cpu_sampling, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("ban_repeated_ngrams(Tensor(a!) scores, Tensor rows, Tensor history, Tensor lengths, int n) -> ()");
+  m.def("ban_repeated_ngrams_rows(Tensor(a!) scores, Tensor rows, Tensor table, Tensor table_rows, Tensor lengths, "
+        "int n) -> ()");
+  m.def("ban_tokens(Tensor(a!) scores, Tensor tokens) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu_sampling, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("ban_repeated_ngrams", &ban_repeated_ngrams);
+  m.impl("ban_repeated_ngrams_rows", &ban_repeated_ngrams_rows);
+  m.impl("ban_tokens", &ban_tokens);
 }

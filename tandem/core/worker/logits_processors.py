@@ -75,20 +75,38 @@ class _BadWords:
     buckets: dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
-# torch.ops.tandem_cpu_sampling.ban_repeated_ngrams, once install_ngram_op() gave it: the
-# no-repeat n-gram bans of a step's rows in one C++ pass (about 15 small tensor ops here
-# otherwise: 0.26 ms a step at 128 rows on the tiny model of benchmarks/host_overhead.py).
+# torch.ops.tandem_cpu_sampling's ban_repeated_ngrams and ban_repeated_ngrams_rows, once
+# install_ngram_op() gave them: the no-repeat n-gram bans of a step's rows in one C++ pass
+# (about 15 small tensor ops here otherwise: 0.26 ms a step at 128 rows on the tiny model
+# of benchmarks/host_overhead.py); the second reads the worker's token histories in place.
 _ngram_op = None
+_ngram_rows_op = None
+# torch.ops.tandem_cpu_sampling.ban_tokens, once install_token_ban_op() gave it: a token
+# list banned in every row in one pass (suppress_tokens, EOS under min_tokens).
+_token_ban_op = None
 
 
-def install_ngram_op(op) -> None:
+def install_ngram_op(op, rows_op=None) -> None:
     """Make this process's ``no_repeat_ngram_size`` bans on float32 CPU scores take ``op``
-    (``torch.ops.tandem_cpu_sampling.ban_repeated_ngrams``), with the same bans as the
-    tensor path (``tests/core/test_ngram_bans.py``). tandem's cpu_paged backend installs
-    it beside the C++ argmax (``tandem/backends/cpu_sampling/ops.py``: the core imports no
-    backend)."""
-    global _ngram_op
-    _ngram_op = op
+    (``torch.ops.tandem_cpu_sampling.ban_repeated_ngrams``) and, where the step's rows
+    give their histories in place (``ProcessorRows.history_rows``), ``rows_op``
+    (``ban_repeated_ngrams_rows``), with the same bans as the tensor path
+    (``tests/core/test_ngram_bans.py``). tandem's cpu_paged backend installs them beside
+    the C++ argmax (``tandem/backends/cpu_sampling/ops.py``: the core imports no backend)."""
+    global _ngram_op, _ngram_rows_op
+    _ngram_op, _ngram_rows_op = op, rows_op
+
+
+def install_token_ban_op(op) -> None:
+    """Make bans of one token list in every row of float32 CPU scores take ``op``
+    (``torch.ops.tandem_cpu_sampling.ban_tokens``: ``scores[:, tokens] = -inf``)."""
+    global _token_ban_op
+    _token_ban_op = op
+
+
+def _cpu_rows(scores: torch.Tensor) -> bool:
+    """Whether the C++ ops take ``scores``: float32 on the CPU with contiguous rows."""
+    return scores.dtype == torch.float32 and scores.device.type == "cpu" and scores.dim() == 2 and scores.stride(1) == 1
 
 
 def needs_history(p: SamplingParams) -> bool:
@@ -131,6 +149,11 @@ class ProcessorRows:
     # Per row: True where the request's rows are alternatives of one continuation
     # (``StepMode.joint_rows``); None: no such row.
     joint: list[bool] | None = None
+    # The same tokens read in place (None: only ``history``): ``history_rows(rows)`` ->
+    # ``(table [*, W] long, table_rows [len(rows)] long, lengths [len(rows)] long)``, row
+    # ``rows[j]``'s tokens being ``table[table_rows[j], :lengths[j]]`` (the worker's
+    # ``TokenHistories.view``: no gather, and on a steady step no tensor built).
+    history_rows: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def prompt_len(self, i: int) -> int:
         return self.seq_lens[i] - self.num_output_tokens[i]
@@ -145,6 +168,8 @@ class LogitsProcessors:
         self._bad_words_cache: dict[int, tuple[SamplingParams, _BadWords]] = {}
         # Banned-id lists as tensors, by value (suppress_tokens).
         self._token_tensors: dict[tuple[int, ...], torch.Tensor] = {}
+        # 0, 1, 2, ...: the row ids of a processor that takes every row of a step, sliced.
+        self._arange = torch.arange(256)
 
     def __call__(self, scores: torch.Tensor, rows: ProcessorRows) -> torch.Tensor:
         """Apply every processor the rows ask for to ``scores`` ``[S, vocab]`` in place."""
@@ -205,10 +230,28 @@ class LogitsProcessors:
         for token_ids, idx in by_value.items():
             tokens = self._ids_tensor(token_ids, dev)
             if len(idx) == scores.shape[0]:  # every row of the step (rows are distinct): whole columns
-                scores.index_fill_(1, tokens, NEG_INF)
+                self._ban_columns(scores, tokens)
                 continue
             rows = torch.tensor(idx, dtype=torch.long, device=dev)
             scores[rows[:, None], tokens[None, :]] = NEG_INF
+
+    @staticmethod
+    def _ban_columns(scores: torch.Tensor, tokens: torch.Tensor) -> None:
+        """``scores[:, tokens] = -inf``: the C++ op where installed (one pass over the rows),
+        else ``index_fill_``."""
+        if _token_ban_op is not None and _cpu_rows(scores):
+            _token_ban_op(scores, tokens)
+        else:
+            scores.index_fill_(1, tokens, NEG_INF)
+
+    def _row_ids(self, idx: list[int], num_rows: int) -> torch.Tensor:
+        """``idx`` as a long tensor: a slice of a kept ``arange`` when ``idx`` is every row
+        of the step in order (rows are distinct and sorted, as every processor's are)."""
+        if len(idx) == num_rows:
+            if num_rows > self._arange.shape[0]:
+                self._arange = torch.arange(2 * num_rows)
+            return self._arange[:num_rows]
+        return torch.tensor(idx, dtype=torch.long)
 
     def _ids_tensor(self, token_ids: tuple[int, ...], dev) -> torch.Tensor:
         """A list of token ids as a tensor on ``dev``, built once per value."""
@@ -286,17 +329,21 @@ class LogitsProcessors:
     def _no_repeat_ngram(self, scores, groups, rows: ProcessorRows) -> None:
         by_n: dict[int, list[int]] = {}
         for p, g in groups:
-            if p.no_repeat_ngram_size:
-                by_n.setdefault(p.no_repeat_ngram_size, []).extend(
-                    [i for i in g if rows.seq_lens[i] >= p.no_repeat_ngram_size])
+            n = p.no_repeat_ngram_size
+            if n:
+                idx = by_n.get(n)
+                by_n[n] = g if idx is None else idx + g
+        if not by_n:
+            return
+        if _ngram_op is not None and _cpu_rows(scores):
+            self._no_repeat_ngram_op(scores, by_n, len(groups) > 1, rows)
+            return
+        for n, idx in list(by_n.items()):
+            by_n[n] = [i for i in idx if rows.seq_lens[i] >= n]
         for n, idx in by_n.items():
             if not idx:
                 continue
             history, lengths = rows.history(idx)
-            if (_ngram_op is not None and scores.dtype == torch.float32 and scores.device.type == "cpu"
-                    and scores.stride(1) == 1):
-                _ngram_op(scores, torch.tensor(idx, dtype=torch.long), history, lengths, n)
-                continue
             width = history.shape[1]
             if width < n:
                 continue
@@ -312,6 +359,21 @@ class LogitsProcessors:
             r, w = match.nonzero(as_tuple=True)
             rows_t = torch.tensor(idx, device=scores.device)
             scores[rows_t[r.to(scores.device)], last[r, w].to(scores.device)] = NEG_INF
+
+    def _no_repeat_ngram_op(self, scores, by_n: dict[int, list[int]], merged: bool, rows: ProcessorRows) -> None:
+        """The C++ op's pass: every row of each n at once (the op skips rows shorter than
+        n), their tokens read in place where the rows give them so (``history_rows``).
+        ``merged``: the rows come from several params objects (sorted here)."""
+        for n, idx in by_n.items():
+            if merged:
+                idx = sorted(idx)
+            row_ids = self._row_ids(idx, scores.shape[0])
+            if rows.history_rows is not None and _ngram_rows_op is not None:
+                table, table_rows, lengths = rows.history_rows(idx)
+                _ngram_rows_op(scores, row_ids, table, table_rows, lengths, n)
+            else:
+                history, lengths = rows.history(idx)
+                _ngram_op(scores, row_ids, history, lengths, n)
 
     def _bad_words(self, scores, groups, rows: ProcessorRows) -> None:
         """HF's ``NoBadWordsLogitsProcessor``. One-token words are a ban per request;
@@ -411,7 +473,7 @@ class LogitsProcessors:
                 stop_bans += [(i, p.stop_token_ids) for i in short]
         if self.eos_token_ids and len(eos_rows) == scores.shape[0]:
             # Every row (each is listed once: a row has one params object): one column write.
-            scores[:, self._ids_tensor(tuple(self.eos_token_ids), scores.device)] = NEG_INF
+            self._ban_columns(scores, self._ids_tensor(tuple(self.eos_token_ids), scores.device))
         else:
             self._ban(scores, eos_rows, self.eos_token_ids)
         for i, ids in stop_bans:

@@ -31,7 +31,7 @@ from tandem.core.scheduler_output import ModelRunnerOutput, SamplingInputs, Sche
 from tandem.core.kv_compress_config import PER_HEAD_FEATURE
 from tandem.core.worker.cross_compress import CrossKVCompressor
 from tandem.core.worker.greedy_screen import MAX_ROWS as SCREEN_MAX_ROWS, ScreenStats, StepScreen
-from tandem.core.worker.input_batch import BlockTableRows
+from tandem.core.worker.token_histories import TokenHistories
 from tandem.core.worker.logits_processors import ProcessorRows, needs_history, only_bans
 from tandem.core.worker.compiled_step import CompiledDecodeStep
 from tandem.core.worker.piecewise_backend import cuda_graph_decode_step
@@ -109,7 +109,7 @@ class Worker:
         self.sampler = Sampler(eos_token_ids, config.seed, self.device)
         self.requests: dict[str, _RequestState] = {}
         # Decoder tokens of the sequences whose processors read them, by seq id.
-        self.histories = BlockTableRows(config.max_num_seqs, 64)
+        self.histories = TokenHistories(config.max_num_seqs, 64)
         self.kv_caches: list[torch.Tensor] = []
         self.swap_caches: list[torch.Tensor] | None = None  # made on the first swap-out
         self.num_cpu_blocks = 0
@@ -281,7 +281,7 @@ class Worker:
             self._record_histories(history)
         params, generators, num_out, seq_lens, seq_ids, row_request, joint = (
             [list(column) for column in zip(*row_data)] if row_data else [[] for _ in range(7)])
-        rows = ProcessorRows(params, num_out, seq_lens, self._history_of(seq_ids, seq_lens), joint)
+        rows = self._processor_rows(params, num_out, seq_lens, seq_ids, joint)
         screen = self._screen(params, modes, sampling)
         with torch.inference_mode():
             with lm_head_screen.screening(screen):
@@ -331,10 +331,10 @@ class Worker:
         kept = []
         for _ in range(out.num_steps - 1):
             if history:  # outside inference mode, as _record_histories writes them (the tensors stay normal)
-                h.extend_many(hist_ids, [[tokens[r]] for r in hist_rows])
+                h.advance(hist_ids, [tokens[r] for r in hist_rows])
             num_out = [k + 1 for k in num_out]
             seq_lens = [k + 1 for k in seq_lens]
-            step_rows = ProcessorRows(params, num_out, seq_lens, self._history_of(seq_ids, seq_lens), joint)
+            step_rows = self._processor_rows(params, num_out, seq_lens, seq_ids, joint)
             with torch.inference_mode():
                 with lm_head_screen.screening(screen):
                     logits = self.runner.execute_next(torch.tensor(tokens, dtype=torch.long), self.kv_caches,
@@ -378,18 +378,9 @@ class Worker:
                 t.apply(logits, rows, owners, [num_out[i] for i in rows])
 
     def _record_histories(self, seqs) -> None:
-        """Add the step's tokens to each sequence's history: the usual decode step (the
-        history holds exactly the computed tokens) as one tensor write for all of them,
-        the rest (new, forked, recomputed) one by one."""
-        h = self.histories
-        keys, ids = [], []
-        for seq, held in zip(seqs, h.lengths([seq.seq_id for seq in seqs])):
-            if seq.prefix_token_ids is None and held == seq.num_computed_tokens:
-                keys.append(seq.seq_id)
-                ids.append(seq.token_ids)
-            else:
-                self._record_history(seq)
-        h.extend_many(keys, ids)
+        """Add the step's tokens to each sequence's history (``TokenHistories.record``: a
+        steady decode step as one tensor write); new, forked and recomputed ones one by one."""
+        self.histories.record(seqs, self._record_history)
 
     def _record_history(self, seq) -> None:
         """A sequence ``_record_histories`` could not extend: new, forked or recomputed."""
@@ -414,9 +405,12 @@ class Worker:
             src, dst = zip(*pairs)
             h.copy_rows(src, dst)
 
-    def _history_of(self, seq_ids: list[int], seq_lens: list[int]):
-        """``ProcessorRows.history`` of a step's rows."""
-        return lambda idx: self._histories([seq_ids[i] for i in idx], [seq_lens[i] for i in idx])
+    def _processor_rows(self, params, num_out: list[int], seq_lens: list[int], seq_ids: list[int],
+                        joint) -> ProcessorRows:
+        """A step's ``ProcessorRows``, its histories read from ``self.histories``."""
+        return ProcessorRows(params, num_out, seq_lens,
+                             lambda idx: self._histories([seq_ids[i] for i in idx], [seq_lens[i] for i in idx]),
+                             joint, lambda idx: self.histories.view(seq_ids, seq_lens, idx))
 
     def _histories(self, seq_ids: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' decoder tokens, each row's first ``lengths[i]`` (a verified draft
