@@ -458,7 +458,9 @@ class BlockManager:
         their K/V as the last step left them). Blocks are released before the copies are
         allocated, so a dst's own last block makes room for its copy; when the pool has
         no room even so, the blocks past the full ones are shared too (copied on write
-        by ``append_slots``, as a fork's)."""
+        by ``append_slots``, as a fork's). Where dst's table starts with blocks it is to
+        share with src (beams of one request share their first blocks), those keep their
+        references as they are: only the blocks that differ gain or lose one."""
         pool, bs, tables, owner = self.pools[Device.DEVICE], self.block_size, self._self, self._owner
         location, prefix = self._location, self.prefix_cache
         released: list[int] = []
@@ -470,13 +472,20 @@ class BlockManager:
             table, rid = tables[sid], owner[sid]
             if location[rid] is not Device.DEVICE:
                 raise RuntimeError(f"request {rid!r}: a sequence takes over another only on the device")
+            n = min(src.num_computed_tokens // bs, len(table))
             old = tables.get(did)
+            same = 0  # leading blocks dst holds already where it is to share src's: no reference moves
             if old is not None:
                 if owner[did] != rid:
                     raise RuntimeError(f"sequences {sid} and {did} are not of one request")
-                released += old
-            n = min(src.num_computed_tokens // bs, len(table))
-            shared += table[:n]
+                m = min(n, len(old))
+                if old[:m] == table[:m]:
+                    same = m
+                else:
+                    while old[same] == table[same]:  # stops before m: they differ there
+                        same += 1
+                released += old[same:]
+            shared += table[same:n]
             tails += table[n:]
             plan.append((sid, did, rid, table, n))
         if prefix.enabled:
