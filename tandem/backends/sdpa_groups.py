@@ -108,36 +108,64 @@ def plan_runs(
         return RunPlan(list(runs), [], None, None, None, None)
     alone = [r for r in runs if r[3] * per_key > max_gather]
     buckets: dict[tuple[int, int], list[tuple[int, int, int, int]]] = defaultdict(list)
+    padded = PAD_MIXED_LENGTHS
     for r in runs:
         if r[3] * per_key <= max_gather:
-            buckets[(padded_length(r[1]), padded_length(r[3]))].append(r)
+            buckets[(padded_length(r[1]), padded_length(r[3])) if padded else (r[1], r[3])].append(r)
     if not buckets:
         return RunPlan(alone, [], None, None, None, None)
-    calls, q_idx, k_idx, src, dst, offset = [], [], [], [], [], 0
+    # The runs in call order, each with the lengths it is attended at; the index tensors
+    # are then made for all of them at once (a few ops a step, not a dozen per call).
+    ordered: list[tuple[int, int, int, int]] = []
+    pads: list[tuple[int, int]] = []
+    calls: list[_Call] = []
+    masked: list[tuple[_Call, int]] = []  # calls with padded keys, and their first run in ``ordered``
     for (pq, pk), members in buckets.items():
-        if len({(r[1], r[3]) for r in members}) == 1:  # one shape: no padding
-            pq, pk = members[0][1], members[0][3]
+        shape = (members[0][1], members[0][3])
+        exact = not padded or all((r[1], r[3]) == shape for r in members)
+        if exact:  # one shape: no padding
+            pq, pk = shape
         per_call = max(1, MAX_BATCH_ELEMENTS // (max(pq, pk) * per_key))
         for i in range(0, len(members), per_call):
             chunk = members[i : i + per_call]
-            qs, ql, ks, kl = (torch.tensor(c, dtype=torch.long) for c in zip(*chunk))
-            jq, jk = torch.arange(pq), torch.arange(pk)
-            q_idx.append((qs[:, None] + torch.minimum(jq[None, :], ql[:, None] - 1)).flatten())
-            k_idx.append((ks[:, None] + torch.minimum(jk[None, :], kl[:, None] - 1)).flatten())
-            real = (jq[None, :] < ql[:, None]).flatten()  # [b * pq]
-            src.append(real.nonzero().flatten() + offset)
-            dst.append((qs[:, None] + jq[None, :]).flatten()[real])
+            call = _Call(len(chunk), pq, pk, None)
             # Causal runs need no mask: a real query sees only keys before it, all real.
-            mask = None if causal or bool((kl == pk).all()) else (jk[None, :] < kl[:, None])[:, None, None, :]
-            calls.append(_Call(len(chunk), pq, pk, None if mask is None else mask.to(device)))
-            offset += len(chunk) * pq
-    src_t, dst_t = torch.cat(src), torch.cat(dst)
+            if not exact and not causal and any(r[3] != pk for r in chunk):
+                masked.append((call, len(ordered)))
+            calls.append(call)
+            ordered.extend(chunk)
+            pads.extend([(pq, pk)] * len(chunk))
+    qs, ql, ks, kl = torch.tensor(ordered, dtype=torch.long).unbind(1)
+    pq_t, pk_t = torch.tensor(pads, dtype=torch.long).unbind(1)
+    q_rows, jq = _padded_rows(qs, ql, pq_t)
+    k_rows, _ = _padded_rows(ks, kl, pk_t)
+    for call, first in masked:
+        lens = kl[first : first + call.runs]
+        call.mask = (torch.arange(call.k_len)[None, :] < lens[:, None])[:, None, None, :].to(device)
+    if bool((ql == pq_t).all()):  # no padded query: every stacked row is real
+        src_t = torch.arange(q_rows.numel())
+        dst_t = q_rows
+    else:
+        real = jq < ql.repeat_interleave(pq_t)
+        src_t = real.nonzero().flatten()
+        dst_t = (qs.repeat_interleave(pq_t) + jq)[real]
     if not alone and dst_t.numel() == num_queries:  # every row once: order src by row
         src_t = torch.empty_like(src_t).index_copy_(0, dst_t, src_t)
         dst_t = None
-    return RunPlan(alone, calls, torch.cat(q_idx).to(device), torch.cat(k_idx).to(device), src_t.to(device),
+    return RunPlan(alone, calls, q_rows.to(device), k_rows.to(device), src_t.to(device),
                    None if dst_t is None else dst_t.to(device))
 
+
+def _padded_rows(starts: torch.Tensor, lens: torch.Tensor, padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``starts[i] + min(j, lens[i] - 1)`` for ``j < padded[i]``, run after run (a padded
+    position reads its run's last row), and each position's ``j``."""
+    total = int(padded.sum())
+    first = torch.cumsum(padded, 0) - padded  # each run's first position in the stack
+    j = torch.arange(total) - first.repeat_interleave(padded, output_size=total)
+    if bool((lens == padded).all()):
+        return starts.repeat_interleave(padded, output_size=total) + j, j
+    last = (lens - 1).repeat_interleave(padded, output_size=total)
+    return starts.repeat_interleave(padded, output_size=total) + torch.minimum(j, last), j
 
 def attend_runs(
     query: torch.Tensor,  # [Tq, H, D] packed query rows
