@@ -108,35 +108,69 @@ def plan_runs(
         return RunPlan(list(runs), [], None, None, None, None)
     alone = [r for r in runs if r[3] * per_key > max_gather]
     buckets: dict[tuple[int, int], list[tuple[int, int, int, int]]] = defaultdict(list)
+    pad_mixed = PAD_MIXED_LENGTHS
     for r in runs:
         if r[3] * per_key <= max_gather:
-            buckets[(padded_length(r[1]), padded_length(r[3]))].append(r)
+            buckets[(padded_length(r[1]), padded_length(r[3])) if pad_mixed else (r[1], r[3])].append(r)
     if not buckets:
         return RunPlan(alone, [], None, None, None, None)
-    calls, q_idx, k_idx, src, dst, offset = [], [], [], [], [], 0
+    # The runs in call order, each with the lengths it is attended at; the index tensors
+    # are then made for all of them at once (a few ops a step, not a dozen per call).
+    ordered: list[tuple[int, int, int, int]] = []
+    pads: list[tuple[int, int]] = []
+    calls: list[_Call] = []
+    masked: list[tuple[_Call, int]] = []  # calls with padded keys, and their first run in ``ordered``
+    any_padded = False
     for (pq, pk), members in buckets.items():
-        if len({(r[1], r[3]) for r in members}) == 1:  # one shape: no padding
-            pq, pk = members[0][1], members[0][3]
+        shape = (members[0][1], members[0][3])
+        exact = not pad_mixed or all((r[1], r[3]) == shape for r in members)
+        if exact:  # one shape: no padding
+            pq, pk = shape
+        else:
+            any_padded = True
         per_call = max(1, MAX_BATCH_ELEMENTS // (max(pq, pk) * per_key))
         for i in range(0, len(members), per_call):
             chunk = members[i : i + per_call]
-            qs, ql, ks, kl = (torch.tensor(c, dtype=torch.long) for c in zip(*chunk))
-            jq, jk = torch.arange(pq), torch.arange(pk)
-            q_idx.append((qs[:, None] + torch.minimum(jq[None, :], ql[:, None] - 1)).flatten())
-            k_idx.append((ks[:, None] + torch.minimum(jk[None, :], kl[:, None] - 1)).flatten())
-            real = (jq[None, :] < ql[:, None]).flatten()  # [b * pq]
-            src.append(real.nonzero().flatten() + offset)
-            dst.append((qs[:, None] + jq[None, :]).flatten()[real])
+            call = _Call(len(chunk), pq, pk, None)
             # Causal runs need no mask: a real query sees only keys before it, all real.
-            mask = None if causal or bool((kl == pk).all()) else (jk[None, :] < kl[:, None])[:, None, None, :]
-            calls.append(_Call(len(chunk), pq, pk, None if mask is None else mask.to(device)))
-            offset += len(chunk) * pq
-    src_t, dst_t = torch.cat(src), torch.cat(dst)
+            if not exact and not causal and any(r[3] != pk for r in chunk):
+                masked.append((call, len(ordered)))
+            calls.append(call)
+            ordered.extend(chunk)
+            pads.extend([(pq, pk)] * len(chunk))
+    qs, ql, ks, kl = torch.tensor(ordered, dtype=torch.long).unbind(1)
+    pq_t, pk_t = torch.tensor(pads, dtype=torch.long).unbind(1)
+    q_rows, jq = _padded_rows(qs, ql, pq_t, any_padded)
+    k_rows, _ = _padded_rows(ks, kl, pk_t, any_padded)
+    for call, first in masked:
+        lens = kl[first : first + call.runs]
+        call.mask = (torch.arange(call.k_len)[None, :] < lens[:, None])[:, None, None, :].to(device)
+    if not any_padded or bool((ql == pq_t).all()):  # no padded query: every stacked row is real
+        src_t = torch.arange(q_rows.numel())
+        dst_t = q_rows
+    else:
+        real = jq < ql.repeat_interleave(pq_t)
+        src_t = real.nonzero().flatten()
+        dst_t = (qs.repeat_interleave(pq_t) + jq)[real]
     if not alone and dst_t.numel() == num_queries:  # every row once: order src by row
         src_t = torch.empty_like(src_t).index_copy_(0, dst_t, src_t)
         dst_t = None
-    return RunPlan(alone, calls, torch.cat(q_idx).to(device), torch.cat(k_idx).to(device), src_t.to(device),
+    return RunPlan(alone, calls, q_rows.to(device), k_rows.to(device), src_t.to(device),
                    None if dst_t is None else dst_t.to(device))
+
+
+def _padded_rows(starts: torch.Tensor, lens: torch.Tensor, padded: torch.Tensor,
+                 some_padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``starts[i] + min(j, lens[i] - 1)`` for ``j < padded[i]``, run after run (a padded
+    position reads its run's last row), and each position's ``j``; ``some_padded``: False
+    when no run is (``padded`` equals ``lens``)."""
+    total = int(padded.sum())
+    first = torch.cumsum(padded, 0) - padded  # each run's first position in the stack
+    j = torch.arange(total) - first.repeat_interleave(padded, output_size=total)
+    if not some_padded or bool((lens == padded).all()):
+        return starts.repeat_interleave(padded, output_size=total) + j, j
+    last = (lens - 1).repeat_interleave(padded, output_size=total)
+    return starts.repeat_interleave(padded, output_size=total) + torch.minimum(j, last), j
 
 
 def attend_runs(
@@ -173,19 +207,23 @@ def attend_runs(
         return
     # Gathered as [rows, H * D]: index_select's row copy (a 3-D strided source, such as
     # the q/k/v split of one projection, takes a per-element path 4-20x slower).
-    qs = query.flatten(1).index_select(0, plan.q_rows).view(-1, *query.shape[1:])
-    ks = key.flatten(1).index_select(0, plan.k_rows).view(-1, *key.shape[1:])
-    vs = value.flatten(1).index_select(0, plan.k_rows).view(-1, *value.shape[1:])
+    qs = query.flatten(1).index_select(0, plan.q_rows)  # [Pq, H * D], contiguous
+    ks = key.flatten(1).index_select(0, plan.k_rows)
+    vs = value.flatten(1).index_select(0, plan.k_rows)
+    (hq, dq), (hk, dk), (hv, dv) = query.shape[1:], key.shape[1:], value.shape[1:]
     outs, qi, ki = [], 0, 0
     for c in plan.calls:
-        b = c.runs
-        q = qs[qi : qi + b * c.q_len].view(b, c.q_len, *qs.shape[1:]).transpose(1, 2)
-        k = ks[ki : ki + b * c.k_len].view(b, c.k_len, *ks.shape[1:]).transpose(1, 2)
-        v = vs[ki : ki + b * c.k_len].view(b, c.k_len, *vs.shape[1:]).transpose(1, 2)
+        # Each call's [b, H, n, D] as one strided view of the gathered rows (the view that
+        # slicing rows, viewing them [b, n, H, D] and swapping n and H makes, in one op:
+        # ~90 calls a step).
+        b, lq, lk = c.runs, c.q_len, c.k_len
+        q = qs.as_strided((b, hq, lq, dq), (lq * hq * dq, dq, hq * dq, 1), qi * hq * dq)
+        k = ks.as_strided((b, hk, lk, dk), (lk * hk * dk, dk, hk * dk, 1), ki * hk * dk)
+        v = vs.as_strided((b, hv, lk, dv), (lk * hv * dv, dv, hv * dv, 1), ki * hv * dv)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, is_causal=causal, scale=scale,
                                            enable_gqa=gqa)
-        outs.append(o.transpose(1, 2).reshape(b * c.q_len, -1))  # [b * q_len, H * D]
-        qi, ki = qi + b * c.q_len, ki + b * c.k_len
+        outs.append(o.transpose(1, 2).reshape(b * lq, -1))  # [b * q_len, H * D]
+        qi, ki = qi + b * lq, ki + b * lk
     stacked = torch.cat(outs) if len(outs) > 1 else outs[0]
     flat = out.view(out.shape[0], -1) if out.is_contiguous() else None
     if plan.dst is None and flat is not None:

@@ -69,6 +69,9 @@ class SDPAMetadata(AttentionMetadata):
     # This step's sdpa_groups plans, made by the first layer that needs one and read by
     # the rest (they depend only on the runs, which every layer of a stack shares).
     run_plans: dict[tuple, RunPlan]
+    # This step's prefills split by ``_prefills_grouped`` (is_cross -> the runs it attends
+    # grouped, the prefills left to its per-sequence loop), found by the first layer.
+    prefill_split: dict[bool, tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int, int]]]]
 
     def run_plan(self, kind: tuple, runs, query: torch.Tensor, key: torch.Tensor, causal: bool) -> RunPlan:
         """The plan of ``runs`` for this step (see ``run_plans``); ``kind`` names the runs."""
@@ -162,6 +165,7 @@ class SDPAMetadataBuilderBase(AttentionMetadataBuilder):
             cross_head_index=head_index,
             cross_head_decodes=[(starts[i], head_index[i]) for i in decodes if i in head_index] if head_index else [],
             run_plans={},
+            prefill_split={},
         )
         return fields, decodes, starts
 
@@ -332,17 +336,21 @@ class SDPAImplBase(AttentionImpl):
         """Attend the prefills that read keys in place (self: nothing cached before them;
         cross: a contiguous cross table) through :func:`attend_runs`, runs of one shape
         in one call; returns the prefills left for the per-sequence loop."""
-        runs, rest = [], []
-        # An fp8 cache: cross prefills read it dequantized, in the per-sequence loop.
-        cross_in_place = is_cross and not fp8.is_fp8(kv_cache.dtype)
-        for p in md.prefills:
-            start, q_len, seq_len, i = p
-            if cross_in_place and i not in md.cross_head_index and md.cross_view_start[i] >= 0:
-                runs.append((start, q_len, md.cross_view_start[i], md.cross_seq_lens[i]))
-            elif not is_cross and seq_len == q_len:
-                runs.append((start, q_len, start, q_len))
-            else:
-                rest.append(p)
+        split = md.prefill_split.get(is_cross)  # the same for every layer (one cache dtype)
+        if split is None:
+            runs, rest = [], []
+            # An fp8 cache: cross prefills read it dequantized, in the per-sequence loop.
+            cross_in_place = is_cross and not fp8.is_fp8(kv_cache.dtype)
+            for p in md.prefills:
+                start, q_len, seq_len, i = p
+                if cross_in_place and i not in md.cross_head_index and md.cross_view_start[i] >= 0:
+                    runs.append((start, q_len, md.cross_view_start[i], md.cross_seq_lens[i]))
+                elif not is_cross and seq_len == q_len:
+                    runs.append((start, q_len, start, q_len))
+                else:
+                    rest.append(p)
+            split = md.prefill_split[is_cross] = (runs, rest)
+        runs, rest = split
         if runs:
             if is_cross:
                 flat = kv_cache.flatten(1, 2)  # [2, num_blocks * block_size, H, Dh]: slots as rows

@@ -53,6 +53,8 @@ class RequestProcessor:
         # (see _interned).
         self._params: dict[tuple, SamplingParams] = {}
         self._last_merge: tuple[SamplingParams, SamplingParams] | None = None  # (request's, merged)
+        # (merged params, decoder prompt length, their resolved, interned and checked params)
+        self._last_resolved: tuple[SamplingParams, int, SamplingParams] | None = None
 
     def _interned(self, params: SamplingParams) -> SamplingParams:
         """One object for equal resolved params. Merging the checkpoint's defaults and
@@ -111,9 +113,19 @@ class RequestProcessor:
             if not prompt_slot.choices or bad:
                 raise ValueError(f"prompt slot {prompt_slot}: needs choices, all in the vocabulary [0, {self.vocab_size})")
             prompt_len += 1 + len(prompt_slot.then)  # the prompt as it will be once completed
-        params = self._interned(resolve_lengths(params, prompt_len, self._max_decoder_len - prompt_len))
-        self.validate(inputs, params, prompt_len)
-        self.check_request(params)
+        last = self._last_resolved
+        if last is not None and last[0] is params and last[1] == prompt_len:
+            # The params of the previous request at this decoder length (LLM.generate's one
+            # object for every prompt): resolved, interned and checked then; only what
+            # reads this request's inputs is checked again.
+            params = last[2]
+            self.validate(inputs, params, prompt_len, check_params=False)
+        else:
+            merged = params
+            params = self._interned(resolve_lengths(params, prompt_len, self._max_decoder_len - prompt_len))
+            self.validate(inputs, params, prompt_len)
+            self.check_request(params)
+            self._last_resolved = (merged, prompt_len, params)  # one tuple: threads may share it
         _ = inputs.encoder_inputs.cache_key  # hashing audio features: here, not on the engine thread
         return ProcessedRequest(inputs, params, prompt_slot, prompt_len, lora_request)
 
@@ -132,7 +144,10 @@ class RequestProcessor:
         default, slot = self.model_cls.default_decoder_prompt(self.hf_config, self.generation_defaults.hf)
         return tuple(default), slot
 
-    def validate(self, inputs: EncoderDecoderInputs, params: SamplingParams, dec_len: int | None = None) -> None:
+    def validate(self, inputs: EncoderDecoderInputs, params: SamplingParams, dec_len: int | None = None,
+                 check_params: bool = True) -> None:
+        """``ValueError`` for inputs the model cannot take; ``check_params``: the params'
+        own token ids too (False: these params passed already)."""
         max_enc, max_dec = self._max_encoder_len, self._max_decoder_len
         enc = inputs.encoder_inputs
         enc_len = enc.num_positions
@@ -152,12 +167,17 @@ class RequestProcessor:
         if enc.token_ids is not None:  # feature inputs have no vocabulary to check
             checks.insert(0, ("encoder prompt", enc.token_ids))
         for where, ids in checks:
-            bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size]
-            if bad:
-                i, t = bad[0]
+            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):  # in C; the position only on a miss
+                i, t = next((i, t) for i, t in enumerate(ids) if not 0 <= t < self.vocab_size)
                 raise ValueError(
                     f"{where} token id {t} at position {i} is outside the vocabulary [0, {self.vocab_size})"
                 )
+        if check_params:
+            self._check_params(params)
+        check_step_budget(self.scheduler_config, enc_len, dec_len, params)
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """The params' token ids within the vocabulary (read nothing of a request's inputs)."""
         for name in ("bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "allowed_token_ids",
                      "logit_bias", "forced_bos_token_id", "forced_eos_token_id"):
             value = getattr(params, name)
@@ -182,7 +202,6 @@ class RequestProcessor:
             raise ValueError(
                 f"SamplingParams.stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
-        check_step_budget(self.scheduler_config, enc_len, dec_len, params)
 
 
 def check_step_budget(scheduler_config: SchedulerConfig, enc_len: int, dec_len: int, params: SamplingParams) -> None:

@@ -192,3 +192,78 @@ def test_a_plan_made_once_serves_every_layer_and_big_buckets_split(case, monkeyp
     assert torch.isnan(made[last:]).all() and not torch.isnan(made[:last]).any()
     per_run = _per_run(query, key, value, runs, scale=D**-0.5, causal=causal, gqa=gqa)
     assert torch.allclose(made[:last], per_run[:last], rtol=0, atol=5e-6)
+
+
+def _plan_by_hand(runs, *, num_queries, per_key, max_gather, causal, pad_mixed, max_elements):
+    """What plan_runs is to return, found run by run in plain Python from the module's
+    rules: (alone, [(runs, q_len, k_len, key lengths or None)], q_rows, k_rows, src, dst)."""
+    def padded(n):
+        return n if not pad_mixed or n < sdpa_groups.EXACT_BELOW else -(-n // sdpa_groups.PAD) * sdpa_groups.PAD
+
+    alone = [r for r in runs if r[3] * per_key > max_gather]
+    buckets = {}
+    for r in runs:
+        if r[3] * per_key <= max_gather:
+            buckets.setdefault((padded(r[1]), padded(r[3])), []).append(r)
+    calls, q_rows, k_rows, real = [], [], [], []
+    for (pq, pk), members in buckets.items():
+        if len({(r[1], r[3]) for r in members}) == 1:
+            pq, pk = members[0][1], members[0][3]
+        per_call = max(1, max_elements // (max(pq, pk) * per_key))
+        for i in range(0, len(members), per_call):
+            chunk = members[i : i + per_call]
+            masked = not causal and any(r[3] != pk for r in chunk)
+            calls.append((len(chunk), pq, pk, [r[3] for r in chunk] if masked else None))
+            for qs, ql, ks, kl in chunk:
+                for j in range(pq):
+                    q_rows.append(qs + min(j, ql - 1))
+                    if j < ql:
+                        real.append((len(q_rows) - 1, qs + j))
+                k_rows += [ks + min(j, kl - 1) for j in range(pk)]
+    src, dst = [s for s, _ in real], [d for _, d in real]
+    if not alone and len(dst) == num_queries:
+        by_row = [None] * num_queries
+        for s, d in real:
+            by_row[d] = s
+        src, dst = by_row, None
+    return alone, calls, q_rows, k_rows, src, dst
+
+
+@pytest.mark.parametrize("pad_mixed", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_rows_and_calls_match_a_run_by_run_reading(pad_mixed, seed, monkeypatch):
+    """plan_runs builds its index tensors for all runs at once: they, the calls and their
+    masks equal a plain-Python walk over the runs (encoder, causal and cross runs, some
+    attended alone, buckets split by a small MAX_BATCH_ELEMENTS, runs covering every
+    query row or leaving gaps)."""
+    monkeypatch.setattr(sdpa_groups, "PAD_MIXED_LENGTHS", pad_mixed)
+    rng = random.Random(seed)
+    for trial in range(40):
+        causal, gaps = rng.random() < 0.4, rng.random() < 0.5
+        max_elements = rng.choice([1 << 24, 40 * 64])
+        monkeypatch.setattr(sdpa_groups, "MAX_BATCH_ELEMENTS", max_elements)
+        runs, row, key_row = [], 0, 0
+        for _ in range(rng.randint(2, 30)):
+            ql = rng.randint(1, 40)
+            kl = ql if causal else rng.choice([rng.randint(1, 40), 300])  # 300 x 64 > max_gather: alone
+            runs.append((row, ql, row if causal else key_row, kl))
+            row += ql + (rng.randint(0, 2) if gaps else 0)
+            key_row += kl + rng.randint(0, 3)
+        kw = dict(num_queries=row, per_key=64, max_gather=16384, causal=causal)
+        plan = sdpa_groups.plan_runs(runs, device=torch.device("cpu"), **kw)
+        alone, calls, q_rows, k_rows, src, dst = _plan_by_hand(runs, pad_mixed=pad_mixed,
+                                                               max_elements=max_elements, **kw)
+        assert plan.alone == alone
+        assert [(c.runs, c.q_len, c.k_len) for c in plan.calls] == [c[:3] for c in calls]
+        for c, (b, _, pk, key_lens) in zip(plan.calls, calls):
+            if key_lens is None:
+                assert c.mask is None
+            else:
+                expected = torch.tensor([[j < n for j in range(pk)] for n in key_lens])[:, None, None, :]
+                assert torch.equal(c.mask, expected)
+        if not calls:
+            assert plan.q_rows is None
+            continue
+        assert plan.q_rows.tolist() == q_rows and plan.k_rows.tolist() == k_rows
+        assert plan.src.tolist() == src
+        assert (plan.dst is None) == (dst is None) and (dst is None or plan.dst.tolist() == dst)

@@ -135,6 +135,30 @@ def test_requests_bad_for_this_model_fail_alone(llm, bart_dir):
     assert all(len(step) == vocab for step in all_logprobs.outputs[0].logprobs)
 
 
+def test_requests_sharing_one_params_object_are_each_checked(llm, bart_dir):
+    """One params object for many prompts is resolved and checked once in a row, but each
+    prompt's ids and lengths still are: a bad prompt fails alone wherever it sits, naming
+    its first bad id and position; a bad params object fails every request it comes with."""
+    vocab = llm.engine.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    bad_ids = [[0, 5, vocab, 7, vocab + 1, 2], [0, -3, 9, 2], [0, 8, 9, vocab - 1, 2]]
+    prompts = [PROMPTS[0], {"prompt_token_ids": bad_ids[0]}, PROMPTS[1], {"prompt_token_ids": bad_ids[1]},
+               {"prompt_token_ids": bad_ids[2]}, PROMPTS[2]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, o in zip(prompts, outs):
+        ids = prompt["prompt_token_ids"]
+        first_bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if first_bad is None:
+            assert o.error is None
+            assert o.outputs[0].token_ids == hf_greedy(bart_dir, ids, o.prompt_token_ids, 6)
+        else:
+            assert f"token id {ids[first_bad]} at position {first_bad} is outside the vocabulary" in o.error
+    far_ban = SamplingParams(temperature=0.0, max_tokens=6, suppress_tokens=[3, vocab + 5])
+    for o in llm.generate(PROMPTS[:3], far_ban, use_tqdm=False):
+        assert f"suppress_tokens: token id {vocab + 5}" in o.error
+    _assert_idle(llm)
+
+
 @pytest.mark.parametrize(
     "prompts, match",
     [

@@ -318,12 +318,21 @@ class BlockManager:
         """What admitting the group now takes (``Admission``), each part found once:
         ``can_allocate``'s answer, ``blocks_needed``'s, whether its encoder runs
         (``has_encoder_output``), its prefix-cache hits; ``allocate`` takes it as made."""
+        # Once per admitted request: the usual one-sequence group without prefix caching
+        # takes no helper call (what _shared_prompt_blocks and lookup return for it, inline).
         seqs = group.unfinished_seqs()
         key, bs = group.encoder_key, self.block_size
         live = key in self._live_cross
-        hits = self.prefix_cache.lookup(key, seqs)
-        n_shared = self._shared_prompt_blocks(seqs, fresh=True)
-        own = sum([-(-len(s) // bs) for s in seqs]) - n_shared * len(seqs)
+        hits = self.prefix_cache.lookup(key, seqs) if self.prefix_cache.enabled else []
+        if len(seqs) == 1:
+            seq = seqs[0]
+            n = len(seq)
+            n_prompt = len(seq.prompt_token_ids)
+            n_shared = -(-n_prompt // bs) if n == n_prompt else n_prompt // bs
+            own = -(-n // bs) - n_shared
+        else:
+            n_shared = self._shared_prompt_blocks(seqs, fresh=True)
+            own = sum([-(-len(s) // bs) for s in seqs]) - n_shared * len(seqs)
         cross = -(-group.encoder_inputs.num_positions // bs)
         need = (0 if live else cross) + n_shared + own
         if hits:  # live ones are shared, not taken
@@ -331,9 +340,10 @@ class BlockManager:
             need -= sum([refs.item(b) > 0 for b in hits])
         # NEVER counts the cross table even when a live one could be shared:
         # the sharers may be gone by the time the group is admitted.
-        if cross + n_shared + own > self.usable_blocks:
+        pool = self.pools[Device.DEVICE]
+        if cross + n_shared + own > pool.num_blocks - self.watermark_blocks:  # usable_blocks
             status = AllocStatus.NEVER
-        elif self.num_free_blocks() - need >= self.watermark_blocks:
+        elif pool.num_free + pool.num_kept - need >= self.watermark_blocks:  # num_free_blocks()
             status = AllocStatus.OK
         else:
             status = AllocStatus.LATER
@@ -360,7 +370,8 @@ class BlockManager:
             raise RuntimeError(f"not enough free blocks to allocate request {rid!r}")
         # First: kept blocks it takes (prompt blocks, a cross table) are not evicted below.
         hits = a.hits
-        self.prefix_cache.acquire(hits)
+        if hits:
+            self.prefix_cache.acquire(hits)
         run_encoder = self._acquire_cross(group, a.key)
         seqs = a.seqs
         # Every sequence computes its prompt tokens in the first step and writes
@@ -369,14 +380,22 @@ class BlockManager:
         new = n_shared - len(hits)
         if pool.num_free < new + a.own:
             self._make_room(new + a.own)
-        shared = hits + pool.allocate(new) if new else hits
-        if len(seqs) > 1:
-            pool.incref(shared, times=len(seqs) - 1)
         tables, owner, caching = self._self, self._owner, self.prefix_cache.enabled
-        for seq in seqs:
-            tables[seq.seq_id] = shared + pool.allocate(-(-len(seq.token_ids) // bs) - n_shared)
-            owner[seq.seq_id] = rid
-            if caching:
+        if len(seqs) == 1:
+            # One sequence (``a.own``: its blocks past the shared ones): shared and own
+            # blocks in one allocation, the same ids in the same order as two.
+            n = new + a.own
+            tables[seqs[0].seq_id] = hits + pool.allocate(n) if n else list(hits)
+            owner[seqs[0].seq_id] = rid
+        elif seqs:
+            shared = hits + pool.allocate(new) if new else hits
+            pool.incref(shared, times=len(seqs) - 1)
+            for seq in seqs:
+                own = -(-len(seq.token_ids) // bs) - n_shared
+                tables[seq.seq_id] = shared + pool.allocate(own) if own else list(shared)
+                owner[seq.seq_id] = rid
+        if caching:
+            for seq in seqs:
                 seq.num_computed_tokens = len(hits) * bs
                 self.prefix_queried_tokens += len(seq.prompt_token_ids)
                 self.prefix_hit_tokens += seq.num_computed_tokens
