@@ -518,9 +518,7 @@ def new_sim(cfg, block_size, gpu, cpu, watermark, specs) -> Sim:
 # -- tests -------------------------------------------------------------------------
 
 
-@settings(max_examples=500, **SETTINGS)
-@given(scenarios())
-def test_every_group_finishes_and_steps_are_valid(scenario):
+def every_group_finishes_and_steps_are_valid(scenario):
     sim = new_sim(*scenario)
     specs = scenario[-1]
     sim.run(specs, step_bound(specs))
@@ -534,13 +532,22 @@ def test_every_group_finishes_and_steps_are_valid(scenario):
             assert s.status is (SequenceStatus.FINISHED_LENGTH if at_max else SequenceStatus.FINISHED_STOPPED)
 
 
-@settings(max_examples=500, **SETTINGS)
-@given(scenarios(tiny=True, max_groups=6))
-def test_tiny_pools_preempt_and_still_finish(scenario):
+def tiny_pools_preempt_and_still_finish(scenario):
     sim = new_sim(*scenario)
     specs = scenario[-1]
     sim.run(specs, step_bound(specs))
     sim.check_all_free()
+
+
+# The two properties above on 100 scenarios in the default run and on 500 in the slow one.
+test_every_group_finishes_and_steps_are_valid = settings(max_examples=100, **SETTINGS)(
+    given(scenarios())(every_group_finishes_and_steps_are_valid))
+test_every_group_finishes_and_steps_are_valid_500 = pytest.mark.slow(settings(max_examples=500, **SETTINGS)(
+    given(scenarios())(every_group_finishes_and_steps_are_valid)))
+test_tiny_pools_preempt_and_still_finish = settings(max_examples=100, **SETTINGS)(
+    given(scenarios(tiny=True, max_groups=6))(tiny_pools_preempt_and_still_finish))
+test_tiny_pools_preempt_and_still_finish_500 = pytest.mark.slow(settings(max_examples=500, **SETTINGS)(
+    given(scenarios(tiny=True, max_groups=6))(tiny_pools_preempt_and_still_finish)))
 
 
 def test_swap_mode_moves_the_swapped_groups_blocks():

@@ -21,7 +21,8 @@ def tandem(*args, stdin=None, env=None):
     )
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
+# One engine's path is in every other generate test here; two replicas run it too.
+@pytest.mark.parametrize("replicas", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_generate_json_reads_stdin_and_matches_the_library(bart_dir, replicas):
     # dtype and device as the reference's: "auto" is bfloat16 on a bf16 CPU, cuda where there is one.
     res = tandem("generate", "--model", str(bart_dir), "--dtype", "float32", "--device", "cpu", "--json", "--max-tokens",

@@ -28,7 +28,9 @@ def whisper_and_wav(tmp_path_factory):
     return make_whisper(root / "ckpt"), wav
 
 
-@pytest.mark.parametrize("missing", [["soundfile"], ["soxr"], ["soundfile", "soxr"]])
+# soundfile alone and both in the default run; soxr alone (the same check) is slow.
+@pytest.mark.parametrize("missing", [["soundfile"], pytest.param(["soxr"], marks=pytest.mark.slow),
+                                     ["soundfile", "soxr"]])
 def test_transcribe_names_the_audio_extra_before_loading_the_model(whisper_and_wav, missing):
     model, wav = whisper_and_wav
     res = _tandem_without(missing, "transcribe", str(model), str(wav), "--dtype", "float32", "--no-progress")
@@ -40,6 +42,7 @@ def test_transcribe_names_the_audio_extra_before_loading_the_model(whisper_and_w
     assert line.endswith(f"(missing: {', '.join(missing)})")
 
 
+@pytest.mark.slow  # the transcribe command with the extra runs in the default run in test_whisper.py
 def test_transcribe_with_the_extra_runs(whisper_and_wav):
     model, wav = whisper_and_wav
     res = _tandem_without([], "transcribe", str(model), str(wav), "--dtype", "float32", "--no-progress")

@@ -89,6 +89,20 @@ BACKENDS = [
 ]
 
 
+# The default run keeps preemption on every shape, and every mode with every backend (4 of
+# the 16 cases), and the interpreted triton kernels on the tied shape; the rest are
+# slow (conftest.py).
+_PREEMPTION_KEPT = {("t5-small", "recompute", "torch_sdpa"), ("mt5-small", "swap", "torch_sdpa"),
+                    ("flan-t5-base", "swap", "cpu_paged"), ("ul2", "recompute", "cpu_paged")}
+_SLOW = {f"test_preemption_keeps_outputs_equal_to_hf[{shape}-{mode}-{backend}]"
+         for shape in SHAPES for mode in ("recompute", "swap") for backend in ("cpu_paged", "torch_sdpa")
+         if (shape, mode, backend) not in _PREEMPTION_KEPT} | {"test_greedy_through_triton_equals_hf[flan-t5-base]"}
+
+
+def slow_case(name: str) -> bool:
+    return name in _SLOW
+
+
 def test_cpu_paged_is_the_automatic_choice_for_t5_on_cpu(t5):
     shape, path = t5
     llm = LLM(model=str(path), dtype="float32", device="cpu")

@@ -13,6 +13,12 @@ from tandem import LLM, SamplingParams
 LENGTHS = [1.5, 7.0, 29.5, 12.3, 0.4]
 
 
+def slow_case(name: str) -> bool:
+    """The command's path does not depend on the mel bins: the default run starts it on 80
+    (tests/conftest.py)."""
+    return name == "test_transcribe_command[128]"
+
+
 @pytest.fixture(scope="module", params=[80, 128])
 def whisper(request, tmp_path_factory):
     path = make_whisper(tmp_path_factory.mktemp(f"whisper{request.param}") / "ckpt", num_mel_bins=request.param,

@@ -214,7 +214,9 @@ def test_initial_prompt_needs_a_tokenizer(whisper_ts):
         llm.transcribe({"audio": synth_audio(1.0), "sampling_rate": 16000}, initial_prompt="hi", use_tqdm=False)
 
 
-def test_transcribe_command_flags(demo, tmp_path):
+def _transcribe_command(path, tmp_path, *flags):
+    """``tandem transcribe --format json --timestamps`` with ``flags`` on the demo's
+    "three one four", and the WAV it wrote."""
     import json
     import subprocess
     import sys
@@ -223,21 +225,21 @@ def test_transcribe_command_flags(demo, tmp_path):
 
     from tandem.demo_whisper import synthesize
 
-    path, llm = demo
-    audio = synthesize("three one four")
     wav = tmp_path / "say.wav"
-    sf.write(wav, audio, 16000)
+    sf.write(wav, synthesize("three one four"), 16000)
+    res = subprocess.run(
+        [sys.executable, "-m", "tandem.entrypoints.cli", "transcribe", str(path), str(wav), "--format", "json",
+         "--timestamps", "--no-progress", "--dtype", "float32", "--device", "cpu", *flags],
+        capture_output=True, text=True,
+    )
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout), wav
 
-    def run(*flags):
-        res = subprocess.run(
-            [sys.executable, "-m", "tandem.entrypoints.cli", "transcribe", str(path), str(wav), "--format", "json",
-             "--timestamps", "--no-progress", "--dtype", "float32", "--device", "cpu", *flags],
-            capture_output=True, text=True,
-        )
-        assert res.returncode == 0, res.stderr
-        return json.loads(res.stdout)
 
-    got = run("--initial-prompt", "three", "--no-speech-threshold", "2", "--logprob-threshold", "0")
+def test_transcribe_command_flags(demo, tmp_path):
+    path, llm = demo
+    got, wav = _transcribe_command(path, tmp_path, "--initial-prompt", "three", "--no-speech-threshold", "2",
+                                   "--logprob-threshold", "0")
     want = llm.transcribe(str(wav), timestamps=True, initial_prompt="three", no_speech_threshold=2.0,
                           logprob_threshold=0.0, use_tqdm=False)[0]
     assert got["token_ids"] == want.token_ids
@@ -250,6 +252,12 @@ def test_transcribe_command_flags(demo, tmp_path):
     for a, b in zip(got["segments"], want.segments):
         assert math.isclose(a["no_speech_prob"], b["no_speech_prob"], rel_tol=1e-4, abs_tol=1e-12)
     assert got["segments"] and all(0.0 <= s["no_speech_prob"] <= 1.0 for s in got["segments"])
+
+
+# Slow: a second start of the command. The test above checks the flags reach the engine; the
+# tests of the thresholds skipping windows run in process.
+@pytest.mark.slow
+def test_transcribe_command_thresholds_that_skip_every_window(demo, tmp_path):
     # A threshold below every probability, with a log-probability bound every window is under: all skipped.
-    silent = run("--no-speech-threshold", "-1", "--logprob-threshold", "1")
+    silent, _ = _transcribe_command(demo[0], tmp_path, "--no-speech-threshold", "-1", "--logprob-threshold", "1")
     assert silent["token_ids"] == [] and silent["text"] == ""
