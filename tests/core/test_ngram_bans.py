@@ -107,13 +107,17 @@ def test_rows_of_other_params_and_mixed_sizes(path):
     assert torch.equal(after, expect)
 
 
-def test_the_op_refuses_bad_input():
+def _ops_or_skip() -> None:
     from tandem.backends.cpu_sampling import ops
 
     try:
         ops.load()
     except ops.CPUOpUnavailable as e:
         pytest.skip(f"the C++ ops cannot be built here: {e}")
+
+
+def test_the_op_refuses_bad_input():
+    _ops_or_skip()
     op = torch.ops.tandem_cpu_sampling.ban_repeated_ngrams
     scores = torch.zeros(2, 5)
     hist = torch.tensor([[1, 2, 1, 9]])
@@ -126,12 +130,7 @@ def test_the_op_refuses_bad_input():
 
 
 def test_the_rows_op_refuses_bad_input():
-    from tandem.backends.cpu_sampling import ops
-
-    try:
-        ops.load()
-    except ops.CPUOpUnavailable as e:
-        pytest.skip(f"the C++ ops cannot be built here: {e}")
+    _ops_or_skip()
     op = torch.ops.tandem_cpu_sampling.ban_repeated_ngrams_rows
     scores = torch.zeros(2, 5)
     table = torch.tensor([[1, 2, 1, 9], [1, 1, 1, 1]])
@@ -145,12 +144,7 @@ def test_the_rows_op_refuses_bad_input():
 
 def test_ban_tokens_equals_index_fill():
     """The every-row token ban (suppress_tokens, EOS under min_tokens) against index_fill_."""
-    from tandem.backends.cpu_sampling import ops
-
-    try:
-        ops.load()
-    except ops.CPUOpUnavailable as e:
-        pytest.skip(f"the C++ ops cannot be built here: {e}")
+    _ops_or_skip()
     op = torch.ops.tandem_cpu_sampling.ban_tokens
     scores = torch.randn(9, 50)
     tokens = torch.tensor([3, 0, 49, 3, 17])

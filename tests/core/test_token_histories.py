@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_ngram_bans import _reference  # HF's rule written out
 
 from tandem.core.scheduler_output import ScheduledSequence
 from tandem.core.worker.token_histories import TokenHistories
@@ -172,15 +173,7 @@ def test_handed_out_lengths_keep_their_values():
 
 
 def _hf_bans(scores, hists, n):
-    out = scores.clone()
-    for i, toks in enumerate(hists):
-        if len(toks) < n:
-            continue
-        tail = toks[len(toks) - (n - 1):] if n > 1 else []
-        for w in range(len(toks) - n + 1):
-            if toks[w:w + n - 1] == tail:
-                out[i, toks[w + n - 1]] = float("-inf")
-    return out
+    return _reference(scores, dict(enumerate(hists)), n)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
