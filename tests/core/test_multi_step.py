@@ -209,3 +209,34 @@ def test_runs_while_requests_wait_for_a_sequence_slot(bart_dir, monkeypatch):
     got = _tokens(llm.generate(PROMPTS, params, use_tqdm=False))
     assert calls[0] > 0
     assert got == _tokens(_llm(bart_dir, 1, max_num_seqs=3).generate(PROMPTS, params, use_tqdm=False))
+
+
+def test_each_step_of_a_run_is_screened_on_its_own(monkeypatch):
+    """The LM-head screen (greedy steps of few rows) serves one step: each step of a run
+    offers its own, the tokens are the unscreened engine's, and the screen's counts are
+    of the steps it really served (no step counted twice)."""
+    from pathlib import Path
+
+    import tandem
+    from tandem.core.worker.greedy_screen import StepScreen
+
+    demo = Path(tandem.__file__).parent / "demo_model"
+    kw = dict(model=str(demo), dtype="float32", seed=0, max_num_seqs=4)
+    on = LLM(lm_head_screen="auto", num_scheduler_steps=4, **kw)
+    calls = _count_run_steps(on, monkeypatch)
+    served, offer = [0], StepScreen.offer
+
+    def counted(self, *a, **k):
+        out = offer(self, *a, **k)
+        served[0] += out is not None
+        return out
+
+    monkeypatch.setattr(StepScreen, "offer", counted)
+    prompts = [{"prompt": s} for s in ("the cat sat on the mat", "my dog ate the red apple",
+                                      "we walked to the park today", "a b c d e f g")]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = _tokens(on.generate(prompts, params, use_tqdm=False))
+    stats = on.llm_engine.worker.screen_stats
+    assert calls[0] > 0 and stats.steps == served[0] > calls[0]
+    off = LLM(lm_head_screen="off", num_scheduler_steps=1, **kw)
+    assert got == _tokens(off.generate(prompts, params, use_tqdm=False))

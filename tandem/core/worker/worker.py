@@ -335,6 +335,8 @@ class Worker:
             num_out = [k + 1 for k in num_out]
             seq_lens = [k + 1 for k in seq_lens]
             step_rows = self._processor_rows(params, num_out, seq_lens, seq_ids, joint)
+            if screen is not None:  # a screen serves one step: each of the run's gets its own
+                screen = self._screen(params, [], None)
             with torch.inference_mode():
                 with lm_head_screen.screening(screen):
                     logits = self.runner.execute_next(torch.tensor(tokens, dtype=torch.long), self.kv_caches,
