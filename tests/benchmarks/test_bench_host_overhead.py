@@ -47,12 +47,18 @@ def test_settings_try_all_requests_in_one_batch_and_every_ct2_layout():
     assert [label for label, _ in ct2] == ["batch 64, 2x1 threads", "batch 256, 2x1 threads",
                                            "batch 64, 1x2 threads", "batch 256, 1x2 threads"]
     assert ct2[-1][1] == {"batch_size": 256, "layout": (1, 2)}
-    # tandem: one engine on every thread, and replicas sharing them (LLM's data_parallel_size).
-    assert host_overhead.settings("tandem", 256, 1, args) == [("1 engine x 2 threads", {"data_parallel_size": 1}),
-                                                              ("2 engines x 1 thread", {"data_parallel_size": 2})]
-    four = host_overhead.parse_args(["--threads", "4"])
+    # tandem: one engine on every thread, and replicas sharing them (LLM's data_parallel_size), each
+    # scheduling every step and in runs (num_scheduler_steps); beams only every step.
+    assert host_overhead.settings("tandem", 256, 1, args) == [
+        ("1 engine x 2 threads", {"data_parallel_size": 1, "num_scheduler_steps": 1}),
+        ("1 engine x 2 threads, runs of 8", {"data_parallel_size": 1, "num_scheduler_steps": 8}),
+        ("2 engines x 1 thread", {"data_parallel_size": 2, "num_scheduler_steps": 1}),
+        ("2 engines x 1 thread, runs of 8", {"data_parallel_size": 2, "num_scheduler_steps": 8})]
+    assert [s for _, s in host_overhead.settings("tandem", 64, 4, args)] == [
+        {"data_parallel_size": 1, "num_scheduler_steps": 1}, {"data_parallel_size": 2, "num_scheduler_steps": 1}]
+    four = host_overhead.parse_args(["--threads", "4", "--scheduler-steps", "1"])
     assert [s for _, s in host_overhead.settings("tandem", 256, 1, four)] == [
-        {"data_parallel_size": 1}, {"data_parallel_size": 2}, {"data_parallel_size": 4}]
+        {"data_parallel_size": d, "num_scheduler_steps": 1} for d in (1, 2, 4)]
 
 
 def test_quick_gives_way_to_explicit_flags():
