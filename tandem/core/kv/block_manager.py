@@ -318,21 +318,12 @@ class BlockManager:
         """What admitting the group now takes (``Admission``), each part found once:
         ``can_allocate``'s answer, ``blocks_needed``'s, whether its encoder runs
         (``has_encoder_output``), its prefix-cache hits; ``allocate`` takes it as made."""
-        # Once per admitted request: the usual one-sequence group without prefix caching
-        # takes no helper call (what _shared_prompt_blocks and lookup return for it, inline).
         seqs = group.unfinished_seqs()
         key, bs = group.encoder_key, self.block_size
         live = key in self._live_cross
         hits = self.prefix_cache.lookup(key, seqs) if self.prefix_cache.enabled else []
-        if len(seqs) == 1:
-            seq = seqs[0]
-            n = len(seq)
-            n_prompt = len(seq.prompt_token_ids)
-            n_shared = -(-n_prompt // bs) if n == n_prompt else n_prompt // bs
-            own = -(-n // bs) - n_shared
-        else:
-            n_shared = self._shared_prompt_blocks(seqs, fresh=True)
-            own = sum([-(-len(s) // bs) for s in seqs]) - n_shared * len(seqs)
+        n_shared = self._shared_prompt_blocks(seqs, fresh=True)
+        own = sum([-(-len(s) // bs) for s in seqs]) - n_shared * len(seqs)
         cross = -(-group.encoder_inputs.num_positions // bs)
         need = (0 if live else cross) + n_shared + own
         if hits:  # live ones are shared, not taken

@@ -320,16 +320,12 @@ class ModelRunner:
             last,
             input_ids=tokens.to(self.device, non_blocking=True),
             positions=positions,
-            slot_mapping=_slots(block_tables, self._steps_run(len(last.seq_lens)), positions, bs),
+            slot_mapping=_slots(block_tables, torch.arange(len(last.seq_lens), device=self.device), positions, bs),
             seq_lens=[n + 1 for n in last.seq_lens],
             block_tables=block_tables,
             max_seq_len=max_seq_len,
         )
         return self._run(inputs, out, kv_caches, lora_slots)
-
-    def _steps_run(self, n: int) -> torch.Tensor:
-        """``arange(n)`` on the device: each decode row's index (its one token's run)."""
-        return torch.arange(n, device=self.device)
 
     def _run(self, inputs: StepInputs, out: SchedulerOutput, kv_caches: list[torch.Tensor],
              lora_slots: dict[str, int] | None) -> torch.Tensor:

@@ -310,27 +310,26 @@ class Worker:
         if (out.num_steps > 1 and not modes and not failed and not no_token
                 and (sampling is None or not sampling.transforms)):
             run_tokens = self._run_steps(out, rows, seq_ids, generators, screen, sampled.token_ids,
-                                         [(s.seq_id, r) for s, r in zip(history, history_rows)], lora_slots)
+                                         [s.seq_id for s in history], history_rows, lora_slots)
         return ModelRunnerOutput(
             plain_ids, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, mode_outputs, failed, no_token,
             cross_blocks_needed=needed, run_token_ids=run_tokens,
         )
 
     def _run_steps(self, out: SchedulerOutput, rows: ProcessorRows, seq_ids: list[int], generators, screen,
-                   tokens: list[int], history: list[tuple[int, int]], lora_slots) -> list[list[int]]:
+                   tokens: list[int], hist_ids: list[int], hist_rows: list[int], lora_slots) -> list[list[int]]:
         """The steps after the first of a run (``SchedulerOutput.num_steps``; every row a
         plain decode of one sequence): each feeds the last one's tokens, its rows one
         token longer, their histories holding the tokens so far. A step whose sampling
         fails a row or finds no token for one is dropped, and the run ends before it:
         the next schedule's step meets the same and reports it. Returns each kept
-        step's tokens. ``history``: ``(seq id, row)`` of the rows whose processors read
-        their past tokens."""
+        step's tokens. ``hist_ids`` / ``hist_rows``: the sequences whose processors read
+        their past tokens, and their rows."""
         h = self.histories
-        hist_ids, hist_rows = [i for i, _ in history], [r for _, r in history]
         num_out, seq_lens, params, joint = rows.num_output_tokens, rows.seq_lens, rows.params, rows.joint
         kept = []
         for _ in range(out.num_steps - 1):
-            if history:  # outside inference mode, as _record_histories writes them (the tensors stay normal)
+            if hist_ids:  # outside inference mode, as _record_histories writes them (the tensors stay normal)
                 h.advance(hist_ids, [tokens[r] for r in hist_rows])
             num_out = [k + 1 for k in num_out]
             seq_lens = [k + 1 for k in seq_lens]
